@@ -1,0 +1,322 @@
+"""Config schema machinery: frozen dataclasses read from a recipe YAML plus dotted `key=value` overrides.
+
+Each workload declares its config once as nested frozen dataclasses (common sections live here). Loading checks
+every key against the schema, coerces and checks types, then calls each section's `validate()`, so a bad value
+fails before any device work with an error that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from systolic.errors import ConfigError
+
+RECIPE_DIR = Path(__file__).parent / "recipes"
+
+
+# COMMON SECTIONS ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes. -1 means "all remaining devices"; at most one axis may be -1."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def validate(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(
+                    f"mesh.{name}={size} is not a valid axis size. Expected a positive integer, or -1 for "
+                    f"'all remaining devices'. Fix: set mesh.{name}=1 (or -1)."
+                )
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError(
+                f"mesh has more than one axis set to -1 ({sizes}); only one axis can take 'the rest of the "
+                "devices'. Fix: give all but one axis an explicit size, e.g. mesh.data=-1 mesh.fsdp=2 mesh.tensor=1."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop length and batch. `batch_size` is global (all devices, all processes) per optimizer step."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    grad_accum: int = 1
+    eval_every: int = 200
+    eval_batches: int = 8
+    seed: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"))
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}; "
+                "each accumulation micro-step takes an equal slice of the batch. Fix: choose a batch size that "
+                f"is a multiple of {self.grad_accum}, e.g. train.batch_size={self.grad_accum * max(1, self.batch_size // self.grad_accum)}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay to `lr * min_lr_ratio`, and global-norm clipping."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+    def validate(self) -> None:
+        _positive(self, "optim", ("lr", "eps", "clip_norm"))
+        _in_range(self, "optim", "min_lr_ratio", 0.0, 1.0)
+        _in_range(self, "optim", "b1", 0.0, 1.0)
+        _in_range(self, "optim", "b2", 0.0, 1.0)
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps} and optim.weight_decay={self.weight_decay} must both be "
+                ">= 0. Fix: use 0 to switch warmup or weight decay off."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `<run_dir>/checkpoints`; a run directory that holds one is resumed automatically."""
+
+    every_steps: int = 500
+    keep: int = 2
+    async_save: bool = True
+    resume: bool = True
+
+    def validate(self) -> None:
+        _positive(self, "checkpoint", ("every_steps", "keep"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+    """Where progress and metrics go. `progress=auto` shows a bar only on an interactive terminal."""
+
+    log_every: int = 10
+    progress: Literal["auto", "on", "off"] = "auto"
+    tensorboard: bool = True
+    plot: bool = True
+
+    def validate(self) -> None:
+        _positive(self, "observe", ("log_every",))
+
+
+# VALIDATION HELPERS -------------------------------------------------------------------------------------------
+
+
+def _positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value <= 0:
+            raise ConfigError(
+                f"{prefix}.{name}={value} must be greater than 0. Fix: pass a positive value, e.g. "
+                f"{prefix}.{name}={_field_default(section, name)}."
+            )
+
+
+def _in_range(section: Any, prefix: str, name: str, low: float, high: float) -> None:
+    value = getattr(section, name)
+    if not low <= value <= high:
+        raise ConfigError(
+            f"{prefix}.{name}={value} is outside the allowed range [{low}, {high}]. Fix: pass a value in that "
+            f"range, e.g. {prefix}.{name}={_field_default(section, name)}."
+        )
+
+
+def _field_default(section: Any, name: str) -> Any:
+    for f in dataclasses.fields(section):
+        if f.name == name:
+            return f.default
+    return None
+
+
+# LOADING ------------------------------------------------------------------------------------------------------
+
+
+def recipe_path(recipe: str) -> Path:
+    """A recipe name (`lm-tiny`) resolves to the bundled YAML; anything with a suffix or slash is a file path."""
+    if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
+        path = Path(recipe).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"Recipe file {path} does not exist. Fix: pass an existing YAML file or a recipe name ({', '.join(list_recipes())}).")
+        return path
+    path = RECIPE_DIR / f"{recipe}.yaml"
+    if not path.is_file():
+        names = list_recipes()
+        close = difflib.get_close_matches(recipe, names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown recipe '{recipe}'.{hint} Available recipes: {', '.join(names)}. Or pass a path to a YAML file.")
+    return path
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"Could not parse {path} as YAML ({e}). Fix the file's syntax; it must be a mapping of sections.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a {type(data).__name__}, not a mapping of config sections. Fix: write it as 'section:\\n  key: value'.")
+    return data
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Returns a copy of `tree` with each `a.b.c=value` set; values are parsed as YAML scalars (`2`, `1e-3`, `true`)."""
+    tree = _deep_copy(tree)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"Override '{item}' is not of the form section.key=value (e.g. train.steps=200). Fix the spelling.")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"Override '{item}': '{part}' is a value, not a section, so it has no key '{parts[-1]}'. Fix: set {'.'.join(parts[:-1])}=VALUE instead.")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def _deep_copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _deep_copy(v) for k, v in tree.items()}
+    return tree
+
+
+def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
+    """Builds a (nested) frozen dataclass from a plain mapping, checking keys, types and values."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"'{prefix[:-1]}' must be a section (a mapping of keys), got {tree!r}. Fix: write it as {prefix[:-1]}.KEY=VALUE.")
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in tree:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"Unknown config key '{prefix}{key}'.{hint} Valid keys{' in ' + prefix[:-1] if prefix else ''}: "
+                f"{', '.join(fields)}."
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in tree:
+            continue
+        kind = hints[name]
+        value = tree[name]
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = from_dict(kind, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, kind, f"{prefix}{name}")
+    obj = schema(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{key}={value!r} is not allowed.{hint} Allowed values: {', '.join(map(str, choices))}.")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(kind)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} should be a list, e.g. {key}=[1,2]. Fix the value.")
+        (elem, _ellipsis) = typing.get_args(kind)
+        return tuple(_coerce(v, elem, key) for v in value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} should be true or false. Fix: {key}=true or {key}=false.")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}={value!r} should be an integer, got {type(value).__name__}. Fix: e.g. {key}=8.")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads `1e-3` as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} should be a number, got {type(value).__name__}. Fix: e.g. {key}=0.001.")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r} should be a string. Fix: quote it, e.g. {key}='text'.")
+    raise TypeError(f"config schema type {kind} for {key} is not supported")  # a schema bug, not user input
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The plain-data form of a config, as written to `<run_dir>/config.yaml`."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def load(schema: type, recipe: str | None, overrides: list[str], default_recipe: str) -> tuple[Any, str]:
+    """Reads a recipe (bundled name or YAML path), applies overrides, validates. Returns (config, recipe name)."""
+    path = recipe_path(recipe or default_recipe)
+    tree = read_yaml(path)
+    tree = apply_overrides(tree, overrides)
+    return from_dict(schema, tree), path.stem
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

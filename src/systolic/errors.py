@@ -1,0 +1,15 @@
+"""The one exception type for mistakes a user can fix.
+
+The CLI prints a `UserError` as one paragraph without a traceback and exits with code 2. Everything else is a
+bug in systolic and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input: a config value, a path, a run directory. The message says what was wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A config key, type or value that the schema rejects."""

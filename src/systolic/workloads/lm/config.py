@@ -1,0 +1,140 @@
+"""The `lm` workload's config: model, data and sampling sections plus the engine's common sections."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig, TrainConfig
+from systolic.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it"."""
+
+    family: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
+    vocab_multiple: int = 64
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 0  # 0: same as heads (no grouped-query attention)
+    head_dim: int = 0  # 0: d_model // heads
+    mlp_dim: int = 0  # 0: 4 * d_model for gpt2; SwiGLU's 8/3 * d_model rounded up to 64 for llama
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
+    remat: Literal["none", "full", "dots"] = "none"
+    scan_layers: bool = False
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def d_mlp(self) -> int:
+        if self.mlp_dim:
+            return self.mlp_dim
+        if self.family == "gpt2":
+            return 4 * self.d_model
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+    def padded_vocab(self, tokenizer_vocab: int) -> int:
+        """Vocabulary rows in the embedding: the tokenizer's, rounded up so the table shards evenly."""
+        vocab = self.vocab_size or tokenizer_vocab
+        if vocab < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); tokens "
+                f"would index past the embedding table. Fix: set model.vocab_size=0 (derive it) or >= {tokenizer_vocab}."
+            )
+        return -(-vocab // self.vocab_multiple) * self.vocab_multiple
+
+    def validate(self) -> None:
+        for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        if not self.head_dim and self.d_model % self.heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}, so the head size is not "
+                f"an integer. Fix: choose heads that divide d_model (e.g. model.heads={_divisor_near(self.d_model, self.heads)}) "
+                "or set model.head_dim explicitly."
+            )
+        if self.heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.heads={self.heads} is not a multiple of model.kv_heads={self.n_kv_heads}; grouped-query "
+                "attention shares each key/value head between an equal number of query heads. Fix: pick kv_heads "
+                f"dividing heads, e.g. model.kv_heads={_divisor_near(self.heads, self.n_kv_heads)}."
+            )
+        if self.family == "llama" and self.d_head % 2:
+            raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Text to train on. An empty `path` means the Python standard library's own `.py` files."""
+
+    path: str = ""  # a text file, a directory of text files, a .jsonl (field `text`) or .parquet (column `text`)
+    seq_len: int = 256
+    val_percent: float = 5.0  # share of documents held out for validation, chosen by a hash of their name
+    max_bytes: int = 0  # 0: use the whole corpus; else stop reading after this many bytes
+    tokenizer: Literal["byte"] = "byte"
+
+    def validate(self) -> None:
+        if self.seq_len <= 0:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be greater than 0. Fix: e.g. data.seq_len=256.")
+        if not 0 < self.val_percent < 100:
+            raise ConfigError(f"data.val_percent={self.val_percent} must be between 0 and 100 (exclusive). Fix: e.g. data.val_percent=5.")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 means no limit).")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """What `generate` does by default, and the sample printed at the end of training."""
+
+    prompt: str = "def "
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"sample settings out of range (max_new_tokens={self.max_new_tokens}, temperature={self.temperature}, "
+                f"top_k={self.top_k}, top_p={self.top_p}). Expected max_new_tokens >= 0, temperature >= 0 (0 = greedy), "
+                "top_k >= 0 (0 = off), 0 < top_p <= 1."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    workload: Literal["lm"] = "lm"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    observe: ObserveConfig = ObserveConfig()
+    sample: SampleConfig = SampleConfig()
+
+    def validate(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}; the "
+                f"model cannot attend over that many positions. Fix: set model.max_seq_len={self.data.seq_len} or shorten data.seq_len."
+            )
