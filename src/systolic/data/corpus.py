@@ -1,0 +1,211 @@
+"""Finding and reading documents, and the train/validation split.
+
+Workload-neutral: `list_files` walks any folder (text here, images for the GAN); `read_documents` turns a text
+file, a folder of text files, a `.jsonl` or a `.parquet` file into named documents. Names are relative to the
+corpus root, so the hash-based split does not change when the corpus moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sysconfig
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from systolic.errors import UserError
+
+_EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str  # stable identifier: a path relative to the corpus root, or `file.jsonl:line`
+    text: str
+
+
+def stdlib_dir() -> Path:
+    """The Python standard library's directory: the default corpus."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_files(root: Path, *, suffixes: Sequence[str] = (), exclude_dirs: Sequence[str] = ()) -> list[Path]:
+    """Regular files below `root`, sorted by relative path; hidden files/folders and `exclude_dirs` skipped.
+
+    `suffixes` (e.g. `(".py",)`, matched case-insensitively) keeps only those file types; empty keeps all.
+    """
+    wanted = tuple(s.lower() for s in suffixes)
+    files = []
+    # os.walk does not follow symlinked folders, so a link loop cannot hang the walk.
+    for folder, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in exclude_dirs]
+        for name in filenames:
+            path = Path(folder, name)
+            if name.startswith(".") or (wanted and not name.lower().endswith(wanted)) or not path.is_file():
+                continue
+            files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def read_documents(path: str, *, max_bytes: int = 0) -> list[Document]:
+    """Reads the corpus at `path` (empty: the standard library's `.py` files) as a list of non-empty documents.
+
+    `max_bytes > 0` stops after that many UTF-8 bytes; the last document is cut to fit, so the result is
+    the same on every run.
+    """
+    if not path:
+        root = stdlib_dir()
+        files = list_files(root, suffixes=(".py",), exclude_dirs=_EXCLUDED_STDLIB_DIRS)
+        texts = _read_text_files(root, files)
+        shown = f"the Python standard library ({root})"
+    else:
+        root = Path(path).expanduser()
+        shown = str(root)
+        if not root.exists():
+            raise UserError(
+                f"data.path={path!r} does not exist (looked for {root}). Expected a text file, a folder of text "
+                "files, a .jsonl file (field 'text') or a .parquet file (column 'text'). Fix: correct the path, or "
+                "set data.path='' to train on the Python standard library."
+            )
+        if root.is_dir():
+            texts = _read_text_files(root, list_files(root))
+        elif root.suffix.lower() == ".jsonl":
+            texts = _read_jsonl(root)
+        elif root.suffix.lower() == ".parquet":
+            texts = _read_parquet(root)
+        else:
+            texts = _read_text_files(root.parent, [root])
+    docs, skipped = _take_bytes(texts, max_bytes)
+    if skipped:
+        warnings.warn(
+            f"Skipped {len(skipped)} file(s) in {shown} that are unreadable, binary or not valid UTF-8 "
+            f"(e.g. {', '.join(skipped[:3])}).",
+            stacklevel=2,
+        )
+    if not docs:
+        raise UserError(
+            f"The corpus at {shown} contains no usable text: no non-empty UTF-8 documents were found"
+            f"{f' ({len(skipped)} unreadable, binary or non-UTF-8 file(s) skipped)' if skipped else ''}. Expected UTF-8 text "
+            "files, or .jsonl/.parquet rows with a non-empty 'text'. Fix: point data.path at a folder or file with "
+            "text in it."
+        )
+    return docs
+
+
+def _take_bytes(texts: Iterator[tuple[str, str | None]], max_bytes: int) -> tuple[list[Document], list[str]]:
+    """Documents up to `max_bytes`, and the names of unreadable files (text None) met on the way."""
+    # Pulling from a generator means files past the byte budget are never opened.
+    docs, skipped, total = [], [], 0
+    for name, text in texts:
+        if text is None:
+            skipped.append(name)
+            continue
+        if not text:
+            continue
+        if max_bytes > 0:
+            data = text.encode("utf-8")
+            if total + len(data) >= max_bytes:
+                # errors="ignore" drops only a multi-byte character cut in half at the end.
+                text = data[: max_bytes - total].decode("utf-8", errors="ignore")
+                if text:
+                    docs.append(Document(name, text))
+                break
+            total += len(data)
+        docs.append(Document(name, text))
+    return docs, skipped
+
+
+def _read_text_files(root: Path, files: list[Path]) -> Iterator[tuple[str, str | None]]:
+    """(name, text) per file; text is None for an unreadable, binary or non-UTF-8 file."""
+    for file in files:
+        try:
+            data = file.read_bytes()
+        except OSError:  # e.g. no permission: skipped and counted like a binary file, not a crash
+            data = b"\0"
+        text = None
+        # NUL is valid UTF-8 but never appears in text files, while binaries almost always contain one.
+        if b"\0" not in data:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        yield file.relative_to(root).as_posix(), text
+
+
+def _read_jsonl(file: Path) -> Iterator[tuple[str, str]]:
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise _bad_row(file, number, f"is not valid JSON ({error})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                got = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
+                raise _bad_row(file, number, f"has no string field 'text' (got {got})")
+            yield f"{file.name}:{number}", row["text"]
+
+
+def _read_parquet(file: Path) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as pq  # optional dependency; most users never read parquet
+    except ImportError:
+        raise UserError(
+            f"data.path={str(file)!r} is a .parquet file, but pyarrow is not installed. Fix: "
+            "pip install 'systolic[parquet]', or convert the file to .jsonl."
+        ) from None
+    parquet = pq.ParquetFile(file)
+    if "text" not in parquet.schema_arrow.names:
+        raise UserError(
+            f"{file} has no column 'text' (columns: {parquet.schema_arrow.names}). Expected one string column "
+            "named 'text' holding one document per row. Fix: rename the column or convert the file."
+        )
+    row = 0
+    for batch in parquet.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise _bad_row(file, row, f"has a non-string 'text' ({type(text).__name__})", unit="row")
+            yield f"{file.name}:{row}", text or ""
+            row += 1
+
+
+def _bad_row(file: Path, number: int, problem: str, unit: str = "line") -> UserError:
+    return UserError(
+        f"{file} {unit} {number} {problem}. Expected one JSON object per {unit} with a string field 'text', "
+        f'e.g. {{"text": "some document"}}. Fix: repair or remove that {unit}.'
+    )
+
+
+def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[Document], list[Document]]:
+    """Splits by a stable hash of each name; both halves are non-empty.
+
+    A single document is cut instead: the last `val_percent` of its characters go to validation.
+    """
+    if len(docs) == 1:
+        (doc,) = docs
+        if len(doc.text) < 2:
+            raise UserError(
+                f"The corpus is one document, {doc.name!r}, of {len(doc.text)} character(s): too short to split into "
+                "training and validation text. Fix: point data.path at more text."
+            )
+        cut = min(max(round(len(doc.text) * (1 - val_percent / 100)), 1), len(doc.text) - 1)
+        return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
+    position = [_unit_hash(doc.name) for doc in docs]
+    is_val = [p * 100 < val_percent for p in position]
+    if not any(is_val):  # the document nearest to the validation side moves over
+        is_val[min(range(len(docs)), key=position.__getitem__)] = True
+    elif all(is_val):
+        is_val[max(range(len(docs)), key=position.__getitem__)] = False
+    train = [doc for doc, val in zip(docs, is_val, strict=True) if not val]
+    val = [doc for doc, val in zip(docs, is_val, strict=True) if val]
+    return train, val
+
+
+def _unit_hash(name: str) -> float:
+    # hashlib, not hash(): Python salts str hashes per process, which would reshuffle the split every run.
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64

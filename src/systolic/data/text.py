@@ -1,0 +1,135 @@
+"""Token windows for language modelling: the Grain training iterator, fixed eval batches, a unigram baseline.
+
+A window is `seq_len + 1` tokens starting at a multiple of `seq_len`; inputs are its first `seq_len` tokens
+and targets its last `seq_len`, so consecutive windows share one token and every token is a target once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from systolic.data.corpus import Document
+from systolic.data.tokenizer import ByteTokenizer
+from systolic.errors import UserError
+
+
+def encode_documents(docs: Sequence[Document], tokenizer: ByteTokenizer) -> np.ndarray:
+    """All documents as one uint16 token array, each followed by `tokenizer.eot_id`."""
+    eot = np.array([tokenizer.eot_id], np.uint16)
+    parts = [part for doc in docs for part in (tokenizer.encode(doc.text), eot)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+class TokenWindows:
+    """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self._offsets = np.arange(seq_len + 1)
+        # The repr names the content, so a resumed run can check it reads the same tokens.
+        self._digest = hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).hexdigest()
+
+    def __len__(self) -> int:
+        return max(len(self.tokens) - 1, 0) // self.seq_len
+
+    def __getitem__(self, index) -> np.ndarray:
+        """Window `index` as (seq_len + 1,), or windows `index[:]` as (n, seq_len + 1) for an integer array."""
+        index = np.asarray(index)
+        if np.any((index < 0) | (index >= len(self))):
+            raise IndexError(f"window index out of range [0, {len(self)}): {index}")
+        return self.tokens[index[..., None] * self.seq_len + self._offsets]  # (..., seq_len + 1)
+
+    def __repr__(self) -> str:
+        return f"TokenWindows(tokens={len(self.tokens)}, seq_len={self.seq_len}, blake2b={self._digest})"
+
+
+def _as_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
+    windows = windows.astype(np.int32)  # (B, seq_len + 1)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}  # (B, seq_len) each
+
+
+class _ReadLocalRows:
+    """Keeps this process's rows of a global batch of window indices and reads only those windows."""
+
+    def __init__(self, windows: TokenWindows, start: int, stop: int):
+        self.windows, self.start, self.stop = windows, start, stop
+
+    def __call__(self, global_indices: np.ndarray) -> dict[str, np.ndarray]:
+        return _as_batch(self.windows[global_indices[self.start : self.stop]])
+
+    def __repr__(self) -> str:
+        return f"_ReadLocalRows({self.windows!r}, rows=[{self.start}:{self.stop}])"
+
+
+def make_train_iterator(
+    tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
+    """An endless Grain iterator of this process's share of shuffled global batches.
+
+    Yields `{'inputs', 'targets'}` int32 arrays of shape (global_batch // process_count, seq_len). Every process
+    walks the same global batches of window indices, so `get_state()` (a small JSON-able dict) does not depend
+    on the process count and a checkpoint resumes on any number of hosts.
+    """
+    if global_batch % process_count:
+        raise UserError(
+            f"The global batch size ({global_batch}) is not divisible by the number of processes ({process_count}), "
+            "so the processes cannot take equal shares of each batch. Fix: set train.batch_size to a multiple of "
+            f"{process_count}."
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    windows = TokenWindows(tokens, seq_len)
+    if len(windows) < global_batch:
+        raise UserError(
+            f"The training corpus is too small: {len(tokens)} tokens give {len(windows)} windows of data.seq_len="
+            f"{seq_len}, fewer than one batch of train.batch_size={global_batch}. Fix: use a larger corpus (raise "
+            "data.max_bytes or point data.path at more text), or lower data.seq_len or train.batch_size."
+        )
+    local = global_batch // process_count
+    dataset = (
+        # Grain reshuffles each epoch with seed + epoch, so seeds s and s + 1 would replay each other's orders one
+        # epoch apart; hashing the seed puts different seeds' epoch orders ~2**31 epochs apart.
+        grain.MapDataset.range(len(windows))
+        .shuffle(seed=_mix_seed(seed))
+        .repeat(None)
+        .batch(global_batch, drop_remainder=True)  # (global_batch,) window indices; may straddle two epochs
+        .map(_ReadLocalRows(windows, process_index * local, (process_index + 1) * local))
+    )
+    # Grain's defaults (16 threads, 500 batches ahead) would hold gigabytes of large batches; reading a batch
+    # is one numpy gather, so a couple of batches ahead hides it behind the device step.
+    return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+
+
+def _mix_seed(seed: int) -> int:
+    digest = hashlib.blake2b(f"systolic-train-order-{seed}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")  # in [0, 2**32), the range Grain accepts
+
+
+def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+    """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`."""
+    windows = TokenWindows(tokens, seq_len)
+    if len(windows) < batch:
+        raise UserError(
+            f"The validation split is too small: {len(tokens)} tokens give {len(windows)} windows of data.seq_len="
+            f"{seq_len}, fewer than one eval batch of {batch}. Fix: lower data.seq_len or train.batch_size, or "
+            "raise data.val_percent (or data.max_bytes)."
+        )
+    used = min(len(windows), batch * num_batches) // batch * batch
+    chosen = np.arange(used) * len(windows) // used  # distinct, evenly spaced, first window always included
+    return [_as_batch(windows[chosen[i : i + batch]]) for i in range(0, used, batch)]
+
+
+def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:
+    """Nats per validation token under the training tokens' unigram distribution with add-one smoothing.
+
+    A model that has learnt anything beats this; one that has not sits at or above it.
+    """
+    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    log_prob = np.log(counts) - np.log(counts.sum())  # (vocab_size,)
+    val_counts = np.bincount(val_tokens, minlength=vocab_size)
+    return float(-(val_counts * log_prob).sum() / len(val_tokens))

@@ -1,0 +1,82 @@
+"""Metrics to `metrics.jsonl` (one JSON object per line) and TensorBoard event files in the run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Only the writing process (process 0) should construct one with `enabled=True`."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, enabled: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter  # heavy import, only when used
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, split: str, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), "split": split, **{k: _plain(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("step", "split") and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{split}/{key}", value, int(step))
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._file.flush()
+            if self._tb is not None:
+                self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Infinity; keep the information as text
+    return value
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+    return records
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """Drops records newer than `step` (work that a resume redoes), so the file stays one consistent history.
+
+    Written to a temporary file and renamed, so a crash here cannot lose the records that are kept.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(run_dir) if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,69 @@
+"""The device mesh: (data, fsdp, tensor) axes sized from the config, checked against the devices that exist."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from systolic.config import MeshConfig
+from systolic.errors import ConfigError
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """Axis sizes with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % fixed:
+            raise _mismatch(cfg, n_devices)
+        sizes[sizes.index(-1)] = n_devices // fixed
+    if math.prod(sizes) != n_devices:
+        raise _mismatch(cfg, n_devices)
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
+    return ConfigError(
+        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.tensor={cfg.tensor} does not fit the "
+        f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
+        f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
+        f"sizes whose product is {n_devices}."
+    )
+
+
+def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError."""
+    devices = devices if devices is not None else jax.devices()
+    shape = resolve_shape(cfg, len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading axis split over every data-parallel axis, the rest replicated."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
+    """Each accumulation micro-batch is split over the data axes, so it must divide evenly."""
+    dp = data_parallel_size(mesh)
+    micro = global_batch // grad_accum
+    if micro % dp:
+        good = dp * grad_accum * max(1, round(micro / dp))
+        raise ConfigError(
+            f"train.batch_size={global_batch} (grad_accum={grad_accum}, so {micro} examples per micro-step) cannot be "
+            f"split evenly over the {dp} data-parallel devices of mesh data={mesh.shape['data']} x "
+            f"fsdp={mesh.shape['fsdp']} ({jax.device_count()} devices in all). Fix: use a batch size that is a "
+            f"multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or change mesh.data/mesh.fsdp."
+        )
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())

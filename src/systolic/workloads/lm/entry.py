@@ -1,0 +1,53 @@
+"""What the CLI calls for the `lm` workload: train (then report and sample) and generate from a run directory."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+
+from systolic.engine import loop
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate
+from systolic.workloads.lm import sample
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.train import baseline_nats_per_byte, build_task
+
+Config = LMConfig
+DEFAULT_RECIPE = "lm-tiny"
+
+
+def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    prepared = build_task(cfg, mesh)
+    data = prepared.corpus
+    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    say(f"lm: {prepared.param_count / 1e6:.2f}M parameters ({cfg.model.family}, {cfg.model.layers} layers, "
+        f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
+    say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
+        f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
+    settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    with activate(mesh):
+        result = loop.train(prepared.task, settings, run_dir)
+    baseline = baseline_nats_per_byte(data, prepared.vocab)
+    ev = result.eval_metrics
+    if ev:
+        say(f"validation: {ev['nats_per_byte']:.4f} nats/byte = {ev['bits_per_byte']:.4f} bits/byte "
+            f"(unigram baseline {baseline:.4f} nats/byte = {baseline / math.log(2):.4f} bits/byte)")
+    if result.items_per_s:
+        say(f"throughput: {result.items_per_s:,.0f} tokens/s; first step (compile) {result.compile_s:.1f} s; "
+            f"wall time {result.wall_s:.1f} s")
+    if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
+        text = sample.sample_text(cfg, prepared.graphdef, result.state.params, prepared.vocab,
+                                  prompt=cfg.sample.prompt, max_new_tokens=cfg.sample.max_new_tokens,
+                                  temperature=cfg.sample.temperature, top_k=cfg.sample.top_k,
+                                  top_p=cfg.sample.top_p, seed=cfg.sample.seed)
+        say(f"sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}):\n{cfg.sample.prompt}{text}")
+    return result
+
+
+def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
+             top_k: int | None, top_p: float | None, seed: int | None) -> str:
+    return sample.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_k=top_k, top_p=top_p, seed=seed)

@@ -1,0 +1,26 @@
+"""Model FLOPs of a decoder-only transformer, counted once per matmul (the MFU numerator).
+
+Per token of training, with N the number of matmul weights (attention projections, MLP, LM head; not the
+embedding lookup, norms or biases):
+    6 * N                         forward (2N) + backward (4N)
+  + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
+                                  token, halved because causal attention needs only the lower triangle, x 3 for
+                                  forward + backward.
+Rematerialisation is not counted: it is hardware work, not model work.
+"""
+
+from __future__ import annotations
+
+from systolic.workloads.lm.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig, vocab: int) -> int:
+    d, hd = cfg.d_model, cfg.d_head
+    attention = d * cfg.heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.heads * hd * d
+    mlp = (3 if cfg.family == "llama" else 2) * d * cfg.d_mlp
+    return cfg.layers * (attention + mlp) + d * vocab
+
+
+def train_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int) -> float:
+    attention = 6 * cfg.layers * seq_len * cfg.heads * cfg.d_head
+    return 6 * matmul_params(cfg, vocab) + attention

@@ -1,0 +1,280 @@
+"""Decoder-only transformer (Llama or GPT-2 block) in Flax NNX, with a KV cache for decoding.
+
+Parameters are float32 and carry logical axis names (see `systolic.runtime.sharding`); the math runs in the
+compute dtype (`ModelConfig.dtype`). Parameter names follow the Hugging Face tensors they map to:
+
+    embed      <- model.embed_tokens / wte         pos_embed <- wpe (gpt2)
+    blocks.attn_norm <- input_layernorm / ln_1     blocks.mlp_norm <- post_attention_layernorm / ln_2
+    blocks.attn.{wq,wk,wv,wo} <- self_attn.{q,k,v,o}_proj / attn.c_attn (split in 3), attn.c_proj
+    blocks.mlp.{w_gate,w_up,w_down} <- mlp.{gate,up,down}_proj    blocks.mlp.{w_fc,w_proj} <- mlp.c_fc, c_proj
+    final_norm <- model.norm / ln_f                lm_head <- lm_head (absent when tie_embeddings)
+
+With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from systolic.runtime.sharding import constrain
+from systolic.workloads.lm.config import ModelConfig
+
+ACT = ("batch", "seq", "act_embed")
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    """Compute dtype for `ModelConfig.dtype`; 'auto' is bfloat16 on accelerators, float32 on CPU."""
+    if name == "auto":
+        return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
+    return jnp.dtype(name)
+
+
+def _param(key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...], std: float | None) -> nnx.Param:
+    """A float32 parameter with logical axis names; std=None means ones (norm scales), 0 means zeros (biases)."""
+    if std is None:
+        init = nnx.initializers.ones
+    elif std == 0:
+        init = nnx.initializers.zeros
+    else:
+        init = nnx.initializers.normal(std)
+    # Eager sharding needs a mesh; without one (unit tests, single CPU) keep only the names as metadata.
+    eager = not jax.sharding.get_abstract_mesh().empty
+    return nnx.Param(nnx.with_partitioning(init, names)(key, shape, jnp.float32), eager_sharding=eager)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every position decoded so far; all rows of the batch share `length`."""
+
+    k: jax.Array  # (L, B, S, KV, hd) compute dtype
+    v: jax.Array  # (L, B, S, KV, hd)
+    length: jax.Array  # () int32: positions [0, length) are filled
+
+
+class Norm(nnx.Module):
+    """RMSNorm (llama) or LayerNorm with bias (gpt2), computed in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = _param(rngs.params(), (cfg.d_model,), (None,), None)
+        self.bias = _param(rngs.params(), (cfg.d_model,), (None,), 0) if cfg.family == "gpt2" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Squares of bf16 activations lose too much precision: normalise in float32.
+        h = x.astype(jnp.float32)
+        if self.bias is None:
+            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+            return (h * self.scale[...]).astype(x.dtype)
+        h = h - jnp.mean(h, axis=-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return (h * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, each (T, hd), in the rotate-half layout of Hugging Face Llama."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)  # (hd/2,)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # (T, hd)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
+    cos, sin = rope[0][None, :, None, :], rope[1][None, :, None, :]  # (1, T, 1, hd)
+    h = x.astype(jnp.float32)
+    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, hd/2) each
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, hd)
+    return (h * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention through `jax.nn.dot_product_attention` (BTNH layout)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd, std = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head, cfg.init_std
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
+        self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
+        # GPT-2's residual-projection init: keeps the residual stream's variance independent of depth.
+        self.wo = _param(rngs.params(), (h, hd, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.layers))
+        if cfg.family == "gpt2":
+            self.bq = _param(rngs.params(), (h, hd), ("heads", "head_dim"), 0)
+            self.bk = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
+            self.bv = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
+            self.bo = _param(rngs.params(), (d,), (None,), 0)
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+
+    def __call__(self, x, rope, mask, start, kv):
+        """x (B, T, D); kv None (training: causal over x) or this layer's cache (k, v), each (B, S, KV, hd),
+        into which x's keys/values are written at `start`. Returns (y (B, T, D), updated kv or None)."""
+        dt = self.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))  # (B, T, H, hd)
+        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))  # (B, T, KV, hd)
+        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))  # (B, T, KV, hd)
+        if self.bq is not None:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        if kv is None:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, hd)
+        else:
+            # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
+            # use the explicit mask (key position <= query position) instead.
+            ck = jax.lax.dynamic_update_slice(kv[0], k, (0, start, 0, 0))  # (B, S, KV, hd)
+            cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
+            out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
+            kv = (ck, cv)
+        y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))  # (B, T, D)
+        if self.bo is not None:
+            y = y + self.bo[...].astype(dt)
+        return y, kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU (llama) or GELU-tanh with biases (gpt2)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, m, std = cfg.d_model, cfg.d_mlp, cfg.init_std
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.llama = cfg.family == "llama"
+        out_std = std / math.sqrt(2 * cfg.layers)
+        if self.llama:
+            self.w_gate = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.w_up = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.w_down = _param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
+        else:
+            self.w_fc = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.b_fc = _param(rngs.params(), (m,), ("mlp",), 0)
+            self.w_proj = _param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
+            self.b_proj = _param(rngs.params(), (d,), (None,), 0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        if self.llama:
+            gate = jnp.einsum("btd,dm->btm", x, self.w_gate[...].astype(dt))  # (B, T, M)
+            up = jnp.einsum("btd,dm->btm", x, self.w_up[...].astype(dt))  # (B, T, M)
+            h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+            return jnp.einsum("btm,md->btd", h, self.w_down[...].astype(dt))  # (B, T, D)
+        h = jnp.einsum("btd,dm->btm", x, self.w_fc[...].astype(dt)) + self.b_fc[...].astype(dt)  # (B, T, M)
+        h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
+        return jnp.einsum("btm,md->btd", h, self.w_proj[...].astype(dt)) + self.b_proj[...].astype(dt)  # (B, T, D)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = Norm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = Norm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, rope, mask, start, kv):
+        y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv)
+        x = constrain(x + y, ACT)
+        x = constrain(x + self.mlp(self.mlp_norm(x)), ACT)
+        return x, kv
+
+
+class Transformer(nnx.Module):
+    """`model(tokens)` -> logits for training; `model.decode(tokens, cache)` -> (logits, cache) for sampling."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.vocab = vocab
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.embed = _param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+        if cfg.family == "gpt2":
+            self.pos_embed = _param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
+        else:
+            self.pos_embed = None
+        if cfg.scan_layers:
+            # One Block whose parameters gain a leading `layers` axis, each layer with its own init key.
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = Norm(cfg, rngs=rngs)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 (B, T) -> logits float32 (B, T, vocab), causal over T."""
+        logits, _ = self._forward(tokens, None)
+        return logits
+
+    def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs tokens (B, T) at positions cache.length + [0, T) against the cache (prefill: T = prompt length,
+        a step: T = 1). Returns logits float32 (B, T, vocab) and the cache with their keys/values appended."""
+        return self._forward(tokens, cache)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` rows of up to `max_len` positions."""
+        cfg = self.cfg
+        shape = (cfg.layers, batch, max_len, cfg.n_kv_heads, cfg.d_head)
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
+
+    def _forward(self, tokens, cache):
+        cfg, dt = self.cfg, self.dtype
+        T = tokens.shape[1]
+        start = jnp.zeros((), jnp.int32) if cache is None else cache.length
+        positions = start + jnp.arange(T, dtype=jnp.int32)  # (T,)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # (B, T, D)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)[None]  # (B, T, D)
+        x = constrain(x, ACT)
+        rope = rope_tables(positions, cfg.d_head, cfg.rope_theta) if cfg.family == "llama" else None
+        mask = None if cache is None else jnp.arange(cache.k.shape[2])[None, :] <= positions[:, None]  # (T, S)
+        kv = None if cache is None else (cache.k, cache.v)
+
+        def apply(block: Block, x, kv_layer):
+            return block(x, rope, mask, start, kv_layer)
+
+        if cfg.remat != "none":
+            apply = nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
+        if cfg.scan_layers:
+            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                             transform_metadata={nnx.PARTITION_NAME: "layers"})
+            x, kv = apply(self.blocks, x, kv)
+        else:
+            new_kv = []
+            for i, block in enumerate(self.blocks):
+                x, kv_i = apply(block, x, None if kv is None else (kv[0][i], kv[1][i]))
+                new_kv.append(kv_i)
+            if kv is not None:
+                kv = (jnp.stack([k for k, _ in new_kv]), jnp.stack([v for _, v in new_kv]))  # (L, B, S, KV, hd)
+
+        x = self.final_norm(x)
+        # float32 accumulation: logits feed a softmax over the whole vocabulary.
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
+        if cache is not None:
+            cache = KVCache(kv[0], kv[1], cache.length + T)
+        return logits, cache
+
+
+def make_model(cfg: ModelConfig, vocab: int, key_or_seed: jax.Array | int) -> Transformer:
+    """A freshly initialised model. Call under `activate(mesh)` (ideally inside jit) to create it sharded."""
+    return Transformer(cfg, vocab, rngs=nnx.Rngs(params=key_or_seed))
+
+
+def count_params(params) -> int:
+    """Number of parameter scalars in an `nnx.State` or a pure dict of arrays."""
+    return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,69 @@
+"""Text in, text out: tokenise a prompt, decode with the KV cache, detokenise. Works from any run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from systolic.data.tokenizer import make_tokenizer
+from systolic.engine import rundir
+from systolic.engine.checkpoint import Checkpointer
+from systolic.errors import UserError
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.generate import generate
+
+
+def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, vocab: int, *, prompt: str,
+                max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int) -> str:
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    ids = tokenizer.encode(prompt).astype(np.int32)
+    if len(ids) == 0:
+        ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
+    new = generate(graphdef, params, ids[None, :], max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_k=top_k, top_p=top_p, key=jax.random.PRNGKey(seed), vocab_limit=tokenizer.vocab_size)
+    new = np.asarray(jax.device_get(new))[0]
+    stop = np.flatnonzero(new == tokenizer.eot_id)
+    if stop.size:
+        new = new[: stop[0]]
+    return tokenizer.decode(new)
+
+
+def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
+                      top_k: int | None, top_p: float | None, seed: int | None) -> str:
+    """The prompt followed by its continuation; unset arguments take the run's `sample` settings."""
+    from systolic.workloads import config_class
+    from systolic.workloads.lm.train import model_graphdef
+
+    cfg: LMConfig = rundir.load_config(run_dir, config_class)
+    if cfg.workload != "lm":
+        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `systolic generate` needs a language model run.")
+    overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                 "top_p": top_p, "seed": seed}
+    settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
+    settings.validate()
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
+    step = ckpt.latest_step() if ckpt else None
+    if step is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to generate from. Fix: train first "
+                        f"(`systolic train lm --run-dir {run_dir}`), or pass another run directory.")
+    vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+    graphdef = model_graphdef(cfg.model, vocab)
+    abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    params = ckpt.restore_params(step, abstract)
+    ckpt.close()
+    return settings.prompt + sample_text(cfg, graphdef, params, vocab, prompt=settings.prompt, max_new_tokens=settings.max_new_tokens,
+                       temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
+
+
+def _model(cfg: LMConfig, vocab: int):
+    from systolic.workloads.lm.model import Transformer
+
+    return Transformer(cfg.model, vocab, rngs=nnx.Rngs(0))

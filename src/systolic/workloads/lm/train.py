@@ -1,0 +1,195 @@
+"""The `lm` workload: its loss, its evaluation, and the `Task` it hands the engine's loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from systolic.data import corpus, text
+from systolic.data.stream import DeviceStream, place
+from systolic.data.tokenizer import make_tokenizer
+from systolic.engine.loop import Task
+from systolic.engine.optim import make_optimizer, make_schedule
+from systolic.engine.state import TrainState
+from systolic.engine.step import make_train_step
+from systolic.observe.flops import peak_flops
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate
+from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.flops import train_flops_per_token
+from systolic.workloads.lm.model import Transformer, resolve_dtype
+
+
+@dataclasses.dataclass
+class Corpus:
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    val_bytes: int  # UTF-8 bytes of the validation text: the denominator of nats/byte
+    num_docs: tuple[int, int]
+
+
+def load_corpus(cfg: LMConfig) -> Corpus:
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    docs = corpus.read_documents(cfg.data.path, max_bytes=cfg.data.max_bytes)
+    train_docs, val_docs = corpus.split_documents(docs, cfg.data.val_percent)
+    return Corpus(
+        train_tokens=text.encode_documents(train_docs, tokenizer),
+        val_tokens=text.encode_documents(val_docs, tokenizer),
+        val_bytes=sum(len(d.text.encode("utf-8")) for d in val_docs),
+        num_docs=(len(train_docs), len(val_docs)),
+    )
+
+
+# MODEL AND STATE ----------------------------------------------------------------------------------------------
+
+
+def model_graphdef(mcfg: ModelConfig, vocab: int) -> nnx.GraphDef:
+    """The model's structure without weights (no allocation): what `nnx.merge` needs inside jitted code."""
+    abstract = nnx.eval_shape(lambda: Transformer(mcfg, vocab, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract, nnx.Param)
+    return graphdef
+
+
+def param_shardings(mcfg: ModelConfig, vocab: int, mesh: Mesh) -> Any:
+    """NamedShardings of the parameters (pure dict), from the logical names the layers declare."""
+    with activate(mesh):
+        abstract = nnx.eval_shape(lambda: Transformer(mcfg, vocab, rngs=nnx.Rngs(0)))
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract, nnx.Param)))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, tx: optax.GradientTransformation):
+    """Returns (init_state jitted, abstract_state, state_shardings); the state is born sharded."""
+    replicated = NamedSharding(mesh, P())
+    p_shardings = param_shardings(cfg.model, vocab, mesh)
+
+    def make_state(key: jax.Array) -> TrainState:
+        init_key, rng = jax.random.split(key)
+        model = Transformer(cfg.model, vocab, rngs=nnx.Rngs(params=init_key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+
+    key = jax.random.PRNGKey(cfg.train.seed)
+    with activate(mesh):
+        abstract = jax.eval_shape(make_state, key)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract.opt_state, p_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    shardings = TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    init = jax.jit(make_state, out_shardings=shardings)
+    return (lambda: init(key)), abstract, shardings
+
+
+# LOSS AND EVALUATION ------------------------------------------------------------------------------------------
+
+
+def make_loss_fn(graphdef: nnx.GraphDef):
+    def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
+        del key  # no dropout
+        logits = nnx.merge(graphdef, params)(batch["inputs"])  # (B, T, V) float32
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return loss, {}
+
+    return loss_fn
+
+
+def make_eval_step(graphdef: nnx.GraphDef):
+    @jax.jit
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(batch["inputs"])  # (B, T, V)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
+
+    return eval_step
+
+
+def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float):
+    eval_step = make_eval_step(graphdef)
+    tokens = sum(int(np.prod(b["targets"].shape)) for b in eval_batches)
+
+    def evaluate(state: TrainState) -> dict[str, float]:
+        total = sum(eval_step(state.params, b) for b in eval_batches)  # summed on device, one fetch below
+        nats_per_token = float(total) / tokens
+        nats_per_byte = nats_per_token / bytes_per_token
+        return {"loss": nats_per_token, "nats_per_byte": nats_per_byte, "bits_per_byte": nats_per_byte / math.log(2)}
+
+    return evaluate
+
+
+# THE TASK -----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prepared:
+    task: Task
+    mesh: Mesh
+    corpus: Corpus
+    vocab: int
+    graphdef: nnx.GraphDef
+    param_count: int
+
+
+def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
+    mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
+    data = load_corpus(cfg)
+
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    init, abstract, shardings = make_state_fns(cfg, vocab, mesh, tx)
+    graphdef = model_graphdef(cfg.model, vocab)
+    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum)
+    batch_shard = mesh_lib.batch_sharding(mesh, 2)
+    train_step = jax.jit(
+        step_fn,
+        in_shardings=(shardings, batch_shard),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+
+    iterator = text.make_train_iterator(
+        data.train_tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    )
+    eval_batch = cfg.train.batch_size // cfg.train.grad_accum
+    host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
+                                       num_batches=cfg.train.eval_batches)
+    per_process = eval_batch // jax.process_count()
+    lo = jax.process_index() * per_process
+    eval_batches = [place({k: v[lo:lo + per_process] for k, v in b.items()}, batch_shard) for b in host_eval]
+    bytes_per_token = data.val_bytes / len(data.val_tokens)
+
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    compute = str(jnp.dtype(resolve_dtype(cfg.model.dtype)))
+    peak = peak_flops(dtype=compute)
+    task = Task(
+        workload="lm",
+        abstract_state=abstract,
+        init_state=init,
+        train_step=train_step,
+        data=DeviceStream(iterator, batch_shard),
+        evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
+        items_per_step=tokens_per_step,
+        item_unit="tok",
+        flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
+        peak_flops=peak * jax.device_count() if peak else None,
+        meta={"workload": "lm", "vocab": vocab},
+    )
+    param_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
+    return Prepared(task=task, mesh=mesh, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)
+
+
+def baseline_nats_per_byte(data: Corpus, vocab: int) -> float:
+    """The unigram model's cross-entropy on the validation text: a model that learned nothing scores this."""
+    per_token = text.unigram_cross_entropy(data.train_tokens, data.val_tokens, vocab)
+    return per_token * len(data.val_tokens) / data.val_bytes

@@ -1,0 +1,26 @@
+import jax
+import pytest
+
+from systolic.config import MeshConfig
+from systolic.errors import ConfigError
+from systolic.runtime import mesh as mesh_lib
+
+
+def test_rest_axis_takes_remaining_devices():
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1)
+    mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize("cfg", [MeshConfig(data=3), MeshConfig(data=-1, fsdp=3), MeshConfig(data=2, fsdp=2)])
+def test_mesh_that_does_not_fit_names_device_count(cfg):
+    with pytest.raises(ConfigError, match="8 available device"):
+        mesh_lib.make_mesh(cfg)
+
+
+def test_batch_must_divide_data_axes():
+    mesh = mesh_lib.make_mesh(MeshConfig(data=4, fsdp=2))
+    mesh_lib.check_batch(16, 2, mesh)
+    with pytest.raises(ConfigError, match="multiple of 8, e.g. train.batch_size=16"):
+        mesh_lib.check_batch(12, 1, mesh)

@@ -1,0 +1,60 @@
+"""Config loading: recipes + overrides, and the errors users see for bad input."""
+
+import dataclasses
+
+import pytest
+
+from systolic import config as config_lib
+from systolic.errors import ConfigError
+from systolic.workloads.lm.config import LMConfig
+
+
+def load(*overrides, recipe="lm-tiny"):
+    cfg, _ = config_lib.load(LMConfig, recipe, list(overrides), "lm-tiny")
+    return cfg
+
+
+def test_recipe_and_overrides_apply():
+    cfg = load("model.layers=8", "train.steps=2000", "mesh.fsdp=2", "optim.lr=1e-4", "data.path=/tmp/x")
+    assert cfg.model.layers == 8 and cfg.train.steps == 2000 and cfg.mesh.fsdp == 2
+    assert cfg.optim.lr == pytest.approx(1e-4) and cfg.data.path == "/tmp/x"
+    assert dataclasses.is_dataclass(cfg) and cfg.model.family == "llama"
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load().train.steps = 3
+
+
+def test_round_trip_through_dict():
+    cfg = load("model.kv_heads=3", "model.heads=6")
+    assert config_lib.from_dict(LMConfig, config_lib.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.layrs=8", "Did you mean 'model.layers'"),
+        ("trian.steps=3", "Did you mean 'train'"),
+        ("train.steps=abc", "should be an integer"),
+        ("train.steps=0", "must be greater than 0"),
+        ("model.family=lama", "Did you mean 'llama'"),
+        ("model.tie_embeddings=3", "true or false"),
+        ("optim.lr=fast", "should be a number"),
+        ("mesh.data=0", "not a valid axis size"),
+        ("train.steps.x=1", "is a value, not a section"),
+        ("model", "section.key=value"),
+        ("model.heads=5", "not divisible"),
+        ("data.seq_len=4096", "model.max_seq_len"),
+        ("train.batch_size=10", "grad_accum"),
+    ],
+)
+def test_bad_overrides_name_key_and_fix(override, fragment):
+    overrides = [override] + (["train.grad_accum=4"] if "batch_size" in override else [])
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        load(*overrides)
+
+
+def test_unknown_recipe_suggests_close_match():
+    with pytest.raises(ConfigError, match="Did you mean 'lm-tiny'"):
+        load(recipe="lm-tine")
