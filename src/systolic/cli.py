@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 from systolic.errors import UserError
@@ -35,7 +36,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"warning: {message}\n"
+    parser = _parser()
+    # Overrides may sit between options (`a=1 --recipe r b=2`); argparse leaves the later ones unrecognised.
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if item.startswith("-") or args.command != "train"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if args.command == "train":
+        args.overrides += extra
     try:
         if args.command == "train":
             return _train(args)

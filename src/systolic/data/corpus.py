@@ -79,7 +79,7 @@ def read_documents(path: str, *, max_bytes: int = 0) -> list[Document]:
         else:
             texts = _read_text_files(root.parent, [root])
     docs, skipped = _take_bytes(texts, max_bytes)
-    if skipped:
+    if skipped and path:  # the stdlib's few Latin-1/KOI8-R test modules are expected; stay quiet about them
         warnings.warn(
             f"Skipped {len(skipped)} file(s) in {shown} that are unreadable, binary or not valid UTF-8 "
             f"(e.g. {', '.join(skipped[:3])}).",

@@ -97,6 +97,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 compile_s = time.perf_counter() - t_mark
                 t_mark, step_mark = time.perf_counter(), step
                 progress.log(f"first step (compile + run) took {compile_s:.1f} s")
+                progress.restart_clock(step)
                 compiles = _cache_size(task.train_step)
             if step % settings.observe.log_every == 0 or step == total:
                 fetched = jax.device_get([m for _, m in pending])

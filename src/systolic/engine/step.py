@@ -58,7 +58,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule:
             metrics = jax.tree.map(jnp.mean, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)

@@ -41,6 +41,10 @@ class ProgressReporter:
         else:
             self.console.print(f"step {step}/{self.total} | {text} | ETA {self._eta(step)}", highlight=False)
 
+    def restart_clock(self, step: int) -> None:
+        """ETA from here on: called once the first (compiling) step is done so compile time does not skew it."""
+        self._start_step, self._start_time = step, time.perf_counter()
+
     def log(self, message: str) -> None:
         if self.enabled:
             self.console.print(message, highlight=False)

@@ -1,13 +1,18 @@
 """Decoder-only transformer (Llama or GPT-2 block) in Flax NNX, with a KV cache for decoding.
 
 Parameters are float32 and carry logical axis names (see `systolic.runtime.sharding`); the math runs in the
-compute dtype (`ModelConfig.dtype`). Parameter names follow the Hugging Face tensors they map to:
+compute dtype (`ModelConfig.dtype`). Names map to Hugging Face tensors (Llama | GPT-2), up to transposes and
+reshapes (HF Linear stores (out, in), GPT-2's Conv1D (in, out)); Norm.scale/bias are HF's weight/bias:
 
-    embed      <- model.embed_tokens / wte         pos_embed <- wpe (gpt2)
-    blocks.attn_norm <- input_layernorm / ln_1     blocks.mlp_norm <- post_attention_layernorm / ln_2
-    blocks.attn.{wq,wk,wv,wo} <- self_attn.{q,k,v,o}_proj / attn.c_attn (split in 3), attn.c_proj
-    blocks.mlp.{w_gate,w_up,w_down} <- mlp.{gate,up,down}_proj    blocks.mlp.{w_fc,w_proj} <- mlp.c_fc, c_proj
-    final_norm <- model.norm / ln_f                lm_head <- lm_head (absent when tie_embeddings)
+    embed                   model.embed_tokens                  | wte
+    pos_embed               -                                   | wpe
+    blocks.attn_norm        input_layernorm                     | ln_1
+    blocks.attn.wq, wk, wv  self_attn.{q,k,v}_proj (rotate-half) | attn.c_attn split in three (+ bq, bk, bv)
+    blocks.attn.wo          self_attn.o_proj                    | attn.c_proj (+ bo)
+    blocks.mlp_norm         post_attention_layernorm            | ln_2
+    blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
+    final_norm              model.norm                          | ln_f
+    lm_head                 lm_head (absent when tie_embeddings)
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
 """
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from systolic.errors import UserError
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm.config import ModelConfig
 
@@ -231,6 +237,11 @@ class Transformer(nnx.Module):
     def _forward(self, tokens, cache):
         cfg, dt = self.cfg, self.dtype
         T = tokens.shape[1]
+        if T > cfg.max_seq_len:
+            raise UserError(
+                f"Got {T} tokens per row, but the model attends over at most model.max_seq_len={cfg.max_seq_len} "
+                f"positions. Fix: cut the input to {cfg.max_seq_len} tokens (data.seq_len) or raise model.max_seq_len."
+            )
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         positions = start + jnp.arange(T, dtype=jnp.int32)  # (T,)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # (B, T, D)

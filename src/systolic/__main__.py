@@ -1,0 +1,5 @@
+import sys
+
+from systolic.cli import main
+
+sys.exit(main())

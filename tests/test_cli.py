@@ -1,0 +1,40 @@
+"""The CLI as a user meets it: bad input ends in one paragraph and exit code 2, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from systolic.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["train", "lm", "model.layrs=2"], "Did you mean 'model.layers'"),
+        (["train", "lm", "train.steps=ten"], "should be an integer"),
+        (["train", "lm", "mesh.data=3"], "8 available device"),
+        (["train", "lm", "--recipe", "nope"], "Unknown recipe"),
+        (["train", "lmm"], "Did you mean 'lm'"),
+        (["generate", "/nonexistent/run"], "not a systolic run directory"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(argv, fragment, capsys, tmp_path):
+    assert main(argv + (["--run-dir", str(tmp_path / "r")] if argv[0] == "train" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err.replace("\n", " ")
+    assert "Traceback" not in err
+
+
+def test_bad_mesh_in_a_real_process(tmp_path):
+    """Through the installed entry point: a bad mesh fails before any compilation, with exit code 2."""
+    proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", "mesh.data=3", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "does not fit the 8 available device(s)" in proc.stderr.replace("\n", " ")
+
+
+def test_info_lists_devices(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "8 global devices" in out and "data=8" in out
