@@ -40,7 +40,7 @@ class Task:
     abstract_state: TrainState  # ShapeDtypeStructs carrying the target shardings (restore target)
     init_state: Callable[[], TrainState]
     train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]  # jitted
-    data: DataStream
+    data: DataStream | None  # None for workloads that make their own data (RL environments, simulations)
     evaluate: Callable[[TrainState], dict[str, float]] | None = None
     items_per_step: int = 0  # e.g. tokens per optimizer step, for throughput
     item_unit: str = "items"
@@ -84,11 +84,12 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
     pending: list[tuple[int, dict[str, jax.Array]]] = []
     eval_metrics: dict[str, float] = {}
-    last_loss = compile_s = items_per_s = None
+    last_loss = compile_s = None
+    timed_steps, timed_s = 0, 0.0  # steady-state training only: no compile, no evaluation
     t_mark, step_mark = time.perf_counter(), start
     try:
         for step in range(start + 1, total + 1):
-            batch = next(task.data)
+            batch = next(task.data) if task.data is not None else None
             state, metrics = task.train_step(state, batch)
             pending.append((step, metrics))
             if step == start + 1:
@@ -109,8 +110,8 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 elapsed = time.perf_counter() - t_mark
                 stats: dict[str, float | str] = {"loss": last_loss}
                 if step > step_mark and elapsed > 0:
-                    items_per_s = task.items_per_step * (step - step_mark) / elapsed
-                    stats[f"{task.item_unit}/s"] = items_per_s
+                    timed_steps, timed_s = timed_steps + step - step_mark, timed_s + elapsed
+                    stats[f"{task.item_unit}/s"] = task.items_per_step * (step - step_mark) / elapsed
                     if task.flops_per_step and task.peak_flops:
                         stats["mfu"] = task.flops_per_step * (step - step_mark) / elapsed / task.peak_flops
                 progress.update(step, stats)
@@ -126,7 +127,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
                 t_mark, step_mark = time.perf_counter(), step  # evaluation time is not training throughput
             if step % settings.checkpoint.every_steps == 0 or step == total:
-                ckpt.save(state, task.data.get_state(), task.meta)
+                ckpt.save(state, task.data.get_state() if task.data is not None else None, task.meta)
         ckpt.wait()
     finally:
         progress.close()
@@ -136,7 +137,8 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
         plot_losses(run_dir)
     return RunResult(state=state, start_step=start, final_step=int(jax.device_get(state.step)),
                      eval_metrics=eval_metrics, train_loss=last_loss, compile_s=compile_s,
-                     items_per_s=items_per_s, wall_s=time.perf_counter() - t_begin)
+                     items_per_s=task.items_per_step * timed_steps / timed_s if timed_s else None,
+                     wall_s=time.perf_counter() - t_begin)
 
 
 def _restore_or_init(task: Task, settings: LoopSettings, ckpt: Checkpointer,
@@ -151,7 +153,8 @@ def _restore_or_init(task: Task, settings: LoopSettings, ckpt: Checkpointer,
             f"'{task.workload}'. Fix: pass a fresh --run-dir for this run, or run the matching workload."
         )
     state, data_state, _ = ckpt.restore(latest, task.abstract_state)
-    task.data.set_state(data_state)
+    if task.data is not None:
+        task.data.set_state(data_state)
     if jax.process_index() == 0:
         truncate_after(run_dir, latest)
     return state, latest

@@ -162,5 +162,6 @@ def test_sharded_creation_and_forward():
         for name in path:
             value = value[name]
         assert value.sharding.is_equivalent_to(named_sharding(mesh, names), value.ndim), (path, value.sharding.spec)
+    assert len(sharded_logits.sharding.device_set) == 8
     host_params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), nnx.to_pure_dict(params))
     np.testing.assert_allclose(sharded_logits, forward(graphdef, host_params, tokens), atol=1e-5, rtol=1e-5)

@@ -244,7 +244,10 @@ class Transformer(nnx.Module):
             )
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         positions = start + jnp.arange(T, dtype=jnp.int32)  # (T,)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # (B, T, D)
+        # Gather the fsdp-split columns first: a lookup into a table split on both axes makes the SPMD
+        # partitioner fall back to replicating it ("involuntary full rematerialization").
+        table = constrain(self.embed[...], ("vocab", None))  # (V, D)
+        x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)[None]  # (B, T, D)
         x = constrain(x, ACT)
