@@ -19,3 +19,57 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if "tpu" in item.keywords and platform != "tpu":
             item.add_marker(pytest.mark.skip(reason="needs a TPU"))
+
+
+# SHARED LM HELPERS --------------------------------------------------------------------------------------------
+# A tiny language model on a small real corpus, used by the lm, layout and engine tests.
+
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+TINY_LM = [
+    "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
+    "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A slice of the standard library's own source, copied so tests are self-contained."""
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("functools.py", "textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py"):
+        (root / name).write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(corpus_dir):
+    from systolic import config as config_lib
+    from systolic.config import MeshConfig
+    from systolic.runtime import mesh as mesh_lib
+    from systolic.runtime.sharding import activate
+    from systolic.workloads.lm.config import LMConfig
+    from systolic.workloads.lm.train import build_task
+
+    def make_cfg(*extra: str) -> LMConfig:
+        return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, f"data.path={corpus_dir}", *extra]))
+
+    def run_steps(cfg: LMConfig, mesh, n: int):
+        """(prepared task, state after n steps, the n losses)."""
+        prepared = build_task(cfg, mesh)
+        task = prepared.task
+        with activate(mesh, prepared.rules):
+            state = task.init_state()
+            losses = []
+            for _ in range(n):
+                state, metrics = task.train_step(state, next(task.data))
+                losses.append(float(metrics["loss"]))
+        return prepared, state, losses
+
+    def single_device_mesh():
+        return mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+
+    return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_steps, single_device_mesh=single_device_mesh)

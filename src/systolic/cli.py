@@ -17,10 +17,16 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a workload (lm)", description="Train a workload from a recipe plus key=value overrides.")
     train.add_argument("workload", help="which workload: lm")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=200 mesh.fsdp=2")
-    train.add_argument("--recipe", help="bundled recipe name or path to a YAML file (default: the workload's default)")
-    train.add_argument("--run-dir", type=Path, help="where the run writes everything (default: runs/<recipe>)")
-    train.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    _add_run_arguments(train, "train.steps=200 mesh.fsdp=2", "runs/<recipe>")
+
+    simulate = sub.add_parser("simulate", help="run a simulation (sim workload; default recipe sim-turbulence)",
+                              description="Run a PDE simulation from a recipe plus key=value overrides; pictures at the end.")
+    _add_run_arguments(simulate, "grid.n=512 sim.t_end=2.0 mesh.data=8", "runs/<recipe>")
+
+    fit = sub.add_parser("fit", help="fit a workload's parameters to observations (sim: the viscosity)",
+                         description="Solve a workload's inverse problem, e.g. `systolic fit sim --recipe sim-viscosity-inverse`.")
+    fit.add_argument("workload", help="which workload: sim")
+    _add_run_arguments(fit, "fit.steps=200 fit.noise=0.05", "runs/<recipe>-fit")
 
     gen = sub.add_parser("generate", help="sample text from a trained lm run directory")
     gen.add_argument("run_dir", type=Path)
@@ -32,7 +38,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
 
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
+
+    launch = sub.add_parser("launch", help="run N local processes of one multi-process run",
+                            description="Start N processes on this machine joined by jax.distributed, e.g. "
+                                        "`systolic launch --processes 2 --devices-per-process 2 -- train lm`.")
+    launch.add_argument("--processes", type=int, required=True)
+    launch.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (CPU testing)")
+    launch.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the systolic command to run")
     return parser
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, example: str, default_dir: str) -> None:
+    """The arguments of every command that runs a recipe: overrides, --recipe, --run-dir, -q."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
+    parser.add_argument("--recipe", help="bundled recipe name or path to a YAML file (default: the workload's default)")
+    parser.add_argument("--run-dir", type=Path, help=f"where the run writes everything (default: {default_dir})")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+
+
+_RUN_COMMANDS = ("train", "simulate", "fit")  # the commands that take a recipe plus key=value overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,18 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may sit between options (`a=1 --recipe r b=2`); argparse leaves the later ones unrecognised.
     args, extra = parser.parse_known_args(argv)
-    stray = [item for item in extra if item.startswith("-") or args.command != "train"]
+    stray = [item for item in extra if item.startswith("-") or args.command not in _RUN_COMMANDS]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if args.command == "train":
+    if args.command in _RUN_COMMANDS:
         args.overrides += extra
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "simulate":
+            return _simulate(args)
+        if args.command == "fit":
+            return _fit(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "info":
             return _info()
+        if args.command == "launch":
+            return _launch(args)
     except UserError as e:
         print(textwrap.fill(f"error: {e}", width=110), file=sys.stderr)
         return e.exit_code
@@ -62,22 +92,70 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    workload, cfg, run_dir = _prepare_run(args.workload, "train", args)
+    workload.train(cfg, run_dir, quiet=args.quiet)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    workload, cfg, run_dir = _prepare_run("sim", "simulate", args)
+    workload.simulate(cfg, run_dir, quiet=args.quiet)
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    # Its own default directory: a fit's checkpoints hold a parameter, not the simulated fields that
+    # `systolic simulate` of the same recipe keeps in runs/<recipe>.
+    workload, cfg, run_dir = _prepare_run(args.workload, "fit", args, dir_suffix="-fit")
+    workload.fit(cfg, run_dir, quiet=args.quiet)
+    return 0
+
+
+def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: str = ""):
+    """Workload module, config (recipe + overrides) and prepared run directory for a run command."""
     from systolic import config as config_lib
     from systolic import workloads
     from systolic.engine import rundir
 
-    workload = workloads.get(args.workload)
-    cfg, recipe = config_lib.load(workload.Config, args.recipe, args.overrides, workload.DEFAULT_RECIPE)
-    if cfg.workload != args.workload:
-        raise UserError(f"Recipe '{recipe}' is for the '{cfg.workload}' workload, not '{args.workload}'. Fix: run "
-                        f"`systolic train {cfg.workload} --recipe {recipe}` or pick a recipe for {args.workload}.")
-    run_dir = args.run_dir or Path("runs") / recipe
+    workload = workloads.get(name)
+    if not hasattr(workload, command):
+        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), command)]
+        raise UserError(f"The '{name}' workload has no `{command}` command; the workloads that have one: "
+                        f"{', '.join(able)}. Fix: e.g. `systolic {command} {able[0]} --recipe RECIPE`.")
+    overrides = _start_processes(args.overrides)
+    cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
+    if cfg.workload != name:
+        raise UserError(f"Recipe '{recipe}' is for the '{cfg.workload}' workload, not '{name}'. Fix: run "
+                        f"`systolic train {cfg.workload} --recipe {recipe}` or pick a recipe for {name}.")
+    run_dir = args.run_dir or Path("runs") / f"{recipe}{dir_suffix}"
     import jax
 
     if jax.process_index() == 0:
         rundir.prepare(run_dir, cfg)
-    workload.train(cfg, run_dir, quiet=args.quiet)
-    return 0
+    return workload, cfg, run_dir
+
+
+def _start_processes(overrides: list[str]) -> list[str]:
+    """Joins the multi-process run, if any, from the `distributed.*` overrides (which differ per process and so
+    are not part of the run's config); returns the other overrides."""
+    from systolic import config as config_lib
+    from systolic.config import DistributedConfig
+    from systolic.runtime import distributed
+
+    mine = [o for o in overrides if o.startswith("distributed.")]
+    tree = config_lib.apply_overrides({}, mine).get("distributed", {})
+    distributed.initialize(config_lib.from_dict(DistributedConfig, tree, "distributed."))
+    return [o for o in overrides if not o.startswith("distributed.")]
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from systolic.runtime.launch import launch
+
+    command = args.child[1:] if args.child[:1] == ["--"] else args.child
+    if args.processes < 1 or not command:
+        raise UserError("`systolic launch` needs --processes N (N >= 1) and a command after `--`, e.g. "
+                        "`systolic launch --processes 2 -- train lm mesh.data=2`.")
+    return launch(command, args.processes, args.devices_per_process)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -48,6 +48,41 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """Which parallelism the mesh axes mean: a named rule set from `systolic.runtime.sharding.RULE_SETS`."""
+
+    rules: Literal["default", "dp", "fsdp", "tp"] = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process settings. Not part of a run's saved config: they differ per process and per launch.
+
+    Empty `coordinator` means: use the SYSTOLIC_* variables that `systolic launch` sets, else let
+    `jax.distributed` detect the cluster (SLURM, Cloud TPU, Kubernetes, Open MPI) when `auto` is true, else run
+    as a single process.
+    """
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    auto: bool = True
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 60
+
+    def validate(self) -> None:
+        if self.coordinator and (self.num_processes <= 0 or not 0 <= self.process_id < self.num_processes):
+            raise ConfigError(
+                f"distributed.coordinator={self.coordinator} needs distributed.num_processes > 0 and "
+                f"0 <= distributed.process_id < num_processes (got num_processes={self.num_processes}, "
+                f"process_id={self.process_id}). Fix: pass all three on every process, e.g. "
+                "distributed.num_processes=4 distributed.process_id=0 on the first host."
+            )
+        if self.coordinator and ":" not in self.coordinator:
+            raise ConfigError(f"distributed.coordinator={self.coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234.")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Loop length and batch. `batch_size` is global (all devices, all processes) per optimizer step."""
 
@@ -57,9 +92,12 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     seed: int = 0
+    stop_at_step: int = 0  # > 0: checkpoint and stop at this step (a time-limited job); rerun to continue
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"))
+        if self.stop_at_step < 0:
+            raise ConfigError(f"train.stop_at_step={self.stop_at_step} must be >= 0 (0 = run to train.steps).")
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}; "

@@ -16,15 +16,16 @@ class DeviceStream:
     array without any process reading the others' data.
     """
 
-    def __init__(self, iterator: Any, sharding: NamedSharding):
+    def __init__(self, iterator: Any, sharding: NamedSharding, global_rows: int):
         self._iterator = iterator
         self._sharding = sharding
+        self._global_rows = global_rows
 
     def __iter__(self) -> "DeviceStream":
         return self
 
     def __next__(self) -> Any:
-        return place(next(self._iterator), self._sharding)
+        return place(next(self._iterator), self._sharding, self._global_rows)
 
     def get_state(self) -> dict[str, Any]:
         return self._iterator.get_state()
@@ -33,5 +34,11 @@ class DeviceStream:
         self._iterator.set_state(state)
 
 
-def place(host_batch: Any, sharding: NamedSharding) -> Any:
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), host_batch)
+def place(host_batch: Any, sharding: NamedSharding, global_rows: int) -> Any:
+    """This process's rows of each array -> one global array of `global_rows` rows."""
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(sharding, x, (global_rows, *x.shape[1:]))
+
+    return jax.tree.map(one, host_batch)

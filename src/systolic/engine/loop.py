@@ -73,6 +73,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     t_begin = time.perf_counter()
     is_writer = jax.process_index() == 0
     total = settings.train.steps
+    stop = min(settings.train.stop_at_step or total, total)
     ckpt = Checkpointer(run_dir / "checkpoints", settings.checkpoint)
     state, resumed_from = _restore_or_init(task, settings, ckpt, run_dir)
     start = int(jax.device_get(state.step))
@@ -88,7 +89,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     timed_steps, timed_s = 0, 0.0  # steady-state training only: no compile, no evaluation
     t_mark, step_mark = time.perf_counter(), start
     try:
-        for step in range(start + 1, total + 1):
+        for step in range(start + 1, stop + 1):
             batch = next(task.data) if task.data is not None else None
             state, metrics = task.train_step(state, batch)
             pending.append((step, metrics))
@@ -100,7 +101,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 progress.log(f"first step (compile + run) took {compile_s:.1f} s")
                 progress.restart_clock(step)
                 compiles = _cache_size(task.train_step)
-            if step % settings.observe.log_every == 0 or step == total:
+            if step % settings.observe.log_every == 0 or step == stop:
                 fetched = jax.device_get([m for _, m in pending])
                 for (s, _), values in zip(pending, fetched):
                     writer.write(s, "train", values)
@@ -126,7 +127,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 writer.write(step, "eval", eval_metrics)
                 progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
                 t_mark, step_mark = time.perf_counter(), step  # evaluation time is not training throughput
-            if step % settings.checkpoint.every_steps == 0 or step == total:
+            if step % settings.checkpoint.every_steps == 0 or step == stop:
                 ckpt.save(state, task.data.get_state() if task.data is not None else None, task.meta)
         ckpt.wait()
     finally:

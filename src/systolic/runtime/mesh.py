@@ -47,6 +47,21 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def local_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+    """[lo, hi): the block of leading-axis rows held by this process's devices.
+
+    With the batch split over the data axes and processes laid out along them, each process holds its own
+    block; when an axis that spans processes is not a batch axis (tensor parallel across hosts), several
+    processes hold the same rows. Either way each process reads only the rows its devices need.
+    """
+    ndim = len(sharding.spec) or 1
+    index = sharding.addressable_devices_indices_map((global_rows,) + (1,) * (ndim - 1))
+    rows = sorted({(s[0].start or 0, s[0].stop if s[0].stop is not None else global_rows) for s in index.values()})
+    lo, hi = rows[0][0], rows[-1][1]
+    assert sum(b - a for a, b in rows) == hi - lo, f"process rows are not contiguous: {rows}"
+    return lo, hi
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

@@ -23,18 +23,46 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-DEFAULT_RULES: Rules = (
+_ACTIVATIONS: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", None),
-    ("embed", "fsdp"),
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
     ("head_dim", None),
-    ("vocab", "tensor"),
     ("layers", None),
 )
+
+# Each rule set says what the mesh axes mean. Axes a set leaves unused must have size 1 (checked).
+RULE_SETS: dict[str, Rules] = {
+    # FSDP x tensor parallel: the 3-D default.
+    "default": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
+                               ("vocab", "tensor")),
+    # Pure data parallel: parameters replicated; fsdp acts as a second data axis.
+    "dp": _ACTIVATIONS + (("embed", None), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    # ZeRO-3: parameters and optimizer state split over fsdp, no tensor parallelism.
+    "fsdp": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    # Megatron tensor parallelism (column/row split of attention and MLP), data parallel over data x fsdp.
+    "tp": _ACTIVATIONS + (("embed", None), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
+                          ("vocab", "tensor")),
+}
+DEFAULT_RULES: Rules = RULE_SETS["default"]
+
+
+def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
+    """The named rule set, checked against the mesh: an axis of size > 1 that the rules never use would
+    silently replicate work, so it is an error."""
+    rules = RULE_SETS[name]
+    if mesh is not None:
+        used = {axis for _, target in rules for axis in ((target,) if isinstance(target, str) else target or ())}
+        idle = [axis for axis, size in mesh.shape.items() if size > 1 and axis not in used]
+        if idle:
+            from systolic.errors import ConfigError
+
+            raise ConfigError(
+                f"sharding.rules={name} does not use the mesh axis {idle[0]} (size {mesh.shape[idle[0]]}), so those "
+                f"devices would only repeat each other's work. Fix: set mesh.{idle[0]}=1 (giving its devices to "
+                "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp)."
+            )
+    return rules
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> P:
@@ -49,6 +77,26 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -
         else:
             spec.append(table[name])
     return P(*spec)
+
+
+def check_divisible(shapes: dict[str, tuple[int, ...]], specs: dict[str, P], mesh: Mesh) -> None:
+    """Every sharded dimension must split evenly over its mesh axes; checked before any compilation so the
+    error can name the array, the dimension and the axis."""
+    from systolic.errors import ConfigError
+
+    for path, shape in shapes.items():
+        for dim, (size, axes) in enumerate(zip(shape, specs[path])):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            parts = 1
+            for axis in axes:
+                parts *= mesh.shape[axis]
+            if size % parts:
+                raise ConfigError(
+                    f"{path} has size {size} in dimension {dim}, which is split over mesh axis "
+                    f"{' x '.join(axes)} = {parts} devices, but {size} is not divisible by {parts}. Fix: change the "
+                    f"mesh ({', '.join(f'mesh.{a}' for a in axes)}) to a divisor of {size}, or the model size "
+                    "(e.g. model.heads / model.kv_heads / model.d_model) to a multiple of it."
+                )
 
 
 def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> NamedSharding:

@@ -1,63 +1,22 @@
 """The lm train step through the engine: sharded == single device, no recompiles, checkpoint round trip."""
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-from systolic import config as config_lib
 from systolic.config import CheckpointConfig, MeshConfig
 from systolic.engine.checkpoint import Checkpointer
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import build_task
-
-TINY = [
-    "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
-    "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
-]
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    """A small real corpus: a slice of the standard library's own source, copied so the test is self-contained."""
-    import sysconfig
-
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("functools.py", "textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py"):
-        (root / name).write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
-    return root
-
-
-def make_cfg(corpus_dir: Path, *extra: str) -> LMConfig:
-    return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY, f"data.path={corpus_dir}", *extra]))
-
-
-def run_steps(cfg: LMConfig, mesh, n: int):
-    prepared = build_task(cfg, mesh)
-    task = prepared.task
-    with activate(mesh):
-        state = task.init_state()
-        losses = []
-        for _ in range(n):
-            state, metrics = task.train_step(state, next(task.data))
-            losses.append(float(metrics["loss"]))
-    return prepared, state, losses
-
-
-def single_device_mesh():
-    return mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_sharded_step_equals_single_device(corpus_dir, family):
-    cfg = make_cfg(corpus_dir, f"model.family={family}")
-    _, state1, losses1 = run_steps(cfg, single_device_mesh(), 3)
+def test_sharded_step_equals_single_device(tiny_lm, family):
+    cfg = tiny_lm.make_cfg(f"model.family={family}")
+    _, state1, losses1 = tiny_lm.run_steps(cfg, tiny_lm.single_device_mesh(), 3)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    prepared, state8, losses8 = run_steps(cfg, mesh, 3)
+    prepared, state8, losses8 = tiny_lm.run_steps(cfg, mesh, 3)
     np.testing.assert_allclose(losses8, losses1, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(state8.params), jax.tree.leaves(state1.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
@@ -68,21 +27,21 @@ def test_sharded_step_equals_single_device(corpus_dir, family):
     assert prepared.task.train_step._cache_size() == 1
 
 
-def test_grad_accumulation_matches_full_batch(corpus_dir):
+def test_grad_accumulation_matches_full_batch(tiny_lm):
     mesh = mesh_lib.make_mesh(MeshConfig(data=4, fsdp=1, tensor=1), jax.devices()[:4])
-    _, full, losses_full = run_steps(make_cfg(corpus_dir), mesh, 2)
-    _, accum, losses_accum = run_steps(make_cfg(corpus_dir, "train.grad_accum=2"), mesh, 2)
+    _, full, losses_full = tiny_lm.run_steps(tiny_lm.make_cfg(), mesh, 2)
+    _, accum, losses_accum = tiny_lm.run_steps(tiny_lm.make_cfg("train.grad_accum=2"), mesh, 2)
     np.testing.assert_allclose(losses_accum, losses_full, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(full.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-def test_checkpoint_round_trip(corpus_dir, tmp_path):
-    cfg = make_cfg(corpus_dir)
+def test_checkpoint_round_trip(tiny_lm, tmp_path):
+    cfg = tiny_lm.make_cfg()
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
     prepared = build_task(cfg, mesh)
     task = prepared.task
-    with activate(mesh):
+    with activate(mesh, prepared.rules):
         initial = jax.device_get(task.init_state())
         state = task.init_state()
         for _ in range(2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig, TrainConfig
+from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig, TrainConfig
 from systolic.errors import ConfigError
 
 
@@ -128,6 +128,7 @@ class LMConfig:
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
+    sharding: ShardingConfig = ShardingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
     sample: SampleConfig = SampleConfig()

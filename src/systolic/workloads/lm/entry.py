@@ -28,7 +28,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
         f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
     settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
-    with activate(mesh):
+    with activate(mesh, prepared.rules):
         result = loop.train(prepared.task, settings, run_dir)
     baseline = baseline_nats_per_byte(data, prepared.vocab)
     ev = result.eval_metrics

@@ -23,7 +23,7 @@ from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.sharding import activate
+from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.model import Transformer, resolve_dtype
@@ -59,18 +59,24 @@ def model_graphdef(mcfg: ModelConfig, vocab: int) -> nnx.GraphDef:
     return graphdef
 
 
-def param_shardings(mcfg: ModelConfig, vocab: int, mesh: Mesh) -> Any:
-    """NamedShardings of the parameters (pure dict), from the logical names the layers declare."""
-    with activate(mesh):
+def param_shardings(mcfg: ModelConfig, vocab: int, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings of the parameters (pure dict), from the logical names the layers declare. Raises a
+    ConfigError naming the parameter when a sharded dimension does not divide over its mesh axes."""
+    with activate(mesh, rules):
         abstract = nnx.eval_shape(lambda: Transformer(mcfg, vocab, rngs=nnx.Rngs(0)))
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract, nnx.Param)))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+        params = nnx.state(abstract, nnx.Param)
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    flat_specs = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
+    flat_shapes = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
+    check_divisible({f"params{k}": v for k, v in flat_shapes.items()}, {f"params{k}": v for k, v in flat_specs.items()}, mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
 
 
-def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, tx: optax.GradientTransformation):
+def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: optax.GradientTransformation):
     """Returns (init_state jitted, abstract_state, state_shardings); the state is born sharded."""
     replicated = NamedSharding(mesh, P())
-    p_shardings = param_shardings(cfg.model, vocab, mesh)
+    p_shardings = param_shardings(cfg.model, vocab, mesh, rules)
 
     def make_state(key: jax.Array) -> TrainState:
         init_key, rng = jax.random.split(key)
@@ -79,7 +85,7 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, tx: optax.GradientTran
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
     key = jax.random.PRNGKey(cfg.train.seed)
-    with activate(mesh):
+    with activate(mesh, rules):
         abstract = jax.eval_shape(make_state, key)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, s: s, abstract.opt_state, p_shardings,
@@ -88,7 +94,12 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, tx: optax.GradientTran
     shardings = TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     init = jax.jit(make_state, out_shardings=shardings)
-    return (lambda: compile_once(init, key)(key)), abstract, shardings
+
+    def init_state() -> TrainState:
+        with activate(mesh, rules):
+            return compile_once(init, key)(key)
+
+    return init_state, abstract, shardings
 
 
 def compile_once(fn, *args):
@@ -140,6 +151,7 @@ def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_tok
 class Prepared:
     task: Task
     mesh: Mesh
+    rules: Rules
     corpus: Corpus
     vocab: int
     graphdef: nnx.GraphDef
@@ -147,16 +159,18 @@ class Prepared:
 
 
 def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
+    """Everything checkable is checked here, before the corpus is read or anything compiles."""
+    rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     tokenizer = make_tokenizer(cfg.data.tokenizer)
     vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     data = load_corpus(cfg)
 
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    init, abstract, shardings = make_state_fns(cfg, vocab, mesh, tx)
     graphdef = model_graphdef(cfg.model, vocab)
     step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum)
-    batch_shard = mesh_lib.batch_sharding(mesh, 2)
+    batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jax.jit(
         step_fn,
         in_shardings=(shardings, batch_shard),
@@ -164,16 +178,17 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         donate_argnums=0,
     )
 
+    # Each process reads only the rows of the global batch that its devices hold.
+    lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
     iterator = text.make_train_iterator(
         data.train_tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo),
     )
     eval_batch = cfg.train.batch_size // cfg.train.grad_accum
     host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
                                        num_batches=cfg.train.eval_batches)
-    per_process = eval_batch // jax.process_count()
-    lo = jax.process_index() * per_process
-    eval_batches = [place({k: v[lo:lo + per_process] for k, v in b.items()}, batch_shard) for b in host_eval]
+    lo, hi = mesh_lib.local_rows(batch_shard, eval_batch)
+    eval_batches = [place({k: v[lo:hi] for k, v in b.items()}, batch_shard, eval_batch) for b in host_eval]
     bytes_per_token = data.val_bytes / len(data.val_tokens)
 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -184,7 +199,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         abstract_state=abstract,
         init_state=init,
         train_step=train_step,
-        data=DeviceStream(iterator, batch_shard),
+        data=DeviceStream(iterator, batch_shard, cfg.train.batch_size),
         evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
         items_per_step=tokens_per_step,
         item_unit="tok",
@@ -193,7 +208,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         meta={"workload": "lm", "vocab": vocab},
     )
     param_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    return Prepared(task=task, mesh=mesh, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)
+    return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)
 
 
 def baseline_nats_per_byte(data: Corpus, vocab: int) -> float:

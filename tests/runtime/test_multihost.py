@@ -1,0 +1,85 @@
+"""Several local processes joined by jax.distributed (gloo on CPU), driven through `systolic launch`."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multihost
+
+TINY = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=64",
+        "data.seq_len=32", "data.max_bytes=1000000", "data.val_percent=20", "train.batch_size=8",
+        "train.eval_every=100", "train.eval_batches=1", "checkpoint.every_steps=2", "observe.log_every=1",
+        "sample.max_new_tokens=0", "train.steps=6", "-q"]
+
+
+def systolic(args: list[str], devices: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "systolic", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def test_two_processes_match_one_and_restore_onto_other_meshes(tmp_path):
+    # Uninterrupted reference: one process, 4 devices, the same global batch.
+    ref = tmp_path / "ref"
+    systolic(["train", "lm", *TINY, "mesh.data=2", "mesh.fsdp=2", "--run-dir", str(ref)], devices=4)
+    expected = train_losses(ref)
+
+    # Two processes x two devices, stopped after step 4 with a checkpoint.
+    multi = tmp_path / "multi"
+    systolic(["launch", "--processes", "2", "--devices-per-process", "2", "--", "train", "lm", *TINY,
+              "mesh.data=2", "mesh.fsdp=2", "train.stop_at_step=4", "--run-dir", str(multi)], devices=2)
+    got = train_losses(multi)
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in range(1, 5)], [expected[s] for s in range(1, 5)], rtol=1e-5)
+
+    # The checkpoint written by 2 processes x 2 devices resumes on 1 x 1 and on 1 x 8 (fsdp=4: a new layout),
+    # optimizer state and data position included: the next losses equal the uninterrupted run's.
+    for devices, mesh in ((1, ["mesh.data=1"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
+        run = tmp_path / f"restore{devices}"
+        subprocess.run(["cp", "-r", str(multi), str(run)], check=True)
+        systolic(["train", "lm", *TINY, *mesh, "--run-dir", str(run)], devices=devices)
+        resumed = train_losses(run)
+        assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+        np.testing.assert_allclose([resumed[5], resumed[6]], [expected[5], expected[6]], rtol=1e-5)
+
+
+def test_launch_stops_everything_when_a_process_dies(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    args = [sys.executable, "-m", "systolic", "launch", "--processes", "2", "--devices-per-process", "1", "--",
+            "train", "lm", *TINY[:-2], "train.steps=100000", "checkpoint.every_steps=100000", "--run-dir",
+            str(tmp_path / "run")]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = {}
+    for line in proc.stdout:  # wait until training is under way
+        if m := re.match(r"\[launch\] process (\d) started \(pid (\d+)\)", line):
+            pids[int(m[1])] = int(m[2])
+        if line.startswith("[p0] step 2/"):
+            break
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("systolic launch did not exit within 60 s of a process dying")
+    assert time.monotonic() - killed_at < 60
+    assert proc.returncode != 0
+    assert "process 1 was killed by SIGKILL" in out
+    for pid in pids.values():  # no process is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
