@@ -73,3 +73,13 @@ def tiny_lm(corpus_dir):
         return mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
     return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_steps, single_device_mesh=single_device_mesh)
+
+
+# One persistent XLA cache for the whole session (inherited by CLI subprocesses): the many small runs of the
+# same tiny programs compile once. Never the user's ~/.cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("SYSTOLIC_COMPILE_CACHE", tempfile.mkdtemp(prefix="systolic-test-xla-"))
+from systolic.runtime import compile_cache  # noqa: E402
+
+compile_cache.enable()

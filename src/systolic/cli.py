@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if args.command in _RUN_COMMANDS:
         args.overrides += extra
+    if args.command != "launch":
+        from systolic.runtime import compile_cache
+
+        compile_cache.enable()
     try:
         if args.command == "train":
             return _train(args)
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(textwrap.fill(f"error: {e}", width=110), file=sys.stderr)
         return e.exit_code
+    except MemoryError:
+        print("error: out of host memory. Fix: lower train.batch_size or the model size, or use more devices.",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -92,22 +100,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    workload, cfg, run_dir = _prepare_run(args.workload, "train", args)
-    workload.train(cfg, run_dir, quiet=args.quiet)
+    workload, cfg, run_dir, prepared = _prepare_run(args.workload, "train", args)
+    _transaction(prepared, lambda: workload.train(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
+def _transaction(prepared, run) -> None:
+    """Bad input found while starting (a data path, a batch size) leaves the run directory as it was. Failures
+    of a run under way (a halt, a failed checkpoint write) keep what the run wrote: it is its history."""
+    from systolic.errors import CheckpointWriteError, TrainingHalted
+
+    try:
+        run()
+    except (TrainingHalted, CheckpointWriteError):
+        raise
+    except UserError:
+        if prepared is not None:
+            prepared.rollback()
+        raise
+
+
 def _simulate(args: argparse.Namespace) -> int:
-    workload, cfg, run_dir = _prepare_run("sim", "simulate", args)
-    workload.simulate(cfg, run_dir, quiet=args.quiet)
+    workload, cfg, run_dir, prepared = _prepare_run("sim", "simulate", args)
+    _transaction(prepared, lambda: workload.simulate(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
 def _fit(args: argparse.Namespace) -> int:
     # Its own default directory: a fit's checkpoints hold a parameter, not the simulated fields that
     # `systolic simulate` of the same recipe keeps in runs/<recipe>.
-    workload, cfg, run_dir = _prepare_run(args.workload, "fit", args, dir_suffix="-fit")
-    workload.fit(cfg, run_dir, quiet=args.quiet)
+    workload, cfg, run_dir, prepared = _prepare_run(args.workload, "fit", args, dir_suffix="-fit")
+    _transaction(prepared, lambda: workload.fit(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
@@ -123,16 +146,19 @@ def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: 
         raise UserError(f"The '{name}' workload has no `{command}` command; the workloads that have one: "
                         f"{', '.join(able)}. Fix: e.g. `systolic {command} {able[0]} --recipe RECIPE`.")
     overrides = _start_processes(args.overrides)
+    # Check the recipe's workload before its keys: another workload's sections would read as misspellings.
+    recipe_path = config_lib.recipe_path(args.recipe or workload.DEFAULT_RECIPE)
+    declared = config_lib.read_yaml(recipe_path).get("workload", name)
+    if declared != name:
+        raise UserError(f"Recipe '{recipe_path.stem}' is for the '{declared}' workload, not '{name}'. Fix: pick a "
+                        f"recipe for {name}, or run the {declared} workload (e.g. `systolic train {declared} --recipe "
+                        f"{recipe_path.stem}`).")
     cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
-    if cfg.workload != name:
-        raise UserError(f"Recipe '{recipe}' is for the '{cfg.workload}' workload, not '{name}'. Fix: run "
-                        f"`systolic train {cfg.workload} --recipe {recipe}` or pick a recipe for {name}.")
     run_dir = args.run_dir or Path("runs") / f"{recipe}{dir_suffix}"
     import jax
 
-    if jax.process_index() == 0:
-        rundir.prepare(run_dir, cfg)
-    return workload, cfg, run_dir
+    prepared = rundir.prepare(run_dir, cfg) if jax.process_index() == 0 else None
+    return workload, cfg, run_dir, prepared
 
 
 def _start_processes(overrides: list[str]) -> list[str]:

@@ -93,9 +93,14 @@ class TrainConfig:
     eval_batches: int = 8
     seed: int = 0
     stop_at_step: int = 0  # > 0: checkpoint and stop at this step (a time-limited job); rerun to continue
+    nonfinite: Literal["halt", "skip"] = "halt"  # what a NaN/Inf loss or gradient does (its update is discarded)
+    max_skipped: int = 10  # with nonfinite=skip: halt after more than this many skipped steps in a row
+    poison_step: int = 0  # testing aid: make this step's loss NaN to exercise the non-finite guard
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"))
+        if self.max_skipped < 0 or self.poison_step < 0:
+            raise ConfigError(f"train.max_skipped={self.max_skipped} and train.poison_step={self.poison_step} must be >= 0.")
         if self.stop_at_step < 0:
             raise ConfigError(f"train.stop_at_step={self.stop_at_step} must be >= 0 (0 = run to train.steps).")
         if self.batch_size % self.grad_accum:
@@ -136,12 +141,15 @@ class CheckpointConfig:
     """Orbax checkpoints in `<run_dir>/checkpoints`; a run directory that holds one is resumed automatically."""
 
     every_steps: int = 500
+    every_minutes: float = 0.0  # > 0: also checkpoint when this much time has passed since the last one
     keep: int = 2
     async_save: bool = True
     resume: bool = True
 
     def validate(self) -> None:
         _positive(self, "checkpoint", ("every_steps", "keep"))
+        if self.every_minutes < 0:
+            raise ConfigError(f"checkpoint.every_minutes={self.every_minutes} must be >= 0 (0 = off).")
 
 
 @dataclasses.dataclass(frozen=True)

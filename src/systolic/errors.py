@@ -13,3 +13,15 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config key, type or value that the schema rejects."""
+
+
+class TrainingHalted(UserError):
+    """Training stopped itself (non-finite loss or gradients); the last checkpoint is intact."""
+
+    exit_code = 3
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+    exit_code = 4

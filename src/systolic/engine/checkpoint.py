@@ -1,13 +1,27 @@
-"""Orbax checkpoints of a `TrainState` plus the data iterator's position and run metadata.
+"""Orbax checkpoints of a `TrainState` plus the data iterator's position and run metadata, with integrity checks.
 
 Layout of `<run_dir>/checkpoints/<step>/`: `params`, `opt_state`, `train` (step, rng, extra) as array trees,
-`data` and `meta` as JSON. Params are their own item so `generate` can restore them alone, without the
-optimizer state (3x the parameters' memory under Adam). Orbax writes each step to a temporary directory and
-renames it when complete, so a half-written step is never listed.
+`data` and `meta` as JSON, and `systolic-manifest.json`. Params are their own item so `generate` can restore
+them alone, without the optimizer state (3x the parameters' memory under Adam).
+
+Guarantees (tests in tests/engine/test_checkpoint.py and tests/engine/test_reliability.py):
+- Orbax writes a step into a temporary directory and renames it when complete, so a half-written step is never
+  listed; Orbax deletes old steps (beyond `keep`) only after a newer one is complete.
+- Orbax does not notice flipped bytes, so once a write has finished we record the SHA-256 of every file in a
+  manifest; restoring verifies it and falls back to the previous step when a file differs, is missing or
+  cannot be read.
+- A failed write (disk full, permissions) stops the run with `CheckpointWriteError`; earlier steps are untouched.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import signal
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +30,10 @@ import orbax.checkpoint as ocp
 
 from systolic.config import CheckpointConfig
 from systolic.engine.state import TrainState
+from systolic.errors import CheckpointWriteError, UserError
+
+MANIFEST = "systolic-manifest.json"
+FAULT_ENV = "SYSTOLIC_FAULT"  # testing aid: "kill_during_save:STEP" or "fail_save:STEP"
 
 
 class Checkpointer:
@@ -25,15 +43,19 @@ class Checkpointer:
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._unsealed: list[int] = []  # steps written (or being written) whose manifest is not yet recorded
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        return sorted(self._manager.all_steps())
+
+    # SAVING -----------------------------------------------------------------------------------------------------
 
     def save(self, state: TrainState, data_state: dict[str, Any] | None, meta: dict[str, Any]) -> None:
         step = int(jax.device_get(state.step))
+        self._seal()
         items = {
             "params": ocp.args.StandardSave(state.params),
             "opt_state": ocp.args.StandardSave(state.opt_state),
@@ -41,7 +63,113 @@ class Checkpointer:
             "data": ocp.args.JsonSave(data_state or {}),
             "meta": ocp.args.JsonSave(meta),
         }
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            _injected_fault("fail_save", step)
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            _injected_fault("kill_during_save", step)  # the write is under way in the background thread
+        except Exception as e:  # noqa: BLE001 - any failure to write is reported the same way
+            raise self._write_error(step, e) from None
+        self._unsealed.append(step)
+
+    def wait(self) -> None:
+        """Blocks until every write has finished and been sealed with its manifest."""
+        self._seal()
+
+    def _seal(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._write_error(self._unsealed[-1] if self._unsealed else -1, e) from None
+        if jax.process_index() == 0:
+            for step in self._unsealed:
+                step_dir = self.directory / str(step)
+                if step_dir.is_dir():
+                    _write_manifest(step_dir)
+        self._unsealed.clear()
+
+    def _write_error(self, step: int, error: Exception) -> CheckpointWriteError:
+        previous = [s for s in self.all_steps() if s != step]
+        kept = f"the previous checkpoint (step {previous[-1]}) is intact" if previous else "no earlier checkpoint exists"
+        return CheckpointWriteError(
+            f"Writing the checkpoint for step {step} to {self.directory} failed: {error}. The run stopped; {kept}. "
+            "Fix: free disk space or fix the directory's permissions, then rerun the same command to resume."
+        )
+
+    # RESTORING --------------------------------------------------------------------------------------------------
+
+    def verify(self, step: int) -> str | None:
+        """None when the step's files match its manifest; else what is wrong. A step without a manifest (the
+        process died between finishing the write and sealing it) cannot be verified and is accepted."""
+        step_dir = self.directory / str(step)
+        manifest = step_dir / MANIFEST
+        if not manifest.exists():
+            return None
+        try:
+            expected = json.loads(manifest.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            return f"its manifest is unreadable ({e})"
+        for name, digest in expected.items():
+            path = step_dir / name
+            try:
+                actual = _sha256(path)
+            except OSError:
+                return f"{name} is missing or unreadable"
+            if actual != digest:
+                return f"{name} does not match its recorded checksum"
+        return None
+
+    def latest_intact_step(self) -> int | None:
+        """The newest step whose files match their manifest (warning about any newer damaged ones)."""
+        for step in reversed(self.all_steps()):
+            problem = self.verify(step)
+            if problem is None:
+                return step
+            warnings.warn(f"Checkpoint step {step} in {self.directory} is damaged: {problem}. Trying an earlier one.")
+        return None
+
+    def restore_latest(self, abstract: TrainState, workload: str) -> tuple[TrainState, dict[str, Any], int] | None:
+        """The newest intact step, falling back past damaged ones with a warning; None when there is none."""
+        steps = self.all_steps()
+        damaged: list[int] = []
+        for step in reversed(steps):
+            problem = self.verify(step)
+            if problem is None:
+                try:
+                    meta = self.restore_meta(step)
+                except Exception as e:  # noqa: BLE001 - a damaged step is reported and skipped
+                    problem = f"its metadata cannot be read ({type(e).__name__})"
+            if problem is None:
+                if meta.get("workload") != workload:
+                    raise UserError(
+                        f"The checkpoint at {self.directory}/{step} was written by the '{meta.get('workload')}' "
+                        f"workload, not '{workload}'. Fix: pass a fresh --run-dir, or run the matching workload."
+                    )
+                try:
+                    state, data_state, _ = self.restore(step, abstract)
+                    self._set_aside(damaged)
+                    return state, data_state, step
+                except Exception as e:  # noqa: BLE001
+                    problem = f"it cannot be restored ({type(e).__name__}: {str(e)[:200]})"
+            warnings.warn(f"Checkpoint step {step} in {self.directory} is damaged: {problem}. Trying an earlier one.")
+            damaged.append(step)
+        if steps:
+            raise UserError(
+                f"None of the checkpoints in {self.directory} (steps {steps}) is intact, so the run cannot resume. "
+                "Nothing was changed. Fix: move that directory away to start over, or restore it from a backup."
+            )
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Damaged steps newer than the one resumed from are renamed, not deleted (they may still hold something
+        worth saving by hand), so the resumed run can write those step numbers again."""
+        if jax.process_index() != 0:
+            return
+        for step in steps:
+            target = self.directory / f"damaged-{step}-{int(time.time())}"
+            os.replace(self.directory / str(step), target)
+            warnings.warn(f"Moved the damaged checkpoint step {step} aside to {target}.")
+        if steps:
+            self._manager.reload()
 
     def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
         """Restores onto the shardings in `abstract` (ShapeDtypeStructs), whatever mesh the step was saved from."""
@@ -65,11 +193,11 @@ class Checkpointer:
     def restore_meta(self, step: int) -> dict[str, Any]:
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
     def close(self) -> None:
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception:  # noqa: BLE001 - a failed write was already reported by _seal
+            pass
 
 
 def _train_item(state: TrainState) -> dict[str, Any]:
@@ -77,3 +205,27 @@ def _train_item(state: TrainState) -> dict[str, Any]:
     if jax.tree.leaves(state.extra):  # Orbax rejects an empty subtree
         item["extra"] = state.extra
     return item
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(step_dir: Path) -> None:
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {str(p.relative_to(step_dir)): _sha256(p) for p in files}
+    tmp = step_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=0))
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def _injected_fault(kind: str, step: int) -> None:
+    if os.environ.get(FAULT_ENV, "") != f"{kind}:{step}":
+        return
+    if kind == "kill_during_save":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, "No space left on device (injected by SYSTOLIC_FAULT)")

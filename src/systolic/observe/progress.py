@@ -13,7 +13,7 @@ class ProgressReporter:
     def __init__(self, *, total: int, start: int, mode: str = "auto", quiet: bool = False, enabled: bool = True,
                  description: str = "train"):
         self.enabled = enabled and not quiet
-        self.console = Console(stderr=True, no_color=not sys.stderr.isatty())
+        self.console = Console(stderr=True, no_color=not sys.stderr.isatty(), soft_wrap=True)
         self.total = total
         self._start_step = start
         self._start_time = time.perf_counter()

@@ -30,6 +30,10 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):
         result = loop.train(prepared.task, settings, run_dir)
+    if result.preempted or result.final_step < cfg.train.steps:
+        say(f"stopped at step {result.final_step} of {cfg.train.steps} with a checkpoint; run the same command "
+            "again to continue.")
+        return result
     baseline = baseline_nats_per_byte(data, prepared.vocab)
     ev = result.eval_metrics
     if ev:

@@ -48,7 +48,7 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     settings.validate()
     ckpt_dir = Path(run_dir) / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
-    step = ckpt.latest_step() if ckpt else None
+    step = ckpt.latest_intact_step() if ckpt else None
     if step is None:
         raise UserError(f"{run_dir} has no complete checkpoint to generate from. Fix: train first "
                         f"(`systolic train lm --run-dir {run_dir}`), or pass another run directory.")

@@ -169,7 +169,8 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
     data = load_corpus(cfg)
 
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum)
+    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum,
+                              poison_step=cfg.train.poison_step)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jax.jit(
         step_fn,
