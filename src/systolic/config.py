@@ -160,9 +160,26 @@ class ObserveConfig:
     progress: Literal["auto", "on", "off"] = "auto"
     tensorboard: bool = True
     plot: bool = True
+    profile_steps: str = ""  # "A-B": capture a JAX/XLA trace of steps A..B into <run_dir>/profile
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition("-")
+        return int(first), int(last or first)
 
     def validate(self) -> None:
         _positive(self, "observe", ("log_every",))
+        try:
+            rng = self.profile_range
+        except ValueError:
+            rng = (0, -1)
+        if rng is not None and not 1 <= rng[0] <= rng[1]:
+            raise ConfigError(
+                f"observe.profile_steps={self.profile_steps!r} is not a step range. Expected 'A-B' with 1 <= A <= B "
+                "(or a single step 'A'). Fix: e.g. observe.profile_steps=20-25."
+            )
 
 
 # VALIDATION HELPERS -------------------------------------------------------------------------------------------

@@ -162,6 +162,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     every_s = settings.checkpoint.every_minutes * 60
     multi = jax.process_count() > 1
     preempted = False
+    profiler = _Profiler(settings.observe.profile_range, run_dir / "profile", progress)
 
     def save(state: TrainState) -> None:
         nonlocal last_save
@@ -174,7 +175,10 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
             while step < stop:
                 step += 1
                 batch = next(task.data) if task.data is not None else None
-                state, metrics = task.train_step(state, batch)
+                profiler.before(step)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = task.train_step(state, batch)
+                profiler.after(step, state)
                 pending.append((step, metrics))
                 if step == start + 1:
                     # The first call compiles; time it separately so throughput reflects steady state.
@@ -233,6 +237,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                              "checkpoint written. Run the same command again to continue.")
             ckpt.wait()
     finally:
+        profiler.stop()
         progress.close()
         writer.close()
         ckpt.close()
@@ -242,6 +247,29 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                      eval_metrics=eval_metrics, train_loss=last_loss, compile_s=compile_s,
                      items_per_s=task.items_per_step * timed_steps / timed_s if timed_s else None,
                      wall_s=time.perf_counter() - t_begin, preempted=preempted)
+
+
+class _Profiler:
+    """Captures an XLA/JAX trace of steps [first, last] (view it in TensorBoard's profile tab, XProf or Perfetto)."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path, progress: ProgressReporter):
+        self.steps, self.directory, self.progress, self.active = steps, directory, progress, False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0] and jax.process_index() == 0:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, state: Any) -> None:
+        if self.active and step >= self.steps[1]:
+            jax.block_until_ready(state)  # the trace must contain the device work, not just the dispatch
+            self.stop()
+            self.progress.log(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 def _agree(stop: bool, timed: bool, skip: bool) -> tuple[bool, bool]:

@@ -1,0 +1,25 @@
+"""The persistent compilation cache: a second run of the same program compiles nothing new."""
+
+import os
+import subprocess
+import sys
+
+TINY = ["model.d_model=32", "model.layers=1", "model.heads=2", "model.max_seq_len=32", "data.seq_len=16",
+        "data.max_bytes=300000", "data.val_percent=30", "train.batch_size=8", "train.steps=2",
+        "train.eval_batches=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false", "-q"]
+
+
+def test_warm_start_hits_the_cache(tmp_path):
+    cache = tmp_path / "xla-cache"
+    env = dict(os.environ, SYSTOLIC_COMPILE_CACHE=str(cache))
+
+    def run(name):
+        proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *TINY, "--run-dir", str(tmp_path / name)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return sorted(p.name for p in cache.rglob("*") if p.is_file())
+
+    cold = run("cold")
+    assert len(cold) >= 3  # init, train step, eval step at least
+    warm = run("warm")
+    assert warm == cold, "the warm run compiled programs the cold run had already cached"
