@@ -28,6 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("workload", help="which workload: sim")
     _add_run_arguments(fit, "fit.steps=200 fit.noise=0.05", "runs/<recipe>-fit")
 
+    ev = sub.add_parser("eval", help="evaluate a trained run directory (rl: every seed's policy)",
+                        description="Evaluate a trained run, e.g. `systolic eval rl runs/rl-cartpole --episodes 100 --gymnasium`.")
+    ev.add_argument("workload", help="which workload: rl")
+    ev.add_argument("run_dir", type=Path)
+    ev.add_argument("--episodes", type=int, default=100, help="episodes per seed (default 100)")
+    ev.add_argument("--gymnasium", action="store_true", help="run the policy in Gymnasium's reference implementation")
+    ev.add_argument("--gif", type=Path, help="also write a GIF of one episode to this path")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes' start states")
+
     gen = sub.add_parser("generate", help="sample text from a trained lm run directory")
     gen.add_argument("run_dir", type=Path)
     gen.add_argument("--prompt")
@@ -36,6 +45,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, help="0 = off")
     gen.add_argument("--top-p", type=float, help="1.0 = off")
     gen.add_argument("--seed", type=int)
+
+    bench = sub.add_parser("bench", help="measure a workload's train step: step time, throughput, MFU, compile time",
+                           description="Time the real train step of a recipe (warm-up excluded, median of N steps).")
+    bench.add_argument("workload", help="which workload: lm")
+    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    bench.add_argument("--recipe")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    sample = sub.add_parser("sample", help="draw images from a trained gan run directory into a PNG grid",
+                            description="e.g. `systolic sample gan runs/gan-digits --count 64 --out grid.png`.")
+    sample.add_argument("workload", help="which workload: gan")
+    sample.add_argument("run_dir", type=Path)
+    sample.add_argument("--count", type=int, default=64, help="how many images (default 64)")
+    sample.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/sample.png)")
+    sample.add_argument("--seed", type=int, default=0)
 
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
 
@@ -56,7 +81,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, example: str, default_di
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
 
-_RUN_COMMANDS = ("train", "simulate", "fit")  # the commands that take a recipe plus key=value overrides
+_RUN_COMMANDS = ("train", "simulate", "fit", "bench")  # the commands that take a recipe plus key=value overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args)
         if args.command == "fit":
             return _fit(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "sample":
+            return _sample(args)
         if args.command == "info":
             return _info()
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "launch":
             return _launch(args)
     except UserError as e:
@@ -174,6 +205,29 @@ def _start_processes(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith("distributed.")]
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from systolic import config as config_lib
+    from systolic import workloads
+    from systolic.engine.bench import benchmark, format_table
+
+    workload = workloads.get(args.workload)
+    if not hasattr(workload, "build_bench_task"):
+        raise UserError(f"`systolic bench` does not support the '{args.workload}' workload yet (supported: lm).")
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps}: need at least 1 timed step.")
+    cfg, recipe = config_lib.load(workload.Config, args.recipe, _start_processes(args.overrides), workload.DEFAULT_RECIPE)
+    with workload.build_bench_task(cfg) as task:
+        result = benchmark(task, steps=args.steps)
+    if args.json:
+        print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
+    else:
+        print(f"systolic bench {args.workload} --recipe {recipe}\n{format_table(result)}")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from systolic.runtime.launch import launch
 
@@ -184,11 +238,36 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(command, args.processes, args.devices_per_process)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from systolic import workloads
+
+    workload = workloads.get(args.workload)
+    if not hasattr(workload, "evaluate"):
+        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), "evaluate")]
+        raise UserError(f"The '{args.workload}' workload has no `eval` command; the workloads that have one: "
+                        f"{', '.join(able)}. Fix: e.g. `systolic eval {able[0]} RUN_DIR`.")
+    print(workload.evaluate(args.run_dir, episodes=args.episodes, gymnasium=args.gymnasium, gif=args.gif,
+                            seed=args.seed))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from systolic import workloads
 
     print(workloads.get("lm").generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
                                        args.top_k, args.top_p, args.seed))
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from systolic import workloads
+
+    workload = workloads.get(args.workload)
+    if not hasattr(workload, "sample"):
+        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), "sample")]
+        raise UserError(f"The '{args.workload}' workload has no `sample` command; the workloads that have one: "
+                        f"{', '.join(able)}. Fix: e.g. `systolic sample {able[0]} RUN_DIR --count 64 --out grid.png`.")
+    print(workload.sample(args.run_dir, count=args.count, out=args.out, seed=args.seed))
     return 0
 
 

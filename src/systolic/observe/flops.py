@@ -30,3 +30,22 @@ def peak_flops(device: jax.Device | None = None, dtype: str = "bfloat16") -> flo
         if kind.startswith(name) or name in kind:
             return bf16 if dtype == "bfloat16" else fp32
     return None
+
+
+def measured_matmul_flops(size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a float32 (size x size) matmul on the default device, median of `repeats`: the practical peak
+    that MFU is measured against on a CPU, where no data-sheet figure applies."""
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        matmul(a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * size**3 / float(np.median(times))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -49,6 +51,15 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
                                   top_p=cfg.sample.top_p, seed=cfg.sample.seed)
         say(f"sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}):\n{cfg.sample.prompt}{text}")
     return result
+
+
+@contextlib.contextmanager
+def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
+    """The real train task on the configured mesh, made current for `systolic bench`."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    prepared = build_task(cfg, mesh)
+    with activate(mesh, prepared.rules):
+        yield prepared.task
 
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,

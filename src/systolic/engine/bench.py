@@ -1,0 +1,88 @@
+"""`systolic bench`: steady-state speed of a workload's real train step, without writing a run.
+
+Compile time is measured apart; warm-up steps are excluded; the step time is the median of N steps, each
+timed to completion (`block_until_ready`), so host dispatch and device work are both in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from systolic.engine.loop import Task
+from systolic.observe.flops import measured_matmul_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    compile_s: float
+    step_time_s: float  # median
+    step_time_spread_s: float  # interquartile range
+    items_per_s: float
+    item_unit: str
+    flops_per_step: float | None
+    flops_per_s: float | None
+    peak_flops: float | None
+    peak_source: str
+    mfu: float | None
+    peak_memory_bytes: int | None
+    devices: int
+    platform: str
+
+
+def benchmark(task: Task, steps: int = 10, warmup: int = 2) -> BenchResult:
+    state = task.init_state()
+    batch = next(task.data) if task.data is not None else None
+    t = time.perf_counter()
+    state, _ = task.train_step(state, batch)
+    jax.block_until_ready(state)
+    compile_s = time.perf_counter() - t
+    for _ in range(warmup):
+        state, _ = task.train_step(state, next(task.data) if task.data is not None else None)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        batch = next(task.data) if task.data is not None else None
+        t = time.perf_counter()
+        state, _ = task.train_step(state, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    peak, source = task.peak_flops, "data sheet"
+    if peak is None and jax.default_backend() == "cpu":
+        # Fake CPU devices share the host's cores: the host's matmul rate is the peak, per process.
+        peak, source = measured_matmul_flops() * jax.process_count(), "measured matmul"
+    flops_per_s = task.flops_per_step / step_s if task.flops_per_step else None
+    return BenchResult(
+        compile_s=compile_s, step_time_s=step_s,
+        step_time_spread_s=float(np.percentile(times, 75) - np.percentile(times, 25)),
+        items_per_s=task.items_per_step / step_s, item_unit=task.item_unit,
+        flops_per_step=task.flops_per_step, flops_per_s=flops_per_s, peak_flops=peak, peak_source=source,
+        mfu=flops_per_s / peak if flops_per_s and peak else None,
+        peak_memory_bytes=_peak_memory(), devices=jax.device_count(), platform=jax.default_backend(),
+    )
+
+
+def _peak_memory() -> int | None:
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    peaks = [s.get("peak_bytes_in_use") for s in stats if s]
+    return max(peaks) if peaks and all(p is not None for p in peaks) else None
+
+
+def format_table(result: BenchResult) -> str:
+    rows = [
+        ("platform", f"{result.platform} x {result.devices}"),
+        ("compile + first step", f"{result.compile_s:.2f} s"),
+        ("step time (median)", f"{result.step_time_s * 1e3:.1f} ms (IQR {result.step_time_spread_s * 1e3:.1f} ms)"),
+        (f"throughput", f"{result.items_per_s:,.0f} {result.item_unit}/s"),
+        ("model FLOPs / step", f"{result.flops_per_step:.3e}" if result.flops_per_step else "n/a"),
+        ("model FLOP/s", f"{result.flops_per_s / 1e9:,.1f} GFLOP/s" if result.flops_per_s else "n/a"),
+        ("peak FLOP/s", f"{result.peak_flops / 1e9:,.1f} GFLOP/s ({result.peak_source})" if result.peak_flops else "unknown"),
+        ("MFU", f"{100 * result.mfu:.1f}%" if result.mfu else "n/a"),
+        ("peak device memory", f"{result.peak_memory_bytes / 2**30:.2f} GiB" if result.peak_memory_bytes else "not reported by this backend"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
