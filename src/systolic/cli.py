@@ -62,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/sample.png)")
     sample.add_argument("--seed", type=int, default=0)
 
+    plan = sub.add_parser("plan", help="will a recipe fit a target chip, and how fast? (no accelerator needed)",
+                          description="Compile the real train step ahead of time on a mesh of fake devices and report "
+                                      "per-device memory, FLOPs and a roofline step time for the target chip.")
+    plan.add_argument("workload", help="which workload: lm")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    plan.add_argument("--recipe")
+    plan.add_argument("--target", required=True, help="tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200")
+    plan.add_argument("--mesh", default="", help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2 (unset axes are 1)")
+    plan.add_argument("--json", action="store_true")
+
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
 
     launch = sub.add_parser("launch", help="run N local processes of one multi-process run",
@@ -81,7 +91,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, example: str, default_di
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
 
-_RUN_COMMANDS = ("train", "simulate", "fit", "bench")  # the commands that take a recipe plus key=value overrides
+_RUN_COMMANDS = ("train", "simulate", "fit", "bench", "plan")  # the commands that take a recipe plus key=value overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if args.command in _RUN_COMMANDS:
         args.overrides += extra
+    if args.command == "plan":
+        _fake_devices_for_plan(args)  # before anything initialises a jax backend
     if args.command != "launch":
         from systolic.runtime import compile_cache
 
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return _info()
         if args.command == "bench":
             return _bench(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "launch":
             return _launch(args)
     except UserError as e:
@@ -225,6 +239,53 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:
         print(f"systolic bench {args.workload} --recipe {recipe}\n{format_table(result)}")
+    return 0
+
+
+def _mesh_overrides(spec: str) -> list[str]:
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    for item in filter(None, spec.split(",")):
+        axis, _, size = item.partition("=")
+        if axis not in sizes or not size.isdigit() or int(size) < 1:
+            raise UserError(f"--mesh {spec!r}: expected comma-separated AXIS=SIZE with AXIS one of data, fsdp, tensor "
+                            "and SIZE a positive integer, e.g. --mesh fsdp=64 or --mesh data=2,fsdp=4.")
+        sizes[axis] = int(size)
+    return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
+
+
+def _fake_devices_for_plan(args: argparse.Namespace) -> None:
+    import math
+    import os
+    import re
+
+    try:
+        count = math.prod(int(o.split("=")[1]) for o in _mesh_overrides(args.mesh))
+    except UserError:
+        return  # reported properly in _plan
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from systolic import config as config_lib
+    from systolic import workloads
+    from systolic.engine.plan import format_plan
+
+    workload = workloads.get(args.workload)
+    if not hasattr(workload, "plan"):
+        raise UserError(f"`systolic plan` does not support the '{args.workload}' workload yet (supported: lm).")
+    overrides = [*args.overrides, *_mesh_overrides(args.mesh)]
+    cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
+    result = workload.plan(cfg, args.target)
+    if args.json:
+        print(json.dumps({"recipe": recipe, **dataclasses.asdict(result), "device_bytes": result.device_bytes}))
+    else:
+        print(f"systolic plan {args.workload} --recipe {recipe} --target {args.target} --mesh {args.mesh or '(1 device)'}")
+        print(format_plan(result))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +61,34 @@ def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
     prepared = build_task(cfg, mesh)
     with activate(mesh, prepared.rules):
         yield prepared.task
+
+
+def plan(cfg: LMConfig, target: str):
+    """Compiles the real train step ahead of time from abstract inputs on the configured (fake) mesh."""
+    from systolic.engine.plan import make_plan
+    from systolic.workloads.lm.flops import train_flops_per_token
+    from systolic.workloads.lm.model import resolve_dtype
+    from systolic.workloads.lm.train import build_step
+
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+
+    def compile_step(cfg: LMConfig):
+        step = build_step(cfg, mesh)
+        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jax.numpy.int32,
+                                     sharding=step.batch_sharding)
+        with activate(mesh, step.rules):
+            return step, step.train_step.lower(step.abstract, {"inputs": batch, "targets": batch}).compile()
+
+    step, compiled = compile_step(cfg)
+    unrolled = None
+    if cfg.model.scan_layers:
+        _, unrolled = compile_step(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False)))
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(step.abstract.params))
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    dtype = "bfloat16" if cfg.model.dtype in ("auto", "bfloat16") else "float32"
+    return make_plan(compiled, target=target, devices=mesh.size, params=params,
+                     model_flops=tokens * train_flops_per_token(cfg.model, step.vocab, cfg.data.seq_len), dtype=dtype,
+                     cost_compiled=unrolled)
 
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,

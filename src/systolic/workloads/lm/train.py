@@ -158,16 +158,26 @@ class Prepared:
     param_count: int
 
 
-def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
-    """Everything checkable is checked here, before the corpus is read or anything compiles."""
+@dataclasses.dataclass
+class Step:
+    """The model's train step on a mesh, with no data attached: what `train`, `bench` and `plan` share."""
+
+    rules: Rules
+    vocab: int
+    graphdef: nnx.GraphDef
+    init: Any
+    abstract: TrainState
+    train_step: Any  # jitted, with explicit shardings and the state donated
+    batch_sharding: NamedSharding
+
+
+def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
+    """Everything checkable is checked here, before any data is read or anything compiles."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
-    tokenizer = make_tokenizer(cfg.data.tokenizer)
-    vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
+    vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
-    data = load_corpus(cfg)
-
     graphdef = model_graphdef(cfg.model, vocab)
     step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum,
                               poison_step=cfg.train.poison_step)
@@ -178,6 +188,14 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    return Step(rules, vocab, graphdef, init, abstract, train_step, batch_shard)
+
+
+def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
+    step = build_step(cfg, mesh)
+    rules, vocab, graphdef, init, abstract = step.rules, step.vocab, step.graphdef, step.init, step.abstract
+    train_step, batch_shard = step.train_step, step.batch_sharding
+    data = load_corpus(cfg)
 
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)

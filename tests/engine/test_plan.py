@@ -1,0 +1,32 @@
+"""`systolic plan` on a 1B-parameter Llama: compiled ahead of time on fake devices, never allocated."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PEAK_RSS = "import resource, runpy, sys; sys.argv = ['systolic'] + sys.argv[1:]; " \
+           "exec(\"try:\\n runpy.run_module('systolic', run_name='__main__')\\nexcept SystemExit: pass\"); " \
+           "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+
+
+def plan(mesh: str) -> tuple[dict, int]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, "plan", "lm", "--recipe", "llama-1b", "--target", "h200",
+                           "--mesh", mesh, "--json"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0 or "PEAK_RSS_KB" in proc.stderr, proc.stderr
+    rss_kb = int(proc.stderr.split("PEAK_RSS_KB")[-1].split()[0])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), rss_kb * 1024
+
+
+@pytest.mark.slow
+def test_plan_1b_without_allocating_and_memory_falls_with_fsdp():
+    p8, rss = plan("fsdp=8")
+    assert 0.9e9 < p8["params"] < 1.1e9
+    assert rss < 0.5 * p8["params"] * 4, "plan must not materialise the float32 weights"
+    assert p8["xla_flops_per_device"] * p8["devices"] > p8["model_flops_per_step"]  # remat + masked attention
+    p4, _ = plan("fsdp=4")
+    # Parameters and optimizer state are split over fsdp: twice the devices, about half the bytes each.
+    assert p8["argument_bytes"] == pytest.approx(p4["argument_bytes"] / 2, rel=0.05)
