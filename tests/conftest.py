@@ -79,7 +79,8 @@ def tiny_lm(corpus_dir):
 # same tiny programs compile once. Never the user's ~/.cache.
 import tempfile  # noqa: E402
 
-os.environ.setdefault("SYSTOLIC_COMPILE_CACHE", tempfile.mkdtemp(prefix="systolic-test-xla-"))
+if not os.environ.get("SYSTOLIC_COMPILE_CACHE"):
+    os.environ["SYSTOLIC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="systolic-test-xla-")
 from systolic.runtime import compile_cache  # noqa: E402
 
 compile_cache.enable()
