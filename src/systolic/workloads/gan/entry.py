@@ -1,0 +1,89 @@
+"""What the CLI calls for the `gan` workload: train (then report and draw) and sample from a run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from systolic.engine import loop, rundir
+from systolic.errors import UserError
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate, rules_for
+from systolic.workloads.gan.config import GANConfig
+from systolic.workloads.gan.pictures import plot_curves, save_grid
+
+Config = GANConfig
+DEFAULT_RECIPE = "gan-digits"
+
+
+def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    from systolic.workloads.gan.task import build_task
+
+    run_dir = Path(run_dir)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    prepared = build_task(cfg, mesh, run_dir)
+    images, refs = prepared.images, prepared.references
+    say(f"gan: {prepared.param_count / 1e6:.2f}M parameters (G + D), {cfg.image.size}x{cfg.image.size}x"
+        f"{images.channels}, loss {cfg.gan.loss}, d_steps {cfg.gan.d_steps}, spectral norm "
+        f"{'on' if cfg.model.spectral_norm else 'off'}, {'conditional' if cfg.gan.conditional else 'unconditional'}; "
+        f"mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
+    say(f"data: {images.source}: {len(images.train_images):,} train / {len(images.val_images):,} held-out images; "
+        f"run directory {run_dir}")
+    if refs:
+        say(f"evaluation classifier: {refs['classifier_accuracy']:.1%} accuracy on the held-out split. Fréchet "
+            f"classifier distance references: real vs held-out {refs['frechet_floor']:.3f} (floor), untrained "
+            f"generator {refs['frechet_ceiling']:.2f}, uniform noise {refs['frechet_noise']:.2f} (ceilings)")
+    else:
+        say("evaluation: the images have no labels, so no classifier scores; every evaluation writes a sample grid")
+    settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    with activate(mesh, prepared.rules):
+        result = loop.train(prepared.task, settings, run_dir)
+    if jax.process_index() == 0 and cfg.observe.plot:
+        plot_curves(run_dir)
+    if result.preempted or result.final_step < cfg.train.steps:
+        say(f"stopped at step {result.final_step} of {cfg.train.steps} with a checkpoint; run the same command "
+            "again to continue.")
+        return result
+    ev = result.eval_metrics
+    if ev and refs:
+        say(f"Fréchet classifier distance {ev['frechet']:.3f} = {ev['frechet'] / refs['frechet_floor']:.2f}x the "
+            f"real-vs-real floor ({refs['frechet_floor']:.3f}), {refs['frechet_ceiling'] / ev['frechet']:.0f}x below "
+            f"the untrained generator ({refs['frechet_ceiling']:.2f}); {ev['confident']:.1%} of samples classified with "
+            f"confidence >= 0.9 (real held-out images: {refs['confident_real']:.1%})")
+    if result.items_per_s:
+        say(f"throughput: {result.items_per_s:,.0f} img/s; first step (compile) {result.compile_s:.1f} s; "
+            f"wall time {result.wall_s:.1f} s")
+    say(f"pictures: {run_dir / 'samples.png'}, {run_dir / 'curves.png'}")
+    return result
+
+
+def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 0) -> Path:
+    """Draws `count` images from the EMA generator of the run's latest intact checkpoint into a PNG grid."""
+    from systolic.engine.checkpoint import Checkpointer
+    from systolic.workloads import config_class
+    from systolic.workloads.gan.data import channels_for
+    from systolic.workloads.gan.train import make_networks, make_sampler, make_state_fns
+
+    run_dir = Path(run_dir)
+    cfg: GANConfig = rundir.load_config(run_dir, config_class)
+    if cfg.workload != "gan":
+        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `systolic sample gan` needs a gan run directory.")
+    if count < 1:
+        raise UserError(f"--count {count} must be at least 1. Fix: e.g. --count 64.")
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
+    step = ckpt.latest_intact_step() if ckpt else None
+    if step is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to sample from. Fix: train first "
+                        f"(`systolic train gan --run-dir {run_dir}`), or pass another run directory.")
+    channels = channels_for(cfg)
+    mesh = mesh_lib.make_mesh(type(cfg.mesh)(data=1), jax.devices()[:1])
+    _, abstract, _ = make_state_fns(cfg, channels, mesh, rules_for(cfg.sharding.rules, mesh))
+    state, _, _ = ckpt.restore(step, abstract)
+    ckpt.close()
+    images = make_sampler(make_networks(cfg, channels), max(count, 64))(
+        state.extra["ema"], state.extra["batch_stats"]["g"], jax.random.PRNGKey(seed))
+    return save_grid(np.asarray(images)[:count], Path(out) if out else run_dir / "sample.png")
