@@ -58,3 +58,8 @@ def test_bad_overrides_name_key_and_fix(override, fragment):
 def test_unknown_recipe_suggests_close_match():
     with pytest.raises(ConfigError, match="Did you mean 'lm-tiny'"):
         load(recipe="lm-tine")
+
+
+def test_on_off_choices_survive_yaml_booleans():
+    assert load("observe.progress=off").observe.progress == "off"
+    assert load("observe.progress=on").observe.progress == "on"

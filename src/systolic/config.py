@@ -308,6 +308,8 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
     origin = typing.get_origin(kind)
     if origin is Literal:
         choices = typing.get_args(kind)
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans; the choice may be spelt so
+            value = next((c for c in choices if str(c).lower() in (("on", "true", "yes") if value else ("off", "false", "no"))), value)
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""

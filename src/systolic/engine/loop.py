@@ -191,7 +191,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 # Stop and timed-checkpoint decisions must be the same on every process (each one's save and
                 # next step are collective); with several processes they are agreed on at log steps only.
                 regular_log = step % settings.observe.log_every == 0 or step == stop
-                stop_now, timed = _agree(signals.received is not None,
+                stop_now, timed = agree_across_processes(signals.received is not None,
                                          every_s > 0 and time.monotonic() - last_save > every_s, multi and not regular_log)
                 if stop_now:
                     preempted = step < stop
@@ -272,7 +272,7 @@ class _Profiler:
             self.active = False
 
 
-def _agree(stop: bool, timed: bool, skip: bool) -> tuple[bool, bool]:
+def agree_across_processes(stop: bool, timed: bool, skip: bool) -> tuple[bool, bool]:
     """The same (stop, timed checkpoint) decision on every process: any process asking is enough."""
     if skip:
         return False, False

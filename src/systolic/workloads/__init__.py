@@ -11,7 +11,7 @@ from types import ModuleType
 
 from systolic.errors import UserError
 
-WORKLOADS = {"lm": "systolic.workloads.lm.entry", "gan": "systolic.workloads.gan.entry"}
+WORKLOADS = {"lm": "systolic.workloads.lm.entry", "sim": "systolic.workloads.sim.entry", "gan": "systolic.workloads.gan.entry"}
 
 
 def get(name: str | None) -> ModuleType:

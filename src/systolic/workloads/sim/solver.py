@@ -1,0 +1,339 @@
+"""From a config and a mesh to a runnable simulation: a sharded initial state and one jitted frame step.
+
+A frame advances the fields by `sim.t_end / output.frames` of simulated time: many solver steps inside one
+`shard_map`, so the host dispatches once per frame and the devices exchange only what the algorithm needs
+(slab transposes for the spectral solver, halos for finite differences). The state is the engine's
+`TrainState`: `step` counts frames, `params` holds the fields, `extra["time"]` the simulated time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from systolic.engine.state import TrainState
+from systolic.errors import ConfigError
+from systolic.workloads.sim import finite_difference as fd
+from systolic.workloads.sim import navier_stokes as ns_lib
+from systolic.workloads.sim.config import SimConfig
+from systolic.workloads.sim.slab import Slab
+
+MESH_AXES = ("data", "fsdp", "tensor")  # the spectral slabs are split over all of them, flattened
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    equation: str
+    mesh: Mesh
+    abstract_state: TrainState  # ShapeDtypeStructs with the target shardings (checkpoint restore target)
+    initial_state: Callable[[], TrainState]  # compiled; the state is born sharded
+    frame_step: Callable[[TrainState], tuple[TrainState, dict[str, jax.Array]]]  # jitted, donates its input
+    measure: Callable[[TrainState], dict[str, jax.Array]]  # the diagnostics of a state (frame 0)
+    picture: Callable[[TrainState], jax.Array]  # the physical field to draw, (n, n), sharded
+    picture_name: str
+    plot_keys: tuple[str, ...]  # diagnostics worth a time-series plot
+    dt: float  # the fixed step, or 0 when chosen by the CFL condition
+    steps_per_frame: int  # 0 when adaptive
+
+
+@contextlib.contextmanager
+def precision(cfg: SimConfig) -> Iterator[None]:
+    """Turns on 64-bit jax for `sim.dtype=float64` while the block runs, restoring the previous setting after.
+
+    A global switch, not a thread-local one: Orbax restores arrays on its own threads and would otherwise
+    create float32 arrays from a float64 checkpoint.
+    """
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", previous or cfg.sim.dtype == "float64")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def real_dtype(cfg: SimConfig) -> jnp.dtype:
+    dtype = jnp.dtype(cfg.sim.dtype)
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise RuntimeError("sim.dtype=float64 needs 64-bit jax: build the simulation inside `with precision(cfg):`")
+    return dtype
+
+
+def fixed_steps(cfg: SimConfig, dt: float) -> tuple[int, float]:
+    """Whole steps per frame for a requested step `dt`, and the step that makes them fit exactly."""
+    steps = max(1, math.ceil(cfg.frame_time / dt * (1 - 1e-12)))
+    return steps, cfg.frame_time / steps
+
+
+def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
+    if cfg.sim.solver == "spectral":
+        return _navier_stokes(cfg, mesh)
+    return _finite_difference(cfg, mesh)
+
+
+def _jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh) -> Callable:
+    def frame_step(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        fields, metrics = advance(state.params, state.extra["time"], state.step + 1)
+        new = state.replace(step=state.step + 1, params=fields, extra={"time": metrics["time"]})
+        return new, metrics
+
+    # Explicit output shardings: the state comes back laid out as it went in, so the second call does not
+    # compile again.
+    return jax.jit(frame_step, in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
+                   donate_argnums=0)
+
+
+def _state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> TrainState:
+    replicated = NamedSharding(mesh, P())
+    return TrainState(step=replicated, params=field_shardings, opt_state={"none": replicated}, rng=replicated,
+                      extra={"time": replicated})
+
+
+def _compile_once(fn: Callable[[], TrainState], shardings: TrainState) -> Callable[[], TrainState]:
+    """The initial state is computed once: on CPU compile it at XLA optimisation level 0, which halves the
+    compile time (random-number and FFT code is slow to optimise) and costs nothing that matters at run time."""
+    jitted = jax.jit(fn, out_shardings=shardings)
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    return lambda: jitted.lower().compile(compiler_options=options)()
+
+
+def _abstract(fn: Callable, shardings: TrainState) -> TrainState:
+    shapes = jax.eval_shape(fn)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def _new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
+    # The engine's Checkpointer saves `opt_state` as its own Orbax item and Orbax rejects an empty one ("Found
+    # empty item"), so a simulation, which has no optimizer, stores a placeholder.
+    no_optimizer = {"none": jnp.zeros((), jnp.int32)}
+    return TrainState(step=jnp.zeros((), jnp.int32), params=fields, opt_state=no_optimizer, rng=rng,
+                      extra={"time": jnp.zeros((), dtype)})
+
+
+# SPECTRAL NAVIER-STOKES ---------------------------------------------------------------------------------------
+
+
+def make_slab(cfg: SimConfig, mesh: Mesh) -> Slab:
+    n, parts = cfg.grid.n, mesh.size
+    if n % (2 * parts):
+        good = 2 * parts * max(1, round(n / (2 * parts)))
+        raise ConfigError(
+            f"grid.n={n} cannot be split into {parts} slabs: the spectral solver splits the n grid rows and the n/2 "
+            f"kept wavenumbers over all {parts} devices, so n must be a multiple of 2 x {parts} = {2 * parts}. "
+            f"Fix: grid.n={good} (any multiple of {2 * parts})."
+        )
+    return Slab(n, MESH_AXES, parts)
+
+
+def make_forcing(cfg: SimConfig, spec: ns_lib.Spectrum) -> ns_lib.Forcing | None:
+    ns = cfg.navier_stokes
+    if ns.forcing == "none":
+        return None
+    f_hat = ns_lib.kolmogorov_hat(spec, cfg.grid.n, ns.forcing_wavenumber, ns.forcing_amplitude)
+    return lambda t: f_hat
+
+
+def make_initial_vorticity(cfg: SimConfig, mesh: Mesh, slab: Slab, key: jax.Array) -> Callable[[], jax.Array]:
+    """A function (to call under jit) returning w_hat at t = 0 in the spectral layout."""
+    ns, n, dtype = cfg.navier_stokes, cfg.grid.n, real_dtype(cfg)
+
+    if ns.initial == "taylor_green":
+        def body():
+            spec = ns_lib.make_spectrum(slab, cfg.grid.length, dtype)
+            return ns_lib.taylor_green_hat(spec, n, cfg.grid.length, ns.initial_wavenumber,
+                                           2 * math.sqrt(ns.initial_energy)) * spec.dealias
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=slab.spectral_spec)
+
+    def shape(noise):
+        spec = ns_lib.make_spectrum(slab, cfg.grid.length, dtype)
+        return ns_lib.random_vorticity_hat(slab.forward(noise), spec, slab, ns.initial_wavenumber, ns.initial_energy)
+
+    shaped = jax.shard_map(shape, mesh=mesh, in_specs=slab.physical_spec, out_specs=slab.spectral_spec)
+    # Drawn on the global grid, so every mesh gets the same field.
+    return lambda: shaped(jax.lax.with_sharding_constraint(
+        jax.random.normal(key, (n, n), dtype), NamedSharding(mesh, slab.physical_spec)))
+
+
+def _navier_stokes(cfg: SimConfig, mesh: Mesh) -> Simulation:
+    ns, grid = cfg.navier_stokes, cfg.grid
+    slab = make_slab(cfg, mesh)
+    dtype = real_dtype(cfg)
+    steps, dt = fixed_steps(cfg, cfg.sim.dt) if cfg.sim.dt > 0 else (0, 0.0)
+    exact = ns.initial == "taylor_green" and ns.forcing == "none"
+    tg_rate = 2 * ns.viscosity * (2 * math.pi * ns.initial_wavenumber / grid.length) ** 2 + ns.drag
+
+    def diagnostics(w_hat, t, spec):
+        energy, enstrophy = ns_lib.energy_enstrophy(w_hat, spec, slab)
+        out = {"time": t, "energy": energy, "enstrophy": enstrophy}
+        if exact:  # Taylor-Green decays as exp(-(2 nu k^2 + alpha) t) without changing shape
+            ref = ns_lib.taylor_green_hat(spec, grid.n, grid.length, ns.initial_wavenumber,
+                                          2 * math.sqrt(ns.initial_energy)) * jnp.exp(-tg_rate * t)
+            out["error"] = ns_lib.relative_l2(w_hat, ref, spec, slab)
+        return out
+
+    def advance_body(fields, t, frame):
+        spec = ns_lib.make_spectrum(slab, grid.length, dtype)
+        forcing = make_forcing(cfg, spec)
+        t_stop = frame.astype(dtype) * cfg.frame_time
+        kw = dict(spec=spec, slab=slab, viscosity=ns.viscosity, drag=ns.drag, forcing=forcing)
+        if steps:
+            w_hat, _ = ns_lib.integrate_fixed(fields["w_hat"], t, jnp.asarray(dt, dtype), steps, **kw)
+            count = jnp.asarray(steps, jnp.int32)
+        else:
+            w_hat, _, count = ns_lib.integrate_cfl(fields["w_hat"], t, t_stop, cfl=cfg.sim.cfl, dx=grid.dx,
+                                                   dt_max=cfg.frame_time, **kw)
+        mean_dt = (cfg.frame_time / count).astype(dtype)
+        return {"w_hat": w_hat}, {"steps": count, "dt": mean_dt, **diagnostics(w_hat, t_stop, spec)}
+
+    field_spec = {"w_hat": slab.spectral_spec}
+    advance = jax.shard_map(advance_body, mesh=mesh, in_specs=(field_spec, P(), P()), out_specs=(field_spec, P()))
+    measure_map = jax.shard_map(lambda f, t: diagnostics(f["w_hat"], t, ns_lib.make_spectrum(slab, grid.length, dtype)),
+                                mesh=mesh, in_specs=(field_spec, P()), out_specs=P())
+    to_physical = jax.shard_map(slab.inverse, mesh=mesh, in_specs=slab.spectral_spec, out_specs=slab.physical_spec)
+
+    init_key, rng = jax.random.split(jax.random.PRNGKey(cfg.sim.seed))
+    initial_w = make_initial_vorticity(cfg, mesh, slab, init_key)
+    shardings = _state_shardings(mesh, {"w_hat": NamedSharding(mesh, slab.spectral_spec)})
+
+    def init() -> TrainState:
+        return _new_state({"w_hat": initial_w()}, rng, dtype)
+
+    return Simulation(
+        equation="navier_stokes", mesh=mesh, abstract_state=_abstract(init, shardings),
+        initial_state=_compile_once(init, shardings),
+        frame_step=_jit_frame_step(advance, shardings, mesh),
+        measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
+        picture=jax.jit(lambda s: to_physical(s.params["w_hat"])),
+        picture_name="vorticity", plot_keys=("energy", "enstrophy") + (("error",) if exact else ()),
+        dt=dt, steps_per_frame=steps,
+    )
+
+
+# FINITE DIFFERENCES -------------------------------------------------------------------------------------------
+
+
+def make_blocks(cfg: SimConfig, mesh: Mesh) -> fd.Blocks:
+    parts = (math.prod(mesh.shape[a] for a in fd.BLOCK_AXES[0]), math.prod(mesh.shape[a] for a in fd.BLOCK_AXES[1]))
+    n = cfg.grid.n
+    for axis, p in enumerate(parts):
+        if n % p:
+            names = " x ".join(f"mesh.{a}" for a in fd.BLOCK_AXES[axis])
+            raise ConfigError(
+                f"grid.n={n} cannot be split into {p} blocks along grid axis {axis} ({names}): the finite-difference "
+                f"solver gives every device an equal block. Fix: grid.n={p * max(1, round(n / p))}, or change the mesh."
+            )
+    return fd.Blocks(n, fd.BLOCK_AXES, parts)
+
+
+def heat_initial(i: jax.Array, j: jax.Array, cfg: SimConfig) -> jax.Array:
+    """u0 = sin(kx x + 0.5) sin(ky y + 0.25) at grid indices (i, j): an eigenfunction of the Laplacian, so the
+    exact solution is u0 exp(-D (kx^2 + ky^2) t). The phases keep it clear of grid symmetries."""
+    scale = 2 * math.pi / cfg.grid.length
+    x, y = i * cfg.grid.dx, j * cfg.grid.dx
+    return jnp.sin(scale * cfg.heat.mode_x * x + 0.5) * jnp.sin(scale * cfg.heat.mode_y * y + 0.25)
+
+
+def gray_scott_initial(key: jax.Array, cfg: SimConfig, dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """u = 1, v = 0, except `spots` random squares (side n/16) of u = 0.5, v = 0.25; 1% multiplicative noise."""
+    n, spots = cfg.grid.n, cfg.gray_scott.spots
+    k_centre, k_u, k_v = jax.random.split(key, 3)
+    centres = jax.random.randint(k_centre, (spots, 2), 0, n)
+    half = max(1, n // 32)
+    idx = jnp.arange(n)
+    dist_i = jnp.abs((idx[None, :] - centres[:, :1] + n // 2) % n - n // 2)  # (spots, n) periodic distance
+    dist_j = jnp.abs((idx[None, :] - centres[:, 1:] + n // 2) % n - n // 2)
+    inside = jnp.any((dist_i[:, :, None] <= half) & (dist_j[:, None, :] <= half), axis=0)  # (n, n)
+    u = jnp.where(inside, 0.5, 1.0).astype(dtype) * (1 + 0.01 * jax.random.normal(k_u, (n, n), dtype))
+    v = jnp.where(inside, 0.25, 0.0).astype(dtype) * (1 + 0.01 * jax.random.normal(k_v, (n, n), dtype))
+    return {"u": u, "v": v}
+
+
+def explicit_dt(cfg: SimConfig) -> float:
+    """The requested step, or cfl x the explicit Euler diffusion limit dx^2 / (4 D)."""
+    return cfg.sim.dt if cfg.sim.dt > 0 else cfg.sim.cfl * cfg.grid.dx ** 2 / (4 * cfg.max_diffusivity)
+
+
+def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
+    blocks = make_blocks(cfg, mesh)
+    dtype = real_dtype(cfg)
+    n, dx = cfg.grid.n, cfg.grid.dx
+    steps, dt = fixed_steps(cfg, explicit_dt(cfg))
+    init_key, rng = jax.random.split(jax.random.PRNGKey(cfg.sim.seed))
+
+    if cfg.sim.equation == "heat":
+        names = ("u",)
+        step_fn = partial(fd.heat_step, diffusivity=cfg.heat.diffusivity, blocks=blocks, dx=dx)
+        scale = 2 * math.pi / cfg.grid.length
+        rate = cfg.heat.diffusivity * scale**2 * (cfg.heat.mode_x**2 + cfg.heat.mode_y**2)
+
+        def initial_fields():
+            idx = jnp.arange(n, dtype=dtype)
+            return {"u": heat_initial(idx[:, None], idx[None, :], cfg).astype(dtype)}
+
+        def diagnostics(fields, t):
+            u = fields["u"]
+            i0, j0 = blocks.block_origin()
+            i = (i0 + jnp.arange(u.shape[0])).astype(dtype)[:, None]
+            j = (j0 + jnp.arange(u.shape[1])).astype(dtype)[None, :]
+            exact = heat_initial(i, j, cfg) * jnp.exp(-rate * t)
+            err = jnp.sqrt(blocks.psum(jnp.sum((u - exact) ** 2)) / blocks.psum(jnp.sum(exact**2)))
+            return {"time": t, "mean": blocks.psum(jnp.sum(u)) / n**2, "max": blocks.pmax(jnp.max(jnp.abs(u))),
+                    "error": err}
+
+        picture_name, plot_keys = "temperature", ("max", "error")
+    else:
+        gs = cfg.gray_scott
+        names = ("u", "v")
+        step_fn = partial(fd.gray_scott_step, feed=gs.feed, kill=gs.kill, diffusion_u=gs.diffusion_u,
+                          diffusion_v=gs.diffusion_v, blocks=blocks, dx=dx)
+
+        def initial_fields():
+            return gray_scott_initial(init_key, cfg, dtype)
+
+        def diagnostics(fields, t):
+            return {"time": t, "mean_u": blocks.psum(jnp.sum(fields["u"])) / n**2,
+                    "mean_v": blocks.psum(jnp.sum(fields["v"])) / n**2, "max_v": blocks.pmax(jnp.max(fields["v"]))}
+
+        picture_name, plot_keys = "v concentration", ("mean_u", "mean_v", "max_v")
+
+    def advance_body(fields, t, frame):
+        stacked = jnp.stack([fields[k] for k in names])  # (fields, rows, cols): one halo exchange for all
+        stacked = fd.integrate(stacked, jnp.asarray(dt, dtype), steps, step_fn)
+        out = {k: stacked[i] for i, k in enumerate(names)}
+        t_stop = frame.astype(dtype) * cfg.frame_time
+        return out, {"steps": jnp.asarray(steps, jnp.int32), "dt": jnp.asarray(dt, dtype), **diagnostics(out, t_stop)}
+
+    field_spec = {k: blocks.spec for k in names}
+    advance = jax.shard_map(advance_body, mesh=mesh, in_specs=(field_spec, P(), P()), out_specs=(field_spec, P()))
+    measure_map = jax.shard_map(diagnostics, mesh=mesh, in_specs=(field_spec, P()), out_specs=P())
+    shardings = _state_shardings(mesh, {k: NamedSharding(mesh, blocks.spec) for k in names})
+
+    def init() -> TrainState:
+        return _new_state(initial_fields(), rng, dtype)
+
+    shown = names[-1]
+    return Simulation(
+        equation=cfg.sim.equation, mesh=mesh, abstract_state=_abstract(init, shardings),
+        initial_state=_compile_once(init, shardings),
+        frame_step=_jit_frame_step(advance, shardings, mesh),
+        measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
+        picture=jax.jit(lambda s: s.params[shown]),
+        picture_name=picture_name, plot_keys=plot_keys, dt=dt, steps_per_frame=steps,
+    )
+
+
+def to_host(x: jax.Array) -> Any:
+    """A global array as one NumPy array on every process (an all-gather when several processes share it)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(x)
