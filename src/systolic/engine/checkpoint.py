@@ -58,11 +58,12 @@ class Checkpointer:
         self._seal()
         items = {
             "params": ocp.args.StandardSave(state.params),
-            "opt_state": ocp.args.StandardSave(state.opt_state),
             "train": ocp.args.StandardSave(_train_item(state)),
             "data": ocp.args.JsonSave(data_state or {}),
             "meta": ocp.args.JsonSave(meta),
         }
+        if jax.tree.leaves(state.opt_state):  # Orbax rejects an empty item (a simulation has no optimizer)
+            items["opt_state"] = ocp.args.StandardSave(state.opt_state)
         try:
             _injected_fault("fail_save", step)
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -175,15 +176,16 @@ class Checkpointer:
         """Restores onto the shardings in `abstract` (ShapeDtypeStructs), whatever mesh the step was saved from."""
         items = {
             "params": ocp.args.StandardRestore(abstract.params),
-            "opt_state": ocp.args.StandardRestore(abstract.opt_state),
             "train": ocp.args.StandardRestore(_train_item(abstract)),
             "data": ocp.args.JsonRestore(),
             "meta": ocp.args.JsonRestore(),
         }
+        if jax.tree.leaves(abstract.opt_state):
+            items["opt_state"] = ocp.args.StandardRestore(abstract.opt_state)
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         train = out["train"]
-        state = TrainState(step=train["step"], params=out["params"], opt_state=out["opt_state"], rng=train["rng"],
-                           extra=train.get("extra", {}))
+        state = TrainState(step=train["step"], params=out["params"], opt_state=out.get("opt_state", abstract.opt_state),
+                           rng=train["rng"], extra=train.get("extra", {}))
         return state, out["data"], out["meta"]
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
