@@ -33,8 +33,14 @@ def plot_losses(run_dir: Path, out_name: str = "loss.png", key: str = "loss") ->
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(run_dir) / out_name
-    tmp = out.with_name(out.name + ".tmp.png")
+    return save_figure(fig, Path(run_dir) / out_name)
+
+
+def save_figure(fig, out: Path) -> Path:
+    """Writes a matplotlib figure atomically (a reader never sees half a PNG) and closes it."""
+    import matplotlib.pyplot as plt
+
+    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, out)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from systolic.observe.metrics import read_metrics
+from systolic.observe.plot import save_figure
 
 
 def image_grid(images: np.ndarray, pad: int = 1) -> np.ndarray:
@@ -76,9 +77,4 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Path | None:
         ax_fd.legend(fontsize=8)
         ax_fd.grid(alpha=0.3)
     fig.tight_layout()
-    out = Path(run_dir) / out_name
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save_figure(fig, Path(run_dir) / out_name)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from systolic.observe.metrics import read_metrics
+from systolic.observe.plot import save_figure
 
 FRAMES_DIR = "frames"
 SPLIT = "sim"  # the `split` of the simulation's records in metrics.jsonl
@@ -58,12 +59,6 @@ def _limits(field: np.ndarray, symmetric: bool) -> tuple[float, float]:
     return lo, hi if hi > lo else lo + 1.0
 
 
-def _save(fig, out: Path) -> None:
-    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
-    fig.savefig(tmp)
-    os.replace(tmp, out)
-
-
 def draw_field(field: np.ndarray, out: Path, *, title: str, cmap: str, symmetric: bool, length: float) -> Path:
     plt = _pyplot()
     lo, hi = _limits(field, symmetric)
@@ -76,8 +71,7 @@ def draw_field(field: np.ndarray, out: Path, *, title: str, cmap: str, symmetric
     ax.set_ylabel("y")
     ax.set_title(title)
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 
@@ -122,6 +116,5 @@ def plot_diagnostics(run_dir: Path, keys: tuple[str, ...], out: Path) -> Path | 
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("simulated time")
     fig.tight_layout()
-    _save(fig, out)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
