@@ -61,6 +61,17 @@ class ModelConfig:
         for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        for name in ("vocab_size", "kv_heads", "head_dim", "mlp_dim"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)} must be >= 0 (0 means: derive it from the other sizes). "
+                    f"Fix: e.g. model.{name}=0."
+                )
+        if self.init_std <= 0 or self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError(
+                f"model.init_std={self.init_std}, model.rope_theta={self.rope_theta} and model.norm_eps={self.norm_eps} "
+                "must all be greater than 0. Fix: use the defaults (0.02, 10000, 1e-5) or other positive values."
+            )
         if not self.head_dim and self.d_model % self.heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}, so the head size is not "
