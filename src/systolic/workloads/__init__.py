@@ -11,7 +11,8 @@ from types import ModuleType
 
 from systolic.errors import UserError
 
-WORKLOADS = {"lm": "systolic.workloads.lm.entry", "sim": "systolic.workloads.sim.entry", "gan": "systolic.workloads.gan.entry"}
+WORKLOADS = {"lm": "systolic.workloads.lm.entry", "sim": "systolic.workloads.sim.entry", "gan": "systolic.workloads.gan.entry",
+             "rl": "systolic.workloads.rl.entry"}
 
 
 def get(name: str | None) -> ModuleType:

@@ -1,0 +1,162 @@
+"""The `rl` workload's config: environment, network, PPO and run-shape sections plus the engine's common ones.
+
+One loop step of the engine is one *chunk*: `rl.updates_per_chunk` PPO updates compiled into one program, each
+update collecting `rl.num_steps` steps from each of `rl.num_envs` environments, for each of `rl.num_seeds`
+independent seeds at once. Derived counts (updates, chunks, environment steps) are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig
+from systolic.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """A gymnax environment by its registered name (classic control, MinAtar, bsuite)."""
+
+    name: str = "CartPole-v1"
+    max_episode_steps: int = 0  # 0: the environment's own limit (500 for CartPole-v1, 200 for Pendulum-v1)
+
+    def validate(self) -> None:
+        if self.max_episode_steps < 0:
+            raise ConfigError(
+                f"env.max_episode_steps={self.max_episode_steps} must be >= 0 (0 keeps the environment's own "
+                "episode limit). Fix: e.g. env.max_episode_steps=0."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkConfig:
+    """The `model` section: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
+    Gaussian with a learned, state-independent log standard deviation. Named `model` because the engine refuses
+    to resume a run directory whose `model` changed (its checkpoints would not fit)."""
+
+    hidden: int = 64
+    layers: int = 2
+    activation: Literal["tanh", "relu"] = "tanh"
+    init_log_std: float = 0.0
+
+    def validate(self) -> None:
+        if self.hidden <= 0 or self.layers <= 0:
+            raise ConfigError(
+                f"model.hidden={self.hidden} and model.layers={self.layers} must both be greater than 0. Fix: "
+                "e.g. model.hidden=64 model.layers=2."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """The PPO objective and its optimizer (Adam, global-norm clipping, optional linear learning-rate decay)."""
+
+    lr: float = 2.5e-4
+    anneal_lr: bool = True  # linear decay to 0 over the whole run
+    adam_eps: float = 1e-5
+    max_grad_norm: float = 0.5
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_eps: float = 0.2
+    clip_value: bool = True  # clip the value update to +-clip_eps around the rollout's values
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    update_epochs: int = 4
+    num_minibatches: int = 4
+    normalize_advantages: bool = True  # per minibatch
+    normalize_obs: bool = False  # running mean/variance of observations, kept in the checkpoint
+    reward_scale: float = 1.0  # rewards are multiplied by this before GAE (returns reported unscaled)
+
+    def validate(self) -> None:
+        for name in ("lr", "adam_eps", "max_grad_norm", "clip_eps", "reward_scale"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ppo.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
+                                  f"value, e.g. ppo.{name}={_default(PPOConfig, name)}.")
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"ppo.{name}={getattr(self, name)} is outside [0, 1]; it is a discount factor. Fix: "
+                                  f"e.g. ppo.{name}={_default(PPOConfig, name)}.")
+        if self.ent_coef < 0 or self.vf_coef < 0:
+            raise ConfigError(f"ppo.ent_coef={self.ent_coef} and ppo.vf_coef={self.vf_coef} must both be >= 0. Fix: "
+                              "use 0 to switch a term off.")
+        if self.update_epochs <= 0 or self.num_minibatches <= 0:
+            raise ConfigError(f"ppo.update_epochs={self.update_epochs} and ppo.num_minibatches={self.num_minibatches} "
+                              "must both be greater than 0. Fix: e.g. ppo.update_epochs=4 ppo.num_minibatches=4.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How much experience, in what shape: seeds x environments x rollout steps, chunked for the engine's loop."""
+
+    num_seeds: int = 8  # independent training runs, vmapped
+    num_envs: int = 4  # environments per seed
+    num_steps: int = 128  # rollout length per update
+    total_env_steps: int = 500_000  # per seed; rounded up to whole chunks
+    updates_per_chunk: int = 16  # PPO updates per compiled loop step (one metrics row, one checkpoint unit)
+    eval_every: int = 0  # chunks between evaluations; 0 = only at the end
+    eval_episodes: int = 16  # per seed, deterministic policy
+    seed: int = 0
+
+    @property
+    def env_steps_per_update(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_chunks(self) -> int:
+        per_chunk = self.env_steps_per_update * self.updates_per_chunk
+        return max(1, -(-self.total_env_steps // per_chunk))
+
+    @property
+    def num_updates(self) -> int:
+        return self.num_chunks * self.updates_per_chunk
+
+    @property
+    def env_steps_per_chunk(self) -> int:
+        """Per seed."""
+        return self.env_steps_per_update * self.updates_per_chunk
+
+    def validate(self) -> None:
+        for name in ("num_seeds", "num_envs", "num_steps", "total_env_steps", "updates_per_chunk", "eval_episodes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"rl.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
+                                  f"integer, e.g. rl.{name}={_default(RunConfig, name)}.")
+        if self.eval_every < 0:
+            raise ConfigError(f"rl.eval_every={self.eval_every} must be >= 0 (0 = evaluate only at the end). Fix: "
+                              "e.g. rl.eval_every=10.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    workload: Literal["rl"] = "rl"
+    env: EnvConfig = EnvConfig()
+    model: NetworkConfig = NetworkConfig()
+    ppo: PPOConfig = PPOConfig()
+    rl: RunConfig = RunConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    observe: ObserveConfig = ObserveConfig()
+
+    def validate(self) -> None:
+        batch = self.rl.env_steps_per_update
+        if batch % self.ppo.num_minibatches:
+            raise ConfigError(
+                f"rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps} = {batch} transitions per "
+                f"update cannot be split into ppo.num_minibatches={self.ppo.num_minibatches} equal minibatches. Fix: "
+                f"choose sizes whose product is a multiple of {self.ppo.num_minibatches}, or set "
+                f"ppo.num_minibatches={_divisor_near(batch, self.ppo.num_minibatches)}."
+            )
+        if self.mesh.tensor != 1:
+            raise ConfigError(
+                f"mesh.tensor={self.mesh.tensor}: the rl workload splits seeds or environments over the "
+                "data-parallel axes (data, fsdp) only; its networks are too small to split. Fix: mesh.tensor=1 "
+                "(e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1)."
+            )
+
+
+def _default(schema: type, name: str) -> object:
+    return next(f.default for f in dataclasses.fields(schema) if f.name == name)
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))

@@ -1,0 +1,62 @@
+"""What the CLI calls for the `rl` workload: train (then report every seed's evaluation) and evaluate a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from systolic.config import TrainConfig
+from systolic.engine import loop
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate
+from systolic.workloads.rl import evaluate as evaluate_lib
+from systolic.workloads.rl.config import RLConfig
+from systolic.workloads.rl.envs import SOLVED_AT
+from systolic.workloads.rl.plot import plot_returns
+from systolic.workloads.rl.train import build_task
+
+Config = RLConfig
+DEFAULT_RECIPE = "rl-cartpole"
+
+
+def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    prepared = build_task(cfg, mesh)
+    run, spec = cfg.rl, prepared.env.spec
+    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    say(f"rl: PPO on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions), {run.num_seeds} seeds x "
+        f"{run.num_envs} environments, {run.num_updates} updates of {run.env_steps_per_update} steps = "
+        f"{run.num_updates * run.env_steps_per_update:,} environment steps per seed, in {run.num_chunks} chunks of "
+        f"{run.updates_per_chunk} updates")
+    say(f"mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices), "
+        f"{prepared.layout} split over the data axes; run directory {run_dir}")
+    # The engine's loop counts steps in chunks; evaluation runs every rl.eval_every chunks and at the end.
+    loop_train = TrainConfig(steps=run.num_chunks, eval_every=run.eval_every or run.num_chunks, seed=run.seed)
+    settings = loop.LoopSettings(train=loop_train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    with activate(mesh):
+        result = loop.train(prepared.task, settings, run_dir)
+        if not result.eval_metrics:  # the run was already complete: evaluate what the checkpoint holds
+            result.eval_metrics = prepared.task.evaluate(result.state)
+    ev = result.eval_metrics
+    per_seed = [ev[f"return/seed{i}"] for i in range(run.num_seeds)]
+    say(f"evaluation ({run.eval_episodes} episodes per seed, deterministic policy): mean return {ev['return']:.1f}, "
+        f"worst seed {ev['return_min']:.1f}; per seed: " + ", ".join(f"{r:.1f}" for r in per_seed))
+    if spec.name in SOLVED_AT:
+        target = SOLVED_AT[spec.name]
+        solved = sum(r >= target for r in per_seed)
+        say(f"{solved}/{run.num_seeds} seeds reach the target mean return {target:g} on {spec.name}")
+    if result.items_per_s:
+        say(f"throughput: {result.items_per_s:,.0f} environment steps/s (all seeds); first chunk (compile + run) "
+            f"{result.compile_s:.1f} s; wall time {result.wall_s:.1f} s")
+    if jax.process_index() == 0 and cfg.observe.plot:
+        path = plot_returns(run_dir, run.num_seeds, run.env_steps_per_chunk, title=f"PPO on {spec.name}")
+        if path is not None:
+            say(f"return curves: {path}")
+    return result
+
+
+def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path | None = None,
+             seed: int = 0) -> str:
+    """`systolic eval rl RUN_DIR`: the report to print."""
+    return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)

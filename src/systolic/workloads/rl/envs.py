@@ -1,0 +1,136 @@
+"""The environment adapter: the one place that knows gymnax.
+
+gymnax 1.0.1's API (pinned in pyproject.toml): `reset(key, params) -> (obs, state)` and
+`step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. Its `step` is
+`step_env` (the transition), `is_truncated` (the time limit), then an automatic `reset_env` whose first
+observation replaces the one the episode ended on (that one is kept in `info["final_observation"]`).
+
+The adapter does the same with two changes. The pre-reset observation, which a truncated episode must bootstrap
+from, is returned explicitly as `EnvStep.final_obs`. And the reset target is an argument: the caller draws fresh
+reset states in bulk, outside its step loop, because on CPU every threefry call inside a loop is itself a small
+loop (jax rolls threefry's rounds there to save compile time), and gymnax's own `step` makes two per environment
+step; drawn in bulk they cost one batched call per rollout.
+
+Environment states leave the adapter as plain dicts of strongly typed arrays: gymnax's state classes are flax
+struct dataclasses whose `time` field starts as a weakly typed Python int, and a weak type that turns strong after
+a checkpoint round trip would make the jitted step compile a second time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from systolic.errors import ConfigError
+from systolic.workloads.rl.config import EnvConfig
+
+# Gymnasium's own reward thresholds for "solved" (its registry's `reward_threshold`); Pendulum-v1 has none there,
+# so the issue's target stands in. Used for reporting only.
+SOLVED_AT = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.0, "MountainCarContinuous-v0": 90.0,
+             "Pendulum-v1": -250.0}
+
+# Environments that gymnax cannot build offline on every machine.
+_NEEDS_DOWNLOAD = {"MNISTBandit-bsuite"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """What the policy and the run need to know about an environment."""
+
+    name: str
+    obs_shape: tuple[int, ...]
+    discrete: bool
+    action_dim: int  # discrete: number of actions; continuous: size of the action vector
+    action_low: tuple[float, ...]  # continuous only: bounds the environment clips to
+    action_high: tuple[float, ...]
+    max_episode_steps: int
+
+    @property
+    def obs_size(self) -> int:
+        size = 1
+        for d in self.obs_shape:
+            size *= d
+        return size
+
+
+class EnvStep(NamedTuple):
+    """One transition of a (single, unbatched) environment; vmap the adapter's `step` for a batch."""
+
+    obs: jax.Array  # the next observation to act on (a new episode's first one after a reset)
+    state: dict[str, jax.Array]
+    reward: jax.Array  # float32 ()
+    terminated: jax.Array  # bool (): the episode reached a terminal state; do not bootstrap
+    truncated: jax.Array  # bool (): the time limit cut the episode; bootstrap from final_obs
+    final_obs: jax.Array  # the observation the transition really led to (pre-reset), for bootstrapping
+
+
+class Env:
+    """A gymnax environment behind a small typed interface: `reset(key)` and `step(key, state, action)`."""
+
+    def __init__(self, cfg: EnvConfig):
+        import gymnax
+
+        if cfg.name in _NEEDS_DOWNLOAD or cfg.name not in gymnax.registered_envs:
+            names = [n for n in gymnax.registered_envs if n not in _NEEDS_DOWNLOAD]
+            import difflib
+
+            close = difflib.get_close_matches(cfg.name, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"env.name={cfg.name!r} is not an environment the rl workload can build.{hint} "
+                              f"Available: {', '.join(names)}. Fix: pass one of these names, e.g. "
+                              f"env.name={close[0] if close else 'CartPole-v1'}.")
+        self._env, params = gymnax.make(cfg.name)
+        if cfg.max_episode_steps:
+            params = params.replace(max_steps_in_episode=cfg.max_episode_steps)
+        self._params = params
+        space = self._env.action_space(params)
+        discrete = hasattr(space, "n")
+        obs_shape = tuple(jax.eval_shape(lambda k: self._env.reset(k, params)[0], jax.random.PRNGKey(0)).shape)
+        if discrete:
+            action_dim, low, high = int(space.n), (), ()
+        else:
+            action_dim = int(space.shape[0]) if space.shape else 1
+            low = tuple(float(x) for x in jnp.broadcast_to(jnp.asarray(space.low), (action_dim,)))
+            high = tuple(float(x) for x in jnp.broadcast_to(jnp.asarray(space.high), (action_dim,)))
+        self.spec = EnvSpec(name=cfg.name, obs_shape=obs_shape, discrete=discrete, action_dim=action_dim,
+                            action_low=low, action_high=high, max_episode_steps=int(params.max_steps_in_episode))
+        _, template = jax.eval_shape(lambda k: self._env.reset(k, params), jax.random.PRNGKey(0))
+        self._state_type = type(template)
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        obs, state = self._env.reset(key, self._params)
+        return _obs(obs), self._to_dict(state)
+
+    def step(self, key: jax.Array, state: dict[str, jax.Array], action: jax.Array,
+             reset: tuple[jax.Array, dict[str, jax.Array]]) -> EnvStep:
+        """One transition; an episode that ends continues from `reset`, a fresh `reset(key)` result."""
+        obs, new_state, reward, terminated, _ = self._env.step_env(key, self._from_dict(state), action, self._params)
+        terminated = jnp.asarray(terminated, bool)
+        # A terminal step at the time limit counts as terminated: there is nothing to bootstrap from.
+        truncated = jnp.asarray(self._env.is_truncated(new_state, self._params), bool) & ~terminated
+        done = terminated | truncated
+        final_obs = _obs(obs)
+        reset_obs, reset_state = reset
+        next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), reset_state, self._to_dict(new_state))
+        return EnvStep(obs=jnp.where(done, reset_obs, final_obs), state=next_state,
+                       reward=jnp.asarray(reward, jnp.float32), terminated=terminated, truncated=truncated,
+                       final_obs=final_obs)
+
+    def _to_dict(self, state: Any) -> dict[str, jax.Array]:
+        return {f.name: _strong(getattr(state, f.name)) for f in dataclasses.fields(state)}
+
+    def _from_dict(self, state: dict[str, jax.Array]) -> Any:
+        return self._state_type(**state)
+
+
+def _strong(x: Any) -> jax.Array:
+    """The same array without a weak type (see the module docstring): `astype` to its own dtype drops it."""
+    x = jnp.asarray(x)
+    return x.astype(x.dtype)
+
+
+def _obs(obs: jax.Array) -> jax.Array:
+    return jnp.asarray(obs, jnp.float32)

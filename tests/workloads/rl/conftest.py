@@ -1,0 +1,35 @@
+"""A tiny rl config shared by the rl tests: 2 seeds x 8 CartPole environments, 8-step rollouts, 2 updates a chunk.
+
+Every test that trains uses exactly these settings (plus run-length and mesh choices that do not change the
+compiled program), so the session's persistent compile cache compiles each program once.
+"""
+
+import types
+
+import jax
+import pytest
+
+from systolic import config as config_lib
+from systolic.config import MeshConfig
+from systolic.runtime import mesh as mesh_lib
+from systolic.workloads.rl.config import RLConfig
+
+TINY_RL = [
+    "rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
+    "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40", "ppo.update_epochs=2",
+    "ppo.num_minibatches=2", "ppo.anneal_lr=false", "checkpoint.every_steps=2", "observe.log_every=1",
+]
+
+
+def tiny_rl_config(*extra: str) -> RLConfig:
+    return config_lib.from_dict(RLConfig, config_lib.apply_overrides({}, [*TINY_RL, *extra]))
+
+
+def devices_mesh(n: int):
+    return mesh_lib.make_mesh(MeshConfig(data=n, fsdp=1, tensor=1), jax.devices()[:n])
+
+
+@pytest.fixture(scope="session")
+def tiny_rl():
+    """`tiny_rl.config(*overrides)`, `tiny_rl.mesh(n_devices)`, `tiny_rl.overrides` (for CLI runs)."""
+    return types.SimpleNamespace(config=tiny_rl_config, mesh=devices_mesh, overrides=list(TINY_RL))

@@ -1,0 +1,43 @@
+"""The acceptance runs (slow: minutes on a 2-core CPU): the bundled recipes really solve their environments, and
+a CartPole policy trained by systolic also scores >= 475 in Gymnasium's own CartPole-v1."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def train(recipe: str, run_dir: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "systolic", "train", "rl", "--recipe", recipe, "--run-dir",
+                           str(run_dir)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert (run_dir / "returns.png").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["split"] == "eval"][-1]
+
+
+@pytest.mark.slow
+def test_default_recipe_solves_cartpole_in_gymnax_and_in_gymnasium(tmp_path):
+    final = train("rl-cartpole", tmp_path / "cartpole")
+    per_seed = [final[f"return/seed{i}"] for i in range(8)]
+    assert min(per_seed) >= 475, per_seed
+
+    pytest.importorskip("gymnasium")
+    from systolic.workloads.rl import evaluate
+
+    run = evaluate.restore_run(tmp_path / "cartpole")
+    returns = evaluate.gymnasium_returns(run, episodes=100, seed=0)  # (seeds, episodes)
+    assert returns.shape == (8, 100)
+    assert np.all(returns.mean(axis=1) >= 475), returns.mean(axis=1)
+
+
+@pytest.mark.slow
+def test_pendulum_recipe_beats_minus_250(tmp_path):
+    """The issue's bar is the mean return; every seed must also have learned to swing up (a seed that never
+    does stays near -600 to -1200)."""
+    final = train("rl-pendulum", tmp_path / "pendulum")
+    per_seed = [final[f"return/seed{i}"] for i in range(4)]
+    assert final["return"] > -250 and min(per_seed) > -300, per_seed
