@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fit":
             return _fit(args)
         if args.command == "eval":
-            return _eval(args)
+            return _evaluate_run(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "sample":
@@ -299,7 +299,7 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(command, args.processes, args.devices_per_process)
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _evaluate_run(args: argparse.Namespace) -> int:
     from systolic import workloads
 
     workload = workloads.get(args.workload)
