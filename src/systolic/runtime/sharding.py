@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -117,3 +118,8 @@ def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
     """Makes `mesh` and `rules` current: parameters are born sharded and `constrain` takes effect."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs (from `jax.eval_shape`) that carry their target shardings: a restore or AOT target."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

@@ -18,8 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from systolic.engine.compile import compile_once
 from systolic.engine.state import TrainState
-from systolic.runtime.sharding import Rules, activate
+from systolic.runtime.sharding import Rules, activate, with_shardings
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.model import Discriminator, Generator
 
@@ -85,12 +86,10 @@ def make_state_fns(cfg: GANConfig, channels: int, mesh: Mesh, rules: Rules):
     abstract = jax.eval_shape(make_state, key)
     replicated = NamedSharding(mesh, P())
     shardings = jax.tree.map(lambda _: replicated, abstract)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    abstract = with_shardings(abstract, shardings)
     init = jax.jit(make_state, out_shardings=shardings)
 
     def init_state() -> TrainState:
-        from systolic.workloads.lm.train import compile_once  # XLA:CPU compiles init code slowly at full optimisation
-
         with activate(mesh, rules):
             return compile_once(init, key)(key)
 

@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from systolic.engine.compile import compile_once, cpu_compiler_options
 from systolic.engine.loop import Task
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import with_shardings
 from systolic.workloads.rl import ppo
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -116,12 +118,12 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     key = jax.random.PRNGKey(cfg.rl.seed)
     abstract = jax.eval_shape(make_state, key)
     shardings = state_shardings(abstract, mesh, layout)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    abstract = with_shardings(abstract, shardings)
     init = jax.jit(make_state, out_shardings=shardings)
     replicated = NamedSharding(mesh, P())
     step = jax.jit(chunk_step, in_shardings=(shardings, None), out_shardings=(shardings, replicated),
-                   donate_argnums=0, compiler_options=cpu_compiler_options())
-    return (lambda: _compile_once(init, key)(key)), step, abstract, shardings
+                   donate_argnums=0, compiler_options=cpu_compiler_options(1))
+    return (lambda: compile_once(init, key)(key)), step, abstract, shardings
 
 
 def flatten_metrics(metrics: ppo.ChunkMetrics) -> dict[str, jax.Array]:
@@ -141,7 +143,7 @@ def make_seed_evaluator(cfg: RLConfig, env: Env, episodes: int):
     """Jitted `(params, obs_stats, key) -> (returns, lengths)`, each (S, E): every seed's deterministic policy."""
     run = ppo.make_episode_fn(cfg, env, episodes)
 
-    @jax.jit(compiler_options=cpu_compiler_options())
+    @jax.jit(compiler_options=cpu_compiler_options(1))
     def evaluate_seeds(params, obs_stats, key):
         return jax.vmap(run, in_axes=(0, 0, None))(params, obs_stats, key)
 
@@ -183,17 +185,3 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
     )
     return Prepared(task=task, env=env, layout=layout)
 
-
-def cpu_compiler_options() -> dict[str, int] | None:
-    """XLA:CPU at optimisation level 1 instead of its default 2: the chunk compiles in about 60% of the time
-    (12 s instead of 20 s for rl-cartpole, measured on this project's 2-core CPU) and runs as fast; its time goes
-    to many small kernels, which LLVM's extra optimisation does not speed up."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
-
-
-def _compile_once(fn, *args):
-    """Compiles a run-once function at XLA:CPU optimisation level 0: the init is random-number code, which
-    XLA:CPU optimises slowly and which runs only once. (The same trick as lm's `compile_once`; an engine helper
-    would serve both.)"""
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-    return fn.lower(*args).compile(compiler_options=options)

@@ -19,11 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import ConfigError
+from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.slab import Slab
@@ -117,8 +119,7 @@ def make_observations(cfg: SimConfig, mesh: Mesh) -> tuple[jax.Array, jax.Array]
         return w0, snaps
 
     shardings = (NamedSharding(mesh, slab.spectral_spec), NamedSharding(mesh, frames_spec))
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-    return jax.jit(observe, out_shardings=shardings).lower().compile(compiler_options=options)()
+    return compile_once(jax.jit(observe, out_shardings=shardings))()
 
 
 def make_problem(cfg: SimConfig, mesh: Mesh) -> InverseProblem:
@@ -148,9 +149,9 @@ def build_task(cfg: SimConfig, mesh: Mesh) -> tuple[Task, InverseProblem]:
                           rng=jax.random.PRNGKey(cfg.sim.seed))
 
     replicated = NamedSharding(mesh, P())
-    shardings = jax.tree.map(lambda _: replicated, jax.eval_shape(init_state))
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(init_state), shardings)
+    shapes = jax.eval_shape(init_state)
+    shardings = jax.tree.map(lambda _: replicated, shapes)
+    abstract = with_shardings(shapes, shardings)
     step = make_train_step(loss_fn, tx, make_schedule(cfg.optim, cfg.fit.steps))
     steps_per_trajectory = cfg.output.frames * fixed_steps(cfg, cfg.sim.dt)[0]
     task = Task(

@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from systolic.engine.compile import compile_once
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError
+from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import finite_difference as fd
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
@@ -96,17 +98,16 @@ def _state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> T
                       extra={"time": replicated})
 
 
-def _compile_once(fn: Callable[[], TrainState], shardings: TrainState) -> Callable[[], TrainState]:
+def _compiled_init(fn: Callable[[], TrainState], shardings: TrainState) -> Callable[[], TrainState]:
     """The initial state is computed once: on CPU compile it at XLA optimisation level 0, which halves the
     compile time (random-number and FFT code is slow to optimise) and costs nothing that matters at run time."""
     jitted = jax.jit(fn, out_shardings=shardings)
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-    return lambda: jitted.lower().compile(compiler_options=options)()
+    return lambda: compile_once(jitted)()
 
 
 def _abstract(fn: Callable, shardings: TrainState) -> TrainState:
     shapes = jax.eval_shape(fn)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    return with_shardings(shapes, shardings)
 
 
 def _new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
@@ -208,7 +209,7 @@ def _navier_stokes(cfg: SimConfig, mesh: Mesh) -> Simulation:
 
     return Simulation(
         equation="navier_stokes", mesh=mesh, abstract_state=_abstract(init, shardings),
-        initial_state=_compile_once(init, shardings),
+        initial_state=_compiled_init(init, shardings),
         frame_step=_jit_frame_step(advance, shardings, mesh),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: to_physical(s.params["w_hat"])),
@@ -322,7 +323,7 @@ def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
     shown = names[-1]
     return Simulation(
         equation=cfg.sim.equation, mesh=mesh, abstract_state=_abstract(init, shardings),
-        initial_state=_compile_once(init, shardings),
+        initial_state=_compiled_init(init, shardings),
         frame_step=_jit_frame_step(advance, shardings, mesh),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: s.params[shown]),
