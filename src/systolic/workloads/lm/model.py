@@ -29,6 +29,7 @@ from flax import nnx
 from systolic.errors import UserError
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.cpu import causal_attention, cpu_tweak, gradient_barrier, project
 
 ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -121,15 +122,17 @@ class Attention(nnx.Module):
         """x (B, T, D); kv None (training: causal over x) or this layer's cache (k, v), each (B, S, KV, hd),
         into which x's keys/values are written at `start`. Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))  # (B, T, H, hd)
-        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))  # (B, T, KV, hd)
-        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))  # (B, T, KV, hd)
+        q = project(x, self.wq[...].astype(dt))  # (B, T, H, hd)
+        k = project(x, self.wk[...].astype(dt))  # (B, T, KV, hd)
+        v = project(x, self.wv[...].astype(dt))  # (B, T, KV, hd)
         if self.bq is not None:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        if kv is None:
+        if kv is None and cpu_tweak("attention"):
+            out = causal_attention(q, k, v)  # (B, T, H, hd)
+        elif kv is None:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, hd)
         else:
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
@@ -138,7 +141,7 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
             out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
-        y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))  # (B, T, D)
+        y = project(out, self.wo[...].astype(dt), contract=2)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
         return y, kv
@@ -165,13 +168,13 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         if self.llama:
-            gate = jnp.einsum("btd,dm->btm", x, self.w_gate[...].astype(dt))  # (B, T, M)
-            up = jnp.einsum("btd,dm->btm", x, self.w_up[...].astype(dt))  # (B, T, M)
+            gate = project(x, self.w_gate[...].astype(dt))  # (B, T, M)
+            up = project(x, self.w_up[...].astype(dt))  # (B, T, M)
             h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-            return jnp.einsum("btm,md->btd", h, self.w_down[...].astype(dt))  # (B, T, D)
-        h = jnp.einsum("btd,dm->btm", x, self.w_fc[...].astype(dt)) + self.b_fc[...].astype(dt)  # (B, T, M)
+            return project(h, self.w_down[...].astype(dt))  # (B, T, D)
+        h = project(x, self.w_fc[...].astype(dt)) + self.b_fc[...].astype(dt)  # (B, T, M)
         h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
-        return jnp.einsum("btm,md->btd", h, self.w_proj[...].astype(dt)) + self.b_proj[...].astype(dt)  # (B, T, D)
+        return project(h, self.w_proj[...].astype(dt)) + self.b_proj[...].astype(dt)  # (B, T, D)
 
 
 class Block(nnx.Module):
@@ -184,6 +187,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, rope, mask, start, kv):
+        if kv is None and cpu_tweak("barrier"):
+            x = gradient_barrier(x)
         y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv)
         x = constrain(x + y, ACT)
         x = constrain(x + self.mlp(self.mlp_norm(x)), ACT)
