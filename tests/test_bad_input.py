@@ -48,6 +48,14 @@ def call(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_home(tmp_path_factory):
+    """`data.path=~` must not read the real home directory (gigabytes of toolchains on a dev machine)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def existing_run(tmp_path_factory, corpus_dir):
     run_dir = tmp_path_factory.mktemp("existing") / "run"

@@ -46,6 +46,42 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="1.0 = off")
     gen.add_argument("--seed", type=int)
 
+    export = sub.add_parser("export", help="write a trained lm as serialized StableHLO (jax.export) for deployment",
+                            description="Export the forward pass and/or the KV-cache decode step of a run's latest "
+                                        "checkpoint, e.g. `systolic export runs/lm-tiny --out model.jaxexport`; batch "
+                                        "and length are symbolic. Loading needs only jax: see docs/debugging.md.")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("--out", type=Path, required=True, help="file to write, e.g. model.jaxexport (parameters "
+                        "go beside it in model.params.npz, a description in model.json)")
+    export.add_argument("--what", choices=("forward", "decode", "both"), default="forward",
+                        help="forward: tokens -> logits (default); decode: tokens + KV cache -> logits + cache; both")
+    export.add_argument("--platforms", help="comma-separated, of cpu, cuda, rocm, tpu (default: this machine's)")
+
+    tokenizer = sub.add_parser("tokenizer", help="train a BPE tokenizer for the lm workload (then data.tokenizer=FILE)")
+    tokenizer_actions = tokenizer.add_subparsers(dest="tokenizer_action", required=True, metavar="ACTION")
+    tok_train = tokenizer_actions.add_parser(
+        "train", help="train a byte-level BPE on a corpus and write its tokenizer.json",
+        description="Train a byte-level BPE on the training split of a corpus (data.* settings as for `systolic train "
+                    "lm`; default: the Python standard library), e.g. `systolic tokenizer train --vocab-size 8192 "
+                    "data.path=corpus/ --out tok.json`, then `systolic train lm data.tokenizer=tok.json`.")
+    tok_train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. data.path=corpus/ data.max_bytes=5000000")
+    tok_train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, e.g. 8192")
+    tok_train.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write")
+
+    convert = sub.add_parser("convert", help="convert lm weights from or to Hugging Face (Llama, GPT-2)",
+                             description="Convert between Hugging Face folders (config.json + safetensors) and lm run "
+                                         "directories, e.g. `systolic convert from-hf ./hf-llama runs/llama`, then "
+                                         "`systolic train lm init.from=runs/llama data.path=notes/`.")
+    directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    from_hf = directions.add_parser("from-hf", help="a local Hugging Face folder -> a run directory (step-0 parameters)")
+    from_hf.add_argument("src", type=Path, help="folder with config.json and *.safetensors (and tokenizer.json)")
+    from_hf.add_argument("run_dir", type=Path, help="the run directory to create")
+    from_hf.add_argument("--scan-layers", action="store_true", help="stack the layers (model.scan_layers=true)")
+    to_hf = directions.add_parser("to-hf", help="a run directory's latest checkpoint -> a Hugging Face folder")
+    to_hf.add_argument("run_dir", type=Path)
+    to_hf.add_argument("out", type=Path, help="the folder to create (from_pretrained loads it)")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="split safetensors files above this size (default 5GB)")
+
     bench = sub.add_parser("bench", help="measure a workload's train step: step time, throughput, MFU, compile time",
                            description="Time the real train step of a recipe (warm-up excluded, median of N steps).")
     bench.add_argument("workload", help="which workload: lm")
@@ -89,9 +125,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser, example: str, default_di
     parser.add_argument("--recipe", help="bundled recipe name or path to a YAML file (default: the workload's default)")
     parser.add_argument("--run-dir", type=Path, help=f"where the run writes everything (default: {default_dir})")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    parser.add_argument("--debug", action="store_true", help="NaN/Inf checks, checkify on the train step (NaN, "
+                        "out-of-bounds index, division by zero) and JAX's recompilation reasons; slower")
+    parser.add_argument("--no-jit", action="store_true", help="run eagerly (jax.disable_jit) so print and pdb work "
+                        "inside the step; much slower")
 
 
 _RUN_COMMANDS = ("train", "simulate", "fit", "bench", "plan")  # the commands that take a recipe plus key=value overrides
+_OVERRIDE_COMMANDS = (*_RUN_COMMANDS, "tokenizer")  # the commands that take key=value overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may sit between options (`a=1 --recipe r b=2`); argparse leaves the later ones unrecognised.
     args, extra = parser.parse_known_args(argv)
-    stray = [item for item in extra if item.startswith("-") or args.command not in _RUN_COMMANDS]
+    stray = [item for item in extra if item.startswith("-") or args.command not in _OVERRIDE_COMMANDS]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if args.command in _RUN_COMMANDS:
+    if args.command in _OVERRIDE_COMMANDS:
         args.overrides += extra
     if args.command == "plan":
         _fake_devices_for_plan(args)  # before anything initialises a jax backend
-    if args.command != "launch":
+    if args.command not in ("launch", "tokenizer"):  # neither compiles anything
         from systolic.runtime import compile_cache
 
         compile_cache.enable()
@@ -119,8 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             return _fit(args)
         if args.command == "eval":
             return _evaluate_run(args)
+        if args.command == "export":
+            return _export(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "tokenizer":
+            return _train_tokenizer(args)
         if args.command == "sample":
             return _sample(args)
         if args.command == "info":
@@ -146,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     workload, cfg, run_dir, prepared = _prepare_run(args.workload, "train", args)
-    _transaction(prepared, lambda: workload.train(cfg, run_dir, quiet=args.quiet))
+    with _debug_mode(args):
+        _transaction(prepared, lambda: workload.train(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
@@ -167,7 +215,8 @@ def _transaction(prepared, run) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     workload, cfg, run_dir, prepared = _prepare_run("sim", "simulate", args)
-    _transaction(prepared, lambda: workload.simulate(cfg, run_dir, quiet=args.quiet))
+    with _debug_mode(args):
+        _transaction(prepared, lambda: workload.simulate(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
@@ -175,7 +224,8 @@ def _fit(args: argparse.Namespace) -> int:
     # Its own default directory: a fit's checkpoints hold a parameter, not the simulated fields that
     # `systolic simulate` of the same recipe keeps in runs/<recipe>.
     workload, cfg, run_dir, prepared = _prepare_run(args.workload, "fit", args, dir_suffix="-fit")
-    _transaction(prepared, lambda: workload.fit(cfg, run_dir, quiet=args.quiet))
+    with _debug_mode(args):
+        _transaction(prepared, lambda: workload.fit(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
@@ -200,6 +250,8 @@ def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: 
                         f"{recipe_path.stem}`).")
     cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
     run_dir = args.run_dir or Path("runs") / f"{recipe}{dir_suffix}"
+    if hasattr(workload, "resolve_config"):  # settings taken from elsewhere, e.g. lm's init.from=RUN_DIR
+        cfg = workload.resolve_config(cfg, overrides, run_dir)
     import jax
 
     prepared = rundir.prepare(run_dir, cfg) if jax.process_index() == 0 else None
@@ -312,11 +364,58 @@ def _evaluate_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug_mode(args: argparse.Namespace):
+    """--debug and --no-jit for the whole run (engine/debug.py)."""
+    from systolic.engine.debug import debug_mode
+
+    return debug_mode(checks=args.debug, jit=not args.no_jit)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm.export import export_run
+
+    platforms = [p.strip() for p in args.platforms.split(",")] if args.platforms else None
+    paths = export_run(args.run_dir, args.out, what=args.what, platforms=platforms)
+    print("wrote " + ", ".join(f"{p} ({p.stat().st_size / 1e6:.2f} MB)" for p in paths))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from systolic import workloads
 
     print(workloads.get("lm").generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
                                        args.top_k, args.top_p, args.seed))
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from systolic import config as config_lib
+    from systolic.data.bpe import train_to_file
+    from systolic.workloads.lm.config import LMConfig
+
+    tree = config_lib.apply_overrides({}, args.overrides)
+    others = [item for item in args.overrides if not item.startswith("data.")]
+    if others:
+        raise UserError(f"`systolic tokenizer train` reads only data.* settings (data.path, data.max_bytes, "
+                        f"data.val_percent), but got {', '.join(others)}. Fix: drop those overrides, e.g. "
+                        "`systolic tokenizer train --vocab-size 8192 data.path=corpus/ --out tok.json`.")
+    data = config_lib.from_dict(LMConfig, tree).data
+    print(train_to_file(data.path, max_bytes=data.max_bytes, val_percent=data.val_percent, vocab_size=args.vocab_size,
+                        out=args.out))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm import hf
+
+    if args.direction == "from-hf":
+        cfg = hf.import_run(args.src, args.run_dir, scan_layers=args.scan_layers)
+        print(f"converted {args.src} ({cfg.model.family}, {cfg.model.layers} layers, d_model {cfg.model.d_model}, "
+              f"vocabulary {cfg.model.vocab_size}) into {args.run_dir}; fine-tune with `systolic train lm "
+              f"init.from={args.run_dir} data.path=...`")
+    else:
+        files = hf.export_run(args.run_dir, args.out, max_shard_bytes=hf.parse_size(args.max_shard_size))
+        print(f"wrote {args.out}: {', '.join(files)}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from pathlib import Path
@@ -279,7 +280,7 @@ def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
     if not isinstance(tree, dict):
         raise ConfigError(f"'{prefix[:-1]}' must be a section (a mapping of keys), got {tree!r}. Fix: write it as {prefix[:-1]}.KEY=VALUE.")
     hints = typing.get_type_hints(schema)
-    fields = {f.name: f for f in dataclasses.fields(schema)}
+    fields = {config_key(f.name): f for f in dataclasses.fields(schema)}
     for key in tree:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -289,15 +290,15 @@ def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
                 f"{', '.join(fields)}."
             )
     kwargs = {}
-    for name, f in fields.items():
-        if name not in tree:
+    for key, f in fields.items():
+        if key not in tree:
             continue
-        kind = hints[name]
-        value = tree[name]
+        kind = hints[f.name]
+        value = tree[key]
         if dataclasses.is_dataclass(kind):
-            kwargs[name] = from_dict(kind, value, f"{prefix}{name}.")
+            kwargs[f.name] = from_dict(kind, value, f"{prefix}{key}.")
         else:
-            kwargs[name] = _coerce(value, kind, f"{prefix}{name}")
+            kwargs[f.name] = _coerce(value, kind, f"{prefix}{key}")
     obj = schema(**kwargs)
     if hasattr(obj, "validate"):
         obj.validate()
@@ -365,14 +366,20 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     """The plain-data form of a config, as written to `<run_dir>/config.yaml`."""
     out = {}
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+        value, key = getattr(cfg, f.name), config_key(f.name)
         if dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
+            out[key] = to_dict(value)
         elif isinstance(value, tuple):
-            out[f.name] = list(value)
+            out[key] = list(value)
         else:
-            out[f.name] = value
+            out[key] = value
     return out
+
+
+def config_key(field_name: str) -> str:
+    """A field's key in YAML and overrides. PEP 8 spells a field named after a Python keyword with a trailing
+    underscore (`from_`); the config spells it without (`init.from=RUN_DIR`)."""
+    return field_name[:-1] if field_name.endswith("_") and keyword.iskeyword(field_name[:-1]) else field_name
 
 
 def load(schema: type, recipe: str | None, overrides: list[str], default_recipe: str) -> tuple[Any, str]:

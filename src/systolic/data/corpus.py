@@ -62,7 +62,10 @@ def read_documents(path: str, *, max_bytes: int = 0) -> list[Document]:
         texts = _read_text_files(root, files)
         shown = f"the Python standard library ({root})"
     else:
-        root = Path(path).expanduser()
+        try:
+            root = Path(path).expanduser()
+        except RuntimeError:  # `~nosuchuser/...`: no such home directory; reported as a missing path below
+            root = Path(path)
         shown = str(root)
         if not root.exists():
             raise UserError(

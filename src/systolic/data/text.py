@@ -13,15 +13,16 @@ import grain
 import numpy as np
 
 from systolic.data.corpus import Document
-from systolic.data.tokenizer import ByteTokenizer
+from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 
 
-def encode_documents(docs: Sequence[Document], tokenizer: ByteTokenizer) -> np.ndarray:
-    """All documents as one uint16 token array, each followed by `tokenizer.eot_id`."""
-    eot = np.array([tokenizer.eot_id], np.uint16)
-    parts = [part for doc in docs for part in (tokenizer.encode(doc.text), eot)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarray:
+    """All documents as one token array of `tokenizer.dtype` (uint16, or uint32 past 65,536 ids), each
+    followed by `tokenizer.eot_id`."""
+    eot = np.array([tokenizer.eot_id], tokenizer.dtype)
+    parts = [part for ids in tokenizer.encode_batch([doc.text for doc in docs]) for part in (ids, eot)]
+    return np.concatenate(parts) if parts else np.zeros(0, tokenizer.dtype)
 
 
 class TokenWindows:

@@ -1,10 +1,37 @@
-"""Byte-level tokenizer: no training, no vocabulary file, every string encodes losslessly."""
+"""Tokenizers for the lm workload, picked by `data.tokenizer`: "byte" (the default) or a path to a tokenizer.json.
+
+The byte tokenizer needs no training and no file. A BPE tokenizer (`systolic.data.bpe`) is a Hugging Face
+tokenizer.json, trained by `systolic tokenizer train` or shipped with a model. A run trained with one keeps a
+copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
 import numpy as np
 
-from systolic.errors import UserError
+from systolic.errors import ConfigError, UserError
+
+RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run directory
+
+
+class Tokenizer(Protocol):
+    """What the lm workload needs from a tokenizer. `dtype` is the smallest unsigned type that holds every id."""
+
+    name: str
+    vocab_size: int
+    eot_id: int  # appended after every document
+    pad_id: int
+    dtype: type
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids) -> str: ...
 
 
 class ByteTokenizer:
@@ -14,10 +41,14 @@ class ByteTokenizer:
     eot_id = 256  # <|endoftext|>, appended after every document
     pad_id = 257
     vocab_size = 258
+    dtype = np.uint16  # uint8 cannot hold the special ids next to the bytes
 
     def encode(self, text: str) -> np.ndarray:
-        """UTF-8 bytes of `text` as a uint16 array (uint8 cannot hold the special ids next to them)."""
+        """UTF-8 bytes of `text` as a uint16 array."""
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids) -> str:
         """Text of `ids` (any integer array or list); special ids are dropped, broken UTF-8 becomes U+FFFD."""
@@ -28,10 +59,93 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def make_tokenizer(name: str) -> ByteTokenizer:
-    """The tokenizer called `name` (data.tokenizer)."""
-    if name == ByteTokenizer.name:
+def make_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer `data.tokenizer=spec` names: "byte", or a tokenizer.json (or a folder holding one).
+
+    Raises ConfigError when the file is missing or is not a tokenizer.json.
+    """
+    if spec == ByteTokenizer.name:
         return ByteTokenizer()
-    raise UserError(
-        f"data.tokenizer={name!r} is not a known tokenizer. Expected one of: 'byte'. Fix: set data.tokenizer=byte."
+    from systolic.data.bpe import BPETokenizer  # imports the Rust library only when a BPE is used
+
+    return BPETokenizer.load(tokenizer_file(spec), name=spec)
+
+
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that `spec` names; ConfigError if there is none."""
+    path = Path(spec)
+    try:
+        path = path.expanduser()
+        if path.is_dir() and (path / RUN_FILE).is_file():
+            return path / RUN_FILE
+        if path.is_file():
+            return path
+        problem = "is a folder without a tokenizer.json in it" if path.is_dir() else "does not exist"
+    except (OSError, ValueError, RuntimeError) as e:  # a name too long for the file system, a NUL byte, ~nosuchuser
+        problem = f"is not a usable path ({e})"
+    raise ConfigError(
+        f"data.tokenizer={spec!r} {problem}. Expected 'byte' (the built-in byte-level tokenizer) or the path of a "
+        "Hugging Face tokenizer.json (or of a folder holding one, such as a downloaded model). Fix: correct the path, "
+        "train one with `systolic tokenizer train --vocab-size 8192 data.path=CORPUS --out tok.json`, or set "
+        "data.tokenizer=byte."
     )
+
+
+# THE RUN DIRECTORY'S COPY -------------------------------------------------------------------------------------
+
+
+def run_tokenizer(run_dir: Path, spec: str) -> str:
+    """What `make_tokenizer` should load for the finished or running run in `run_dir` trained with
+    data.tokenizer=`spec`: "byte", or the run's own copy RUN_DIR/tokenizer.json (never the original path, which
+    may be relative to another folder, changed or gone)."""
+    if spec == ByteTokenizer.name:
+        return spec
+    copy = Path(run_dir) / RUN_FILE
+    if not copy.is_file():
+        raise UserError(
+            f"{run_dir} was trained with data.tokenizer={spec!r}, but its copy of that tokenizer, {copy}, is "
+            "missing, so its token ids cannot be turned into text. Fix: copy the tokenizer.json that the run was "
+            f"trained with to {copy}."
+        )
+    return str(copy)
+
+
+def tokenizer_for_training(run_dir: Path, spec: str, *, resuming: bool) -> str:
+    """The data.tokenizer a training run in `run_dir` uses. A fresh run uses `spec`. A run that resumes from
+    its checkpoints uses its own copy, after checking that `spec` names the same tokenizer (the checkpoints'
+    embedding rows mean that tokenizer's ids); `spec` may point at a file that no longer exists."""
+    if not resuming:
+        return spec
+    copy = Path(run_dir) / RUN_FILE
+    has_copy = copy.is_file()
+    trained_with = f"the tokenizer in {copy}" if has_copy else "the byte tokenizer (data.tokenizer=byte)"
+    if spec == ByteTokenizer.name or not has_copy:
+        same = spec == ByteTokenizer.name and not has_copy
+    else:
+        try:
+            same = tokenizer_file(spec).read_bytes() == copy.read_bytes()
+        except ConfigError:
+            same = True  # the original is gone: the copy is the tokenizer
+    if not same:
+        raise UserError(
+            f"{run_dir} holds checkpoints of a run trained with {trained_with}, but this run asks for "
+            f"data.tokenizer={spec!r}, a different tokenizer; the checkpoints' embeddings would be read as the wrong "
+            f"tokens. Fix: pass a new --run-dir, or resume with the run's own tokenizer (data.tokenizer="
+            f"{copy if copy.is_file() else 'byte'})."
+        )
+    return spec if spec == ByteTokenizer.name else str(copy)
+
+
+def store_in_run(run_dir: Path, spec: str) -> None:
+    """Makes `run_dir` self-contained: copies the tokenizer.json that `spec` names to RUN_DIR/tokenizer.json,
+    atomically; for the byte tokenizer, removes a copy left by an earlier run in the same directory."""
+    copy = Path(run_dir) / RUN_FILE
+    if spec == ByteTokenizer.name:
+        copy.unlink(missing_ok=True)
+        return
+    from systolic.data.bpe import write_atomic
+
+    source = tokenizer_file(spec)
+    if copy.exists() and source.resolve() == copy.resolve():
+        return
+    write_atomic(copy, source.read_bytes())

@@ -202,6 +202,12 @@ class Checkpointer:
             pass
 
 
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether `run_dir/checkpoints` holds at least one step folder (cheap: no Orbax, no verification)."""
+    folder = Path(run_dir) / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
 def _train_item(state: TrainState) -> dict[str, Any]:
     item = {"step": state.step, "rng": state.rng}
     if jax.tree.leaves(state.extra):  # Orbax rejects an empty subtree

@@ -11,11 +11,12 @@ exits cleanly; a non-finite update is discarded and either halts the run or is s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 
 from systolic.config import CheckpointConfig, ObserveConfig, TrainConfig
+from systolic.engine import debug
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
 from systolic.errors import TrainingHalted
@@ -155,7 +157,8 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     pending: list[tuple[int, dict[str, jax.Array]]] = []
     eval_metrics: dict[str, float] = {}
     last_loss = compile_s = None
-    compiles = 0
+    checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug: under checkify
+    recompiles = debug.RecompileWatch(checked or task.train_step)
     timed_steps, timed_s = 0, 0.0  # steady-state training only: no compile, no evaluation
     t_mark, step_mark = time.perf_counter(), start
     last_save = time.monotonic()
@@ -170,14 +173,18 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
         last_save = time.monotonic()
 
     try:
-        with StopSignals() as signals:
+        with StopSignals() as signals, debug.value_checks():
             step = start
             while step < stop:
                 step += 1
                 batch = next(task.data) if task.data is not None else None
                 profiler.before(step)
-                with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = task.train_step(state, batch)
+                args = {"state": state, "batch": batch}  # kept for the recompilation report (donated: metadata only)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step), _floating_point_errors(step):
+                    state, metrics = checked(state, batch, step) if checked else task.train_step(state, batch)
+                if (recompiled := recompiles.check(step, args)) is not None:
+                    progress.log(f"[yellow]warning:[/] {recompiled}")
+                del args
                 profiler.after(step, state)
                 pending.append((step, metrics))
                 if step == start + 1:
@@ -187,7 +194,6 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                     t_mark, step_mark = time.perf_counter(), step
                     progress.log(f"first step (compile + run) took {compile_s:.1f} s")
                     progress.restart_clock(step)
-                    compiles = _cache_size(task.train_step)
                 # Stop and timed-checkpoint decisions must be the same on every process (each one's save and
                 # next step are collective); with several processes they are agreed on at log steps only.
                 regular_log = step % settings.observe.log_every == 0 or step == stop
@@ -218,14 +224,10 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                     if guard.skipped:
                         stats["skipped"] = f"{guard.skipped}"
                     progress.update(step, stats)
-                    if _cache_size(task.train_step) > compiles:
-                        compiles = _cache_size(task.train_step)
-                        progress.log(f"[yellow]warning:[/] the train step compiled again (now {compiles} versions) at "
-                                     f"step {step}: an input's shape, dtype or sharding changed between steps. Run "
-                                     "with JAX_EXPLAIN_CACHE_MISSES=1 to see which.")
                     t_mark, step_mark = time.perf_counter(), step
                 if task.evaluate is not None and (step % settings.train.eval_every == 0 or step == total):
-                    eval_metrics = task.evaluate(state)
+                    with _floating_point_errors(step):
+                        eval_metrics = task.evaluate(state)
                     writer.write(step, "eval", eval_metrics)
                     writer.flush()
                     progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
@@ -299,7 +301,16 @@ def _restore_or_init(task: Task, settings: LoopSettings, ckpt: Checkpointer,
     return state, step
 
 
-def _cache_size(fn: Any) -> int:
-    """How many versions a jitted function has compiled; 0 for a plain function (e.g. under --no-jit)."""
-    return fn._cache_size() if hasattr(fn, "_cache_size") else 0
+@contextlib.contextmanager
+def _floating_point_errors(step: int) -> Iterator[None]:
+    """--debug's jax_debug_nans/infs raise FloatingPointError from any jitted code (evaluation, a workload's own
+    step): stop the run the way the non-finite guard does, naming the step, the operation and the line."""
+    try:
+        yield
+    except FloatingPointError as e:
+        raise TrainingHalted(
+            f"--debug: step {step} produced a non-finite value: {debug.describe_floating_point_error(e)}. The run "
+            "halted; the last checkpoint is intact. Fix: inspect that line (with --no-jit a breakpoint() there stops "
+            "in pdb), then rerun the same command to resume."
+        ) from None
 

@@ -100,7 +100,9 @@ class DataConfig:
     seq_len: int = 256
     val_percent: float = 5.0  # share of documents held out for validation, chosen by a hash of their name
     max_bytes: int = 0  # 0: use the whole corpus; else stop reading after this many bytes
-    tokenizer: Literal["byte"] = "byte"
+    # "byte", or a Hugging Face tokenizer.json (or a folder holding one). The file is checked when it is loaded,
+    # not here: a finished run's config names the original path, and a run reads its own copy RUN_DIR/tokenizer.json.
+    tokenizer: str = "byte"
 
     def validate(self) -> None:
         if self.seq_len <= 0:
@@ -109,6 +111,21 @@ class DataConfig:
             raise ConfigError(f"data.val_percent={self.val_percent} must be between 0 and 100 (exclusive). Fix: e.g. data.val_percent=5.")
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 means no limit).")
+        if not self.tokenizer.strip():
+            raise ConfigError(
+                "data.tokenizer is empty. Expected 'byte' (the built-in byte-level tokenizer) or the path of a Hugging "
+                "Face tokenizer.json. Fix: set data.tokenizer=byte, or data.tokenizer=tok.json after "
+                "`systolic tokenizer train --vocab-size 8192 --out tok.json`."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """Where training starts: random parameters, or (`init.from=RUN_DIR`) the newest checkpoint's parameters of
+    another lm run, e.g. one written by `systolic convert from-hf`. The model section and the tokenizer then come
+    from that run; the optimizer starts fresh. Once this run has a checkpoint, it resumes from its own."""
+
+    from_: str = ""  # the config key is `init.from` (see systolic.config.config_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +160,7 @@ class LMConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
     sample: SampleConfig = SampleConfig()
+    init: InitConfig = InitConfig()
 
     def validate(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:

@@ -10,20 +10,29 @@ from pathlib import Path
 
 import jax
 
+from systolic.data.tokenizer import store_in_run, tokenizer_for_training
 from systolic.engine import loop
+from systolic.engine.checkpoint import has_checkpoints
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads.lm import sample
+from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import baseline_nats_per_byte, build_task
 
 Config = LMConfig
 DEFAULT_RECIPE = "lm-tiny"
+resolve_config = init_from.resolve_config  # the CLI's hook: with init.from, the source's model and tokenizer
 
 
 def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    init_from.check_not_imported(run_dir)
     mesh = mesh_lib.make_mesh(cfg.mesh)
+    # A run that resumes reads its own copy of the tokenizer; a fresh one stores a copy once its input checked out.
+    spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=cfg.checkpoint.resume and has_checkpoints(run_dir))
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
     prepared = build_task(cfg, mesh)
+    if jax.process_index() == 0:
+        store_in_run(run_dir, spec)
     data = prepared.corpus
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters ({cfg.model.family}, {cfg.model.layers} layers, "
@@ -52,6 +61,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
                                   top_p=cfg.sample.top_p, seed=cfg.sample.seed)
         say(f"sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}):\n{cfg.sample.prompt}{text}")
     return result
+
 
 
 @contextlib.contextmanager

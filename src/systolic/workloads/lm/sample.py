@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from systolic.data.tokenizer import make_tokenizer
+from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.errors import UserError
@@ -30,27 +30,61 @@ def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, vocab: int, 
     stop = np.flatnonzero(new == tokenizer.eot_id)
     if stop.size:
         new = new[: stop[0]]
-    return tokenizer.decode(new)
+    return continuation_text(tokenizer, ids, new)
+
+
+def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:
+    """The text that `new_ids` add after `prompt_ids`. Decoding the new ids alone can differ: a character split
+    across the boundary (bytes, byte-level BPE) or a decoder that strips a leading space (Llama's) would lose text."""
+    head = tokenizer.decode(prompt_ids)
+    whole = tokenizer.decode(np.concatenate([prompt_ids, new_ids]))
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new_ids)
 
 
 def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
                       top_k: int | None, top_p: float | None, seed: int | None) -> str:
     """The prompt followed by its continuation; unset arguments take the run's `sample` settings."""
-    from systolic.workloads import config_class
-    from systolic.workloads.lm.train import model_graphdef
-
-    cfg: LMConfig = rundir.load_config(run_dir, config_class)
+    cfg = rundir.load_config(run_dir, _config_class)
     if cfg.workload != "lm":
         raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `systolic generate` needs a language model run.")
     overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
+    run = load_run(run_dir, "generate from")
+    cfg, graphdef, params, vocab = run.cfg, run.graphdef, run.params, run.vocab
+    return settings.prompt + sample_text(cfg, graphdef, params, vocab, prompt=settings.prompt, max_new_tokens=settings.max_new_tokens,
+                       temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A trained lm run's model on one device: what `generate` and `export` start from."""
+
+    cfg: LMConfig
+    vocab: int  # embedding rows (the tokenizer's vocabulary, padded)
+    graphdef: nnx.GraphDef
+    params: Any  # pure dict of arrays, on the first device
+    step: int  # the checkpoint's step
+
+
+def load_run(run_dir: Path, purpose: str) -> LoadedRun:
+    """The newest intact checkpoint's parameters and the run's config; `purpose` ("generate from", "export")
+    completes the error message when there is nothing to load."""
+    from systolic.workloads.lm.train import model_graphdef
+
+    cfg = rundir.load_config(run_dir, _config_class)
+    if cfg.workload != "lm":
+        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; only a language model run can be used to {purpose}.")
+    # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer(run_dir, cfg.data.tokenizer)))
     ckpt_dir = Path(run_dir) / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
     step = ckpt.latest_intact_step() if ckpt else None
     if step is None:
-        raise UserError(f"{run_dir} has no complete checkpoint to generate from. Fix: train first "
+        if ckpt:
+            ckpt.close()
+        raise UserError(f"{run_dir} has no complete checkpoint to {purpose}. Fix: train first "
                         f"(`systolic train lm --run-dir {run_dir}`), or pass another run directory.")
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
     graphdef = model_graphdef(cfg.model, vocab)
@@ -59,8 +93,13 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     params = ckpt.restore_params(step, abstract)
     ckpt.close()
-    return settings.prompt + sample_text(cfg, graphdef, params, vocab, prompt=settings.prompt, max_new_tokens=settings.max_new_tokens,
-                       temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
+    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=step)
+
+
+def _config_class(workload: str | None) -> type:
+    from systolic.workloads import config_class
+
+    return config_class(workload)
 
 
 def _model(cfg: LMConfig, vocab: int):

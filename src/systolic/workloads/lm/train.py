@@ -17,15 +17,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from systolic.data import corpus, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
+from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
+from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for, with_shardings
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token
+from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
 
 
@@ -92,21 +94,17 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     shardings = TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    abstract = with_shardings(abstract, shardings)
     init = jax.jit(make_state, out_shardings=shardings)
 
     def init_state() -> TrainState:
         with activate(mesh, rules):
             return compile_once(init, key)(key)
 
+    if cfg.init.from_:  # fine-tuning: another run's parameters instead of random ones
+        init_state = make_init_state(Path(cfg.init.from_), cfg.model, abstract, shardings, tx, key, mesh, rules)
     return init_state, abstract, shardings
 
-
-def compile_once(fn, *args):
-    """Compiles a run-once function. XLA:CPU spends seconds optimising random-number code (5 s for 30
-    `normal` draws); at optimisation level 0 the same init compiles 7x faster and runs once anyway."""
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-    return fn.lower(*args).compile(compiler_options=options)
 
 
 # LOSS AND EVALUATION ------------------------------------------------------------------------------------------

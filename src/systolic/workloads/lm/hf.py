@@ -1,0 +1,305 @@
+"""Hugging Face weights <-> lm run directories, for the Llama (incl. grouped-query attention) and GPT-2 families.
+
+`systolic convert from-hf SRC RUN_DIR` reads a local folder (config.json + model.safetensors, or sharded
+model-*.safetensors + model.safetensors.index.json) one tensor at a time, places each parameter straight into
+its sharded layout, and writes a run directory: config.yaml, tokenizer.json (when SRC has one) and a
+parameters-only checkpoint at step 0, which `systolic generate` and `systolic train lm init.from=RUN_DIR` read.
+`systolic convert to-hf RUN_DIR OUT` writes the latest checkpoint back as a folder `from_pretrained` loads.
+Which tensor is which lives in `hf_tensors`, config.json in `hf_config`; tests/workloads/lm/test_hf.py checks
+logits and greedy generations against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from systolic import config as config_lib
+from systolic.config import MeshConfig
+from systolic.data.tokenizer import RUN_FILE, make_tokenizer
+from systolic.engine import rundir
+from systolic.engine.checkpoint import Checkpointer
+from systolic.engine.state import TrainState
+from systolic.errors import ConfigError, UserError
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import rules_for
+from systolic.workloads.lm import hf_config
+from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
+from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, layer_shape, pairs, to_hf, to_ours
+from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.sample import load_run
+from systolic.workloads.lm.train import param_shardings
+
+
+def abstract_params(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
+    """Our parameters as a pure dict of ShapeDtypeStructs (no allocation)."""
+    return nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, vocab, rngs=nnx.Rngs(0)), nnx.Param)))
+
+
+# READING A HUGGING FACE FOLDER --------------------------------------------------------------------------------
+
+
+class Folder:
+    """The safetensors tensors of a Hugging Face folder: headers read up front, data one tensor at a time."""
+
+    IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")  # buffers, not weights
+
+    def __init__(self, src: Path):
+        self.src = Path(src)
+        index = self.src / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({self.src / f for f in weight_map.values()})  # not stray files like consolidated.safetensors
+        elif (self.src / "model.safetensors").is_file():
+            files = [self.src / "model.safetensors"]
+        else:
+            files = sorted(self.src.glob("*.safetensors"))
+        if not files:
+            raise UserError(
+                f"{self.src} has no *.safetensors weights. Expected model.safetensors, or model-*.safetensors with "
+                "model.safetensors.index.json. Fix: download the safetensors version of the model, or convert a "
+                "pytorch_model.bin with transformers: `AutoModelForCausalLM.from_pretrained(src).save_pretrained(dir)`."
+            )
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in files:
+            if not path.is_file():
+                raise UserError(f"{index} lists {path.name}, which is missing. Fix: download the complete model.")
+            with safe_open(path, framework="numpy") as f:
+                for name in f.keys():
+                    self.where[name] = path
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def resolve(self, name: str) -> str | None:
+        """The stored name of `name`: checkpoints saved from the bare model (GPT2Model, as the original gpt2
+        weights are) lack the `model.`/`transformer.` prefix."""
+        if name in self.where:
+            return name
+        bare = name.split(".", 1)[1] if name.startswith(("model.", "transformer.")) else None
+        return bare if bare in self.where else None
+
+    def read(self, name: str) -> np.ndarray:
+        if self._last is None or self._last[0] != name:  # GPT-2's c_attn is read once for q, k and v
+            with safe_open(self.where[name], framework="numpy") as f:
+                self._last = (name, f.get_tensor(name))
+        return self._last[1]
+
+    def check(self, cfg: ModelConfig, expected: list[Pair], shapes: dict[KeyPath, tuple[int, ...]]) -> dict[str, str]:
+        """Maps each expected name to its stored name; a missing, unknown or misshapen tensor is a UserError."""
+        stored = {p.hf: self.resolve(p.hf) for p in expected}
+        missing = [name for name, found in stored.items() if found is None]
+        if missing:
+            templates = sorted({re.sub(r"\.\d+\.", ".{i}.", p.hf) for p in expected})
+            raise UserError(
+                f"{self.src} lacks {len(missing)} tensor(s) that a {cfg.family} model with this config.json needs: "
+                f"{_some(missing)}. Expected tensors (i = 0..{cfg.layers - 1}): "
+                f"{', '.join(templates)}. Fix: download the complete checkpoint, or check that config.json (layers, "
+                "tie_word_embeddings) belongs to these weights."
+            )
+        used = set(stored.values())
+        unknown = [n for n in self.where if n not in used and not self.IGNORED.search(n)
+                   and not (cfg.tie_embeddings and n.endswith("lm_head.weight"))]
+        if unknown:
+            raise UserError(
+                f"{self.src} holds tensors that a {cfg.family} model as described by config.json does not have: "
+                f"{_some(unknown)}. They may belong to a variant systolic "
+                "does not convert (e.g. attention biases); importing without them would change the model. Fix: "
+                "pass a plain Llama or GPT-2 checkpoint."
+            )
+        for name, group in group_by(expected, lambda p: p.hf).items():
+            want = hf_shape(group, layer_shape(shapes[group[0].path], group[0].layer))
+            if self.shapes[stored[name]] != want:
+                raise UserError(
+                    f"{self.src}: tensor {stored[name]} has shape {self.shapes[stored[name]]}, but config.json implies "
+                    f"{want}. Fix: check that config.json belongs to these weights."
+                )
+        return stored
+
+
+def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
+    """Our parameters (pure dict, float32) from the HF folder `src`, each placed directly on its NamedSharding in
+    `shardings` (as `lm.train.param_shardings` gives them). Only one parameter (one HF tensor per layer when
+    stacked) is on the host at a time, and each device receives only its own slice."""
+    folder = Folder(src)
+    vocab = cfg.padded_vocab(0)
+    flat_shapes = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, vocab))[0]
+    shapes = {tuple(k.key for k in path): x.shape for path, x in flat_shapes}
+    expected = pairs(cfg)
+    stored = folder.check(cfg, expected, shapes)
+    groups = group_by(expected, lambda p: p.path)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
+    leaves = []
+    for key_path, sharding in flat:
+        path = tuple(k.key for k in key_path)
+        group = groups[path]
+        shape = layer_shape(shapes[path], group[0].layer)
+        layers = [to_ours(p.tensor, folder.read(stored[p.hf]), shape) for p in group]
+        host = np.stack(layers) if group[0].layer is not None else layers[0]  # (L, ...) when stacked
+        leaves.append(jax.make_array_from_callback(host.shape, sharding, lambda index, host=host: host[index]))
+        del host, layers
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# WRITING A HUGGING FACE FOLDER --------------------------------------------------------------------------------
+
+
+Export = list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]  # (HF name, shape, function making it)
+
+
+def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
+    """Every HF tensor of host params (pure dict of NumPy arrays), each built only when its function is called."""
+
+    def at(path: KeyPath) -> np.ndarray:
+        x = params
+        for key in path:
+            x = x[key]
+        return x
+
+    def part(p: Pair) -> np.ndarray:
+        x = at(p.path)
+        return to_hf(p.tensor, np.asarray(x if p.layer is None else x[p.layer]))
+
+    out = []
+    for name, group in group_by(pairs(cfg), lambda p: p.hf).items():
+        group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn: q, k, v in this order
+        make = (lambda group=group: np.ascontiguousarray(np.concatenate([part(p) for p in group], axis=-1)))
+        out.append((name, hf_shape(group, layer_shape(at(group[0].path).shape, group[0].layer)), make))
+    return out
+
+
+def write_safetensors(out: Path, tensors: Export, max_shard_bytes: int) -> list[str]:
+    """model.safetensors, or model-0000k-of-0000n.safetensors plus model.safetensors.index.json when the float32
+    tensors exceed `max_shard_bytes` (a tensor larger than that gets a shard of its own). Returns the files' names."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, _) in enumerate(tensors):
+        nbytes = 4 * math.prod(shape)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        # Built one shard at a time: the host holds at most one shard of HF tensors besides the parameters.
+        arrays = {tensors[i][0]: tensors[i][2]().astype(np.float32) for i in shard}
+        save_file(arrays, str(out / file), metadata={"format": "pt"})  # transformers requires the format key
+        weight_map.update({tensors[i][0]: file for i in shard})
+    if n > 1:
+        total = sum(4 * math.prod(shape) for _, shape, _ in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+        names.append("model.safetensors.index.json")
+    return names
+
+
+def parse_size(text: str) -> int:
+    """Bytes in '5GB', '500MB', '200KiB' or '1000000' (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {text!r} is not a size. Expected a positive number with an optional unit "
+                        "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB or 500MB.")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+# RUN DIRECTORIES ----------------------------------------------------------------------------------------------
+
+
+def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConfig:
+    """`systolic convert from-hf`: writes `run_dir` (config.yaml, tokenizer.json, a step-0 parameters-only
+    checkpoint). The directory appears complete or not at all. Returns the run's config."""
+    src, run_dir = Path(src), Path(run_dir)
+    mcfg = hf_config.model_config(hf_config.read_config(src), src, scan_layers=scan_layers)
+    _check_free(run_dir)
+    tokenizer = src / RUN_FILE
+    # Without a tokenizer.json the run uses bytes: right for a model that systolic trained and exported.
+    ids = make_tokenizer(str(tokenizer) if tokenizer.is_file() else "byte").vocab_size
+    if ids > mcfg.vocab_size:
+        which = f"its {RUN_FILE}" if tokenizer.is_file() else f"the byte tokenizer (there is no {RUN_FILE})"
+        raise UserError(
+            f"{src}: {which} has {ids} ids, but the model has only {mcfg.vocab_size} embedding rows. Fix: put the "
+            f"model's own {RUN_FILE} into {src}."
+        )
+    data = {"tokenizer": str((run_dir / RUN_FILE).absolute()) if tokenizer.is_file() else "byte",
+            "seq_len": min(DataConfig.seq_len, mcfg.max_seq_len)}
+    cfg = config_lib.from_dict(LMConfig, {"workload": "lm", "model": config_lib.to_dict(mcfg), "data": data})
+    params = load_params(src, mcfg, _host_shardings(mcfg))
+    tmp = run_dir.with_name(f".{run_dir.name}.converting-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / rundir.CONFIG_FILE).write_text(config_lib.dump_yaml(cfg), encoding="utf-8")
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / RUN_FILE)
+        ckpt = Checkpointer(tmp / "checkpoints", cfg.checkpoint)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
+        meta = {"workload": "lm", "vocab": mcfg.vocab_size, "params_only": True, "source": str(src.absolute())}
+        ckpt.save(state, None, meta)
+        ckpt.wait()
+        ckpt.close()
+        os.replace(tmp, run_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cfg
+
+
+def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) -> list[str]:
+    """`systolic convert to-hf`: the run's newest intact checkpoint as a Hugging Face folder (config.json,
+    safetensors, tokenizer.json when the run has one), written to a temporary folder and renamed when complete.
+    Returns the names of the files written."""
+    out = Path(out)
+    _check_free(out)
+    run = load_run(Path(run_dir), "convert to Hugging Face format")
+    tokenizer = make_tokenizer(run.cfg.data.tokenizer)  # the run's own copy, or "byte"
+    hf = hf_config.hf_config(run.cfg.model, run.vocab, tokenizer.eot_id)
+    params = jax.device_get(run.params)
+    tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
+        files = write_safetensors(tmp, export_tensors(run.cfg.model, params), max_shard_bytes)
+        if run.cfg.data.tokenizer != "byte":
+            shutil.copyfile(run.cfg.data.tokenizer, tmp / RUN_FILE)
+            files.append(RUN_FILE)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ["config.json", *files]
+
+
+def _some(names: list[str], limit: int = 20) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_free(path: Path) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{path} already exists and is not empty; conversion never overwrites. Fix: pass a new "
+                        "directory, or remove this one first.")
+
+
+def _host_shardings(cfg: ModelConfig) -> Any:
+    """Conversion runs on the host's CPU devices: parameters split over all of them (fsdp) when the sizes divide,
+    else on one. Host memory is larger than an accelerator's, and nothing here is compute."""
+    devices = jax.local_devices(backend="cpu")
+    try:
+        mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=len(devices), tensor=1), devices)
+        return param_shardings(cfg, cfg.padded_vocab(0), mesh, rules_for("fsdp", mesh))
+    except ConfigError:
+        mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices[:1])
+        return param_shardings(cfg, cfg.padded_vocab(0), mesh, rules_for("fsdp", mesh))

@@ -1,0 +1,140 @@
+"""The tensor map between the lm model's parameters and Hugging Face's Llama and GPT-2 tensors.
+
+Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
+and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
+rotate-half layout, so q/k projections need reshapes only, no permutation of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from systolic.workloads.lm.config import ModelConfig
+
+KeyPath = tuple[Any, ...]  # a key path into the params pure dict, e.g. ("blocks", 0, "attn", "wq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter of ours <-> (a part of) one HF tensor.
+
+    Import: take part `part[0]` of `part[1]` equal slices of the HF tensor's last axis, transpose when HF stores
+    the matrix (out, in) (torch Linear), reshape to our shape. Export is the inverse: our axes [:in_axes] become
+    the HF matrix's rows and the rest its columns (in_axes None: a vector).
+    """
+
+    ours: tuple[str, ...]
+    hf: str
+    transpose: bool = False
+    in_axes: int | None = 1
+    part: tuple[int, int] = (0, 1)
+
+
+def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
+    return Tensor(ours, hf, in_axes=None, **kw)
+
+
+def _llama(tied: bool) -> tuple[list[Tensor], list[Tensor], str]:
+    """(top-level tensors, per-layer tensors, per-layer name prefix) of LlamaForCausalLM."""
+    top = [Tensor(("embed",), "model.embed_tokens.weight"), _vector(("final_norm", "scale"), "model.norm.weight")]
+    if not tied:
+        top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
+    layer = [
+        _vector(("attn_norm", "scale"), "input_layernorm.weight"),
+        Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True),  # (H*hd, D) -> (D, H, hd)
+        Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
+        Tensor(("attn", "wv"), "self_attn.v_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
+        Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
+        _vector(("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+        Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
+        Tensor(("mlp", "w_up"), "mlp.up_proj.weight", transpose=True),  # (M, D) -> (D, M)
+        Tensor(("mlp", "w_down"), "mlp.down_proj.weight", transpose=True),  # (D, M) -> (M, D)
+    ]
+    return top, layer, "model.layers.{i}."
+
+
+def _gpt2(tied: bool) -> tuple[list[Tensor], list[Tensor], str]:
+    """(top-level tensors, per-layer tensors, per-layer name prefix) of GPT2LMHeadModel. Its Conv1D stores
+    (in, out): no transposes. c_attn's output is q, k and v side by side, each (H, hd)."""
+    top = [
+        Tensor(("embed",), "transformer.wte.weight"), Tensor(("pos_embed",), "transformer.wpe.weight"),
+        _vector(("final_norm", "scale"), "transformer.ln_f.weight"), _vector(("final_norm", "bias"), "transformer.ln_f.bias"),
+    ]
+    if not tied:
+        top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
+    layer = [
+        _vector(("attn_norm", "scale"), "ln_1.weight"), _vector(("attn_norm", "bias"), "ln_1.bias"),
+        *(Tensor(("attn", w), "attn.c_attn.weight", part=(k, 3)) for k, w in enumerate(("wq", "wk", "wv"))),  # (D, 3D) -> 3 x (D, H, hd)
+        *(_vector(("attn", b), "attn.c_attn.bias", part=(k, 3)) for k, b in enumerate(("bq", "bk", "bv"))),  # (3D,) -> 3 x (H, hd)
+        Tensor(("attn", "wo"), "attn.c_proj.weight", in_axes=2),  # (H*hd, D) -> (H, hd, D)
+        _vector(("attn", "bo"), "attn.c_proj.bias"),
+        _vector(("mlp_norm", "scale"), "ln_2.weight"), _vector(("mlp_norm", "bias"), "ln_2.bias"),
+        Tensor(("mlp", "w_fc"), "mlp.c_fc.weight"), _vector(("mlp", "b_fc"), "mlp.c_fc.bias"),  # (D, M), (M,)
+        Tensor(("mlp", "w_proj"), "mlp.c_proj.weight"), _vector(("mlp", "b_proj"), "mlp.c_proj.bias"),  # (M, D), (D,)
+    ]
+    return top, layer, "transformer.h.{i}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """`hf` (a full HF tensor name) holds `tensor` of our parameter at `path`; `layer` indexes the leading axis
+    of a stacked (scan_layers) parameter, None otherwise."""
+
+    hf: str
+    path: KeyPath
+    layer: int | None
+    tensor: Tensor
+
+
+def pairs(cfg: ModelConfig) -> list[Pair]:
+    """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
+    top, layer, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg.tie_embeddings)
+    out = [Pair(t.hf, t.ours, None, t) for t in top]
+    for i in range(cfg.layers):
+        for t in layer:
+            path = ("blocks", *t.ours) if cfg.scan_layers else ("blocks", i, *t.ours)
+            out.append(Pair(prefix.format(i=i) + t.hf, path, i if cfg.scan_layers else None, t))
+    return out
+
+
+def to_ours(t: Tensor, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An HF tensor -> our parameter (one layer's slice of it when stacked), float32."""
+    index, parts = t.part
+    x = np.split(x, parts, axis=-1)[index] if parts > 1 else x  # (..., out / parts)
+    x = x.T if t.transpose else x  # torch Linear (out, in) -> (in, out)
+    return np.asarray(x, np.float32).reshape(shape)
+
+
+def to_hf(t: Tensor, x: np.ndarray) -> np.ndarray:
+    """Our parameter (one layer of it) -> its part of the HF tensor."""
+    x = x.reshape(-1) if t.in_axes is None else x.reshape(math.prod(x.shape[: t.in_axes]), -1)  # (in, out)
+    return x.T if t.transpose else x  # (in, out) -> torch Linear's (out, in)
+
+
+def hf_shape(group: list[Pair], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the HF tensor made of `group`'s parts, each of our (per-layer) `shape`; what `to_hf` and the
+    concatenation of the parts give, without building it."""
+    t = group[0].tensor
+    if t.in_axes is None:
+        return (math.prod(shape) * len(group),)
+    rows, cols = math.prod(shape[: t.in_axes]), math.prod(shape[t.in_axes:])  # (in, out)
+    rows, cols = (cols, rows) if t.transpose else (rows, cols)
+    return (rows, cols * len(group))
+
+
+def group_by(items: list[Pair], key: Callable[[Pair], Any]) -> dict[Any, list[Pair]]:
+    """`items` grouped by `key`, groups and their members in first-seen order."""
+    groups: dict[Any, list[Pair]] = {}
+    for p in items:
+        groups.setdefault(key(p), []).append(p)
+    return groups
+
+
+def layer_shape(shape: tuple[int, ...], layer: int | None) -> tuple[int, ...]:
+    """One layer's shape of a parameter of `shape` (without the leading `layers` axis when stacked)."""
+    return shape[1:] if layer is not None else shape

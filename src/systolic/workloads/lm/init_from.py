@@ -1,0 +1,148 @@
+"""`init.from=RUN_DIR`: a training run that starts from another lm run's parameters (fine-tuning).
+
+The source run's model section and tokenizer define the model, so they replace the recipe's; only settings
+that leave the parameters unchanged (`COMPUTE_ONLY`) may differ, and an explicit `model.*` override that
+contradicts the source is an error. The parameters are restored straight onto this run's shardings and the
+optimizer starts fresh. Once this run has a checkpoint it resumes from that (the loop restores before it
+initialises), and its saved config stands in for the source, which may then be gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from systolic import config as config_lib
+from systolic.data.tokenizer import run_tokenizer
+from systolic.engine import rundir
+from systolic.engine.checkpoint import Checkpointer, has_checkpoints
+from systolic.engine.state import TrainState
+from systolic.errors import ConfigError, UserError
+from systolic.runtime.sharding import Rules, activate
+from systolic.workloads.lm.config import LMConfig, ModelConfig
+
+COMPUTE_ONLY = ("dtype", "remat")  # model settings that do not change the parameters
+
+
+def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:
+    """`cfg` with the model section and tokenizer of the run it starts from (unchanged without init.from).
+    `overrides` are the command line's; a `model.*` one that contradicts the source is a ConfigError."""
+    if not cfg.init.from_:
+        return cfg
+    if has_checkpoints(run_dir) and (Path(run_dir) / rundir.CONFIG_FILE).is_file():
+        base = rundir.load_config(run_dir, lambda _: LMConfig)  # resuming: this run's own copy of the source's
+        tokenizer = base.data.tokenizer
+    else:
+        base = source_config(Path(cfg.init.from_))
+        tokenizer = run_tokenizer(Path(cfg.init.from_).absolute(), base.data.tokenizer)
+    tree = config_lib.to_dict(cfg)
+    tree["model"] = {**config_lib.to_dict(base.model), **{k: tree["model"][k] for k in COMPUTE_ONLY}}
+    if not any(o.startswith("data.tokenizer=") for o in overrides):
+        tree["data"]["tokenizer"] = tokenizer
+    resolved = config_lib.from_dict(LMConfig, tree)
+    asked = config_lib.from_dict(LMConfig, config_lib.apply_overrides(tree, [o for o in overrides if o.startswith("model.")]))
+    conflicts = _differences(asked.model, resolved.model)
+    if conflicts:
+        raise ConfigError(
+            f"init.from={cfg.init.from_} fixes the model to that run's, but the command line asks for "
+            f"{'; '.join(conflicts)}. The parameters only fit the source's shapes. Fix: drop those model.* overrides "
+            f"(only {', '.join('model.' + k for k in COMPUTE_ONLY)} may differ), or leave init.from out to train from scratch."
+        )
+    return resolved
+
+
+def source_config(source: Path) -> LMConfig:
+    """The config of the run directory `source`, which must be an lm run."""
+    if (source / "config.json").is_file() and not (source / rundir.CONFIG_FILE).is_file():
+        raise UserError(
+            f"init.from={source} is a Hugging Face model folder, not a systolic run directory. Fix: convert it first, "
+            f"`systolic convert from-hf {source} runs/NAME`, then pass init.from=runs/NAME."
+        )
+    if not (source / rundir.CONFIG_FILE).is_file():
+        raise UserError(f"init.from={source} is not a systolic run directory (it has no {rundir.CONFIG_FILE}). Fix: pass "
+                        "the directory of an lm run or of `systolic convert from-hf`.")
+    from systolic.workloads import config_class
+
+    cfg = rundir.load_config(source, config_class)
+    if cfg.workload != "lm":
+        raise UserError(f"init.from={source} holds a '{cfg.workload}' run; an lm run can only start from an lm run.")
+    return cfg
+
+
+def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
+    """The newest intact checkpoint's parameters of the run `source`, restored onto the shardings of
+    `abstract_params` (ShapeDtypeStructs). Raises a UserError when they do not fit `model`."""
+    src = source_config(source)
+    conflicts = _differences(model, src.model)
+    if conflicts:
+        raise ConfigError(f"init.from={source}: this run's model differs from the source's ({'; '.join(conflicts)}). "
+                          f"Fix: use the source's model settings (see {source / rundir.CONFIG_FILE}).")
+    ckpt_dir = source / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir, src.checkpoint) if ckpt_dir.is_dir() else None
+    step = ckpt.latest_intact_step() if ckpt else None
+    try:
+        if step is None:
+            raise UserError(f"init.from={source} has no complete checkpoint to start from. Fix: train or convert into "
+                            "that directory first, or pass another one.")
+        rows = ckpt.restore_meta(step).get("vocab")
+        want = abstract_params["embed"].shape[0]
+        if rows is not None and rows != want:
+            raise UserError(
+                f"init.from={source} has {rows} embedding rows (its tokenizer's vocabulary, padded), this run {want}: "
+                "the two runs use different tokenizers. Fix: leave data.tokenizer out so the source's is used."
+            )
+        return ckpt.restore_params(step, abstract_params)
+    finally:
+        if ckpt:
+            ckpt.close()
+
+
+def make_init_state(source: Path, model: ModelConfig, abstract: TrainState, shardings: TrainState,
+                    tx: optax.GradientTransformation, key: jax.Array, mesh: Mesh, rules: Rules) -> Callable[[], TrainState]:
+    """Task.init_state for a run that starts from `source`: its parameters, a fresh optimizer state, step 0."""
+
+    def start(params: Any, key: jax.Array) -> TrainState:
+        _, rng = jax.random.split(key)  # the same rng as a random start with this seed
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+
+    # Donating the restored parameters lets the state reuse their memory instead of holding two copies.
+    start = jax.jit(start, out_shardings=shardings, donate_argnums=0)
+
+    def init_state() -> TrainState:
+        params = load_params(source, model, abstract.params)
+        with activate(mesh, rules):
+            return start(params, key)
+
+    return init_state
+
+
+def check_not_imported(run_dir: Path) -> None:
+    """A directory written by `systolic convert from-hf` holds parameters without optimizer state: training
+    starts from it with init.from, never in it."""
+    if not has_checkpoints(run_dir):
+        return
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", config_lib.CheckpointConfig())
+    try:
+        step = ckpt.latest_step()
+        imported = step is not None and ckpt.restore_meta(step).get("params_only", False)
+    finally:
+        ckpt.close()
+    if imported:
+        raise UserError(
+            f"{run_dir} holds imported parameters without optimizer state, so it cannot be trained in place. Fix: "
+            f"start a new run from it, `systolic train lm init.from={run_dir} --run-dir runs/NEW`."
+        )
+
+
+def _differences(asked: ModelConfig, source: ModelConfig) -> list[str]:
+    return [f"model.{f.name}={getattr(asked, f.name)!r} (source: {getattr(source, f.name)!r})"
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in COMPUTE_ONLY and getattr(asked, f.name) != getattr(source, f.name)]
+
