@@ -62,3 +62,17 @@ def test_model_with_and_without_cpu_rewrites_agree(family, monkeypatch):
     np.testing.assert_allclose(loss_cpu, loss_plain, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_cpu), jax.tree.leaves(grads_plain)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_causal_attention_gradients_match_the_plain_formulation():
+    kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(kq, (2, 9, 6, 8))
+    k, v = jax.random.normal(kk, (2, 9, 2, 8)), jax.random.normal(kv, (2, 9, 2, 8))
+    weight = jax.random.normal(kg, q.shape)  # a loss that is not symmetric in the outputs
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weight)  # noqa: E731
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    got = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    assert float(jnp.abs(want[1]).max()) > 0.1  # the comparison is not between zeros
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5)

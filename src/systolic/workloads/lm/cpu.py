@@ -5,11 +5,13 @@ rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_
 
 - `project`: matmuls on activations flattened to (B*T, D). With x (B, T, D) @ W the weight gradient contracts
   over two axes, which XLA:CPU lowers with a physical transpose fused into slow elementwise loops.
-- `causal_attention`: pre-scaled queries plus an additive causal bias, instead of `where(mask, s, -inf)`.
+- `causal_attention`: heads in front and query groups stacked so both dots are plain batched matmuls, pre-scaled
+  queries, an additive causal bias instead of `where(mask, s, -inf)`, and a hand-written backward.
 - `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
   pass stops copying the residual gradient's elementwise chain into every consumer (work growing with depth^2).
 
-`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations.
+`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations; the
+name `malloc` is the host allocator setting of `systolic.runtime.host_memory`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-TWEAKS = ("flatten", "attention", "barrier")
+TWEAKS = ("flatten", "attention", "barrier", "malloc")
 
 
 def cpu_tweak(name: str) -> bool:
@@ -43,16 +45,52 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd)."""
+    """Causal grouped-query attention: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd).
+
+    Heads go in front before the dots, and a query group shares its key/value head by stacking the group's
+    queries along the query axis, so both dots are plain batched matmuls over (B, KV) that XLA:CPU runs without
+    relayout copies; the backward is written out (`_attention_core`)."""
     B, T, H, hd = q.shape
     KV = k.shape[2]
-    q = (q * (1.0 / math.sqrt(hd))).reshape(B, T, KV, H // KV, hd)  # (B, T, KV, G, hd)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k)  # (B, KV, G, T, T)
+    G = H // KV
+    q = (q * (1.0 / math.sqrt(hd))).reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
     # -1e30 rather than -inf: exp underflows to exactly 0 and no inf - inf appears in the backward pass.
-    bias = jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, -1e30).astype(scores.dtype)  # (T, T)
-    probs = jax.nn.softmax((scores + bias).astype(jnp.float32), axis=-1).astype(v.dtype)  # (B, KV, G, T, T)
-    out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v)  # (B, T, KV, G, hd)
-    return out.reshape(B, T, H, hd)
+    bias = jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, -1e30).astype(q.dtype)  # (T, T)
+    out = _attention_core(q, k, v, jnp.tile(bias, (G, 1)))  # (B, KV, G*T, hd)
+    return out.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+
+def _attention_forward(q, k, v, bias):
+    """q (B, KV, Q, hd), k and v (B, KV, S, hd), bias (Q, S) -> out (B, KV, Q, hd) and probs (B, KV, Q, S)."""
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) + bias  # (B, KV, Q, S)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkqs,bksd->bkqd", probs, v), probs
+
+
+@jax.custom_vjp
+def _attention_core(q, k, v, bias):
+    return _attention_forward(q, k, v, bias)[0]
+
+
+def _attention_core_fwd(q, k, v, bias):
+    out, probs = _attention_forward(q, k, v, bias)
+    return out, (q, k, v, probs, out)
+
+
+def _attention_core_bwd(res, d_out):
+    q, k, v, probs, out = res
+    d_v = jnp.einsum("bkqs,bkqd->bksd", probs, d_out)  # (B, KV, S, hd)
+    d_probs = jnp.einsum("bkqd,bksd->bkqs", d_out, v)  # (B, KV, Q, S)
+    # Softmax backward with sum_s(d_probs * probs) = sum_d(d_out * out): a reduction over hd, not over S.
+    delta = jnp.sum((d_out * out).astype(jnp.float32), axis=-1, keepdims=True)  # (B, KV, Q, 1)
+    d_scores = (probs.astype(jnp.float32) * (d_probs.astype(jnp.float32) - delta)).astype(q.dtype)
+    d_q = jnp.einsum("bkqs,bksd->bkqd", d_scores, k)
+    d_k = jnp.einsum("bkqs,bkqd->bksd", d_scores, q)
+    return d_q, d_k, d_v, None
+
+
+_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
 
 
 @jax.custom_vjp
