@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,9 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def systolic_worker(a: argparse.Namespace):
+    from systolic.runtime import host_memory
+
+    host_memory.apply()  # as `systolic train` and `systolic bench` do, before jax starts its threads
     import jax
     import numpy as np
 
@@ -178,7 +182,8 @@ def worker_main(a: argparse.Namespace) -> None:
         if line.strip() != "run":
             break
         seconds, loss = run(a.steps)
-        print(json.dumps({"seconds": seconds, "loss": loss}), flush=True)
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        print(json.dumps({"seconds": seconds, "loss": loss, "peak_rss_mb": peak_mb}), flush=True)
 
 
 def _start(name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: the worker died mid-run; leaving it out.", file=sys.stderr)
                 continue
             rates[name].append(tokens / reply["seconds"])
+            info[name]["peak_rss_mb"] = reply["peak_rss_mb"]
     for proc in workers.values():
         proc.stdin.close()
         proc.wait()
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"layers": a.layers, "d_model": a.d_model, "heads": a.heads, "seq": a.seq, "batch": a.batch,
                    "steps_per_round": a.steps, "rounds": a.rounds, "cpus": os.cpu_count()},
         "frameworks": {n: {"params": info[n]["params"], "setup_s": info[n]["setup_s"],
-                           "tokens_per_s": statistics.median(r), "rounds": r} for n, r in rates.items() if r},
+                           "tokens_per_s": statistics.median(r), "rounds": r,
+                           "peak_rss_mb": info[n].get("peak_rss_mb")} for n, r in rates.items() if r},
     }
     base = result["frameworks"].get("torch", {}).get("tokens_per_s")
     for n, f in result["frameworks"].items():
@@ -254,10 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"GPT-2 block, {a.layers} layers x {a.d_model} wide x {a.heads} heads, seq {a.seq}, batch {a.batch}, "
           f"{os.cpu_count()} CPUs; median of {a.rounds} alternating rounds of {a.steps} steps")
-    print(f"{'framework':<15} {'params':>11} {'setup s':>8} {'tokens/s':>10} {'vs torch eager':>15}")
+    print(f"{'framework':<15} {'params':>11} {'setup s':>8} {'peak RSS MB':>12} {'tokens/s':>10} {'vs torch eager':>15}")
     for n, f in result["frameworks"].items():
         ratio = f"{f['vs_torch_eager']:.2f}x" if f["vs_torch_eager"] else "n/a"
-        print(f"{n:<15} {f['params']:>11,} {f['setup_s']:>8.1f} {f['tokens_per_s']:>10,.0f} {ratio:>15}")
+        print(f"{n:<15} {f['params']:>11,} {f['setup_s']:>8.1f} {f['peak_rss_mb']:>12,.0f} {f['tokens_per_s']:>10,.0f} "
+              f"{ratio:>15}")
     return 0
 
 

@@ -135,6 +135,11 @@ _RUN_COMMANDS = ("train", "simulate", "fit", "bench", "plan")  # the commands th
 _OVERRIDE_COMMANDS = (*_RUN_COMMANDS, "tokenizer")  # the commands that take key=value overrides
 
 
+# Commands that run many steps of one compiled function: they get the host allocator setting (faster steps,
+# slower compilation, more host memory; runtime/host_memory.py). Short commands are mostly compilation.
+_STEPPING_COMMANDS = ("train", "bench", "fit", "simulate")
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest, **kw: f"warning: {message}\n"
     parser = _parser()
@@ -147,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     if args.command == "plan":
         _fake_devices_for_plan(args)  # before anything initialises a jax backend
+    if args.command in _STEPPING_COMMANDS:
+        from systolic.runtime import host_memory
+
+        host_memory.apply()  # before anything starts jax's thread pools
     if args.command not in ("launch", "tokenizer"):  # neither compiles anything
         from systolic.runtime import compile_cache
 

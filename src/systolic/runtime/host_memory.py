@@ -1,0 +1,76 @@
+"""Host allocator settings for training on the CPU: keep XLA's per-step buffers mapped between steps.
+
+XLA:CPU allocates each execution's temporaries as one block (624 MB for the 6-layer, 384-wide GPT of
+`benchmarks/lm_vs_pytorch.py`) and frees it at the end of the step. glibc serves a block that size with a fresh
+`mmap` and returns it with `munmap`, so every step page-faults the whole block in again: 155,000 minor faults
+and about 14% of the process's CPU time in the kernel, zeroing pages (PyTorch: 5,000 faults, 1%). Measured
+with `resource.getrusage` and `strace -e trace=mmap,munmap` on this project's 2-core machine.
+
+`apply` tells glibc (through `mallopt`, so no environment variable has to be set before the process starts) to
+serve large blocks from the heap and keep freed memory there: one arena, no `mmap` for large blocks, no
+trimming. The faults drop to zero after the first steps, and that model trains 6-17% faster. Two costs: the
+process keeps its peak host memory (2.0-3.7 GB instead of 1.4 GB there), and compilation is 25-65%
+slower, because XLA's compiler threads then contend for the one arena (measured on the lm sharded-step test:
+34.8-37.5 s against 44.4-50.5 s; lm-tiny's cold first step: 4.2 s against 6.9 s).
+
+So it is for processes that run many steps: `systolic train`, `bench`, `fit` and `simulate` call `apply` at
+start; a Python program that trains on CPU can call it first thing. It applies only where the CPU is the compute
+platform (JAX_PLATFORMS says cpu, or no GPU/TPU plugin is installed), only on glibc, and never when
+`SYSTOLIC_CPU_TWEAKS` leaves out `malloc` or is `none`. It must run before JAX starts its thread pools (the
+first computation), since a thread keeps the arena it started with; called later (the CLI's `main` inside a
+test process, say) it does nothing, so the rest of that process keeps glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import sys
+
+# glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def wanted() -> bool:
+    """Whether the settings apply here (see the module docstring)."""
+    tweaks = os.environ.get("SYSTOLIC_CPU_TWEAKS", "all").strip()
+    if tweaks != "all" and "malloc" not in {t.strip() for t in tweaks.split(",")}:
+        return False
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    return not any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS)
+
+
+def _jax_started() -> bool:
+    """Whether this process has already initialised a JAX backend (and with it XLA's thread pools)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge  # no public query; absent in some future jax, assume started
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return True
+
+
+def apply() -> bool:
+    """Sets the glibc malloc options when `wanted` and JAX has not started; returns whether they were set."""
+    if not wanted() or _jax_started():
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # only glibc has mallopt's M_ARENA_MAX and these semantics
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success; a refusal leaves glibc's defaults, which are correct, only slower.
+    ok = mallopt(M_ARENA_MAX, 1) == 1
+    ok &= mallopt(M_MMAP_MAX, 0) == 1
+    ok &= mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return bool(ok)
