@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                    "steps_per_round": a.steps, "rounds": a.rounds, "cpus": os.cpu_count()},
         "frameworks": {n: {"params": info[n]["params"], "setup_s": info[n]["setup_s"],
                            "tokens_per_s": statistics.median(r), "rounds": r,
-                           "peak_rss_mb": info[n].get("peak_rss_mb")} for n, r in rates.items() if r},
+                           "peak_rss_mb": info[n]["peak_rss_mb"]} for n, r in rates.items() if r},
     }
     base = result["frameworks"].get("torch", {}).get("tokens_per_s")
     for n, f in result["frameworks"].items():

@@ -8,10 +8,12 @@ with `resource.getrusage` and `strace -e trace=mmap,munmap` on this project's 2-
 
 `apply` tells glibc (through `mallopt`, so no environment variable has to be set before the process starts) to
 serve large blocks from the heap and keep freed memory there: one arena, no `mmap` for large blocks, no
-trimming. The faults drop to zero after the first steps, and that model trains 6-17% faster. Two costs: the
-process keeps its peak host memory (2.0-3.7 GB instead of 1.4 GB there), and compilation is 25-65%
-slower, because XLA's compiler threads then contend for the one arena (measured on the lm sharded-step test:
-34.8-37.5 s against 44.4-50.5 s; lm-tiny's cold first step: 4.2 s against 6.9 s).
+trimming. The faults drop to zero after the first steps, and that model trains 4-17% faster (five alternating
+runs on two hosts, docs/benchmarks.md). Two costs: the process keeps its peak host memory (2.0-3.7 GB instead of
+1.4 GB there), and compilation is slower, because XLA's compiler threads then contend for the one arena: the lm
+sharded-step test took 44.4-50.5 s against 34.8-37.5 s on one host and 21.4-22.5 s against 16.7-17.9 s on
+another (+31% and +27% at the middle of each range); lm-tiny's cold first step took 6.9 s against 4.2 s
+(+64%).
 
 So it is for processes that run many steps: `systolic train`, `bench`, `fit` and `simulate` call `apply` at
 start; a Python program that trains on CPU can call it first thing. It applies only where the CPU is the compute
@@ -24,10 +26,11 @@ test process, say) it does nothing, so the rest of that process keeps glibc's de
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import importlib.util
 import os
 import sys
+
+from systolic.runtime import cpu_flags
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -36,8 +39,7 @@ _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_pl
 
 def wanted() -> bool:
     """Whether the settings apply here (see the module docstring)."""
-    tweaks = os.environ.get("SYSTOLIC_CPU_TWEAKS", "all").strip()
-    if tweaks != "all" and "malloc" not in {t.strip() for t in tweaks.split(",")}:
+    if not cpu_flags.tweak_on("malloc"):
         return False
     platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if platforms:
@@ -61,9 +63,8 @@ def apply() -> bool:
     """Sets the glibc malloc options when `wanted` and JAX has not started; returns whether they were set."""
     if not wanted() or _jax_started():
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # only glibc has mallopt's M_ARENA_MAX and these semantics
     except (OSError, AttributeError, TypeError):

@@ -10,29 +10,22 @@ rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_
 - `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
   pass stops copying the residual gradient's elementwise chain into every consumer (work growing with depth^2).
 
-`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations; the
-name `malloc` is the host allocator setting of `systolic.runtime.host_memory`.
+`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations
+(`runtime/cpu_flags.tweak_on`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
-TWEAKS = ("flatten", "attention", "barrier", "malloc")
-
+from systolic.runtime import cpu_flags
 
 def cpu_tweak(name: str) -> bool:
     """Whether the CPU rewrite `name` is on: only on the CPU backend, and as `SYSTOLIC_CPU_TWEAKS` says."""
-    if jax.default_backend() != "cpu":
-        return False
-    setting = os.environ.get("SYSTOLIC_CPU_TWEAKS", "all").strip()
-    if setting == "all":
-        return True
-    return name in {s.strip() for s in setting.split(",")}
+    return jax.default_backend() == "cpu" and cpu_flags.tweak_on(name)
 
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
