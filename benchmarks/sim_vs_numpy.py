@@ -94,7 +94,7 @@ def compare(n: int, steps: int, dtype: str = "float32", viscosity: float = 1e-3,
     w0 = np.asarray(state.params["w_hat"])
     np_solver = NumpySolver(n, viscosity, dt, dtype)
     np_solver.step(w0.copy())  # warm-up: FFT plans, page faults
-    compiled = sim.frame_step.lower(state).compile()
+    compiled = sim.frame_step.lower(state, None).compile()
 
     numpy_s = systolic_s = numpy_cpu = systolic_cpu = math.inf
     for _ in range(repeats):

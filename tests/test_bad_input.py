@@ -16,7 +16,7 @@ BASE = ["model.d_model=16", "model.layers=1", "model.heads=2", "model.max_seq_le
         "train.batch_size=8", "train.steps=1", "train.eval_batches=1", "sample.max_new_tokens=0",
         "observe.tensorboard=false", "observe.plot=false", "-q"]
 
-KEYS = ["train.steps", "train.batch_size", "train.grad_accum", "train.eval_every", "train.seed", "train.nonfinite",
+KEYS = ["train.steps", "train.batch_size", "train.grad_accum", "train.eval_every", "train.seed", "loop.nonfinite",
         "optim.lr", "optim.b1", "optim.warmup_steps", "optim.min_lr_ratio", "mesh.data", "mesh.fsdp", "mesh.tensor",
         "sharding.rules", "data.seq_len", "data.val_percent", "data.max_bytes", "data.path", "data.tokenizer",
         "model.heads", "model.kv_heads", "model.family", "model.dtype", "checkpoint.keep", "checkpoint.every_steps",

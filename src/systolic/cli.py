@@ -15,8 +15,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="systolic", description="Train, evaluate and sample JAX models, from one CPU to a pod.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train a workload (lm)", description="Train a workload from a recipe plus key=value overrides.")
-    train.add_argument("workload", help="which workload: lm")
+    train = sub.add_parser("train", help="train a workload (lm, gan, rl)", description="Train a workload from a recipe plus key=value overrides.")
+    train.add_argument("workload", help="which workload: lm, gan or rl")
     _add_run_arguments(train, "train.steps=200 mesh.fsdp=2", "runs/<recipe>")
 
     simulate = sub.add_parser("simulate", help="run a simulation (sim workload; default recipe sim-turbulence)",
@@ -161,32 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
         compile_cache.enable()
     try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "simulate":
-            return _simulate(args)
-        if args.command == "fit":
-            return _fit(args)
-        if args.command == "eval":
-            return _evaluate_run(args)
-        if args.command == "export":
-            return _export(args)
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "tokenizer":
-            return _train_tokenizer(args)
-        if args.command == "sample":
-            return _sample(args)
-        if args.command == "info":
-            return _info()
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "launch":
-            return _launch(args)
+        return _HANDLERS[args.command](args)
     except UserError as e:
         print(textwrap.fill(f"error: {e}", width=110), file=sys.stderr)
         return e.exit_code
@@ -200,10 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    workload, cfg, run_dir, prepared = _prepare_run(args.workload, "train", args)
+def _run(args: argparse.Namespace) -> int:
+    """train, simulate, fit: a recipe plus overrides, run by the workload's command in a prepared run directory."""
+    # Its own default directory for fit: a fit's checkpoints hold a parameter, not the simulated fields that
+    # `systolic simulate` of the same recipe keeps in runs/<recipe>.
+    name = "sim" if args.command == "simulate" else args.workload
+    workload, cfg, run_dir, prepared = _prepare_run(name, args.command, args, "-fit" if args.command == "fit" else "")
+    run = workload.command(args.command)
     with _debug_mode(args):
-        _transaction(prepared, lambda: workload.train(cfg, run_dir, quiet=args.quiet))
+        _transaction(prepared, lambda: run(cfg, run_dir, quiet=args.quiet))
     return 0
 
 
@@ -222,22 +202,6 @@ def _transaction(prepared, run) -> None:
         raise
 
 
-def _simulate(args: argparse.Namespace) -> int:
-    workload, cfg, run_dir, prepared = _prepare_run("sim", "simulate", args)
-    with _debug_mode(args):
-        _transaction(prepared, lambda: workload.simulate(cfg, run_dir, quiet=args.quiet))
-    return 0
-
-
-def _fit(args: argparse.Namespace) -> int:
-    # Its own default directory: a fit's checkpoints hold a parameter, not the simulated fields that
-    # `systolic simulate` of the same recipe keeps in runs/<recipe>.
-    workload, cfg, run_dir, prepared = _prepare_run(args.workload, "fit", args, dir_suffix="-fit")
-    with _debug_mode(args):
-        _transaction(prepared, lambda: workload.fit(cfg, run_dir, quiet=args.quiet))
-    return 0
-
-
 def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: str = ""):
     """Workload module, config (recipe + overrides) and prepared run directory for a run command."""
     from systolic import config as config_lib
@@ -245,21 +209,18 @@ def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: 
     from systolic.engine import rundir
 
     workload = workloads.get(name)
-    if not hasattr(workload, command):
-        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), command)]
-        raise UserError(f"The '{name}' workload has no `{command}` command; the workloads that have one: "
-                        f"{', '.join(able)}. Fix: e.g. `systolic {command} {able[0]} --recipe RECIPE`.")
+    workload.command(command)  # before anything starts: an unsupported command is a user error
     overrides = _start_processes(args.overrides)
     # Check the recipe's workload before its keys: another workload's sections would read as misspellings.
-    recipe_path = config_lib.recipe_path(args.recipe or workload.DEFAULT_RECIPE)
+    recipe_path = config_lib.recipe_path(args.recipe or workload.default_recipe)
     declared = config_lib.read_yaml(recipe_path).get("workload", name)
     if declared != name:
         raise UserError(f"Recipe '{recipe_path.stem}' is for the '{declared}' workload, not '{name}'. Fix: pick a "
                         f"recipe for {name}, or run the {declared} workload (e.g. `systolic train {declared} --recipe "
                         f"{recipe_path.stem}`).")
-    cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
+    cfg, recipe = config_lib.load(workload.config, args.recipe, overrides, workload.default_recipe)
     run_dir = args.run_dir or Path("runs") / f"{recipe}{dir_suffix}"
-    if hasattr(workload, "resolve_config"):  # settings taken from elsewhere, e.g. lm's init.from=RUN_DIR
+    if workload.resolve_config is not None:  # settings taken from elsewhere, e.g. lm's init.from=RUN_DIR
         cfg = workload.resolve_config(cfg, overrides, run_dir)
     import jax
 
@@ -289,12 +250,11 @@ def _bench(args: argparse.Namespace) -> int:
     from systolic.engine.bench import benchmark, format_table
 
     workload = workloads.get(args.workload)
-    if not hasattr(workload, "build_bench_task"):
-        raise UserError(f"`systolic bench` does not support the '{args.workload}' workload yet (supported: lm).")
+    build_task = workload.command("bench")
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 timed step.")
-    cfg, recipe = config_lib.load(workload.Config, args.recipe, _start_processes(args.overrides), workload.DEFAULT_RECIPE)
-    with workload.build_bench_task(cfg) as task:
+    cfg, recipe = config_lib.load(workload.config, args.recipe, _start_processes(args.overrides), workload.default_recipe)
+    with build_task(cfg) as task:
         result = benchmark(task, steps=args.steps)
     if args.json:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
@@ -337,11 +297,10 @@ def _plan(args: argparse.Namespace) -> int:
     from systolic.engine.plan import format_plan
 
     workload = workloads.get(args.workload)
-    if not hasattr(workload, "plan"):
-        raise UserError(f"`systolic plan` does not support the '{args.workload}' workload yet (supported: lm).")
+    plan = workload.command("plan")
     overrides = [*args.overrides, *_mesh_overrides(args.mesh)]
-    cfg, recipe = config_lib.load(workload.Config, args.recipe, overrides, workload.DEFAULT_RECIPE)
-    result = workload.plan(cfg, args.target)
+    cfg, recipe = config_lib.load(workload.config, args.recipe, overrides, workload.default_recipe)
+    result = plan(cfg, args.target)
     if args.json:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result), "device_bytes": result.device_bytes}))
     else:
@@ -363,12 +322,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _evaluate_run(args: argparse.Namespace) -> int:
     from systolic import workloads
 
-    workload = workloads.get(args.workload)
-    if not hasattr(workload, "evaluate"):
-        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), "evaluate")]
-        raise UserError(f"The '{args.workload}' workload has no `eval` command; the workloads that have one: "
-                        f"{', '.join(able)}. Fix: e.g. `systolic eval {able[0]} RUN_DIR`.")
-    print(workload.evaluate(args.run_dir, episodes=args.episodes, gymnasium=args.gymnasium, gif=args.gif,
+    evaluate = workloads.get(args.workload).command("eval")
+    print(evaluate(args.run_dir, episodes=args.episodes, gymnasium=args.gymnasium, gif=args.gif,
                             seed=args.seed))
     return 0
 
@@ -392,7 +347,7 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from systolic import workloads
 
-    print(workloads.get("lm").generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
+    print(workloads.get("lm").command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
                                        args.top_k, args.top_p, args.seed))
     return 0
 
@@ -431,16 +386,12 @@ def _convert(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace) -> int:
     from systolic import workloads
 
-    workload = workloads.get(args.workload)
-    if not hasattr(workload, "sample"):
-        able = [w for w in workloads.WORKLOADS if hasattr(workloads.get(w), "sample")]
-        raise UserError(f"The '{args.workload}' workload has no `sample` command; the workloads that have one: "
-                        f"{', '.join(able)}. Fix: e.g. `systolic sample {able[0]} RUN_DIR --count 64 --out grid.png`.")
-    print(workload.sample(args.run_dir, count=args.count, out=args.out, seed=args.seed))
+    sample = workloads.get(args.workload).command("sample")
+    print(sample(args.run_dir, count=args.count, out=args.out, seed=args.seed))
     return 0
 
 
-def _info() -> int:
+def _info(args: argparse.Namespace) -> int:
     import jax
 
     from systolic.config import MeshConfig
@@ -452,6 +403,11 @@ def _info() -> int:
           f"{jax.device_count()} global devices: {devices[0].device_kind}")
     print(f"default mesh: {mesh_lib.describe(mesh_lib.make_mesh(MeshConfig()))}")
     return 0
+
+
+_HANDLERS = {"train": _run, "simulate": _run, "fit": _run, "eval": _evaluate_run, "export": _export,
+             "generate": _generate, "convert": _convert, "tokenizer": _train_tokenizer, "sample": _sample,
+             "info": _info, "bench": _bench, "plan": _plan, "launch": _launch}
 
 
 if __name__ == "__main__":

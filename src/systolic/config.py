@@ -84,42 +84,41 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Loop length and batch. `batch_size` is global (all devices, all processes) per optimizer step."""
+class LoopConfig:
+    """The engine loop's own settings, the same in every workload. Steps are the workload's loop steps: optimizer
+    steps (lm, gan, `fit sim`), chunks of PPO updates (rl), frames (`simulate`)."""
 
-    steps: int = 1000
-    batch_size: int = 16
-    grad_accum: int = 1
-    eval_every: int = 200
-    eval_batches: int = 8
-    seed: int = 0
     stop_at_step: int = 0  # > 0: checkpoint and stop at this step (a time-limited job); rerun to continue
-    nonfinite: Literal["halt", "skip"] = "halt"  # what a NaN/Inf loss or gradient does (its update is discarded)
+    nonfinite: Literal["halt", "skip"] = "halt"  # what a non-finite loss, metric or parameter does (the update is discarded)
     max_skipped: int = 10  # with nonfinite=skip: halt after more than this many skipped steps in a row
-    poison_step: int = 0  # testing aid: make this step's loss NaN to exercise the non-finite guard
+    poison_step: int = 0  # testing aid: this step's input parameters are made NaN, to exercise the guard
 
     def validate(self) -> None:
-        _positive(self, "train", ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"))
         if self.max_skipped < 0 or self.poison_step < 0:
-            raise ConfigError(f"train.max_skipped={self.max_skipped} and train.poison_step={self.poison_step} must be >= 0.")
+            raise ConfigError(f"loop.max_skipped={self.max_skipped} and loop.poison_step={self.poison_step} must be >= 0.")
         if self.stop_at_step < 0:
-            raise ConfigError(f"train.stop_at_step={self.stop_at_step} must be >= 0 (0 = run to train.steps).")
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}; "
-                "each accumulation micro-step takes an equal slice of the batch. Fix: choose a batch size that "
-                f"is a multiple of {self.grad_accum}, e.g. train.batch_size={self.grad_accum * max(1, self.batch_size // self.grad_accum)}."
-            )
+            raise ConfigError(f"loop.stop_at_step={self.stop_at_step} must be >= 0 (0 = run to the last step).")
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with linear warmup, cosine decay to `lr * min_lr_ratio`, and global-norm clipping."""
+class TrainConfig:
+    """Run length, evaluation cadence and batch of a workload trained on a dataset. `batch_size` is global (all
+    devices, all processes) per optimizer step."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    eval_every: int = 200
+    seed: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "batch_size", "eval_every"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamConfig:
+    """Adam with global-norm clipping and a constant learning rate."""
 
     lr: float = 1e-3
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -127,9 +126,21 @@ class OptimConfig:
 
     def validate(self) -> None:
         _positive(self, "optim", ("lr", "eps", "clip_norm"))
-        _in_range(self, "optim", "min_lr_ratio", 0.0, 1.0)
         _in_range(self, "optim", "b1", 0.0, 1.0)
         _in_range(self, "optim", "b2", 0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(AdamConfig):
+    """AdamW with linear warmup, cosine decay to `lr * min_lr_ratio`, and global-norm clipping."""
+
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+
+    def validate(self) -> None:
+        super().validate()
+        _in_range(self, "optim", "min_lr_ratio", 0.0, 1.0)
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ConfigError(
                 f"optim.warmup_steps={self.warmup_steps} and optim.weight_decay={self.weight_decay} must both be "
@@ -203,6 +214,11 @@ def _in_range(section: Any, prefix: str, name: str, low: float, high: float) -> 
             f"{prefix}.{name}={value} is outside the allowed range [{low}, {high}]. Fix: pass a value in that "
             f"range, e.g. {prefix}.{name}={_field_default(section, name)}."
         )
+
+
+def divisor_near(n: int, target: int) -> int:
+    """The divisor of n closest to target: what an error message suggests instead of a value that does not divide."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
 
 
 def _field_default(section: Any, name: str) -> Any:

@@ -42,7 +42,7 @@ def test_two_processes_match_one_and_restore_onto_other_meshes(tmp_path):
     # Two processes x two devices, stopped after step 4 with a checkpoint.
     multi = tmp_path / "multi"
     systolic(["launch", "--processes", "2", "--devices-per-process", "2", "--", "train", "lm", *TINY,
-              "mesh.data=2", "mesh.fsdp=2", "train.stop_at_step=4", "--run-dir", str(multi)], devices=2)
+              "mesh.data=2", "mesh.fsdp=2", "loop.stop_at_step=4", "--run-dir", str(multi)], devices=2)
     got = train_losses(multi)
     assert sorted(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [expected[s] for s in range(1, 5)], rtol=1e-5)

@@ -1,4 +1,4 @@
-"""The train loop. It knows nothing about any workload: a workload hands it a `Task`.
+"""The loop under every workload (train, fit, simulate). It knows nothing about any workload: one hands it a `Task`.
 
 Host work per step is one `next(data)` and one dispatch of the jitted step. Metrics stay on the device until
 the next log step, when all steps since the last log are fetched in one transfer, so logging every step's loss
@@ -6,7 +6,10 @@ the next log step, when all steps since the last log are fetched in one transfer
 
 Reliability contract (docs/reliability.md): a run killed at any point resumes from its last complete
 checkpoint and continues bit for bit; SIGTERM or a first Ctrl-C finishes the current step, checkpoints and
-exits cleanly; a non-finite update is discarded and either halts the run or is skipped, by config.
+exits cleanly; a non-finite update is discarded and either halts the run or is skipped, by config (guard.py).
+
+Hooks: `after_step(step, state)` runs after every step (and after step 0 of a fresh run), e.g. a simulation's
+snapshots; `initial_metrics(state)` is written as step 0 of a fresh run; `evaluate(state)` every eval_every steps.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from systolic.config import CheckpointConfig, ObserveConfig, TrainConfig
+from systolic.config import CheckpointConfig, LoopConfig, ObserveConfig
 from systolic.engine import debug
 from systolic.engine.checkpoint import Checkpointer
+from systolic.engine.guard import VERDICT_KEYS, NonFiniteGuard
 from systolic.engine.state import TrainState
-from systolic.errors import TrainingHalted
-from systolic.observe.metrics import MetricsWriter, truncate_after
+from systolic.errors import TrainingHalted, UserError
+from systolic.observe.metrics import MetricsWriter, read_metrics, truncate_after
 from systolic.observe.plot import plot_losses
 from systolic.observe.progress import ProgressReporter
 
@@ -48,21 +52,32 @@ class Task:
     workload: str
     abstract_state: TrainState  # ShapeDtypeStructs carrying the target shardings (restore target)
     init_state: Callable[[], TrainState]
-    train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]  # jitted
+    train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]  # from step.jit_step
     data: DataStream | None  # None for workloads that make their own data (RL environments, simulations)
+    check: tuple[str, ...] | None = ("loss",)  # the metrics the guard checks (None: all); as given to jit_step
     evaluate: Callable[[TrainState], dict[str, float]] | None = None
     items_per_step: int = 0  # e.g. tokens per optimizer step, for throughput
+    items_metric: str = ""  # instead: a metric that counts each step's items (a simulation's adaptive time steps)
     item_unit: str = "items"
     flops_per_step: float | None = None
     peak_flops: float | None = None  # all devices together
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # stored with every checkpoint
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # stored with every checkpoint; a resume must match
+    split: str = "train"  # the metrics split of the step rows
+    progress_keys: tuple[str, ...] = ("loss",)  # metrics shown beside the progress bar
+    label: str = "train"  # the progress bar's name
+    nonfinite_advice: str = "lower optim.lr, raise optim.warmup_steps or check the data near this step"
+    initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
+    after_step: Callable[[int, TrainState], None] | None = None  # after every step, and step 0 of a fresh run
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
-    train: TrainConfig
+    steps: int  # the run's last step
+    eval_every: int
+    loop: LoopConfig
     checkpoint: CheckpointConfig
     observe: ObserveConfig
+    steps_key: str = "train.steps"  # the setting `steps` comes from, for messages
     quiet: bool = False
 
 
@@ -72,11 +87,17 @@ class RunResult:
     start_step: int
     final_step: int
     eval_metrics: dict[str, float]
-    train_loss: float | None
+    first_metrics: dict[str, float]  # the run's step-0 row, or its first logged row (from metrics.jsonl on a resume)
+    last_metrics: dict[str, float]  # the last logged step's metrics
     compile_s: float | None
-    items_per_s: float | None
+    items_per_s: float | None  # steady state: without the compiling first step and evaluations
+    items_done: float  # items of the steps this invocation ran
     wall_s: float
     preempted: bool = False
+
+    @property
+    def train_loss(self) -> float | None:
+        return self.last_metrics.get("loss")
 
 
 class StopSignals:
@@ -102,77 +123,51 @@ class StopSignals:
         self.received = signal.Signals(signum).name
 
 
-class _NonFiniteGuard:
-    """Host side of the guard: reads each step's verdict and applies `train.nonfinite`."""
-
-    def __init__(self, cfg: TrainConfig, leaf_names: list[str]):
-        self.cfg = cfg
-        self.leaf_names = leaf_names
-        self.in_a_row = 0
-        self.skipped = 0
-
-    def check(self, step: int, metrics: dict[str, Any]) -> None:
-        loss = float(metrics["loss"])
-        if "finite" not in metrics:  # a workload with its own step: judge by the loss alone
-            finite, where = bool(np.isfinite(loss)), -1
-        else:
-            finite, where = bool(metrics["finite"]), int(metrics["nonfinite_at"])
-        if finite:
-            self.in_a_row = 0
-            return
-        self.skipped += 1
-        self.in_a_row += 1
-        culprit = (f"the gradient of {self.leaf_names[where]} (the first non-finite gradient leaf)" if where >= 0
-                   else "the loss (all gradients were finite)")
-        if self.cfg.nonfinite == "halt":
-            raise TrainingHalted(
-                f"Step {step} produced a non-finite value in {culprit}; loss {loss}. Its "
-                "update was discarded and the run halted. The last checkpoint is intact. Fix: lower optim.lr, raise "
-                "optim.warmup_steps or check the data near this step, then rerun the same command to resume; or set "
-                "train.nonfinite=skip to drop such steps and go on."
-            )
-        if self.in_a_row > self.cfg.max_skipped:
-            raise TrainingHalted(
-                f"{self.in_a_row} steps in a row (up to step {step}) produced non-finite values, last in {culprit}; "
-                f"more than train.max_skipped={self.cfg.max_skipped}, so the run halted. The last checkpoint is intact. "
-                "Fix: lower optim.lr or check the data, then rerun the same command to resume."
-            )
-
-
 def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     t_begin = time.perf_counter()
     is_writer = jax.process_index() == 0
-    total = settings.train.steps
-    stop = min(settings.train.stop_at_step or total, total)
+    total = settings.steps
+    stop = min(settings.loop.stop_at_step or total, total)
     ckpt = Checkpointer(run_dir / "checkpoints", settings.checkpoint)
-    state, resumed_from = _restore_or_init(task, settings, ckpt, run_dir)
-    start = int(jax.device_get(state.step))
-    progress = ProgressReporter(total=total, start=start, mode=settings.observe.progress, quiet=settings.quiet,
-                                enabled=is_writer)
-    if resumed_from is not None:
-        progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
-    writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
-    leaf_names = ["params" + jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(task.abstract_state.params)[0]]
-    guard = _NonFiniteGuard(settings.train, leaf_names)
-    pending: list[tuple[int, dict[str, jax.Array]]] = []
-    eval_metrics: dict[str, float] = {}
-    last_loss = compile_s = None
-    checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug: under checkify
-    recompiles = debug.RecompileWatch(checked or task.train_step)
-    timed_steps, timed_s = 0, 0.0  # steady-state training only: no compile, no evaluation
-    t_mark, step_mark = time.perf_counter(), start
-    last_save = time.monotonic()
-    every_s = settings.checkpoint.every_minutes * 60
-    multi = jax.process_count() > 1
-    preempted = False
-    profiler = _Profiler(settings.observe.profile_range, run_dir / "profile", progress)
-
-    def save(state: TrainState) -> None:
-        nonlocal last_save
-        ckpt.save(state, task.data.get_state() if task.data is not None else None, task.meta)
-        last_save = time.monotonic()
-
+    progress = writer = None
+    profiler = _Profiler(settings.observe.profile_range, run_dir / "profile")
     try:
+        state, resumed_from = _restore_or_init(task, settings, ckpt, run_dir)
+        start = int(jax.device_get(state.step))
+        progress = ProgressReporter(total=total, start=start, mode=settings.observe.progress, quiet=settings.quiet,
+                                    enabled=is_writer, description=task.label)
+        profiler.progress = progress
+        writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
+        if resumed_from is not None:
+            progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
+            rows = [r for r in read_metrics(run_dir) if r.get("split") == task.split] if is_writer else []
+            first = _numbers(rows[0]) if rows else {}
+            last = _numbers(rows[-1]) if rows else {}
+        else:
+            first = last = {}
+            if task.initial_metrics is not None:
+                first = last = _floats(task.initial_metrics(state))
+                writer.write(0, task.split, first)
+            if task.after_step is not None:
+                task.after_step(0, state)
+        guard = NonFiniteGuard(settings.loop, task.check, task.abstract_state.params, task.nonfinite_advice)
+        pending: list[tuple[int, dict[str, jax.Array]]] = []
+        eval_metrics: dict[str, float] = {}
+        compile_s = None
+        checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug: under checkify
+        recompiles = debug.RecompileWatch(checked or task.train_step)
+        items_done = timed_items = timed_s = 0.0  # steady-state stepping only: no compile, no evaluation
+        t_mark, step_mark = time.perf_counter(), start
+        last_save = time.monotonic()
+        every_s = settings.checkpoint.every_minutes * 60
+        multi = jax.process_count() > 1
+        preempted = False
+
+        def save(state: TrainState) -> None:
+            nonlocal last_save
+            ckpt.save(state, task.data.get_state() if task.data is not None else None, task.meta)
+            last_save = time.monotonic()
+
         with StopSignals() as signals, debug.value_checks():
             step = start
             while step < stop:
@@ -180,13 +175,16 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 batch = next(task.data) if task.data is not None else None
                 profiler.before(step)
                 args = {"state": state, "batch": batch}  # kept for the recompilation report (donated: metadata only)
-                with jax.profiler.StepTraceAnnotation("train", step_num=step), _floating_point_errors(step):
+                with jax.profiler.StepTraceAnnotation(task.label, step_num=step), _floating_point_errors(step):
                     state, metrics = checked(state, batch, step) if checked else task.train_step(state, batch)
                 if (recompiled := recompiles.check(step, args)) is not None:
                     progress.log(f"[yellow]warning:[/] {recompiled}")
                 del args
                 profiler.after(step, state)
                 pending.append((step, metrics))
+                if task.after_step is not None:
+                    with _floating_point_errors(step):
+                        task.after_step(step, state)
                 if step == start + 1:
                     # The first call compiles; time it separately so throughput reflects steady state.
                     jax.block_until_ready(state)
@@ -207,31 +205,35 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 # metrics of steps that the resumed run redoes.
                 if regular_log or save_now:
                     fetched = jax.device_get([m for _, m in pending])
+                    window_items = 0.0
                     for (s, _), values in zip(pending, fetched):
-                        guard.check(s, values)
-                        writer.write(s, "train", {k: v for k, v in values.items() if k not in ("finite", "nonfinite_at")}
-                                     | ({"skipped_total": guard.skipped} if guard.skipped else {}))
+                        guard.check_step(s, values)
+                        last = _floats({k: v for k, v in values.items() if k not in VERDICT_KEYS})
+                        writer.write(s, task.split, last | ({"skipped_total": guard.skipped} if guard.skipped else {}))
+                        items = last[task.items_metric] if task.items_metric else task.items_per_step
+                        items_done += items
+                        if s > step_mark:  # since the clock last started: not the compiling step
+                            window_items += items
                     pending.clear()
                     writer.flush()
-                    last_loss = float(fetched[-1]["loss"])
                     elapsed = time.perf_counter() - t_mark
-                    stats: dict[str, float | str] = {"loss": last_loss}
+                    stats: dict[str, float | str] = {k: last[k] for k in task.progress_keys if k in last}
                     if step > step_mark and elapsed > 0:
-                        timed_steps, timed_s = timed_steps + step - step_mark, timed_s + elapsed
-                        stats[f"{task.item_unit}/s"] = task.items_per_step * (step - step_mark) / elapsed
+                        timed_items, timed_s = timed_items + window_items, timed_s + elapsed
+                        stats[f"{task.item_unit}/s"] = window_items / elapsed
                         if task.flops_per_step and task.peak_flops:
                             stats["mfu"] = task.flops_per_step * (step - step_mark) / elapsed / task.peak_flops
                     if guard.skipped:
                         stats["skipped"] = f"{guard.skipped}"
                     progress.update(step, stats)
                     t_mark, step_mark = time.perf_counter(), step
-                if task.evaluate is not None and (step % settings.train.eval_every == 0 or step == total):
+                if task.evaluate is not None and (step % settings.eval_every == 0 or step == total):
                     with _floating_point_errors(step):
                         eval_metrics = task.evaluate(state)
                     writer.write(step, "eval", eval_metrics)
                     writer.flush()
                     progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-                    t_mark, step_mark = time.perf_counter(), step  # evaluation time is not training throughput
+                    t_mark, step_mark = time.perf_counter(), step  # evaluation is not throughput
                 if save_now:
                     save(state)
             if preempted:
@@ -240,22 +242,35 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
             ckpt.wait()
     finally:
         profiler.stop()
-        progress.close()
-        writer.close()
+        for closer in (progress, writer):
+            if closer is not None:
+                closer.close()
         ckpt.close()
     if is_writer and settings.observe.plot:
         plot_losses(run_dir)
     return RunResult(state=state, start_step=start, final_step=int(jax.device_get(state.step)),
-                     eval_metrics=eval_metrics, train_loss=last_loss, compile_s=compile_s,
-                     items_per_s=task.items_per_step * timed_steps / timed_s if timed_s else None,
+                     eval_metrics=eval_metrics, first_metrics=first, last_metrics=last, compile_s=compile_s,
+                     items_per_s=timed_items / timed_s if timed_s else None, items_done=items_done,
                      wall_s=time.perf_counter() - t_begin, preempted=preempted)
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Fetched metrics as Python numbers (ints stay ints)."""
+    return {k: v.item() if hasattr(v, "item") else v for k, v in jax.device_get(metrics).items()}
+
+
+def _numbers(row: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl row's numbers (non-finite values are stored as strings)."""
+    return {k: float(v) if isinstance(v, str) else v for k, v in row.items()
+            if k not in ("step", "split") and isinstance(v, (int, float, str))}
 
 
 class _Profiler:
     """Captures an XLA/JAX trace of steps [first, last] (view it in TensorBoard's profile tab, XProf or Perfetto)."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: Path, progress: ProgressReporter):
-        self.steps, self.directory, self.progress, self.active = steps, directory, progress, False
+    def __init__(self, steps: tuple[int, int] | None, directory: Path):
+        self.steps, self.directory, self.active = steps, directory, False
+        self.progress: ProgressReporter | None = None
 
     def before(self, step: int) -> None:
         if self.steps and step == self.steps[0] and jax.process_index() == 0:
@@ -266,7 +281,8 @@ class _Profiler:
         if self.active and step >= self.steps[1]:
             jax.block_until_ready(state)  # the trace must contain the device work, not just the dispatch
             self.stop()
-            self.progress.log(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
+            if self.progress is not None:
+                self.progress.log(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
 
     def stop(self) -> None:
         if self.active:
@@ -290,15 +306,41 @@ def _restore_or_init(task: Task, settings: LoopSettings, ckpt: Checkpointer,
                      run_dir: Path) -> tuple[TrainState, int | None]:
     if not settings.checkpoint.resume:
         return task.init_state(), None
-    found = ckpt.restore_latest(task.abstract_state, task.workload)
+    _check_meta(task, ckpt)
+    found = ckpt.restore_latest(task.abstract_state, task.workload)  # verifies checksums; falls back past damage
     if found is None:
         return task.init_state(), None
     state, data_state, step = found
+    if step > settings.steps:
+        raise UserError(
+            f"The checkpoint at {ckpt.directory}/{step} is at step {step}, past this run's last step "
+            f"{settings.steps} ({settings.steps_key}). Fix: raise {settings.steps_key}, or pass a new --run-dir."
+        )
     if task.data is not None:
         task.data.set_state(data_state)
     if jax.process_index() == 0:
         truncate_after(run_dir, step)
     return state, step
+
+
+def _check_meta(task: Task, ckpt: Checkpointer) -> None:
+    """A resume must agree with what the newest checkpoint was written for (its shapes would not fit otherwise)."""
+    latest = ckpt.latest_step()
+    if latest is None:
+        return
+    try:
+        saved = ckpt.restore_meta(latest)
+    except Exception:  # noqa: BLE001 - a damaged step: restore_latest reports it and falls back
+        return
+    if not isinstance(saved, dict) or saved.get("workload") != task.workload:
+        return  # restore_latest names the other workload
+    changed = ", ".join(f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in task.meta.items() if saved.get(k) != v)
+    if changed:
+        raise UserError(
+            f"The checkpoint at {ckpt.directory}/{latest} was written for a different setup ({changed}), so it "
+            "cannot continue this run. Nothing was changed. Fix: pass a new --run-dir, or set "
+            "checkpoint.resume=false to start over here."
+        )
 
 
 @contextlib.contextmanager

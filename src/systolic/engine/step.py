@@ -1,4 +1,5 @@
-"""The generic train step: loss -> gradients (optionally accumulated) -> optimizer update.
+"""The generic train step (loss -> gradients, optionally accumulated -> optimizer update) and `jit_step`, which
+guards and compiles every workload's step.
 
 A workload supplies `loss_fn(params, batch, key) -> (loss, metrics)`; this module knows nothing else about it.
 """
@@ -12,6 +13,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from systolic.config import LoopConfig
+from systolic.engine.guard import guard_step
 from systolic.engine.state import TrainState
 
 LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -32,34 +37,15 @@ def _split_micro(batch: Any, accum: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def nonfinite_report(loss: jax.Array, grads: Any) -> tuple[jax.Array, jax.Array]:
-    """(loss and gradients all finite?, index of the first non-finite gradient leaf, -1 when there is none).
-
-    Two scalars, fetched with the other metrics at the next log step: the guard adds no host sync per step.
-    """
-    flags = jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)])  # (leaves,)
-    grads_ok = flags.all()
-    return grads_ok & jnp.isfinite(loss), jnp.where(grads_ok, -1, jnp.argmin(flags)).astype(jnp.int32)
+CHECKED = ("loss", "grad_norm")  # what the guard checks besides the parameters (grad_norm: every gradient)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule: optax.Schedule | None = None,
-                    grad_accum: int = 1, poison_step: int = 0
-                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """Returns an un-jitted `train_step(state, batch) -> (state, metrics)`; the caller jits it with shardings.
-
-    An update whose loss or gradients are not finite is discarded inside the step (parameters and optimizer
-    state stay as they were); the loop decides on the host, from `finite`/`nonfinite_at`, whether to halt or go
-    on. `poison_step` > 0 makes that step's loss NaN, to test this path end to end.
-    """
+                    grad_accum: int = 1) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns an un-jitted `train_step(state, batch) -> (state, metrics)`; `jit_step` guards and jits it."""
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        def poisoned(params, batch, key):
-            loss, metrics = loss_fn(params, batch, key)
-            if poison_step:
-                loss = loss * jnp.where(state.step + 1 == poison_step, jnp.nan, 1.0)
-            return loss, metrics
-
-        grad_fn = jax.value_and_grad(poisoned, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         rng, step_key = jax.random.split(state.rng)
         if grad_accum == 1:
             (loss, metrics), grads = grad_fn(state.params, batch, step_key)
@@ -80,14 +66,22 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule:
             metrics = jax.tree.map(jnp.mean, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite, nonfinite_at = nonfinite_report(loss, grads)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite,
-                   "nonfinite_at": nonfinite_at}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
         return new_state, metrics
 
     return train_step
+
+
+def jit_step(step_fn: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]], *, state_shardings: Any,
+             batch_sharding: Any, mesh: Mesh, loop: LoopConfig, check: tuple[str, ...] | None,
+             compiler_options: dict[str, Any] | None = None):
+    """Every workload's step goes through here: the non-finite guard (engine/guard.py) around it, then `jit` with
+    explicit shardings (the state comes back laid out as it went in, so the second call does not compile again)
+    and the state donated (its buffers are reused for the new state)."""
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(guard_step(step_fn, check=check, poison_step=loop.poison_step),
+                   in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
+                   donate_argnums=0, compiler_options=compiler_options)

@@ -46,12 +46,13 @@ def test_resume_continues_identically(make_cfg, tmp_path):
 
     def train(cfg, run_dir):
         prepared = build_task(cfg, mesh, None)
-        settings = loop.LoopSettings(cfg.train, cfg.checkpoint, cfg.observe, quiet=True)
+        settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
+                                     checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=True)
         with activate(mesh, prepared.rules):
             return loop.train(prepared.task, settings, run_dir)
 
     straight = train(cfg, tmp_path / "straight")
-    first = train(make_cfg("train.stop_at_step=2"), tmp_path / "resumed")
+    first = train(make_cfg("loop.stop_at_step=2"), tmp_path / "resumed")
     assert first.final_step == 2
     resumed = train(cfg, tmp_path / "resumed")
     assert resumed.start_step == 2 and resumed.final_step == 4

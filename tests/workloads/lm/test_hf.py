@@ -241,7 +241,7 @@ def test_finetune_runs_and_resumes_without_the_source(imported, corpus_dir, tmp_
     shutil.copytree(imported["llama"], source)
     run = tmp_path / "finetune"
     argv = ["train", "lm", *_overrides(source, corpus_dir), "--run-dir", str(run)]
-    assert cli.main([*argv, "train.stop_at_step=2"]) == 0
+    assert cli.main([*argv, "loop.stop_at_step=2"]) == 0
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["model"]["d_model"] == 64 and saved["init"]["from"] == str(source)
     shutil.rmtree(source)  # from now on this run resumes from its own checkpoint

@@ -80,7 +80,7 @@ def test_bundled_recipes_load(recipe, env, seeds):
     from systolic.workloads import get
 
     rl = get("rl")
-    cfg, name = config_lib.load(rl.Config, recipe, [], rl.DEFAULT_RECIPE)
+    cfg, name = config_lib.load(rl.config, recipe, [], rl.default_recipe)
     assert (name, cfg.env.name, cfg.rl.num_seeds) == (recipe, env, seeds)
     assert cfg.rl.num_updates * cfg.rl.env_steps_per_update >= cfg.rl.total_env_steps
-    assert rl.DEFAULT_RECIPE == "rl-cartpole"
+    assert rl.default_recipe == "rl-cartpole"

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from systolic.config import TrainConfig
+from systolic.config import LoopConfig
 from systolic.engine import loop
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
@@ -64,7 +64,7 @@ def test_metrics_are_per_seed_and_learning_moves(single_device):
 
 
 def loop_run(prepared, cfg, run_dir: Path, steps: int, stop_at: int = 0) -> loop.RunResult:
-    settings = loop.LoopSettings(train=TrainConfig(steps=steps, eval_every=steps, stop_at_step=stop_at),
+    settings = loop.LoopSettings(steps=steps, eval_every=steps, loop=LoopConfig(stop_at_step=stop_at),
                                  checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=True)
     return loop.train(prepared.task, settings, run_dir)
 

@@ -76,7 +76,7 @@ def test_fit_recovers_the_viscosity_to_one_percent(tmp_path):
         (["simulate", "sim.equaton=heat"], "Did you mean 'sim.equation'"),
         (["fit", "sim", "--recipe", "sim-turbulence"], "fixed time step"),
         (["fit", "lm"], "no `fit` command"),
-        (["train", "sim"], "has no model to train"),
+        (["train", "sim"], "has no `train` command; the workloads that have one: lm, gan, rl"),
         (["simulate", "--recipe", "lm-tiny"], "is for the 'lm' workload"),
     ],
 )

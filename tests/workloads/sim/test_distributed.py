@@ -25,12 +25,12 @@ def run_frames(cfg, mesh, *, check_hlo=None):
     state = sim.initial_state()
     step = sim.frame_step
     if check_hlo:
-        step = sim.frame_step.lower(state).compile()
+        step = sim.frame_step.lower(state, None).compile()
         hlo = step.as_text()
         wanted, unwanted = check_hlo
         assert wanted in hlo and unwanted not in hlo and "all-gather" not in hlo
     for _ in range(cfg.output.frames):
-        state, metrics = step(state)
+        state, metrics = step(state, None)
     if not check_hlo:
         assert sim.frame_step._cache_size() == 1  # the second frame reused the first one's compilation
     return {k: np.asarray(v) for k, v in state.params.items()}, jax.device_get(metrics)

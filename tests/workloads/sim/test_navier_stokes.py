@@ -33,7 +33,7 @@ def test_taylor_green_matches_exact_decay(sim_config, mesh_of):
     sim = make_simulation(cfg, mesh_of("1 device"))
     state = sim.initial_state()
     for _ in range(cfg.output.frames):
-        state, metrics = sim.frame_step(state)
+        state, metrics = sim.frame_step(state, None)
     w = np.asarray(sim.picture(state))
     x, y = grid(32)
     k, u0, t = 2.0, 1.0, 1.0

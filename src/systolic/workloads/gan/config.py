@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig, TrainConfig
+from systolic.config import AdamConfig, CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, ShardingConfig, TrainConfig
 from systolic.errors import ConfigError
 
 IMAGE_SIZES = (8, 16, 32, 64)
@@ -78,7 +78,8 @@ class GANConfig:
     image: ImageConfig = ImageConfig()
     gan: GANSection = GANSection()
     train: TrainConfig = TrainConfig()
-    optim: OptimConfig = OptimConfig(lr=2e-4, warmup_steps=0, weight_decay=0.0, b1=0.5, b2=0.999)
+    loop: LoopConfig = LoopConfig()
+    optim: AdamConfig = AdamConfig(lr=2e-4, b1=0.5, b2=0.999)
     mesh: MeshConfig = MeshConfig()
     sharding: ShardingConfig = ShardingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -10,12 +10,11 @@ import numpy as np
 from systolic.engine import loop, rundir
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
+from systolic.workloads import Workload
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.pictures import plot_curves, save_grid
 
-Config = GANConfig
-DEFAULT_RECIPE = "gan-digits"
 
 
 def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
@@ -38,7 +37,8 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             f"generator {refs['frechet_ceiling']:.2f}, uniform noise {refs['frechet_noise']:.2f} (ceilings)")
     else:
         say("evaluation: the images have no labels, so no classifier scores; every evaluation writes a sample grid")
-    settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
+                                 checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):
         result = loop.train(prepared.task, settings, run_dir)
     if jax.process_index() == 0 and cfg.observe.plot:
@@ -87,3 +87,7 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
     images = make_sampler(make_networks(cfg, channels), max(count, 64))(
         state.extra["ema"], state.extra["batch_stats"]["g"], jax.random.PRNGKey(seed))
     return save_grid(np.asarray(images)[:count], Path(out) if out else run_dir / "sample.png")
+
+
+WORKLOAD = Workload(name="gan", config=GANConfig, default_recipe="gan-digits",
+                    commands={"train": train, "sample": sample})

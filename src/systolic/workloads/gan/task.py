@@ -9,10 +9,11 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from systolic.data.stream import DeviceStream
 from systolic.engine.loop import Task
+from systolic.engine.step import jit_step
 from systolic.engine.state import TrainState
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, logical_to_spec, rules_for
@@ -23,6 +24,7 @@ from systolic.workloads.gan.pictures import image_grid, save_grid
 from systolic.workloads.gan.train import (Networks, make_models, make_networks, make_sampler, make_state_fns,
                                           make_train_step, param_count)
 
+CHECKED = ("d_loss", "g_loss")  # both networks' losses; the guard also checks every parameter of both
 GRID_COUNT = 64
 EVAL_SEED = 1234  # evaluation noise is fixed, so a resumed run evaluates identically
 
@@ -50,8 +52,8 @@ def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
     nets = make_networks(cfg, images.channels)
     init, abstract, shardings = make_state_fns(cfg, images.channels, mesh, rules)
     batch_shard = batch_sharding(mesh, rules)
-    train_step = jax.jit(make_train_step(cfg, nets), in_shardings=(shardings, batch_shard),
-                         out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    train_step = jit_step(make_train_step(cfg, nets), state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh,
+                          loop=cfg.loop, check=CHECKED)
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
     iterator = BatchIterator(images.train_images, images.train_labels, global_batch=cfg.train.batch_size,
@@ -61,7 +63,8 @@ def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
         evaluate, references = make_evaluate(cfg, nets, images, run_dir)
     task = Task(
         workload="gan", abstract_state=abstract, init_state=init, train_step=train_step,
-        data=DeviceStream(iterator, batch_shard, cfg.train.batch_size), evaluate=evaluate,
+        data=DeviceStream(iterator, batch_shard, cfg.train.batch_size), check=CHECKED, evaluate=evaluate,
+        nonfinite_advice="lower optim.lr, gan.d_lr_scale or optim.clip_norm",
         items_per_step=cfg.train.batch_size, item_unit="img",
         meta={"workload": "gan", "channels": images.channels, "image_size": cfg.image.size},
     )

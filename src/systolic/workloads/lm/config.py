@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig, TrainConfig
+from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
+                             TrainConfig, divisor_near)
 from systolic.errors import ConfigError
 
 
@@ -75,21 +76,37 @@ class ModelConfig:
         if not self.head_dim and self.d_model % self.heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}, so the head size is not "
-                f"an integer. Fix: choose heads that divide d_model (e.g. model.heads={_divisor_near(self.d_model, self.heads)}) "
+                f"an integer. Fix: choose heads that divide d_model (e.g. model.heads={divisor_near(self.d_model, self.heads)}) "
                 "or set model.head_dim explicitly."
             )
         if self.heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.heads={self.heads} is not a multiple of model.kv_heads={self.n_kv_heads}; grouped-query "
                 "attention shares each key/value head between an equal number of query heads. Fix: pick kv_heads "
-                f"dividing heads, e.g. model.kv_heads={_divisor_near(self.heads, self.n_kv_heads)}."
+                f"dividing heads, e.g. model.kv_heads={divisor_near(self.heads, self.n_kv_heads)}."
             )
         if self.family == "llama" and self.d_head % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
 
 
-def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
+@dataclasses.dataclass(frozen=True)
+class LMTrainConfig(TrainConfig):
+    """The `train` section: the engine's run length and batch, plus gradient accumulation and the validation size."""
+
+    grad_accum: int = 1  # micro-batches per optimizer step (each batch_size / grad_accum rows)
+    eval_batches: int = 8  # validation batches of batch_size / grad_accum rows per evaluation
+
+    def validate(self) -> None:
+        super().validate()
+        if self.grad_accum <= 0 or self.eval_batches <= 0:
+            raise ConfigError(f"train.grad_accum={self.grad_accum} and train.eval_batches={self.eval_batches} must be "
+                              "greater than 0. Fix: e.g. train.grad_accum=1 train.eval_batches=8.")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}; "
+                "each accumulation micro-step takes an equal slice of the batch. Fix: choose a batch size that "
+                f"is a multiple of {self.grad_accum}, e.g. train.batch_size={self.grad_accum * max(1, self.batch_size // self.grad_accum)}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +170,8 @@ class LMConfig:
     workload: Literal["lm"] = "lm"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    train: TrainConfig = TrainConfig()
+    train: LMTrainConfig = LMTrainConfig()
+    loop: LoopConfig = LoopConfig()
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
     sharding: ShardingConfig = ShardingConfig()

@@ -15,13 +15,11 @@ from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
+from systolic.workloads import Workload
 from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import baseline_nats_per_byte, build_task
 
-Config = LMConfig
-DEFAULT_RECIPE = "lm-tiny"
-resolve_config = init_from.resolve_config  # the CLI's hook: with init.from, the source's model and tokenizer
 
 
 def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
@@ -39,7 +37,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
     say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
         f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
-    settings = loop.LoopSettings(train=cfg.train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
+                                 checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):
         result = loop.train(prepared.task, settings, run_dir)
     if result.preempted or result.final_step < cfg.train.steps:
@@ -105,3 +104,8 @@ def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temp
              top_k: int | None, top_p: float | None, seed: int | None) -> str:
     return sample.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed)
+
+
+WORKLOAD = Workload(name="lm", config=LMConfig, default_recipe="lm-tiny",
+                    commands={"train": train, "generate": generate, "bench": build_bench_task, "plan": plan},
+                    resolve_config=init_from.resolve_config)  # with init.from: the source's model and tokenizer

@@ -21,7 +21,7 @@ from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
-from systolic.engine.step import make_train_step
+from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for, with_shardings
@@ -177,15 +177,10 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum,
-                              poison_step=cfg.train.poison_step)
+    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
-    train_step = jax.jit(
-        step_fn,
-        in_shardings=(shardings, batch_shard),
-        out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
+    train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
+                          check=CHECKED)
     return Step(rules, vocab, graphdef, init, abstract, train_step, batch_shard)
 
 
@@ -217,6 +212,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         init_state=init,
         train_step=train_step,
         data=DeviceStream(iterator, batch_shard, cfg.train.batch_size),
+        check=CHECKED,
         evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
         items_per_step=tokens_per_step,
         item_unit="tok",

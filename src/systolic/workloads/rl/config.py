@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig
+from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, divisor_near
 from systolic.errors import ConfigError
 
 
@@ -133,6 +133,7 @@ class RLConfig:
     model: NetworkConfig = NetworkConfig()
     ppo: PPOConfig = PPOConfig()
     rl: RunConfig = RunConfig()
+    loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
@@ -144,7 +145,7 @@ class RLConfig:
                 f"rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps} = {batch} transitions per "
                 f"update cannot be split into ppo.num_minibatches={self.ppo.num_minibatches} equal minibatches. Fix: "
                 f"choose sizes whose product is a multiple of {self.ppo.num_minibatches}, or set "
-                f"ppo.num_minibatches={_divisor_near(batch, self.ppo.num_minibatches)}."
+                f"ppo.num_minibatches={divisor_near(batch, self.ppo.num_minibatches)}."
             )
         if self.mesh.tensor != 1:
             raise ConfigError(
@@ -156,7 +157,3 @@ class RLConfig:
 
 def _default(schema: type, name: str) -> object:
     return next(f.default for f in dataclasses.fields(schema) if f.name == name)
-
-
-def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))

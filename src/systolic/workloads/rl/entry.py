@@ -6,18 +6,16 @@ from pathlib import Path
 
 import jax
 
-from systolic.config import TrainConfig
 from systolic.engine import loop
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
+from systolic.workloads import Workload
 from systolic.workloads.rl import evaluate as evaluate_lib
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import SOLVED_AT
 from systolic.workloads.rl.plot import plot_returns
 from systolic.workloads.rl.train import build_task
 
-Config = RLConfig
-DEFAULT_RECIPE = "rl-cartpole"
 
 
 def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
@@ -32,8 +30,9 @@ def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say(f"mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices), "
         f"{prepared.layout} split over the data axes; run directory {run_dir}")
     # The engine's loop counts steps in chunks; evaluation runs every rl.eval_every chunks and at the end.
-    loop_train = TrainConfig(steps=run.num_chunks, eval_every=run.eval_every or run.num_chunks, seed=run.seed)
-    settings = loop.LoopSettings(train=loop_train, checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
+    settings = loop.LoopSettings(steps=run.num_chunks, eval_every=run.eval_every or run.num_chunks, loop=cfg.loop,
+                                 checkpoint=cfg.checkpoint, observe=cfg.observe, steps_key="rl.total_env_steps",
+                                 quiet=quiet)
     with activate(mesh):
         result = loop.train(prepared.task, settings, run_dir)
         if not result.eval_metrics:  # the run was already complete: evaluate what the checkpoint holds
@@ -60,3 +59,7 @@ def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path
              seed: int = 0) -> str:
     """`systolic eval rl RUN_DIR`: the report to print."""
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
+
+
+WORKLOAD = Workload(name="rl", config=RLConfig, default_recipe="rl-cartpole",
+                    commands={"train": train, "eval": evaluate})

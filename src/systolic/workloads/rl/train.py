@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.compile import compile_once, cpu_compiler_options
 from systolic.engine.loop import Task
+from systolic.engine.step import jit_step
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
@@ -35,6 +36,7 @@ from systolic.workloads.rl.envs import Env
 DATA_AXES = ("data", "fsdp")  # the mesh axes that carry independent experience
 METRIC_NAMES = ("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "episode_return",
                 "episode_length")
+CHECKED = ("loss",)  # the PPO loss of every seed's chunk (mean); the guard also checks every parameter
 PER_SEED_METRICS = ("episode_return", "episode_length", "loss", "entropy")
 
 
@@ -120,9 +122,8 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     shardings = state_shardings(abstract, mesh, layout)
     abstract = with_shardings(abstract, shardings)
     init = jax.jit(make_state, out_shardings=shardings)
-    replicated = NamedSharding(mesh, P())
-    step = jax.jit(chunk_step, in_shardings=(shardings, None), out_shardings=(shardings, replicated),
-                   donate_argnums=0, compiler_options=cpu_compiler_options(1))
+    step = jit_step(chunk_step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop,
+                    check=CHECKED, compiler_options=cpu_compiler_options(1))
     return (lambda: compile_once(init, key)(key)), step, abstract, shardings
 
 
@@ -181,7 +182,9 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
         evaluate=evaluate,
         items_per_step=run.num_seeds * run.env_steps_per_chunk,
         item_unit="env_steps",
-        meta={"workload": "rl", "env": cfg.env.name, "layout": layout},
+        check=CHECKED,
+        nonfinite_advice="lower ppo.lr or ppo.max_grad_norm, or set ppo.normalize_obs=true",
+        meta={"workload": "rl", "env": cfg.env.name},
     )
     return Prepared(task=task, env=env, layout=layout)
 

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from systolic.config import CheckpointConfig, MeshConfig, ObserveConfig, OptimConfig
+from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig
 from systolic.errors import ConfigError
 
 
@@ -183,6 +183,7 @@ class SimConfig:
     fit: FitConfig = FitConfig()
     optim: OptimConfig = OptimConfig(lr=0.05, warmup_steps=0, weight_decay=0.0, min_lr_ratio=0.1)
     mesh: MeshConfig = MeshConfig()
+    loop: LoopConfig = LoopConfig()
     checkpoint: CheckpointConfig = CheckpointConfig(every_steps=10)
     observe: ObserveConfig = ObserveConfig(log_every=1)
 

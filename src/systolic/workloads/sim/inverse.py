@@ -23,7 +23,7 @@ from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
-from systolic.engine.step import make_train_step
+from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import navier_stokes as ns_lib
@@ -158,8 +158,12 @@ def build_task(cfg: SimConfig, mesh: Mesh) -> tuple[Task, InverseProblem]:
         workload="sim",
         abstract_state=abstract,
         init_state=jax.jit(init_state, out_shardings=shardings),
-        train_step=jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, replicated)),
+        train_step=jit_step(step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop,
+                            check=CHECKED),
         data=None,
+        check=CHECKED,
+        nonfinite_advice="lower optim.lr or start nearer the truth (fit.initial_viscosity), then rerun the same "
+                         "command to resume",
         items_per_step=steps_per_trajectory,  # solver steps forward (the backward pass repeats them)
         item_unit="sim steps",
         meta={"workload": "sim", "mode": "fit"},

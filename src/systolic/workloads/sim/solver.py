@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.compile import compile_once
 from systolic.engine.state import TrainState
+from systolic.engine.step import jit_step
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import finite_difference as fd
@@ -37,7 +38,7 @@ class Simulation:
     mesh: Mesh
     abstract_state: TrainState  # ShapeDtypeStructs with the target shardings (checkpoint restore target)
     initial_state: Callable[[], TrainState]  # compiled; the state is born sharded
-    frame_step: Callable[[TrainState], tuple[TrainState, dict[str, jax.Array]]]  # jitted, donates its input
+    frame_step: Callable[[TrainState, None], tuple[TrainState, dict[str, jax.Array]]]  # jitted, guarded, donating
     measure: Callable[[TrainState], dict[str, jax.Array]]  # the diagnostics of a state (frame 0)
     picture: Callable[[TrainState], jax.Array]  # the physical field to draw, (n, n), sharded
     picture_name: str
@@ -80,16 +81,15 @@ def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
     return _finite_difference(cfg, mesh)
 
 
-def _jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh) -> Callable:
-    def frame_step(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+def _jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh, cfg: SimConfig) -> Callable:
+    def frame_step(state: TrainState, batch: None) -> tuple[TrainState, dict[str, jax.Array]]:
+        del batch  # the equation makes its own data
         fields, metrics = advance(state.params, state.extra["time"], state.step + 1)
         new = state.replace(step=state.step + 1, params=fields, extra={"time": metrics["time"]})
         return new, metrics
 
-    # Explicit output shardings: the state comes back laid out as it went in, so the second call does not
-    # compile again.
-    return jax.jit(frame_step, in_shardings=(shardings,), out_shardings=(shardings, NamedSharding(mesh, P())),
-                   donate_argnums=0)
+    # Every diagnostic must be finite, and so must the fields (the guard checks the state's params).
+    return jit_step(frame_step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop, check=None)
 
 
 def _state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> TrainState:
@@ -210,7 +210,7 @@ def _navier_stokes(cfg: SimConfig, mesh: Mesh) -> Simulation:
     return Simulation(
         equation="navier_stokes", mesh=mesh, abstract_state=_abstract(init, shardings),
         initial_state=_compiled_init(init, shardings),
-        frame_step=_jit_frame_step(advance, shardings, mesh),
+        frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: to_physical(s.params["w_hat"])),
         picture_name="vorticity", plot_keys=("energy", "enstrophy") + (("error",) if exact else ()),
@@ -324,7 +324,7 @@ def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
     return Simulation(
         equation=cfg.sim.equation, mesh=mesh, abstract_state=_abstract(init, shardings),
         initial_state=_compiled_init(init, shardings),
-        frame_step=_jit_frame_step(advance, shardings, mesh),
+        frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: s.params[shown]),
         picture_name=picture_name, plot_keys=plot_keys, dt=dt, steps_per_frame=steps,
