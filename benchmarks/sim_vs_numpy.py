@@ -107,7 +107,7 @@ def compare(n: int, steps: int, dtype: str = "float32", viscosity: float = 1e-3,
         start = jax.tree.map(lambda x: x.copy(), state)  # the step donates its input
         jax.block_until_ready(start)
         t, c = time.perf_counter(), time.process_time()
-        out, _ = compiled(start)
+        out, _ = compiled(start, None)
         jax.block_until_ready(out)
         systolic_s, systolic_cpu = min(systolic_s, time.perf_counter() - t), min(systolic_cpu, time.process_time() - c)
     w_jax = np.asarray(out.params["w_hat"])
