@@ -51,9 +51,9 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def systolic_worker(a: argparse.Namespace):
-    from systolic.runtime import host_memory
+    from systolic.runtime import cpu_tuning
 
-    host_memory.apply()  # as `systolic train` and `systolic bench` do, before jax starts its threads
+    cpu_tuning.apply_at_start(stepping=True)  # as `systolic train` and `systolic bench` do, before jax starts
     import jax
     import numpy as np
 
@@ -195,7 +195,7 @@ def _variant_env(spec: str) -> tuple[str, dict[str, str]]:
     name, _, rest = spec.partition(":")
     tweaks, _, flags = rest.partition(":")
     env = dict(os.environ, SYSTOLIC_CPU_TWEAKS=tweaks or "all")
-    if flags == "default-off":  # without systolic's default XLA:CPU flags (systolic/runtime/cpu_flags.py)
+    if flags == "default-off":  # without systolic's default XLA:CPU flags (systolic/runtime/cpu_tuning.py)
         env["SYSTOLIC_XLA_CPU_FLAGS"] = "off"
     elif flags:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()

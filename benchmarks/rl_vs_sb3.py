@@ -121,6 +121,10 @@ def main() -> int:
     # XLA reads the host device count once, when jax starts: set it before importing anything that imports jax.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from systolic.runtime import cpu_tuning
+
+    # systolic's XLA:CPU flags, as the figures in docs/benchmarks.md were measured (without the allocator setting).
+    cpu_tuning.apply_at_start(stepping=False)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at start; python {sys.version.split()[0]}")
     s = run_systolic(args)

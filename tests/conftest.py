@@ -8,6 +8,12 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from systolic.runtime import cpu_tuning  # noqa: E402
+
+# The XLA:CPU flags the CLI sets (inherited by the CLI subprocesses), so tests compile what users run. Not the
+# allocator setting: it slows compilation, which is most of a test's time.
+cpu_tuning.apply_at_start(stepping=False)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

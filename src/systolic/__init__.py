@@ -1,5 +1,5 @@
-"""systolic: one JAX training stack for language models, RL, GANs and scientific simulation."""
+"""systolic: one JAX training stack for language models, RL, GANs and scientific simulation.
 
-from systolic.runtime import cpu_flags as _cpu_flags
-
-_cpu_flags.apply()  # before JAX creates its CPU client
+Importing it changes nothing in the process (XLA_FLAGS included); the CLI applies the CPU tuning at start
+(runtime/cpu_tuning.py).
+"""

@@ -8,13 +8,14 @@ import textwrap
 import pytest
 
 from systolic.runtime import host_memory
+from systolic.runtime.cpu_tuning import CpuTuning
 
 # 60 warm-up calls let the heap reach about its steady size (it can still grow now and then); then count the
 # minor page faults of 20 more calls.
 _PROBE = textwrap.dedent("""
     import resource, jax, jax.numpy as jnp
-    from systolic.runtime import host_memory
-    print(host_memory.apply())
+    from systolic.runtime import cpu_tuning
+    print(cpu_tuning.apply_at_start(stepping=True).malloc)
     f = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.cos(x)[::-1])
     x = jnp.ones((4096, 4096))  # 64 MiB: glibc would mmap a block this size afresh on every call
     for _ in range(60):
@@ -48,19 +49,15 @@ def test_buffers_stop_faulting_in_with_the_setting_and_do_without_it():
 
 def test_wanted_follows_the_tweaks_and_the_platform(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", "all")
-    assert host_memory.wanted()
-    monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", "flatten,malloc")
-    assert host_memory.wanted()
-    monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", "none")
-    assert not host_memory.wanted()
-    monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", "all")
+    assert host_memory.wanted(CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": "all"}))
+    assert host_memory.wanted(CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": "flatten,malloc"}))
+    assert not host_memory.wanted(CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": "none"}))
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    assert not host_memory.wanted()
+    assert not host_memory.wanted(CpuTuning())
 
 
 def test_does_nothing_once_jax_has_started():
     import jax
 
     jax.numpy.zeros(1).block_until_ready()  # this process's backend is up (conftest's 8 devices)
-    assert not host_memory.apply()
+    assert not host_memory.apply(CpuTuning())

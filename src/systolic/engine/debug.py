@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from systolic.errors import TrainingHalted
+from systolic.runtime.cpu_tuning import cpu_compiler_options
 
 CHECKS = checkify.nan_checks | checkify.index_checks | checkify.div_checks
 
@@ -87,10 +88,9 @@ class CheckedStep:
         self.train_step = train_step
         self.instrumented: bool | None = None  # known after the first call
         # Not donated: debug mode holds two copies of the state, so a failed step leaves its input readable. The
-        # checks triple the program; XLA:CPU at optimisation level 0 compiles it in half the time (lm tiny: 42 s
-        # instead of 69 s on a loaded 2-core CPU; 11-18 s without checks), and debug runs are not about speed.
-        options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-        self.jitted = jax.jit(checkify.checkify(train_step, errors=CHECKS), compiler_options=options)
+        # checks triple the program; XLA:CPU at optimisation level 0 compiles it in about half the time
+        # (docs/benchmarks.md, "CPU tuning choices"), and debug runs are not about speed.
+        self.jitted = jax.jit(checkify.checkify(train_step, errors=CHECKS), compiler_options=cpu_compiler_options(0))
 
     def __call__(self, state: Any, batch: Any, step: int) -> tuple[Any, Any]:
         if self.instrumented is None:

@@ -1,26 +1,20 @@
 """Host allocator settings for training on the CPU: keep XLA's per-step buffers mapped between steps.
 
-XLA:CPU allocates each execution's temporaries as one block (624 MB for the 6-layer, 384-wide GPT of
-`benchmarks/lm_vs_pytorch.py`) and frees it at the end of the step. glibc serves a block that size with a fresh
-`mmap` and returns it with `munmap`, so every step page-faults the whole block in again: 155,000 minor faults
-and about 14% of the process's CPU time in the kernel, zeroing pages (PyTorch: 5,000 faults, 1%). Measured
-with `resource.getrusage` and `strace -e trace=mmap,munmap` on this project's 2-core machine.
+XLA:CPU allocates each execution's temporaries as one block (hundreds of MB for a small GPT) and frees it at the
+end of the step. glibc serves a block that size with a fresh `mmap` and returns it with `munmap`, so every step
+page-faults the whole block in again, and the kernel spends its time zeroing pages.
 
 `apply` tells glibc (through `mallopt`, so no environment variable has to be set before the process starts) to
 serve large blocks from the heap and keep freed memory there: one arena, no `mmap` for large blocks, no
-trimming. The faults drop to zero after the first steps, and that model trains 4-17% faster (five alternating
-runs on two hosts, docs/benchmarks.md). Two costs: the process keeps its peak host memory (2.0-3.7 GB instead of
-1.4 GB there), and compilation is slower, because XLA's compiler threads then contend for the one arena: the lm
-sharded-step test took 44.4-50.5 s against 34.8-37.5 s on one host and 21.4-22.5 s against 16.7-17.9 s on
-another (+31% and +27% at the middle of each range); lm-tiny's cold first step took 6.9 s against 4.2 s
-(+64%).
+trimming. The faults stop after the first steps and steps get faster. Two costs: the process keeps its peak
+host memory, and compilation is slower, because XLA's compiler threads then contend for the one arena. So it is
+for processes that run many steps (`cpu_tuning.apply_at_start(stepping=True)`). Figures: docs/benchmarks.md,
+"CPU tuning choices".
 
-So it is for processes that run many steps: `systolic train`, `bench`, `fit` and `simulate` call `apply` at
-start; a Python program that trains on CPU can call it first thing. It applies only where the CPU is the compute
-platform (JAX_PLATFORMS says cpu, or no GPU/TPU plugin is installed), only on glibc, and never when
-`SYSTOLIC_CPU_TWEAKS` leaves out `malloc` or is `none`. It must run before JAX starts its thread pools (the
-first computation), since a thread keeps the arena it started with; called later (the CLI's `main` inside a
-test process, say) it does nothing, so the rest of that process keeps glibc's defaults.
+It applies only where the CPU is the compute platform (JAX_PLATFORMS says cpu, or no GPU/TPU plugin is
+installed), only on glibc, and only when the tuning's `malloc` is on. It must run before JAX starts its thread
+pools (the first computation), since a thread keeps the arena it started with; called later (the CLI's `main`
+inside a test process, say) it does nothing, so the rest of that process keeps glibc's defaults.
 """
 
 from __future__ import annotations
@@ -30,16 +24,16 @@ import importlib.util
 import os
 import sys
 
-from systolic.runtime import cpu_flags
+from systolic.runtime import cpu_tuning
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
-def wanted() -> bool:
+def wanted(tuning: cpu_tuning.CpuTuning) -> bool:
     """Whether the settings apply here (see the module docstring)."""
-    if not cpu_flags.tweak_on("malloc"):
+    if not tuning.malloc:
         return False
     platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if platforms:
@@ -59,9 +53,10 @@ def _jax_started() -> bool:
         return True
 
 
-def apply() -> bool:
-    """Sets the glibc malloc options when `wanted` and JAX has not started; returns whether they were set."""
-    if not wanted() or _jax_started():
+def apply(tuning: cpu_tuning.CpuTuning | None = None) -> bool:
+    """Sets the glibc malloc options when `wanted` (by `tuning`, default the process's `cpu_tuning.settings()`)
+    and JAX has not started; returns whether they were set. Programs call `cpu_tuning.apply_at_start`."""
+    if not wanted(tuning or cpu_tuning.settings()) or _jax_started():
         return False
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them

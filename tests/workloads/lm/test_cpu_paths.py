@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from systolic.runtime import cpu_tuning
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import causal_attention, gradient_barrier, project
 from systolic.workloads.lm.model import Transformer
@@ -46,14 +47,27 @@ def test_gradient_barrier_is_the_identity_and_survives_compilation():
     assert "while" in hlo, "XLA simplified the barrier's loop away: it no longer stops fusion"
 
 
+@pytest.fixture
+def set_cpu_tweaks(monkeypatch):
+    """Sets SYSTOLIC_CPU_TWEAKS for one test: the settings, read once per process, are read again on each call
+    and after the test (when monkeypatch has restored the environment)."""
+
+    def set_(value: str) -> None:
+        monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", value)
+        cpu_tuning.settings.cache_clear()
+
+    yield set_
+    cpu_tuning.settings.cache_clear()
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_model_with_and_without_cpu_rewrites_agree(family, monkeypatch):
+def test_model_with_and_without_cpu_rewrites_agree(family, set_cpu_tweaks):
     cfg = ModelConfig(family=family, d_model=32, layers=2, heads=4, kv_heads=2 if family == "llama" else 0,
                       max_seq_len=16, dtype="float32")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
 
     def loss_and_grads(setting):
-        monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", setting)
+        set_cpu_tweaks(setting)
         graphdef, params = nnx.split(Transformer(cfg, 64, rngs=nnx.Rngs(params=0)), nnx.Param)
         loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, p)(tokens), tokens).mean()  # noqa: E731
         return jax.jit(jax.value_and_grad(loss))(params)

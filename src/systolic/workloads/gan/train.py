@@ -18,8 +18,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.compile import compile_once
 from systolic.engine.state import TrainState
+from systolic.runtime.cpu_tuning import compile_once
 from systolic.runtime.sharding import Rules, activate, with_shardings
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.model import Discriminator, Generator

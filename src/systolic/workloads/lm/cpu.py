@@ -10,8 +10,8 @@ rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_
 - `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
   pass stops copying the residual gradient's elementwise chain into every consumer (work growing with depth^2).
 
-`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations
-(`runtime/cpu_flags.tweak_on`).
+`SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations,
+read once into `runtime/cpu_tuning.settings()`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from systolic.runtime import cpu_flags
+from systolic.runtime import cpu_tuning
+
+REWRITES = ("flatten", "attention", "barrier")
+
 
 def cpu_tweak(name: str) -> bool:
-    """Whether the CPU rewrite `name` is on: only on the CPU backend, and as `SYSTOLIC_CPU_TWEAKS` says."""
-    return jax.default_backend() == "cpu" and cpu_flags.tweak_on(name)
+    """Whether the CPU rewrite `name` (one of REWRITES) is on: only on the CPU backend, and as the CPU tuning says."""
+    assert name in REWRITES, name
+    return jax.default_backend() == "cpu" and getattr(cpu_tuning.settings(), name)
 
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:

@@ -17,13 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from systolic.data import corpus, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
-from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.cpu_tuning import compile_once
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for, with_shardings
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.compile import compile_once, cpu_compiler_options
 from systolic.engine.loop import Task
 from systolic.engine.step import jit_step
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.cpu_tuning import compile_once, cpu_compiler_options
 from systolic.runtime.sharding import with_shardings
 from systolic.workloads.rl import ppo
 from systolic.workloads.rl.config import RLConfig

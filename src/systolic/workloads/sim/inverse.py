@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.compile import compile_once
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import ConfigError
+from systolic.runtime.cpu_tuning import compile_once
 from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.compile import compile_once
 from systolic.engine.state import TrainState
 from systolic.engine.step import jit_step
 from systolic.errors import ConfigError
+from systolic.runtime.cpu_tuning import compile_once
 from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import finite_difference as fd
 from systolic.workloads.sim import navier_stokes as ns_lib

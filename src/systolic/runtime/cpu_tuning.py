@@ -1,0 +1,102 @@
+"""Every CPU-only choice systolic makes, read once from the environment, and the one call that applies them.
+
+- `xla_flags`: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`). They are
+  experimental XLA flags and an unknown flag aborts XLA at start-up, so they are added only for jaxlib versions
+  where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them, and never when
+  SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU programs are unaffected.
+- `flatten`, `attention`, `barrier`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
+- `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps.
+- `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
+  where LLVM's optimisation costs more compile time than it saves.
+
+SYSTOLIC_CPU_TWEAKS switches the rewrites and the allocator setting for ablations: `all` (the default), `none`,
+or comma-separated names. Nothing happens at import: a library user's XLA_FLAGS stay theirs. The CLI calls
+`apply_at_start` before JAX starts; a Python program that wants the CLI's speed calls it first thing. Why each
+choice, and its measured effect: docs/benchmarks.md, "CPU tuning choices".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, NamedTuple
+
+VERIFIED_JAXLIB = ("0.10.",)
+XNN_DOT_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimental_xnn_fusion_type=dot")
+FLAGS_ENV = "SYSTOLIC_XLA_CPU_FLAGS"
+TWEAKS_ENV = "SYSTOLIC_CPU_TWEAKS"
+
+
+@dataclass(frozen=True)
+class CpuTuning:
+    """Which CPU-only choices are on (each applies only where the CPU is the compute platform)."""
+
+    xla_flags: bool = True
+    flatten: bool = True
+    attention: bool = True
+    barrier: bool = True
+    malloc: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> CpuTuning:
+        flags_on = environ.get(FLAGS_ENV, "").lower() not in ("off", "0", "false", "none")
+        tweaks = environ.get(TWEAKS_ENV, "all").strip()
+        names = {s.strip() for s in tweaks.split(",")}
+        on = lambda name: tweaks == "all" or name in names  # noqa: E731
+        return cls(xla_flags=flags_on, flatten=on("flatten"), attention=on("attention"), barrier=on("barrier"),
+                   malloc=on("malloc"))
+
+
+@functools.cache
+def settings() -> CpuTuning:
+    """The process's CPU tuning, read from the environment on the first call. A test that changes
+    SYSTOLIC_CPU_TWEAKS or SYSTOLIC_XLA_CPU_FLAGS calls `settings.cache_clear()` to have it read again."""
+    return CpuTuning.from_env(os.environ)
+
+
+class Applied(NamedTuple):
+    xla_flags: bool  # XNN_DOT_FLAGS were added to XLA_FLAGS
+    malloc: bool  # the host allocator setting was made
+
+
+def apply_at_start(*, stepping: bool, tuning: CpuTuning | None = None) -> Applied:
+    """Adds the XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`), sets the host
+    allocator, each where allowed (module docstring). Call before JAX creates its backend: XLA reads XLA_FLAGS
+    once, and a thread keeps the malloc arena it started with."""
+    from systolic.runtime import host_memory  # here: host_memory imports this module
+
+    tuning = tuning or settings()
+    return Applied(xla_flags=_add_xla_flags(tuning), malloc=stepping and host_memory.apply(tuning))
+
+
+def _add_xla_flags(tuning: CpuTuning) -> bool:
+    if not tuning.xla_flags:
+        return False
+    try:
+        version = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return False
+    current = os.environ.get("XLA_FLAGS", "")
+    if not version.startswith(VERIFIED_JAXLIB) or "xnn_fusion_type" in current or "ynn_fusion_type" in current:
+        return False
+    os.environ["XLA_FLAGS"] = " ".join([current, *XNN_DOT_FLAGS]).strip()
+    return True
+
+
+def cpu_compiler_options(level: int) -> dict[str, int] | None:
+    """`compiler_options` that set XLA:CPU's optimisation level; None (the default) on other backends."""
+    import jax  # here, not at the top: this module is imported before JAX may start
+
+    return {"xla_backend_optimization_level": level} if jax.default_backend() == "cpu" else None
+
+
+def compile_once(fn: Any, *args: Any) -> Any:
+    """Lowers and compiles a jitted run-once function (an init) at optimisation level 0 on CPU."""
+    import jax
+
+    if jax.config.jax_disable_jit:  # --no-jit: there is nothing to compile; the function runs eagerly
+        return fn
+    return fn.lower(*args).compile(compiler_options=cpu_compiler_options(0) or {})

@@ -1,0 +1,39 @@
+"""The CPU tuning (runtime/cpu_tuning.py): read once, applied only by an explicit start call, never at import."""
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from systolic.runtime import cpu_tuning
+from systolic.runtime.cpu_tuning import CpuTuning
+
+
+def test_importing_systolic_leaves_xla_flags_alone():
+    flags = "--xla_cpu_enable_fast_math=false"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SYSTOLIC_"))}
+    env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    code = "import os, systolic, systolic.workloads.lm.train; print(os.environ['XLA_FLAGS'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == flags
+
+
+def test_settings_follow_the_environment():
+    assert CpuTuning.from_env({}) == CpuTuning()
+    assert CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": "none", "SYSTOLIC_XLA_CPU_FLAGS": "off"}) == CpuTuning(
+        xla_flags=False, flatten=False, attention=False, barrier=False, malloc=False)
+    assert CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": " flatten, malloc "}) == CpuTuning(attention=False, barrier=False)
+
+
+@pytest.mark.skipif(not metadata.version("jaxlib").startswith(cpu_tuning.VERIFIED_JAXLIB), reason="unverified jaxlib")
+def test_start_adds_the_xla_flags_unless_switched_off(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    off = CpuTuning.from_env({"SYSTOLIC_XLA_CPU_FLAGS": "off"})
+    assert cpu_tuning.apply_at_start(stepping=False, tuning=off) == (False, False)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert cpu_tuning.apply_at_start(stepping=False, tuning=CpuTuning()) == (True, False)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", *cpu_tuning.XNN_DOT_FLAGS]
+    assert cpu_tuning.apply_at_start(stepping=False, tuning=CpuTuning()).xla_flags is False  # already there
