@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     if args.command == "plan":
         _fake_devices_for_plan(args)  # before anything initialises a jax backend
-    if args.command in _STEPPING_COMMANDS:
-        from systolic.runtime import host_memory
+    from systolic.runtime import cpu_tuning
 
-        host_memory.apply()  # before anything starts jax's thread pools
+    # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
+    cpu_tuning.apply_at_start(stepping=args.command in _STEPPING_COMMANDS)
     if args.command not in ("launch", "tokenizer"):  # neither compiles anything
         from systolic.runtime import compile_cache
 
