@@ -11,21 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from systolic.cli import main
-
-TINY_GAN = ["model.latent_dim=8", "model.g_channels=32", "model.d_channels=32", "train.batch_size=16",
-            "train.steps=4", "gan.eval_samples=64", "checkpoint.every_steps=2", "checkpoint.async_save=false",
-            "observe.log_every=1", "observe.tensorboard=false", "observe.plot=false"]
-TINY_RL = [
-    "rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
-    "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40", "ppo.update_epochs=2",
-    "ppo.num_minibatches=2", "ppo.anneal_lr=false", "checkpoint.every_steps=2", "observe.log_every=1",
-]
-TINY_SIM = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",
-            "sim.t_end=0.4", "output.frames=4", "output.images=false", "observe.tensorboard=false"]
-
-SKIP = ["loop.nonfinite=skip", "loop.poison_step=2", "checkpoint.every_steps=1", "checkpoint.keep=10",
-        "checkpoint.async_save=false", "observe.log_every=1", "observe.tensorboard=false", "observe.plot=false"]
-
+from tiny import TINY_GAN, TINY_RL, TINY_SIM
 
 def saved_leaves(run: Path) -> dict[str, np.ndarray]:
     """Every array of every checkpoint step, read from disk without a restore target."""
@@ -93,6 +79,7 @@ def test_rl_skip_never_checkpoints_a_nan_policy(tmp_path):
 
 def test_simulate_halts_on_a_blow_up_naming_the_frame(tmp_path, capsys):
     run = tmp_path / "sim"
-    assert main(["simulate", *TINY_SIM, "loop.poison_step=2", "-q", "--run-dir", str(run)]) == 3
+    assert main(["simulate", *TINY_SIM, "sim.t_end=0.4", "output.frames=4", "output.images=false",
+                 "loop.poison_step=2", "--run-dir", str(run)]) == 3
     err = capsys.readouterr().err.replace("\n", " ")
     assert "Step 2 produced a non-finite value in" in err and "blew up" in err, err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,3 +25,32 @@ class TrainState:
 
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+    """A train state that is born sharded: what every workload builds before its loop starts."""
+
+    init: Callable[[], TrainState]  # computes the initial state on the mesh (compiled once, at XLA:CPU level 0)
+    abstract: TrainState  # ShapeDtypeStructs carrying the target shardings: restore and AOT target
+    shardings: TrainState
+
+
+def make_sharded_state(make_state: Callable[..., TrainState], args: tuple[Any, ...],
+                       shardings: Callable[[TrainState], TrainState],
+                       context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> ShardedState:
+    """`make_state(*args)` traced once for shapes; `shardings(shapes)` gives each leaf's NamedSharding; `context`
+    (e.g. the mesh and logical-axis rules) is entered for tracing and for the init itself."""
+    from systolic.runtime.cpu_tuning import compile_once
+    from systolic.runtime.sharding import with_shardings
+
+    with context():
+        shapes = jax.eval_shape(make_state, *args)
+    target = shardings(shapes)
+    jitted = jax.jit(make_state, out_shardings=target)
+
+    def init() -> TrainState:
+        with context():
+            return compile_once(jitted, *args)(*args)
+
+    return ShardedState(init=init, abstract=with_shardings(shapes, target), shardings=target)

@@ -19,12 +19,11 @@ from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
-from systolic.engine.state import TrainState
+from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.cpu_tuning import compile_once
-from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for, with_shardings
+from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
@@ -86,21 +85,16 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
+    def shardings(abstract: TrainState) -> TrainState:
+        opt_shardings = optax.tree_map_params(
+            tx, lambda _, s: s, abstract.opt_state, p_shardings,
+            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        return TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
+
     key = jax.random.PRNGKey(cfg.train.seed)
-    with activate(mesh, rules):
-        abstract = jax.eval_shape(make_state, key)
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract.opt_state, p_shardings,
-        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    shardings = TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
-    abstract = with_shardings(abstract, shardings)
-    init = jax.jit(make_state, out_shardings=shardings)
-
-    def init_state() -> TrainState:
-        with activate(mesh, rules):
-            return compile_once(init, key)(key)
-
+    state = make_sharded_state(make_state, (key,), shardings, lambda: activate(mesh, rules))
+    init_state, abstract, shardings = state.init, state.abstract, state.shardings
     if cfg.init.from_:  # fine-tuning: another run's parameters instead of random ones
         init_state = make_init_state(Path(cfg.init.from_), cfg.model, abstract, shardings, tx, key, mesh, rules)
     return init_state, abstract, shardings

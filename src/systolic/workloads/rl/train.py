@@ -24,11 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.loop import Task
 from systolic.engine.step import jit_step
-from systolic.engine.state import TrainState
+from systolic.engine.state import TrainState, make_sharded_state
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.cpu_tuning import compile_once, cpu_compiler_options
-from systolic.runtime.sharding import with_shardings
+from systolic.runtime.cpu_tuning import cpu_compiler_options
 from systolic.workloads.rl import ppo
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -117,14 +116,12 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
         seeds, metrics = jax.vmap(chunk_seed)(from_train_state(state), seed_keys(chunk_key, num_seeds))
         return to_train_state(state.step + 1, rng, seeds), flatten_metrics(metrics)
 
-    key = jax.random.PRNGKey(cfg.rl.seed)
-    abstract = jax.eval_shape(make_state, key)
-    shardings = state_shardings(abstract, mesh, layout)
-    abstract = with_shardings(abstract, shardings)
-    init = jax.jit(make_state, out_shardings=shardings)
+    state = make_sharded_state(make_state, (jax.random.PRNGKey(cfg.rl.seed),),
+                               lambda abstract: state_shardings(abstract, mesh, layout))
+    shardings = state.shardings
     step = jit_step(chunk_step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop,
                     check=CHECKED, compiler_options=cpu_compiler_options(1))
-    return (lambda: compile_once(init, key)(key)), step, abstract, shardings
+    return state.init, step, state.abstract, shardings
 
 
 def flatten_metrics(metrics: ppo.ChunkMetrics) -> dict[str, jax.Array]:

@@ -21,11 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
-from systolic.engine.state import TrainState
+from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import ConfigError
 from systolic.runtime.cpu_tuning import compile_once
-from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.slab import Slab
@@ -149,16 +148,14 @@ def build_task(cfg: SimConfig, mesh: Mesh) -> tuple[Task, InverseProblem]:
                           rng=jax.random.PRNGKey(cfg.sim.seed))
 
     replicated = NamedSharding(mesh, P())
-    shapes = jax.eval_shape(init_state)
-    shardings = jax.tree.map(lambda _: replicated, shapes)
-    abstract = with_shardings(shapes, shardings)
+    state = make_sharded_state(init_state, (), lambda shapes: jax.tree.map(lambda _: replicated, shapes))
     step = make_train_step(loss_fn, tx, make_schedule(cfg.optim, cfg.fit.steps))
     steps_per_trajectory = cfg.output.frames * fixed_steps(cfg, cfg.sim.dt)[0]
     task = Task(
         workload="sim",
-        abstract_state=abstract,
-        init_state=jax.jit(init_state, out_shardings=shardings),
-        train_step=jit_step(step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop,
+        abstract_state=state.abstract,
+        init_state=state.init,
+        train_step=jit_step(step, state_shardings=state.shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop,
                             check=CHECKED),
         data=None,
         check=CHECKED,

@@ -1,0 +1,28 @@
+"""`systolic simulate` runs in the engine's loop, so it gets what training gets: `--debug`, profiling, plots and
+`loop.stop_at_step`."""
+
+import json
+
+from systolic.cli import main
+from tiny import TINY_SIM
+
+SHORT = [*TINY_SIM, "sim.t_end=0.4", "output.frames=4", "output.images=false", "observe.tensorboard=false"]
+
+
+def test_debug_names_the_frame_and_operation_of_an_injected_nan(tmp_path, capsys):
+    assert main(["simulate", *SHORT, "loop.poison_step=2", "--debug", "--run-dir", str(tmp_path)]) == 3
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "--debug: step 2" in err and "nan" in err and "guard.py" in err and "in poisoned" in err, err
+    assert "Traceback" not in err
+
+
+def test_profile_plot_and_stop_at_step(tmp_path):
+    assert main(["simulate", *SHORT, "observe.profile_steps=2-3", "loop.stop_at_step=3", "--run-dir", str(tmp_path)]) == 0
+    assert list((tmp_path / "profile").rglob("*.xplane.pb")), "no trace written"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # stopped at frame 3 of 4, with a checkpoint
+    assert (tmp_path / "checkpoints" / "3").is_dir() and not (tmp_path / "diagnostics.png").exists()
+    assert main(["simulate", *SHORT, "--run-dir", str(tmp_path)]) == 0  # resumes and finishes: now the plot
+    assert (tmp_path / "diagnostics.png").is_file()
+    assert main(["simulate", *SHORT, "observe.plot=false", "--run-dir", str(tmp_path / "noplot")]) == 0
+    assert not (tmp_path / "noplot" / "diagnostics.png").exists()
