@@ -25,3 +25,13 @@ class CheckpointWriteError(UserError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
     exit_code = 4
+
+
+class CheckpointMismatch(UserError):
+    """An intact checkpoint whose arrays do not fit the abstract state built from the run's config (another model
+    size, another optimizer): a config mismatch, not damage. Callers re-raise it with their own fix."""
+
+    def __init__(self, directory: object, step: int, detail: str):
+        self.directory, self.step, self.detail = directory, step, detail
+        super().__init__(f"The checkpoint {directory}/{step} does not match its config ({detail}). Nothing was changed. "
+                         "Fix: use the settings it was saved with.")

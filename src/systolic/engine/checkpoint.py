@@ -11,6 +11,8 @@ Guarantees (tests in tests/engine/test_checkpoint.py and tests/engine/test_relia
   manifest; restoring verifies it and falls back to the previous step when a file differs, is missing or
   cannot be read.
 - A failed write (disk full, permissions) stops the run with `CheckpointWriteError`; earlier steps are untouched.
+- An intact step whose arrays do not fit the abstract target (the config changed: another model size or optimizer)
+  is a mismatch, not damage: restoring raises `CheckpointMismatch`, naming what differs, and moves nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import orbax.checkpoint as ocp
 
 from systolic.config import CheckpointConfig
 from systolic.engine.state import TrainState
-from systolic.errors import CheckpointWriteError, UserError
+from systolic.errors import CheckpointMismatch, CheckpointWriteError, UserError
 
 MANIFEST = "systolic-manifest.json"
+# How Orbax words a restore target that does not fit the saved tree (checked first by `Checkpointer.mismatch`).
+_ORBAX_MISMATCH = ("tree structures do not match", "is not compatible with the stored shape")
 FAULT_ENV = "SYSTOLIC_FAULT"  # testing aid: "kill_during_save:STEP" or "fail_save:STEP"
 
 
@@ -129,7 +133,8 @@ class Checkpointer:
         return None
 
     def restore_latest(self, abstract: TrainState, workload: str) -> tuple[TrainState, dict[str, Any], int] | None:
-        """The newest intact step, falling back past damaged ones with a warning; None when there is none."""
+        """The newest intact step, falling back past damaged ones with a warning; None when there is none. An intact
+        step that does not fit `abstract` stops the resume with a UserError and changes nothing."""
         steps = self.all_steps()
         damaged: list[int] = []
         for step in reversed(steps):
@@ -149,6 +154,14 @@ class Checkpointer:
                     state, data_state, _ = self.restore(step, abstract)
                     self._set_aside(damaged)
                     return state, data_state, step
+                except CheckpointMismatch as e:
+                    # The files are intact: the config changed, so an earlier step would not fit either.
+                    raise UserError(
+                        f"The run's checkpoint {self.directory}/{step} does not match its config ({e.detail}): the "
+                        "model or optimizer settings changed since it was saved (was config.yaml edited?). Nothing was "
+                        "changed. Fix: resume with the settings it was saved with, or start over with a new --run-dir "
+                        "or checkpoint.resume=false."
+                    ) from None
                 except Exception as e:  # noqa: BLE001
                     problem = f"it cannot be restored ({type(e).__name__}: {str(e)[:200]})"
             warnings.warn(f"Checkpoint step {step} in {self.directory} is damaged: {problem}. Trying an earlier one.")
@@ -173,24 +186,63 @@ class Checkpointer:
             self._manager.reload()
 
     def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
-        """Restores onto the shardings in `abstract` (ShapeDtypeStructs), whatever mesh the step was saved from."""
-        items = {
-            "params": ocp.args.StandardRestore(abstract.params),
-            "train": ocp.args.StandardRestore(_train_item(abstract)),
-            "data": ocp.args.JsonRestore(),
-            "meta": ocp.args.JsonRestore(),
-        }
+        """Restores onto the shardings in `abstract` (ShapeDtypeStructs), whatever mesh the step was saved from.
+        Raises CheckpointMismatch when the saved arrays do not fit `abstract`."""
+        arrays = {"params": abstract.params, "train": _train_item(abstract)}
         if jax.tree.leaves(abstract.opt_state):
-            items["opt_state"] = ocp.args.StandardRestore(abstract.opt_state)
-        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+            arrays["opt_state"] = abstract.opt_state
+        items = {name: ocp.args.StandardRestore(tree) for name, tree in arrays.items()}
+        out = self._restore_fitting(step, arrays, {**items, "data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()})
         train = out["train"]
         state = TrainState(step=train["step"], params=out["params"], opt_state=out.get("opt_state", abstract.opt_state),
                            rng=train["rng"], extra=train.get("extra", {}))
         return state, out["data"], out["meta"]
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
-        out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
-        return out["params"]
+        """The parameters alone (no optimizer state); raises CheckpointMismatch when they do not fit."""
+        args = {"params": ocp.args.StandardRestore(abstract_params)}
+        return self._restore_fitting(step, {"params": abstract_params}, args)["params"]
+
+    def mismatch(self, step: int, arrays: dict[str, Any]) -> str | None:
+        """What differs between the array items saved at `step` and `arrays` (item name -> abstract tree): leaves on
+        one side only, and shapes; None when they fit. Dtypes may differ: Orbax casts on restore."""
+        differences: list[str] = []
+        for item, abstract in arrays.items():
+            folder = self.directory / str(step) / item
+            if not folder.is_dir():
+                differences.append(f"the checkpoint has no {item}")
+                continue
+            handler = ocp.StandardCheckpointHandler()
+            try:
+                saved = _leaf_shapes(handler.metadata(folder).tree)
+            finally:
+                handler.close()
+            wanted = _leaf_shapes(abstract)
+            for name in sorted(saved.keys() | wanted.keys()):
+                if name not in saved:
+                    differences.append(f"{item}.{name} only in the config, shape {wanted[name]}")
+                elif name not in wanted:
+                    differences.append(f"{item}.{name} only in the checkpoint, shape {saved[name]}")
+                elif saved[name] != wanted[name]:
+                    differences.append(f"{item}.{name}: checkpoint {saved[name]}, config {wanted[name]}")
+        if not differences:
+            return None
+        more = f"; and {len(differences) - 3} more" if len(differences) > 3 else ""
+        return "; ".join(differences[:3]) + more
+
+    def _restore_fitting(self, step: int, arrays: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+        # Checked before reading: Orbax reports a shape mismatch only after starting the reads, and the abandoned
+        # reads then print tracebacks to stderr when garbage-collected.
+        detail = self.mismatch(step, arrays)
+        if detail is not None:
+            raise CheckpointMismatch(self.directory, step, detail)
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**args))
+        except ValueError as e:
+            text = str(e)
+            if any(sign in text for sign in _ORBAX_MISMATCH):
+                raise CheckpointMismatch(self.directory, step, " ".join(text.split())[:300]) from None
+            raise
 
     def restore_meta(self, step: int) -> dict[str, Any]:
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -213,6 +265,15 @@ def _train_item(state: TrainState) -> dict[str, Any]:
     if jax.tree.leaves(state.extra):  # Orbax rejects an empty subtree
         item["extra"] = state.extra
     return item
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{"blocks.0.attn.wq": shape}: dotted names that agree between an abstract tree (integer dict keys, tuples,
+    named tuples) and Orbax's metadata of the saved one (string keys, lists)."""
+    def name(path: tuple[Any, ...]) -> str:
+        return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+    return {name(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _sha256(path: Path) -> str:

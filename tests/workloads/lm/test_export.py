@@ -89,7 +89,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(exported, tmp_path, capsys):
     (tmp_path / "fresh" / "config.yaml").write_text((exported / "run" / "config.yaml").read_text())
     cases = [
         (["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "m.jaxexport")], "has no config.yaml"),
-        (["export", str(tmp_path / "fresh"), "--out", str(tmp_path / "m.jaxexport")], "no complete checkpoint to export"),
+        (["export", str(tmp_path / "fresh"), "--out", str(tmp_path / "m.jaxexport")], "has no complete checkpoint"),
         (["export", str(exported / "run"), "--out", str(tmp_path / "m.jaxexport"), "--platforms", "cpu,gpu"],
          "gpu is not a platform"),
         (["export", str(exported / "run"), "--out", str(tmp_path / "missing" / "m.jaxexport")], "existing directory"),

@@ -71,7 +71,7 @@ def test_eval_of_a_run_without_checkpoint(tmp_path, capsys, tiny_rl):
 
     rundir.prepare(tmp_path, tiny_rl.config())
     assert main(["eval", "rl", str(tmp_path)]) == 2
-    assert "has no checkpoint yet" in capsys.readouterr().err.replace("\n", " ")
+    assert "has no complete checkpoint" in capsys.readouterr().err.replace("\n", " ")
 
 
 @pytest.mark.parametrize("recipe, env, seeds", [("rl-cartpole", "CartPole-v1", 8), ("rl-pendulum", "Pendulum-v1", 4)])

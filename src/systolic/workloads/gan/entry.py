@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from systolic.engine import loop, rundir
+from systolic.engine import loop
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
@@ -62,28 +62,19 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 0) -> Path:
     """Draws `count` images from the EMA generator of the run's latest intact checkpoint into a PNG grid."""
-    from systolic.engine.checkpoint import Checkpointer
-    from systolic.workloads import config_class
+    from systolic.engine import finished
     from systolic.workloads.gan.data import channels_for
     from systolic.workloads.gan.train import make_networks, make_sampler, make_state_fns
 
-    run_dir = Path(run_dir)
-    cfg: GANConfig = rundir.load_config(run_dir, config_class)
-    if cfg.workload != "gan":
-        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `systolic sample gan` needs a gan run directory.")
     if count < 1:
         raise UserError(f"--count {count} must be at least 1. Fix: e.g. --count 64.")
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
-    step = ckpt.latest_intact_step() if ckpt else None
-    if step is None:
-        raise UserError(f"{run_dir} has no complete checkpoint to sample from. Fix: train first "
-                        f"(`systolic train gan --run-dir {run_dir}`), or pass another run directory.")
-    channels = channels_for(cfg)
-    mesh = mesh_lib.make_mesh(type(cfg.mesh)(data=1), jax.devices()[:1])
-    _, abstract, _ = make_state_fns(cfg, channels, mesh, rules_for(cfg.sharding.rules, mesh))
-    state, _, _ = ckpt.restore(step, abstract)
-    ckpt.close()
+    run_dir = Path(run_dir)
+    with finished.open_run(run_dir, "gan", "systolic sample gan") as run:
+        cfg: GANConfig = run.cfg
+        channels = channels_for(cfg)
+        mesh = mesh_lib.make_mesh(type(cfg.mesh)(data=1), jax.devices()[:1])
+        _, abstract, _ = make_state_fns(cfg, channels, mesh, rules_for(cfg.sharding.rules, mesh))
+        state = run.restore(abstract)
     images = make_sampler(make_networks(cfg, channels), max(count, 64))(
         state.extra["ema"], state.extra["batch_stats"]["g"], jax.random.PRNGKey(seed))
     return save_grid(np.asarray(images)[:count], Path(out) if out else run_dir / "sample.png")

@@ -100,7 +100,7 @@ def export_run(run_dir: Path, out: Path, *, what: str = "forward",
     out = Path(out)
     if out.is_dir() or not out.parent.is_dir():
         raise UserError(f"--out {out}: expected a file path in an existing directory (e.g. --out model.jaxexport).")
-    run = load_run(run_dir, "export")
+    run = load_run(run_dir, "systolic export")
     exported = export_functions(run, WHAT[what], platforms)
     paths = {name: out if i == 0 else out.with_name(f"{out.stem}.{name}{out.suffix}")
              for i, name in enumerate(WHAT[what])}

@@ -265,7 +265,7 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     Returns the names of the files written."""
     out = Path(out)
     _check_free(out)
-    run = load_run(Path(run_dir), "convert to Hugging Face format")
+    run = load_run(Path(run_dir), "systolic convert to-hf")
     tokenizer = make_tokenizer(run.cfg.data.tokenizer)  # the run's own copy, or "byte"
     hf = hf_config.hf_config(run.cfg.model, run.vocab, tokenizer.eot_id)
     params = jax.device_get(run.params)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from systolic import config as config_lib
 from systolic.data.tokenizer import run_tokenizer
-from systolic.engine import rundir
+from systolic.engine import finished, rundir
 from systolic.engine.checkpoint import Checkpointer, has_checkpoints
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
@@ -68,12 +68,7 @@ def source_config(source: Path) -> LMConfig:
     if not (source / rundir.CONFIG_FILE).is_file():
         raise UserError(f"init.from={source} is not a systolic run directory (it has no {rundir.CONFIG_FILE}). Fix: pass "
                         "the directory of an lm run or of `systolic convert from-hf`.")
-    from systolic.workloads import config_class
-
-    cfg = rundir.load_config(source, config_class)
-    if cfg.workload != "lm":
-        raise UserError(f"init.from={source} holds a '{cfg.workload}' run; an lm run can only start from an lm run.")
-    return cfg
+    return finished.read_config(source, "lm", f"init.from={source}")
 
 
 def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
@@ -84,24 +79,15 @@ def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
     if conflicts:
         raise ConfigError(f"init.from={source}: this run's model differs from the source's ({'; '.join(conflicts)}). "
                           f"Fix: use the source's model settings (see {source / rundir.CONFIG_FILE}).")
-    ckpt_dir = source / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, src.checkpoint) if ckpt_dir.is_dir() else None
-    step = ckpt.latest_intact_step() if ckpt else None
-    try:
-        if step is None:
-            raise UserError(f"init.from={source} has no complete checkpoint to start from. Fix: train or convert into "
-                            "that directory first, or pass another one.")
-        rows = ckpt.restore_meta(step).get("vocab")
+    with finished.open_run(source, "lm", f"init.from={source}") as run:
+        rows = run.meta().get("vocab")
         want = abstract_params["embed"].shape[0]
         if rows is not None and rows != want:
             raise UserError(
                 f"init.from={source} has {rows} embedding rows (its tokenizer's vocabulary, padded), this run {want}: "
                 "the two runs use different tokenizers. Fix: leave data.tokenizer out so the source's is used."
             )
-        return ckpt.restore_params(step, abstract_params)
-    finally:
-        if ckpt:
-            ckpt.close()
+        return run.restore_params(abstract_params)
 
 
 def make_init_state(source: Path, model: ModelConfig, abstract: TrainState, shardings: TrainState,

@@ -11,9 +11,7 @@ import numpy as np
 from flax import nnx
 
 from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
-from systolic.engine import rundir
-from systolic.engine.checkpoint import Checkpointer
-from systolic.errors import UserError
+from systolic.engine import finished
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.generate import generate
 
@@ -44,14 +42,13 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.
 def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
                       top_k: int | None, top_p: float | None, seed: int | None) -> str:
     """The prompt followed by its continuation; unset arguments take the run's `sample` settings."""
-    cfg = rundir.load_config(run_dir, _config_class)
-    if cfg.workload != "lm":
-        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `systolic generate` needs a language model run.")
+    command = "systolic generate"
+    cfg = finished.read_config(run_dir, "lm", command)  # the settings checked before the slow part
     overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
-    run = load_run(run_dir, "generate from")
+    run = load_run(run_dir, command)
     cfg, graphdef, params, vocab = run.cfg, run.graphdef, run.params, run.vocab
     return settings.prompt + sample_text(cfg, graphdef, params, vocab, prompt=settings.prompt, max_new_tokens=settings.max_new_tokens,
                        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
@@ -68,38 +65,23 @@ class LoadedRun:
     step: int  # the checkpoint's step
 
 
-def load_run(run_dir: Path, purpose: str) -> LoadedRun:
-    """The newest intact checkpoint's parameters and the run's config; `purpose` ("generate from", "export")
-    completes the error message when there is nothing to load."""
+def load_run(run_dir: Path, command: str) -> LoadedRun:
+    """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
+    ("systolic export") names what the user ran in the errors."""
     from systolic.workloads.lm.train import model_graphdef
 
-    cfg = rundir.load_config(run_dir, _config_class)
-    if cfg.workload != "lm":
-        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; only a language model run can be used to {purpose}.")
-    # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_tokenizer(run_dir, cfg.data.tokenizer)))
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if ckpt_dir.exists() else None
-    step = ckpt.latest_intact_step() if ckpt else None
-    if step is None:
-        if ckpt:
-            ckpt.close()
-        raise UserError(f"{run_dir} has no complete checkpoint to {purpose}. Fix: train first "
-                        f"(`systolic train lm --run-dir {run_dir}`), or pass another run directory.")
-    vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
-    graphdef = model_graphdef(cfg.model, vocab)
-    abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    params = ckpt.restore_params(step, abstract)
-    ckpt.close()
-    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=step)
-
-
-def _config_class(workload: str | None) -> type:
-    from systolic.workloads import config_class
-
-    return config_class(workload)
+    with finished.open_run(run_dir, "lm", command) as run:
+        cfg: LMConfig = run.cfg
+        # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
+        tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+        vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+        graphdef = model_graphdef(cfg.model, vocab)
+        abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+        params = run.restore_params(abstract)
+    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step)
 
 
 def _model(cfg: LMConfig, vocab: int):

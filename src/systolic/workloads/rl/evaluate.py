@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from systolic import workloads
 from systolic.config import MeshConfig
-from systolic.engine import rundir
-from systolic.engine.checkpoint import Checkpointer
+from systolic.engine import finished
 from systolic.engine.state import TrainState
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
@@ -41,25 +39,15 @@ class RestoredRun:
 
 
 def restore_run(run_dir: Path) -> RestoredRun:
-    """The run's config and its latest checkpoint, on one device (whatever mesh it was trained on)."""
-    cfg = rundir.load_config(run_dir, workloads.config_class)
-    if cfg.workload != "rl":
-        raise UserError(f"{run_dir} holds a '{cfg.workload}' run, not an rl run. Fix: `systolic eval rl` takes the "
-                        "run directory of `systolic train rl`.")
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint)
-    try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise UserError(f"{run_dir} has no checkpoint yet, so there is no policy to evaluate. Fix: train first "
-                            f"(`systolic train rl --run-dir {run_dir}`), or pass the directory of a finished run.")
+    """The run's config and its newest intact checkpoint, on one device (whatever mesh it was trained on)."""
+    with finished.open_run(run_dir, "rl", "systolic eval rl") as run:
+        cfg: RLConfig = run.cfg
         env = Env(cfg.env)
         mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
         with activate(mesh):
             _, _, abstract, _ = make_state_fns(cfg, env, mesh, "seeds")
-            state, _, _ = ckpt.restore(step, abstract)
-    finally:
-        ckpt.close()
-    return RestoredRun(cfg=cfg, env=env, state=state, step=step)
+            state = run.restore(abstract)
+    return RestoredRun(cfg=cfg, env=env, state=state, step=run.step)
 
 
 def make_act(cfg: RLConfig, env: Env):
