@@ -27,10 +27,7 @@ def pytest_collection_modifyitems(config, items):
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-TINY_LM = [
-    "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
-    "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
-]
+from tiny import TINY_LM, run_steps  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
 
 
 @pytest.fixture(scope="session")
@@ -50,29 +47,22 @@ def tiny_lm(corpus_dir):
     from systolic import config as config_lib
     from systolic.config import MeshConfig
     from systolic.runtime import mesh as mesh_lib
-    from systolic.runtime.sharding import activate
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.train import build_task
 
     def make_cfg(*extra: str) -> LMConfig:
         return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, f"data.path={corpus_dir}", *extra]))
 
-    def run_steps(cfg: LMConfig, mesh, n: int):
+    def run_lm_steps(cfg: LMConfig, mesh, n: int):
         """(prepared task, state after n steps, the n losses)."""
         prepared = build_task(cfg, mesh)
-        task = prepared.task
-        with activate(mesh, prepared.rules):
-            state = task.init_state()
-            losses = []
-            for _ in range(n):
-                state, metrics = task.train_step(state, next(task.data))
-                losses.append(float(metrics["loss"]))
-        return prepared, state, losses
+        state, metrics = run_steps(prepared.task, n, mesh=mesh, rules=prepared.rules)
+        return prepared, state, [float(m["loss"]) for m in metrics]
 
     def single_device_mesh():
         return mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
-    return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_steps, single_device_mesh=single_device_mesh)
+    return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_lm_steps, single_device_mesh=single_device_mesh)
 
 
 # One persistent XLA cache for the whole session (inherited by CLI subprocesses): the many small runs of the
