@@ -7,9 +7,15 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Strict dtype promotion, as Equinox's tests run: mixing dtypes (a bf16 activation times an f32 weight, an int
+# index plus a float) is an error unless the code casts explicitly. The environment variable carries it into the
+# CLI subprocesses that the end-to-end tests start.
+os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_collection_modifyitems(config, items):

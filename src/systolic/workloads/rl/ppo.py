@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import policy
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -168,7 +169,8 @@ def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
         lr = optax.linear_schedule(ppo.lr, 0.0, adam_steps)
     else:
         lr = ppo.lr
-    return optax.chain(optax.clip_by_global_norm(ppo.max_grad_norm), optax.adam(lr, eps=ppo.adam_eps))
+    return standard_promotion(optax.chain(optax.clip_by_global_norm(ppo.max_grad_norm),
+                                          optax.adam(lr, eps=ppo.adam_eps)))
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
