@@ -269,8 +269,9 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
             update, state, jax.random.split(key, run.updates_per_chunk))
         n = episodes.sum()
         finished = n > 0
-        mean_return = jnp.where(finished, return_sum.sum() / jnp.maximum(n, 1), state.last_return)
-        mean_length = jnp.where(finished, length_sum.sum() / jnp.maximum(n, 1), state.last_length)
+        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
+        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
         state = state._replace(last_return=mean_return, last_length=mean_length)
         metrics = ChunkMetrics(loss=losses.mean(), policy_loss=stats.policy_loss.mean(),
                                value_loss=stats.value_loss.mean(), entropy=stats.entropy.mean(),
