@@ -7,6 +7,10 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Strict dtype promotion, as Equinox's tests run: mixing dtypes (a bf16 activation times an f32 weight, an int
+# index plus a float) is an error unless the code casts explicitly. The environment variable carries it into the
+# CLI subprocesses that the end-to-end tests start.
+os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
 from systolic.runtime import cpu_tuning  # noqa: E402
 
@@ -16,6 +20,8 @@ cpu_tuning.apply_at_start(stepping=False)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,10 +39,7 @@ def pytest_collection_modifyitems(config, items):
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-TINY_LM = [
-    "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
-    "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
-]
+from tiny import TINY_LM, run_steps  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
 
 
 @pytest.fixture(scope="session")
@@ -56,29 +59,22 @@ def tiny_lm(corpus_dir):
     from systolic import config as config_lib
     from systolic.config import MeshConfig
     from systolic.runtime import mesh as mesh_lib
-    from systolic.runtime.sharding import activate
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.train import build_task
 
     def make_cfg(*extra: str) -> LMConfig:
         return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, f"data.path={corpus_dir}", *extra]))
 
-    def run_steps(cfg: LMConfig, mesh, n: int):
+    def run_lm_steps(cfg: LMConfig, mesh, n: int):
         """(prepared task, state after n steps, the n losses)."""
         prepared = build_task(cfg, mesh)
-        task = prepared.task
-        with activate(mesh, prepared.rules):
-            state = task.init_state()
-            losses = []
-            for _ in range(n):
-                state, metrics = task.train_step(state, next(task.data))
-                losses.append(float(metrics["loss"]))
-        return prepared, state, losses
+        state, metrics = run_steps(prepared.task, n, mesh=mesh, rules=prepared.rules)
+        return prepared, state, [float(m["loss"]) for m in metrics]
 
     def single_device_mesh():
         return mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
-    return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_steps, single_device_mesh=single_device_mesh)
+    return types.SimpleNamespace(make_cfg=make_cfg, run_steps=run_lm_steps, single_device_mesh=single_device_mesh)
 
 
 # One persistent XLA cache for the whole session (inherited by CLI subprocesses): the many small runs of the

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tiny import TINY_LM
+
 from systolic.cli import main
 
-BASE = ["model.d_model=16", "model.layers=1", "model.heads=2", "model.max_seq_len=16", "data.seq_len=8",
-        "train.batch_size=8", "train.steps=1", "train.eval_batches=1", "sample.max_new_tokens=0",
-        "observe.tensorboard=false", "observe.plot=false", "-q"]
+BASE = [*TINY_LM, "train.steps=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false", "-q"]
 
 KEYS = ["train.steps", "train.batch_size", "train.grad_accum", "train.eval_every", "train.seed", "loop.nonfinite",
         "optim.lr", "optim.b1", "optim.warmup_steps", "optim.min_lr_ratio", "mesh.data", "mesh.fsdp", "mesh.tensor",

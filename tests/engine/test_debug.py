@@ -164,9 +164,9 @@ def test_debug_through_the_cli_on_the_sharded_lm(tmp_path):
     import subprocess
     import sys
 
-    tiny = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=64",
-            "data.seq_len=32", "data.max_bytes=600000", "data.val_percent=30", "train.batch_size=8",
-            "train.eval_batches=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false"]
+    from tiny import LM_CLI_QUIET, TINY_LM
+
+    tiny = [*TINY_LM, *LM_CLI_QUIET]
     proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *tiny, "train.steps=3", "loop.poison_step=2",
                            "--debug", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=900,
                           env=dict(os.environ))

@@ -7,16 +7,25 @@ import sys
 
 import pytest
 
-PEAK_RSS = "import resource, runpy, sys; sys.argv = ['systolic'] + sys.argv[1:]; " \
-           "exec(\"try:\\n runpy.run_module('systolic', run_name='__main__')\\nexcept SystemExit: pass\"); " \
-           "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+# `python -m systolic ARGS` that also reports its peak resident memory, and keeps the command's exit status.
+PEAK_RSS = """
+import resource, runpy, sys
+sys.argv = ["systolic"] + sys.argv[1:]
+try:
+    runpy.run_module("systolic", run_name="__main__")
+    code = 0
+except SystemExit as e:
+    code = e.code
+print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+sys.exit(code)
+"""
 
 
 def plan(mesh: str) -> tuple[dict, int]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", PEAK_RSS, "plan", "lm", "--recipe", "llama-1b", "--target", "h200",
                            "--mesh", mesh, "--json"], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0 or "PEAK_RSS_KB" in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "PEAK_RSS_KB" in proc.stderr, proc.stderr
     rss_kb = int(proc.stderr.split("PEAK_RSS_KB")[-1].split()[0])
     return json.loads(proc.stdout.strip().splitlines()[-1]), rss_kb * 1024
 

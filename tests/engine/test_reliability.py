@@ -9,11 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import LM_CLI_QUIET, TINY_LM
 
-TINY = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=64",
-        "data.seq_len=32", "data.max_bytes=600000", "data.val_percent=30", "train.batch_size=8",
-        "train.eval_every=1000", "train.eval_batches=1", "observe.log_every=1", "sample.max_new_tokens=0",
-        "checkpoint.every_steps=3", "observe.tensorboard=false", "observe.plot=false"]
+TINY = [*TINY_LM, *LM_CLI_QUIET, "train.eval_every=1000", "observe.log_every=1", "checkpoint.every_steps=3"]
 
 
 def start(run: Path, *extra: str, fault: str | None = None) -> subprocess.Popen:

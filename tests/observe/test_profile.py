@@ -1,9 +1,9 @@
 import subprocess
 import sys
 
-TINY = ["model.d_model=32", "model.layers=1", "model.heads=2", "model.max_seq_len=32", "data.seq_len=16",
-        "data.max_bytes=300000", "data.val_percent=30", "train.batch_size=8", "train.steps=4",
-        "train.eval_batches=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "-q"]
+from tiny import LM_CLI_QUIET, TINY_LM
+
+TINY = [*TINY_LM, *LM_CLI_QUIET, "train.steps=4", "-q"]  # steps 2-3 profiled, then one more
 
 
 def test_profile_steps_write_a_trace(tmp_path):

@@ -4,9 +4,9 @@ import os
 import subprocess
 import sys
 
-TINY = ["model.d_model=32", "model.layers=1", "model.heads=2", "model.max_seq_len=32", "data.seq_len=16",
-        "data.max_bytes=300000", "data.val_percent=30", "train.batch_size=8", "train.steps=2",
-        "train.eval_batches=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false", "-q"]
+from tiny import LM_CLI_QUIET, TINY_LM
+
+TINY = [*TINY_LM, *LM_CLI_QUIET, "train.steps=2", "-q"]  # 2 steps: the test is about compiling, not training
 
 
 def test_warm_start_hits_the_cache(tmp_path):

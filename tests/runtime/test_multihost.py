@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny import LM_CLI_QUIET, TINY_LM
 
 pytestmark = pytest.mark.multihost
 
-TINY = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=64",
-        "data.seq_len=32", "data.max_bytes=1000000", "data.val_percent=20", "train.batch_size=8",
-        "train.eval_every=100", "train.eval_batches=1", "checkpoint.every_steps=2", "observe.log_every=1",
-        "sample.max_new_tokens=0", "train.steps=6", "-q"]
+TINY = [*TINY_LM, *LM_CLI_QUIET, "train.eval_every=100", "checkpoint.every_steps=2", "observe.log_every=1",
+        "train.steps=6", "-q"]
 
 
 def systolic(args: list[str], devices: int, timeout: int = 300) -> subprocess.CompletedProcess:

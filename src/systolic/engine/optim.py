@@ -7,16 +7,44 @@ import optax
 
 from systolic.config import OptimConfig
 
+# Optax mixes Python floats with int32 step counts (`b1 ** count` in Adam's bias correction, `count / steps` in
+# the schedules), which jax's strict dtype promotion (on in our tests) rejects. That code is optax's, not ours, so
+# only optax's calls run under standard promotion; our own code stays checked.
+
+
+def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx` with its `init` and `update` run under jax's standard dtype promotion (see above)."""
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def standard_promotion_schedule(schedule: optax.Schedule) -> optax.Schedule:
+    """`schedule` run under jax's standard dtype promotion (see above)."""
+
+    def run(count):
+        with jax.numpy_dtype_promotion("standard"):
+            return schedule(count)
+
+    return run
+
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
+    return standard_promotion_schedule(optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.lr,
         warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1),
         end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+    ))
 
 
 def decay_mask(params):
@@ -25,7 +53,7 @@ def decay_mask(params):
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    return optax.chain(
+    return standard_promotion(optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(
             make_schedule(cfg, total_steps),
@@ -35,4 +63,4 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
             weight_decay=cfg.weight_decay,
             mask=decay_mask,
         ),
-    )
+    ))

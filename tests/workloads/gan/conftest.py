@@ -1,10 +1,7 @@
-"""A tiny gan config shared by the gan tests."""
+"""The tiny gan config (tests/tiny.py) as fixtures."""
 
 import pytest
-
-TINY_GAN = ["model.latent_dim=8", "model.g_channels=32", "model.d_channels=32", "train.batch_size=16",
-            "train.steps=4", "gan.eval_samples=64", "checkpoint.every_steps=2", "checkpoint.async_save=false",
-            "observe.log_every=1", "observe.tensorboard=false", "observe.plot=false"]
+from tiny import TINY_GAN
 
 
 @pytest.fixture

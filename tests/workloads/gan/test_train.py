@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from tiny import run_steps
 
 from systolic.config import MeshConfig
 from systolic.engine import loop
@@ -12,26 +13,16 @@ from systolic.runtime.sharding import activate
 from systolic.workloads.gan.task import build_task
 
 
-def run_steps(cfg, mesh, n):
-    prepared = build_task(cfg, mesh, None)
-    task = prepared.task
-    with activate(mesh, prepared.rules):
-        state = task.init_state()
-        metrics = []
-        for _ in range(n):
-            state, m = task.train_step(state, next(task.data))
-            metrics.append(jax.device_get(m))
-    return task, jax.device_get(state), metrics
-
-
 @pytest.mark.parametrize("extra", [(), pytest.param(("gan.loss=hinge", "gan.d_steps=2", "model.spectral_norm=true",
                                                      "gan.conditional=true"), marks=pytest.mark.slow)])
 def test_eight_devices_equal_one_device(make_cfg, extra):
     cfg = make_cfg(*extra)
     one = mesh_lib.make_mesh(MeshConfig(data=1), jax.devices()[:1])
     eight = mesh_lib.make_mesh(MeshConfig(data=8))
-    task, s1, m1 = run_steps(cfg, one, 2)
-    task8, s8, m8 = run_steps(cfg, eight, 2)
+    prepared1, prepared8 = build_task(cfg, one, None), build_task(cfg, eight, None)
+    s1, m1 = run_steps(prepared1.task, 2, mesh=one, rules=prepared1.rules)
+    s8, m8 = run_steps(prepared8.task, 2, mesh=eight, rules=prepared8.rules)
+    task8 = prepared8.task
     assert task8.train_step._cache_size() == 1  # explicit shardings: no recompile on step 2
     for a, b in zip(m1, m8):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=2e-5)

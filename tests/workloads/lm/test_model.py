@@ -101,8 +101,27 @@ def test_forward_matches_numpy_reference(cfg):
     want = reference_logits(cfg, params, TOKENS)
     assert np.abs(want).max() > 1.0  # the weights are large enough for the check to mean something
     np.testing.assert_allclose(logits, want, atol=2e-4, rtol=2e-4)
-    assert count_params(params) == sum(np.size(x) for x in jax.tree.leaves(params))
     assert ("lm_head" in params) != cfg.tie_embeddings
+
+
+# Parameter counts written out by hand for the two tiny configs (vocabulary V=64, d=32, 2 layers, 4 heads of 8),
+# as transformers' LlamaForCausalLM / GPT2LMHeadModel of the same shape count them.
+LLAMA_PARAMS = (64 * 32  # token embedding
+                + 2 * (32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32  # wq; wk and wv (2 kv heads); wo
+                       + 3 * 32 * 64  # SwiGLU gate, up (d -> 64) and down
+                       + 2 * 32)  # two RMSNorm scales
+                + 32  # final RMSNorm
+                + 32 * 64)  # untied lm_head
+GPT2_PARAMS = (64 * 32 + 16 * 32  # token and position embeddings (max_seq_len=16); the lm_head is the embedding
+               + 2 * (32 * 3 * 32 + 3 * 32 + 32 * 32 + 32  # q, k, v and out projections with biases
+                      + 32 * 128 + 128 + 128 * 32 + 32  # MLP d -> 4d -> d with biases
+                      + 2 * 2 * 32)  # two LayerNorms, scale and bias
+               + 2 * 32)  # final LayerNorm
+
+
+@pytest.mark.parametrize("cfg, want", [(LLAMA, LLAMA_PARAMS), (GPT2, GPT2_PARAMS)], ids=["llama-gqa", "gpt2-tied"])
+def test_count_params_matches_the_hand_count(cfg, want):
+    assert count_params(random_params(cfg)) == want
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tiny import TINY_LM
+
 from systolic.cli import main
 from systolic.data.tokenizer import ByteTokenizer, make_tokenizer
 from systolic.workloads.lm.sample import continuation_text
 
 # The model and step of tests/test_bad_input.py's run, with a BPE of <= 320 ids (the byte tokenizer's padded
 # vocabulary): the same programs, so a whole test session compiles them once.
-TINY = ["model.d_model=16", "model.layers=1", "model.heads=2", "model.max_seq_len=16", "data.seq_len=8",
-        "train.batch_size=8", "train.steps=1", "train.eval_batches=1", "sample.max_new_tokens=0",
-        "observe.tensorboard=false", "observe.plot=false", "data.val_percent=30", "-q"]
+TINY = [*TINY_LM, "train.steps=1", "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false",
+        "data.val_percent=30", "-q"]
 
 
 def call(*argv: str) -> tuple[int, str, str]:

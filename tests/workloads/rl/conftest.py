@@ -1,4 +1,4 @@
-"""A tiny rl config shared by the rl tests: 2 seeds x 8 CartPole environments, 8-step rollouts, 2 updates a chunk.
+"""The tiny rl config (tests/tiny.py) as fixtures.
 
 Every test that trains uses exactly these settings (plus run-length and mesh choices that do not change the
 compiled program), so the session's persistent compile cache compiles each program once.
@@ -13,12 +13,7 @@ from systolic import config as config_lib
 from systolic.config import MeshConfig
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads.rl.config import RLConfig
-
-TINY_RL = [
-    "rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
-    "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40", "ppo.update_epochs=2",
-    "ppo.num_minibatches=2", "ppo.anneal_lr=false", "checkpoint.every_steps=2", "observe.log_every=1",
-]
+from tiny import TINY_RL
 
 
 def tiny_rl_config(*extra: str) -> RLConfig:

@@ -6,6 +6,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from tiny import run_steps
 
 from systolic.config import LoopConfig
 from systolic.engine import loop
@@ -17,13 +18,8 @@ from systolic.workloads.rl.train import build_task
 def run_chunks(cfg, mesh, n: int):
     """(prepared task, final state, per-chunk metrics as floats)."""
     prepared = build_task(cfg, mesh)
-    history = []
-    with activate(mesh):
-        state = prepared.task.init_state()
-        for _ in range(n):
-            state, metrics = prepared.task.train_step(state, None)
-            history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return prepared, state, history
+    state, metrics = run_steps(prepared.task, n, mesh=mesh)
+    return prepared, state, [{k: float(v) for k, v in m.items()} for m in metrics]
 
 
 @pytest.fixture(scope="module")

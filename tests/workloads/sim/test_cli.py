@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from tiny import TINY_SIM as TINY
 
 from systolic.cli import main
 from systolic.engine import rundir
@@ -12,9 +13,6 @@ from systolic.engine.checkpoint import Checkpointer
 from systolic.runtime.mesh import make_mesh
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.solver import make_simulation
-
-TINY = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",
-        "checkpoint.every_steps=2", "checkpoint.async_save=false", "-q"]
 
 
 def final_fields(run_dir):

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from systolic.engine.optim import standard_promotion
+
 CLASSIFIER_FILE = "classifier.npz"
 CONFIDENCE = 0.9
 HIDDEN = (256, 64)  # the second hidden layer (64 features) is the penultimate layer
@@ -65,7 +67,7 @@ def train_classifier(images: np.ndarray, labels: np.ndarray, *, steps: int = 150
     classes = int(labels.max()) + 1
     key = jax.random.PRNGKey(seed)
     params = init_classifier(key, int(np.prod(images.shape[1:])), classes)
-    tx = optax.adamw(1e-3, weight_decay=1e-4)
+    tx = standard_promotion(optax.adamw(1e-3, weight_decay=1e-4))
     x_all, y_all = jnp.asarray(images), jnp.asarray(labels)
 
     @jax.jit

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from systolic.engine.optim import standard_promotion
 from systolic.engine.state import TrainState
 from systolic.runtime.cpu_tuning import compile_once
 from systolic.runtime.sharding import Rules, activate, with_shardings
@@ -62,8 +63,8 @@ def _run(graphdef: nnx.GraphDef, params: Any, stats: Any, *args: Any, train: boo
 
 def make_optimizers(cfg: GANConfig) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
     def adam(lr: float) -> optax.GradientTransformation:
-        return optax.chain(optax.clip_by_global_norm(cfg.optim.clip_norm),
-                           optax.adam(lr, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps))
+        return standard_promotion(optax.chain(optax.clip_by_global_norm(cfg.optim.clip_norm),
+                                              optax.adam(lr, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)))
 
     return adam(cfg.optim.lr), adam(cfg.optim.lr * cfg.gan.d_lr_scale)
 
@@ -163,7 +164,8 @@ def make_train_step(cfg: GANConfig, nets: Networks):
 
         # EMA: the decay ramps up from 0 so that early samples are not dominated by the random initialisation.
         step = state.step + 1
-        decay = jnp.minimum(cfg.gan.ema, (1.0 + step) / (10.0 + step))
+        step_f = step.astype(jnp.float32)
+        decay = jnp.minimum(cfg.gan.ema, (1.0 + step_f) / (10.0 + step_f))
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state.extra["ema"], g_params)
         batch_stats = {"g": g_stats} | ({"d": d_stats} if "d" in state.extra["batch_stats"] else {})
         new_state = TrainState(step=step, params={"g": g_params, "d": d_params}, opt_state={"g": opt_g, "d": opt_d},

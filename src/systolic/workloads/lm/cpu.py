@@ -60,7 +60,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 def _attention_forward(q, k, v, bias):
     """q (B, KV, Q, hd), k and v (B, KV, S, hd), bias (Q, S) -> out (B, KV, Q, hd) and probs (B, KV, Q, S)."""
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) + bias  # (B, KV, Q, S)
+    # bias is in the compute dtype; the mask is added to the float32 scores, as the softmax runs in float32.
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) + bias.astype(jnp.float32)  # (B, KV, Q, S)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkqs,bksd->bkqd", probs, v), probs
 

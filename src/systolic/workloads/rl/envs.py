@@ -32,6 +32,9 @@ from systolic.workloads.rl.config import EnvConfig
 SOLVED_AT = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.0, "MountainCarContinuous-v0": 90.0,
              "Pendulum-v1": -250.0}
 
+# gymnax mixes Python floats with int32 arrays (CartPole's `force_mag * action`), which jax's strict dtype promotion
+# (on in our tests) rejects; gymnax's calls, and only those, run under standard promotion.
+
 # Environments that gymnax cannot build offline on every machine.
 _NEEDS_DOWNLOAD = {"MNISTBandit-bsuite"}
 
@@ -88,7 +91,7 @@ class Env:
         self._params = params
         space = self._env.action_space(params)
         discrete = hasattr(space, "n")
-        obs_shape = tuple(jax.eval_shape(lambda k: self._env.reset(k, params)[0], jax.random.PRNGKey(0)).shape)
+        obs_shape = tuple(jax.eval_shape(lambda k: self._gymnax_reset(k)[0], jax.random.PRNGKey(0)).shape)
         if discrete:
             action_dim, low, high = int(space.n), (), ()
         else:
@@ -97,20 +100,27 @@ class Env:
             high = tuple(float(x) for x in jnp.broadcast_to(jnp.asarray(space.high), (action_dim,)))
         self.spec = EnvSpec(name=cfg.name, obs_shape=obs_shape, discrete=discrete, action_dim=action_dim,
                             action_low=low, action_high=high, max_episode_steps=int(params.max_steps_in_episode))
-        _, template = jax.eval_shape(lambda k: self._env.reset(k, params), jax.random.PRNGKey(0))
+        _, template = jax.eval_shape(self._gymnax_reset, jax.random.PRNGKey(0))
         self._state_type = type(template)
 
     def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        obs, state = self._env.reset(key, self._params)
+        obs, state = self._gymnax_reset(key)
         return _obs(obs), self._to_dict(state)
+
+    def _gymnax_reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
+        with jax.numpy_dtype_promotion("standard"):  # gymnax (see above)
+            return self._env.reset(key, self._params)
 
     def step(self, key: jax.Array, state: dict[str, jax.Array], action: jax.Array,
              reset: tuple[jax.Array, dict[str, jax.Array]]) -> EnvStep:
         """One transition; an episode that ends continues from `reset`, a fresh `reset(key)` result."""
-        obs, new_state, reward, terminated, _ = self._env.step_env(key, self._from_dict(state), action, self._params)
+        with jax.numpy_dtype_promotion("standard"):  # gymnax (see above)
+            obs, new_state, reward, terminated, _ = self._env.step_env(key, self._from_dict(state), action,
+                                                                       self._params)
+            truncated = self._env.is_truncated(new_state, self._params)
         terminated = jnp.asarray(terminated, bool)
         # A terminal step at the time limit counts as terminated: there is nothing to bootstrap from.
-        truncated = jnp.asarray(self._env.is_truncated(new_state, self._params), bool) & ~terminated
+        truncated = jnp.asarray(truncated, bool) & ~terminated
         done = terminated | truncated
         final_obs = _obs(obs)
         reset_obs, reset_state = reset

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import policy
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -168,7 +169,8 @@ def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
         lr = optax.linear_schedule(ppo.lr, 0.0, adam_steps)
     else:
         lr = ppo.lr
-    return optax.chain(optax.clip_by_global_norm(ppo.max_grad_norm), optax.adam(lr, eps=ppo.adam_eps))
+    return standard_promotion(optax.chain(optax.clip_by_global_norm(ppo.max_grad_norm),
+                                          optax.adam(lr, eps=ppo.adam_eps)))
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
@@ -267,8 +269,9 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
             update, state, jax.random.split(key, run.updates_per_chunk))
         n = episodes.sum()
         finished = n > 0
-        mean_return = jnp.where(finished, return_sum.sum() / jnp.maximum(n, 1), state.last_return)
-        mean_length = jnp.where(finished, length_sum.sum() / jnp.maximum(n, 1), state.last_length)
+        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
+        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
         state = state._replace(last_return=mean_return, last_length=mean_length)
         metrics = ChunkMetrics(loss=losses.mean(), policy_loss=stats.policy_loss.mean(),
                                value_loss=stats.value_loss.mean(), entropy=stats.entropy.mean(),

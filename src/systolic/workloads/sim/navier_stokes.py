@@ -45,7 +45,7 @@ class Spectrum(NamedTuple):
 def make_spectrum(slab: Slab, length: float, dtype: jnp.dtype) -> Spectrum:
     kx_i, ky_i = slab.wavenumber_indices()  # (n, 1), (1, n/(2P))
     scale = 2 * math.pi / length
-    kx, ky = (scale * kx_i).astype(dtype), (scale * ky_i).astype(dtype)
+    kx, ky = kx_i.astype(dtype) * scale, ky_i.astype(dtype) * scale  # integer indices to physical wavenumbers
     k2 = kx**2 + ky**2
     inv_k2 = jnp.where(k2 > 0, 1 / jnp.where(k2 > 0, k2, 1), 0)
     dealias = ((3 * jnp.abs(kx_i) < slab.n) & (3 * ky_i < slab.n)).astype(dtype)
@@ -54,7 +54,7 @@ def make_spectrum(slab: Slab, length: float, dtype: jnp.dtype) -> Spectrum:
 
 
 def complex_dtype(spec: Spectrum) -> jnp.dtype:
-    return jnp.result_type(spec.k2.dtype, jnp.complex64)  # complex64 for float32, complex128 for float64
+    return jnp.dtype(jnp.complex128 if spec.k2.dtype == jnp.float64 else jnp.complex64)
 
 
 def linear_rate(spec: Spectrum, viscosity: jax.Array | float, drag: jax.Array | float) -> jax.Array:

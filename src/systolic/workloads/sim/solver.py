@@ -282,8 +282,9 @@ def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
         def diagnostics(fields, t):
             u = fields["u"]
             i0, j0 = blocks.block_origin()
-            i = (i0 + jnp.arange(u.shape[0])).astype(dtype)[:, None]
-            j = (j0 + jnp.arange(u.shape[1])).astype(dtype)[None, :]
+            # int32 like the origins (lax.axis_index), also when 64-bit jax makes arange int64 by default.
+            i = (i0 + jnp.arange(u.shape[0], dtype=jnp.int32)).astype(dtype)[:, None]
+            j = (j0 + jnp.arange(u.shape[1], dtype=jnp.int32)).astype(dtype)[None, :]
             exact = heat_initial(i, j, cfg) * jnp.exp(-rate * t)
             err = jnp.sqrt(blocks.psum(jnp.sum((u - exact) ** 2)) / blocks.psum(jnp.sum(exact**2)))
             return {"time": t, "mean": blocks.psum(jnp.sum(u)) / n**2, "max": blocks.pmax(jnp.max(jnp.abs(u))),

@@ -1,0 +1,51 @@
+"""One tiny config per workload, shared by every test, and the one helper that runs a few train steps.
+
+Fixtures build their configs from these lists and CLI tests pass them as overrides, so the tests compile the
+same programs and the session's persistent compile cache (conftest.py) compiles each one once. A test that needs
+something else appends overrides after the list (later overrides win) and says why. The lm learning-rate
+schedule is part of the compiled step, so `train.steps=N` is a different program: change it only where the run
+length matters.
+"""
+
+import jax
+
+from systolic.runtime.sharding import DEFAULT_RULES, Rules, activate
+
+# 2 layers of grouped-query attention (4 query heads sharing 2 key/value heads), 8 sequences of 16 tokens a step.
+TINY_LM = [
+    "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
+    "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
+]
+# What a CLI run of TINY_LM adds: a slice of the default corpus (the standard library) and no sampling, TensorBoard
+# or plots. A test of one of those turns it back on after this list.
+LM_CLI_QUIET = ["data.max_bytes=300000", "data.val_percent=30", "sample.max_new_tokens=0", "observe.tensorboard=false",
+                "observe.plot=false"]
+
+TINY_GAN = ["model.latent_dim=8", "model.g_channels=32", "model.d_channels=32", "train.batch_size=16",
+            "train.steps=4", "gan.eval_samples=64", "checkpoint.every_steps=2", "checkpoint.async_save=false",
+            "observe.log_every=1", "observe.tensorboard=false", "observe.plot=false"]
+
+# 2 seeds x 8 CartPole environments, 8-step rollouts, 2 updates a chunk.
+TINY_RL = [
+    "rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
+    "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40", "ppo.update_epochs=2",
+    "ppo.num_minibatches=2", "ppo.anneal_lr=false", "checkpoint.every_steps=2", "observe.log_every=1",
+]
+
+# `systolic simulate` arguments: the turbulence recipe on a 32^2 grid.
+TINY_SIM = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",
+            "checkpoint.every_steps=2", "checkpoint.async_save=false", "-q"]
+
+
+def run_steps(task, n: int, *, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> tuple:
+    """Initialises `task`'s state under `mesh` and `rules` and runs `n` train steps on its own data (or on None, for
+    a task that makes its own, as rl does).
+
+    Returns (the state after n steps, each step's metrics fetched to the host)."""
+    with activate(mesh, rules):
+        state = task.init_state()
+        metrics = []
+        for _ in range(n):
+            state, step_metrics = task.train_step(state, None if task.data is None else next(task.data))
+            metrics.append(jax.device_get(step_metrics))
+    return state, metrics
