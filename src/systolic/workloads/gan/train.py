@@ -19,9 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.optim import standard_promotion
-from systolic.engine.state import TrainState
-from systolic.runtime.cpu_tuning import compile_once
-from systolic.runtime.sharding import Rules, activate, with_shardings
+from systolic.engine.state import TrainState, make_sharded_state
+from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.model import Discriminator, Generator
 
@@ -83,18 +82,10 @@ def make_state_fns(cfg: GANConfig, channels: int, mesh: Mesh, rules: Rules):
                           opt_state={"g": tx_g.init(g_params), "d": tx_d.init(d_params)}, rng=rng,
                           extra={"ema": jax.tree.map(jnp.copy, g_params), "batch_stats": batch_stats})
 
-    key = jax.random.PRNGKey(cfg.train.seed)
-    abstract = jax.eval_shape(make_state, key)
     replicated = NamedSharding(mesh, P())
-    shardings = jax.tree.map(lambda _: replicated, abstract)
-    abstract = with_shardings(abstract, shardings)
-    init = jax.jit(make_state, out_shardings=shardings)
-
-    def init_state() -> TrainState:
-        with activate(mesh, rules):
-            return compile_once(init, key)(key)
-
-    return init_state, abstract, shardings
+    state = make_sharded_state(make_state, (jax.random.PRNGKey(cfg.train.seed),),
+                               lambda abstract: jax.tree.map(lambda _: replicated, abstract), lambda: activate(mesh, rules))
+    return state.init, state.abstract, state.shardings
 
 
 # LOSSES -------------------------------------------------------------------------------------------------------

@@ -19,11 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.state import TrainState
+from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import jit_step
 from systolic.errors import ConfigError
-from systolic.runtime.cpu_tuning import compile_once
-from systolic.runtime.sharding import with_shardings
 from systolic.workloads.sim import finite_difference as fd
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
@@ -96,18 +94,6 @@ def _state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> T
     replicated = NamedSharding(mesh, P())
     return TrainState(step=replicated, params=field_shardings, opt_state={"none": replicated}, rng=replicated,
                       extra={"time": replicated})
-
-
-def _compiled_init(fn: Callable[[], TrainState], shardings: TrainState) -> Callable[[], TrainState]:
-    """The initial state is computed once: on CPU compile it at XLA optimisation level 0, which halves the
-    compile time (random-number and FFT code is slow to optimise) and costs nothing that matters at run time."""
-    jitted = jax.jit(fn, out_shardings=shardings)
-    return lambda: compile_once(jitted)()
-
-
-def _abstract(fn: Callable, shardings: TrainState) -> TrainState:
-    shapes = jax.eval_shape(fn)
-    return with_shardings(shapes, shardings)
 
 
 def _new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
@@ -207,9 +193,9 @@ def _navier_stokes(cfg: SimConfig, mesh: Mesh) -> Simulation:
     def init() -> TrainState:
         return _new_state({"w_hat": initial_w()}, rng, dtype)
 
+    state = make_sharded_state(init, (), lambda _: shardings)
     return Simulation(
-        equation="navier_stokes", mesh=mesh, abstract_state=_abstract(init, shardings),
-        initial_state=_compiled_init(init, shardings),
+        equation="navier_stokes", mesh=mesh, abstract_state=state.abstract, initial_state=state.init,
         frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: to_physical(s.params["w_hat"])),
@@ -322,9 +308,9 @@ def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
         return _new_state(initial_fields(), rng, dtype)
 
     shown = names[-1]
+    state = make_sharded_state(init, (), lambda _: shardings)
     return Simulation(
-        equation=cfg.sim.equation, mesh=mesh, abstract_state=_abstract(init, shardings),
-        initial_state=_compiled_init(init, shardings),
+        equation=cfg.sim.equation, mesh=mesh, abstract_state=state.abstract, initial_state=state.init,
         frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: s.params[shown]),
