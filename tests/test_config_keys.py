@@ -10,6 +10,7 @@ import dataclasses
 import sys
 import typing
 
+import jax
 import pytest
 
 from systolic import config as config_lib
@@ -21,15 +22,17 @@ BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
 
 # Keys these tiny runs do not read, each with where it acts and the test that shows it.
+ON_A_BAD_STEP = {
+    "loop.nonfinite": "read when a step is not finite: tests/engine/test_nonfinite.py, test_reliability.py",
+    "loop.max_skipped": "read when a step is skipped: tests/engine/test_reliability.py",
+}
 NOT_READ_HERE = {
-    "lm": {
-        "distributed": "not part of a run's config (per process); tests/runtime/test_multihost.py",
-    },
-    "gan": {
+    "lm": ON_A_BAD_STEP,
+    "gan": ON_A_BAD_STEP | {
         "data.path": "a folder of images instead of the bundled digits: tests/workloads/gan/test_cli.py",
     },
-    "rl": {},
-    "sim": {},
+    "rl": ON_A_BAD_STEP,
+    "sim": ON_A_BAD_STEP,
 }
 
 
@@ -102,21 +105,31 @@ QUIET = ["-q", "observe.tensorboard=false"]
 
 def test_every_lm_key_acts(record_reads, tmp_path):
     seen = record_reads(get("lm").config)
+    # Not quiet: the sample at the end of training is printed, so its settings are read.
     assert main(["train", "lm", *TINY_LM, *LM_CLI_QUIET, "train.steps=2", "train.eval_every=1", "sample.max_new_tokens=4",
-                 "observe.profile_steps=2", *QUIET, "--run-dir", str(tmp_path / "lm")]) == 0
-    assert unread("lm", seen) == []
+                 "observe.profile_steps=2", "observe.progress=off", "--run-dir", str(tmp_path / "lm")]) == 0
+    assert unread("lm", seen) == [], unread("lm", seen)
 
 
 def test_every_gan_key_acts(record_reads, tmp_path):
     seen = record_reads(get("gan").config)
     assert main(["train", "gan", *TINY_GAN, *QUIET, "--run-dir", str(tmp_path / "gan")]) == 0
-    assert unread("gan", seen) == []
+    assert unread("gan", seen) == [], unread("gan", seen)
 
 
 def test_every_rl_key_acts(record_reads, tmp_path):
     seen = record_reads(get("rl").config)
     assert main(["train", "rl", *TINY_RL, *QUIET, "--run-dir", str(tmp_path / "rl")]) == 0
-    assert unread("rl", seen) == []
+    # A continuous-action policy (Pendulum) reads what a discrete one does not: its initial log standard deviation.
+    from systolic.workloads.rl.config import RLConfig
+    from systolic.workloads.rl.envs import Env
+    from systolic.workloads.rl.policy import init_params
+
+    cfg = config_lib.from_dict(RLConfig, config_lib.apply_overrides({}, [*TINY_RL, "env.name=Pendulum-v1",
+                                                                          "model.init_log_std=-1.5"]))
+    params = init_params(Env(cfg.env).spec, cfg.model, key=jax.random.PRNGKey(0))
+    assert float(params["log_std"][0]) == -1.5
+    assert unread("rl", seen) == [], unread("rl", seen)
 
 
 def test_every_sim_key_acts(record_reads, tmp_path):
@@ -127,4 +140,4 @@ def test_every_sim_key_acts(record_reads, tmp_path):
             ["fit", "sim", "--recipe", "sim-viscosity-inverse", "grid.n=32", "fit.steps=2", "output.frames=2"]]
     for i, argv in enumerate(runs):
         assert main([*argv, *QUIET, "--run-dir", str(tmp_path / f"sim{i}")]) == 0, argv
-    assert unread("sim", seen) == []
+    assert unread("sim", seen) == [], unread("sim", seen)
