@@ -13,6 +13,9 @@ import pytest
 from systolic.cli import main
 from tiny import TINY_GAN, TINY_RL, TINY_SIM
 
+SKIP = ["loop.nonfinite=skip", "loop.poison_step=2", "checkpoint.every_steps=1", "checkpoint.keep=10",
+        "checkpoint.async_save=false", "observe.log_every=1", "observe.tensorboard=false", "observe.plot=false"]
+
 def saved_leaves(run: Path) -> dict[str, np.ndarray]:
     """Every array of every checkpoint step, read from disk without a restore target."""
     leaves = {}
