@@ -105,7 +105,8 @@ def make_observations(cfg: SimConfig, mesh: Mesh) -> tuple[jax.Array, jax.Array]
         spec = ns_lib.make_spectrum(slab, cfg.grid.length, dtype)
         power = slab.psum(jnp.sum(spec.parseval * jnp.abs(snaps) ** 2)) / snaps.shape[0]  # n^4 <w^2>, frame mean
         rms = jnp.sqrt(power) / cfg.grid.n**2
-        return snaps + cfg.fit.noise * rms * slab.forward(noise) * spec.dealias
+        c = snaps.dtype
+        return snaps + (cfg.fit.noise * rms).astype(c) * slab.forward(noise) * spec.dealias.astype(c)
 
     noisy = jax.shard_map(add_noise, mesh=mesh, in_specs=(frames_spec, P(None, *slab.physical_spec)),
                           out_specs=frames_spec)

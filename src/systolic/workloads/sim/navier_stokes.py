@@ -12,6 +12,11 @@ and conserves energy and enstrophy when nu = alpha = 0 (up to the RK4 error).
 Every function here works on one device's block and is meant to run inside `shard_map` (or directly when the
 slab has one part); the only collectives are the slab's transposes and the reductions for the diagnostics
 and the CFL step.
+
+Dtypes: the spectra are complex (complex64 or complex128), the wavenumber arrays, decay factors and steps real
+of the same precision. Every product of the two casts the real factor to the field's complex dtype explicitly
+(`.astype(w_hat.dtype)`), after any real arithmetic on it, which is where implicit promotion would have cast it:
+the code runs under strict dtype promotion and computes bit for bit what standard promotion did.
 """
 
 from __future__ import annotations
@@ -63,39 +68,48 @@ def linear_rate(spec: Spectrum, viscosity: jax.Array | float, drag: jax.Array | 
 
 
 def velocity_hat(w_hat: jax.Array, spec: Spectrum) -> tuple[jax.Array, jax.Array]:
-    psi_hat = w_hat * spec.inv_k2  # lap psi = -w  ->  psi_hat = w_hat / k^2
-    return 1j * spec.ky * psi_hat, -1j * spec.kx * psi_hat  # u = psi_y, v = -psi_x
+    c = w_hat.dtype
+    psi_hat = w_hat * spec.inv_k2.astype(c)  # lap psi = -w  ->  psi_hat = w_hat / k^2
+    return 1j * spec.ky.astype(c) * psi_hat, -1j * spec.kx.astype(c) * psi_hat  # u = psi_y, v = -psi_x
 
 
 def nonlinear(w_hat: jax.Array, spec: Spectrum, slab: Slab) -> tuple[jax.Array, jax.Array]:
     """-(u . grad w)^, dealiased, and this block's max(|u| + |v|) (for the CFL step)."""
+    c = w_hat.dtype
     u_hat, v_hat = velocity_hat(w_hat, spec)
     # One batched inverse transform (one all_to_all) for all four fields instead of four.
-    fields = jnp.stack([u_hat, v_hat, 1j * spec.kx * w_hat, 1j * spec.ky * w_hat])  # (4, n, n/(2P))
+    fields = jnp.stack([u_hat, v_hat, 1j * spec.kx.astype(c) * w_hat, 1j * spec.ky.astype(c) * w_hat])  # (4, n, n/(2P))
     u, v, wx, wy = slab.inverse(fields)  # each (n/P, n) real
     advection = u * wx + v * wy
     speed = jnp.max(jnp.abs(u) + jnp.abs(v))
-    return -slab.forward(advection) * spec.dealias, speed
+    return -slab.forward(advection) * spec.dealias.astype(c), speed
 
 
 def ifrk4_step(w_hat: jax.Array, t: jax.Array, dt: jax.Array, rhs: Callable, decay_half: jax.Array,
                first_stage: jax.Array | None = None) -> jax.Array:
     """One Lawson RK4 step of w_t = L w + N(w, t), with decay_half = exp(L dt / 2) (exact for the linear part).
 
-    `rhs(w_hat, t)` returns N; `first_stage` is N(w_hat, t) when the caller already has it.
+    `rhs(w_hat, t)` returns N; `first_stage` is N(w_hat, t) when the caller already has it. decay_half and dt
+    are real: each real coefficient is formed in real arithmetic, then cast to the field's complex dtype.
     """
+
+    def as_complex(real: jax.Array) -> jax.Array:
+        return real.astype(w_hat.dtype)
+
+    # Each coefficient (e * e three times) is its own expression, as before the casts were explicit: sharing one
+    # would change the order in which the backward pass sums their cotangents, and so the gradient's last bit.
     e = decay_half
     a = rhs(w_hat, t) if first_stage is None else first_stage
-    b = rhs(e * (w_hat + 0.5 * dt * a), t + 0.5 * dt)
-    c = rhs(e * w_hat + 0.5 * dt * b, t + 0.5 * dt)
-    d = rhs(e * e * w_hat + dt * e * c, t + dt)
-    return e * e * w_hat + dt / 6 * (e * e * a + 2 * e * (b + c) + d)
+    b = rhs(as_complex(e) * (w_hat + as_complex(0.5 * dt) * a), t + 0.5 * dt)
+    c = rhs(as_complex(e) * w_hat + as_complex(0.5 * dt) * b, t + 0.5 * dt)
+    d = rhs(as_complex(e * e) * w_hat + as_complex(dt * e) * c, t + dt)
+    return as_complex(e * e) * w_hat + as_complex(dt / 6) * (as_complex(e * e) * a + as_complex(2 * e) * (b + c) + d)
 
 
 def make_rhs(spec: Spectrum, slab: Slab, forcing: Forcing | None) -> Callable[[jax.Array, jax.Array], jax.Array]:
     def rhs(w_hat: jax.Array, t: jax.Array) -> jax.Array:
         n_hat, _ = nonlinear(w_hat, spec, slab)
-        return n_hat if forcing is None else n_hat + forcing(t) * spec.dealias
+        return n_hat if forcing is None else n_hat + forcing(t) * spec.dealias.astype(n_hat.dtype)
 
     return rhs
 
@@ -132,7 +146,7 @@ def integrate_cfl(w_hat: jax.Array, t: jax.Array, t_stop: jax.Array, *, cfl: flo
     def body(carry):
         w, time, count, _ = carry
         n_hat, speed = nonlinear(w, spec, slab)
-        first = n_hat + (forcing(time) * spec.dealias if forcing is not None else 0)
+        first = n_hat + (forcing(time) * spec.dealias.astype(w.dtype) if forcing is not None else 0)
         # Every device must take the same step: reduce the speed over the whole grid.
         speed = slab.pmax(speed)
         dt = jnp.minimum(cfl * dx / jnp.maximum(speed, 1e-30), dt_max).astype(time.dtype)
@@ -186,8 +200,9 @@ def random_vorticity_hat(noise_hat: jax.Array, spec: Spectrum, slab: Slab, peak_
     """White noise shaped to the energy spectrum E(k) ~ k^4 exp(-2 (k/k0)^2), which peaks at k0 = peak_mode,
     then scaled so the mean kinetic energy is `energy`. A shell of radius k holds ~k modes each carrying
     |w_hat|^2 / k^2 of energy, so E(k) ~ S(k)^2 / k for white noise times S(k): S = k^2.5 exp(-(k/k0)^2)."""
+    c = noise_hat.dtype
     k = jnp.sqrt(spec.kx_index.astype(spec.k2.dtype) ** 2 + spec.ky_index.astype(spec.k2.dtype) ** 2)
-    shaped = noise_hat * (k / peak_mode) ** 2.5 * jnp.exp(-((k / peak_mode) ** 2)) * spec.dealias
-    shaped = jnp.where(k > 0, shaped, 0)
+    shaped = noise_hat * ((k / peak_mode) ** 2.5).astype(c) * jnp.exp(-((k / peak_mode) ** 2)).astype(c)
+    shaped = jnp.where(k > 0, shaped * spec.dealias.astype(c), 0)
     e, _ = energy_enstrophy(shaped, spec, slab)
-    return shaped * jnp.sqrt(energy / e)
+    return shaped * jnp.sqrt(energy / e).astype(c)
