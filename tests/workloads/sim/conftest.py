@@ -11,20 +11,6 @@ from systolic.workloads.sim.config import SimConfig
 LAYOUTS = {"1 device": (1, 1, 1), "data=8": (8, 1, 1), "2x2x2": (2, 2, 2)}
 
 
-@pytest.fixture(autouse=True)
-def standard_promotion_for_the_manufactured_solution(request):
-    """Strict dtype promotion (tests/conftest.py) holds for the sim code in every sim test. The one exception is
-    the manufactured-solution tests in test_navier_stokes.py, whose own helpers mix complex and real arrays:
-    `solve` multiplies w0 by the real `dealias`, and `advance_8_steps`'s forcing contracts real coefficients with
-    complex fields. Remove this fixture once those two products cast explicitly (`.astype(w0.dtype)`,
-    `coeffs.astype(fields_hat.dtype)`)."""
-    if request.node.name.startswith("test_manufactured_solution_"):
-        with jax.numpy_dtype_promotion("standard"):
-            yield
-    else:
-        yield
-
-
 @pytest.fixture
 def x64():
     """float64 for the verification tests, restored afterwards so it cannot leak into other tests."""

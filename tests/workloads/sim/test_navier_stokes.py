@@ -90,7 +90,7 @@ def advance_8_steps(n, viscosity):
         def forcing(time):
             s, co = jnp.sin(time), jnp.cos(time)
             coeffs = jnp.stack([-s, co, -viscosity * co, -viscosity * s, co * co, s * s, s * co])  # w_t, -nu lap w, J
-            return jnp.tensordot(coeffs, fields_hat, axes=1)
+            return jnp.tensordot(coeffs.astype(fields_hat.dtype), fields_hat, axes=1)
 
         return ns.integrate_fixed(w, t, dt, 8, spec=spec, slab=slab, viscosity=viscosity, forcing=forcing)
 
@@ -101,7 +101,7 @@ def solve(phi, chi, n, steps, t_end, viscosity=0.05):
     """Max-norm relative error at t_end after `steps` IFRK4 steps."""
     fields_hat, exact, w0 = manufactured(phi, chi, n)
     advance, dealias, slab = advance_8_steps(n, viscosity)
-    w, t = w0 * dealias, jnp.float64(0)
+    w, t = w0 * dealias.astype(w0.dtype), jnp.float64(0)
     for _ in range(steps // 8):
         w, t = advance(w, t, jnp.float64(t_end / steps), fields_hat)
     ref = exact(t_end)
