@@ -98,15 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/sample.png)")
     sample.add_argument("--seed", type=int, default=0)
 
-    plan = sub.add_parser("plan", help="will a recipe fit a target chip, and how fast? (no accelerator needed)",
-                          description="Compile the real train step ahead of time on a mesh of fake devices and report "
-                                      "per-device memory, FLOPs and a roofline step time for the target chip.")
+    plan = sub.add_parser("plan", help="will a recipe fit a TPU slice or GPUs, how fast, at what cost? (no accelerator needed)",
+                          description="Compile the real train step ahead of time for the target (TPU: with libtpu's "
+                                      "compiler on compile-only devices; GPU: XLA:CPU on fake devices) and report "
+                                      "per-chip memory, FLOPs, collectives, a roofline step time and the cost to train.")
     plan.add_argument("workload", help="which workload: lm")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--recipe")
-    plan.add_argument("--target", required=True, help="tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200")
-    plan.add_argument("--mesh", default="", help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2 (unset axes are 1)")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
+                      "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)")
+    plan.add_argument("--mesh", default="", help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2 (unset axes are 1; default: "
+                      "the recipe's mesh over all the target's chips)")
+    plan.add_argument("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items "
+                      "(tokens for lm), e.g. 20e9")
+    plan.add_argument("--price-per-chip-hour", type=float, help="USD, instead of the table's on-demand list price")
+    plan.add_argument("--json", action="store_true", help="print one JSON object with every figure")
 
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
 
@@ -151,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in _OVERRIDE_COMMANDS:
         args.overrides += extra
     if args.command == "plan":
-        _fake_devices_for_plan(args)  # before anything initialises a jax backend
+        _plan_devices(args)  # before anything initialises a jax backend
+    else:
+        _cpu_only_host()
     from systolic.runtime import cpu_tuning
 
     # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
@@ -263,7 +271,24 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_only_host() -> None:
+    """On a host with no accelerator device files, JAX_PLATFORMS=cpu (unless the user set it): with libtpu
+    installed, jax would otherwise probe for a TPU at start-up and print libtpu's warnings about not finding one."""
+    import glob
+    import os
+
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    tpu = glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
+    gpu = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
+    if not tpu and not gpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _mesh_overrides(spec: str) -> list[str]:
+    """--mesh as mesh.* overrides (unset axes 1); none when --mesh is empty."""
+    if not spec:
+        return []
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
     for item in filter(None, spec.split(",")):
         axis, _, size = item.partition("=")
@@ -274,37 +299,58 @@ def _mesh_overrides(spec: str) -> list[str]:
     return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
 
 
-def _fake_devices_for_plan(args: argparse.Namespace) -> None:
+def _plan_devices(args: argparse.Namespace) -> None:
+    """Before jax starts: plan never runs on this host's accelerators. A GPU target compiles on fake CPU devices,
+    as many as --mesh asks for; a TPU target on libtpu's compile-only devices, beside one CPU device."""
     import math
     import os
     import re
 
+    from systolic.engine.targets import CHIPS
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    chip = CHIPS.get(args.target.strip().lower())
+    if chip is None or chip.platform != "gpu":
+        return
     try:
-        count = math.prod(int(o.split("=")[1]) for o in _mesh_overrides(args.mesh))
+        count = math.prod(int(o.split("=")[1]) for o in _mesh_overrides(args.mesh) or ["x=1"])
     except UserError:
         return  # reported properly in _plan
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    import jax
+
     from systolic import config as config_lib
     from systolic import workloads
-    from systolic.engine.plan import format_plan
+    from systolic.engine import targets
+    from systolic.engine.plan import format_plan, plan_step
+    from systolic.runtime import mesh as mesh_lib
 
     workload = workloads.get(args.workload)
-    plan = workload.command("plan")
-    overrides = [*args.overrides, *_mesh_overrides(args.mesh)]
-    cfg, recipe = config_lib.load(workload.config, args.recipe, overrides, workload.default_recipe)
-    result = plan(cfg, args.target)
+    plan_fn = workload.command("plan")
+    mesh_overrides = _mesh_overrides(args.mesh)
+    target = targets.resolve(args.target, mesh_devices=jax.device_count())
+    if not mesh_overrides and target.chip.platform == "gpu":
+        mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
+    cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides], workload.default_recipe)
+    if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
+        raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
+                        "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")
+    shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
+    mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items()) + ("" if args.mesh else " (the recipe's)")
+    result = plan_step(args.workload, plan_fn, cfg, target, mesh=mesh, train_items=args.tokens,
+                       price_per_chip_hour=args.price_per_chip_hour)
     if args.json:
-        print(json.dumps({"recipe": recipe, **dataclasses.asdict(result), "device_bytes": result.device_bytes}))
+        print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:
-        print(f"systolic plan {args.workload} --recipe {recipe} --target {args.target} --mesh {args.mesh or '(1 device)'}")
+        print(f"systolic plan {args.workload} --recipe {recipe} --target {args.target}" +
+              (f" --mesh {args.mesh}" if args.mesh else ""))
         print(format_plan(result))
     return 0
 

@@ -35,7 +35,8 @@ def test_plan_1b_without_allocating_and_memory_falls_with_fsdp():
     p8, rss = plan("fsdp=8")
     assert 0.9e9 < p8["params"] < 1.1e9
     assert rss < 0.5 * p8["params"] * 4, "plan must not materialise the float32 weights"
-    assert p8["xla_flops_per_device"] * p8["devices"] > p8["model_flops_per_step"]  # remat + masked attention
+    assert p8["chips"] == 8 and "XLA:CPU" in p8["compiler"]
+    assert p8["xla_flops_per_step"] > p8["model_flops_per_step"]  # remat + masked attention
     p4, _ = plan("fsdp=4")
     # Parameters and optimizer state are split over fsdp: twice the devices, about half the bytes each.
     assert p8["argument_bytes"] == pytest.approx(p4["argument_bytes"] / 2, rel=0.05)

@@ -1,95 +1,341 @@
-"""`systolic plan`: will it fit, and how fast will it run, before renting the chips?
+"""`systolic plan`: will it fit, how fast will it run, and what will it cost, before renting the chips?
 
-The real train step is lowered and compiled ahead of time from `jax.ShapeDtypeStruct` inputs on a mesh of the
-requested shape (fake CPU devices stand in for the chips), so no weight is ever allocated. XLA's memory
-analysis gives per-device arguments, outputs and temporaries; its cost analysis gives FLOPs and bytes moved per
-device, from which a roofline estimate of the step time follows. The compile targets the CPU backend, whose
-fusion and layout choices differ from the accelerator's, so the figures are estimates (temporaries especially).
+A workload lowers its real train step from abstract inputs (`jax.ShapeDtypeStruct`, nothing allocated) on a mesh
+of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads:
+- memory per chip from the compiler's memory analysis; a compile-time out-of-memory (RESOURCE_EXHAUSTED) is a
+  result, "DOES NOT FIT", with the bytes the compiler asked for;
+- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: the workload scales them to the
+  whole step (lm: per layer, see workloads/lm/entry.py) and says how they differ from its FLOP formula;
+- the collectives of the compiled HLO (engine/hlo_collectives.py), counted per step;
+- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth), as if
+  the three overlapped perfectly, so it is a lower bound on the step time.
+
+For TPU targets the compiler is libtpu's, on compile-only devices of the named topology (no TPU needed). GPU
+targets compile with XLA:CPU on fake devices: the output says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from systolic.errors import UserError
-from systolic.observe.flops import PEAK_FLOPS
+import jax
 
-# HBM per chip (bytes) and bandwidth (bytes/s), from the vendors' data sheets.
-TARGETS: dict[str, tuple[str, float, float]] = {
-    "tpu-v4": ("TPU v4", 32 * 2**30, 1.2e12),
-    "tpu-v5e": ("TPU v5e", 16 * 2**30, 0.819e12),
-    "tpu-v5p": ("TPU v5p", 95 * 2**30, 2.765e12),
-    "tpu-v6e": ("TPU v6e", 32 * 2**30, 1.64e12),
-    "a100": ("NVIDIA A100", 80 * 2**30, 2.039e12),
-    "h100": ("NVIDIA H100", 80 * 2**30, 3.35e12),
-    "h200": ("NVIDIA H200", 141 * 2**30, 4.8e12),
-}
+from systolic.engine import hlo_collectives
+from systolic.engine.targets import PRICES_DATED, Target
+from systolic.errors import UserError
+from systolic.runtime.platform import compiling_for
+
+FLOPS_AGREE = 0.05  # XLA's count within 5% of the formula: the MFU needs no explanation
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """What a workload hands the planner (the `plan` command's result)."""
+
+    lowered: Any  # jax.stages.Lowered: the real step, lowered on the target's mesh
+    argument_bytes: int  # per device, from the inputs' shardings (an out-of-memory message counts only temporaries)
+    params: int
+    items_per_step: int  # tokens, env steps, samples...
+    item_unit: str
+    model_flops_per_step: float  # the workload's formula (the MFU numerator)
+    dtype: str  # compute dtype: "bfloat16" or "float32"
+    loop_trips: tuple[int, ...]  # the step's loops by nesting depth, outermost first (for counting collectives)
+    scale_cost: Callable[[float], tuple[float, str]]  # XLA's raw FLOPs (all devices) -> (per step, how)
+    notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    workload: str
     target: str
-    devices: int
+    chip: str
+    chips: int
+    topology: str | None
+    compiler: str
+    mesh: str
+    compile_s: float
     params: int
-    model_flops_per_step: float
-    xla_flops_per_device: float
-    bytes_accessed_per_device: float
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    code_bytes: int
+    items_per_step: int
+    item_unit: str
+    # memory, per chip
     hbm_bytes: float
     fits: bool
-    step_time_s: float
-    bound: str
-    mfu: float
+    argument_bytes: int
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    code_bytes: int | None
+    peak_bytes: int  # arguments + outputs not aliased to them + temporaries + code; when it does not fit: needed
+    # (0 when the compiler's message gave no size)
+    out_of_memory: str | None  # the compiler's message
+    # FLOPs and bytes (None when the program did not compile)
+    model_flops_per_step: float
+    xla_flops_raw: float | None  # cost analysis, all chips, loop bodies once
+    xla_flops_per_step: float | None  # scaled to the whole step, all chips
+    flops_note: str
+    hbm_bytes_accessed_raw: float | None  # per chip, loop bodies once
+    hbm_bytes_accessed_per_step: float | None  # per chip, scaled as the FLOPs are
+    collectives: dict[str, dict[str, float]]  # kind -> count, bytes, wire_bytes (per chip per step)
+    # roofline
+    compute_s: float | None
+    hbm_s: float | None
+    ici_s: float | None
+    step_time_s: float | None
+    bound: str | None
+    items_per_s: float | None
+    mfu: float | None
+    mfu_note: str | None
+    # training cost
+    peak_flops_per_chip: float
+    price_per_chip_hour: float
+    price_source: str
+    train_items: float | None
+    train_steps: float | None
+    train_wall_s: float | None
+    train_chip_hours: float | None
+    train_cost_usd: float | None
+    notes: tuple[str, ...]
 
-    @property
-    def device_bytes(self) -> int:
-        # Donated arguments alias the outputs, so the state is counted once.
-        return self.argument_bytes + self.temp_bytes + self.code_bytes
+
+def require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(
+            "Planning for a TPU target compiles with the TPU compiler, libtpu, which is not installed here. It runs "
+            "on any machine, no TPU needed. Fix: pip install 'systolic[tpu]' (or pip install 'jax[tpu]'), or plan "
+            "for a GPU target (e.g. --target h100 --mesh fsdp=8), which compiles with XLA:CPU."
+        )
 
 
-def make_plan(lowered_compiled: Any, *, target: str, devices: int, params: int, model_flops: float,
-              dtype: str, cost_compiled: Any | None = None) -> Plan:
-    """Memory from `lowered_compiled` (the program as it will run); FLOPs and bytes moved from `cost_compiled`
-    when given: XLA's cost analysis counts a scanned loop body once, so a scan-over-layers program is costed
-    from its unrolled twin."""
-    if target not in TARGETS:
-        raise UserError(f"Unknown --target '{target}'. Known targets: {', '.join(TARGETS)}.")
-    chip, hbm, bandwidth = TARGETS[target]
-    peak = PEAK_FLOPS[chip][0 if dtype == "bfloat16" else 1]
-    memory = lowered_compiled.memory_analysis()
-    cost = (cost_compiled or lowered_compiled).cost_analysis()
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """libtpu warns on stderr (from C++) that this host has no TPU (TPU_ACCELERATOR_TYPE, worker hostnames): true,
+    and beside the point when compiling ahead of time. Its text is shown only if something fails."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache(off: bool) -> Iterator[None]:
+    """Compile-only TPU executables cannot be read back from jax's persistent cache (it needs a TPU client to
+    deserialise them; jax warns and compiles again), so they are not written to it either."""
+    before = jax.config.jax_enable_compilation_cache
+    if off:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def devices_for(target: Target) -> list[Any]:
+    """The devices to build the target's mesh from: libtpu's compile-only devices of the topology, or this
+    process's (fake CPU) devices for a GPU target."""
+    if target.chip.platform == "tpu":
+        require_libtpu()
+        from jax.experimental import topologies
+
+        # libtpu takes /tmp/libtpu_lockfile to own this host's TPU chips, so a second plan at the same time would
+        # fail; compile-only devices touch no chip, so several processes may load it.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        with _quiet_stderr():
+            topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
+                                                    **dict(target.topology_kwargs))
+        devices = list(topology.devices)
+        assert len(devices) == target.chips, (target, len(devices))
+        return devices
+    devices = jax.devices()
+    if len(devices) != target.chips:
+        raise UserError(f"--target {target.name} on {target.chips} devices, but this process has {len(devices)}. "
+                        "Fix: run it through `systolic plan`, which creates the fake devices from --mesh.")
+    return devices
+
+
+_SIZE = re.compile(r"([0-9.]+)\s*([KMGTP]?)i?B?\b")
+
+
+def _bytes(text: str) -> float:
+    number, unit = _SIZE.match(text).groups()  # type: ignore[union-attr]
+    return float(number) * 1024 ** "_KMGTP".index(unit or "_") if unit else float(number)
+
+
+def needed_bytes(message: str, argument_bytes: int) -> float | None:
+    """Bytes per chip that a compile-time out-of-memory asked for, from its message: "...the total memory required
+    for HLO temporaries (40.25G) exceeds available HBM (15.75G)" (temporaries only: the arguments are added) or
+    "Used 31.72G of 15.75G hbm" (everything). G is 2**30, as XLA prints sizes."""
+    if m := re.search(r"temporaries \(([0-9.]+[KMGTP]?i?B?)\) exceeds available", message):
+        return _bytes(m.group(1)) + argument_bytes
+    if m := re.search(r"Used ([0-9.]+[KMGTP]?i?B?) of ([0-9.]+[KMGTP]?i?B?)", message):
+        return _bytes(m.group(1))
+    return None
+
+
+def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], cfg: Any, target: Target, *,
+              mesh: str, train_items: float | None = None, price_per_chip_hour: float | None = None) -> Plan:
+    """Lowers the workload's step for `target` (model code sees `compile_platform()` = the target's platform),
+    compiles it once and reads every figure."""
+    devices = devices_for(target)
+    start = time.perf_counter()
+    tpu = target.chip.platform == "tpu"
+    with compiling_for(target.chip.platform):
+        program = plan_fn(cfg, devices)
+        out_of_memory, compiled = None, None
+        try:
+            with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu):
+                compiled = program.lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            out_of_memory = str(e).strip().splitlines()[0]
+    compile_s = time.perf_counter() - start
+    chip = target.chip
+    peak = chip.peak_bf16_flops if program.dtype == "bfloat16" else chip.peak_fp32_flops
+    price = price_per_chip_hour if price_per_chip_hour is not None else chip.price_per_chip_hour
+    source = ("--price-per-chip-hour" if price_per_chip_hour is not None
+              else f"on-demand list price as of {PRICES_DATED}: {chip.source}")
+    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology,
+                  compiler=target.compiler, mesh=mesh, compile_s=compile_s, params=program.params,
+                  items_per_step=program.items_per_step, item_unit=program.item_unit, hbm_bytes=chip.hbm_bytes,
+                  argument_bytes=program.argument_bytes, model_flops_per_step=program.model_flops_per_step,
+                  peak_flops_per_chip=peak, price_per_chip_hour=price, price_source=source, train_items=train_items,
+                  notes=program.notes)
+    if compiled is None:
+        needed = needed_bytes(out_of_memory or "", program.argument_bytes)
+        return Plan(**common, fits=False, output_bytes=None, alias_bytes=None, temp_bytes=None, code_bytes=None,
+                    peak_bytes=int(needed or 0), out_of_memory=out_of_memory,
+                    xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
+                    hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
+                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, step_time_s=None, bound=None,
+                    items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
+                    train_chip_hours=None, train_cost_usd=None)
+
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    compute_s, memory_s = flops / peak, moved / bandwidth
-    step_s = max(compute_s, memory_s)
-    plan = Plan(
-        target=target, devices=devices, params=params, model_flops_per_step=model_flops,
-        xla_flops_per_device=flops, bytes_accessed_per_device=moved,
-        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes), code_bytes=int(memory.generated_code_size_in_bytes),
-        hbm_bytes=hbm, fits=False, step_time_s=step_s, bound="compute" if compute_s >= memory_s else "memory",
-        mfu=model_flops / (step_s * peak * devices) if step_s else 0.0,
-    )
-    return dataclasses.replace(plan, fits=plan.device_bytes <= hbm)
+    # SPMD: the cost analysis is the one program every chip runs, so per chip; x chips for the step.
+    raw_flops = float(cost.get("flops", 0.0)) * target.chips
+    flops, flops_note = program.scale_cost(raw_flops)
+    raw_bytes = float(cost.get("bytes accessed", 0.0))
+    # The loops' share of HBM traffic taken to equal their share of FLOPs: an upper estimate, since the work outside
+    # the loops (optimizer update, LM head) moves more bytes per FLOP than a layer.
+    step_bytes = raw_bytes * (flops / raw_flops if raw_flops else 1.0)
+    collectives = hlo_collectives.read_collectives(compiled.as_text(), program.loop_trips)
+    wire = sum(c.wire_bytes for c in collectives.values())
+    # Compute at the larger of the two counts: XLA's can fall below the formula when the compiler makes loops of
+    # its own (collective matmuls over the fsdp shards), whose bodies it also counts once.
+    compute_s = max(flops, program.model_flops_per_step) / target.chips / peak
+    hbm_s, ici_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s
+    step_s = max(compute_s, hbm_s, ici_s)
+    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)"}[step_s]
+    ratio = flops / program.model_flops_per_step if program.model_flops_per_step else 1.0
+    if abs(ratio - 1) <= FLOPS_AGREE:
+        mfu_note = None
+    elif ratio > 1:
+        mfu_note = (f"XLA counts {ratio:.2f}x the formula's FLOPs (the notes say what the formula leaves out); the "
+                    f"step time follows XLA's count, the MFU the formula's, so even at the compute roofline it is at "
+                    f"most 1/{ratio:.2f} = {100 / ratio:.0f}%")
+    else:
+        mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs: loops the compiler made itself (e.g. collective "
+                    "matmuls) are counted once as well, so the compute time uses the formula's count")
+    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                  + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+    steps = train_items / program.items_per_step if train_items else None
+    wall = steps * step_s if steps else None
+    chip_hours = wall / 3600 * target.chips if wall else None
+    return Plan(**common, fits=peak_bytes <= chip.hbm_bytes, output_bytes=int(memory.output_size_in_bytes),
+                alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+                code_bytes=int(memory.generated_code_size_in_bytes), peak_bytes=int(peak_bytes), out_of_memory=None,
+                xla_flops_raw=raw_flops, xla_flops_per_step=flops, flops_note=flops_note,
+                hbm_bytes_accessed_raw=raw_bytes, hbm_bytes_accessed_per_step=step_bytes,
+                collectives={k: dataclasses.asdict(c) for k, c in collectives.items()},
+                compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, step_time_s=step_s, bound=bound,
+                items_per_s=program.items_per_step / step_s if step_s else None,
+                mfu=program.model_flops_per_step / (step_s * peak * target.chips) if step_s else None,
+                mfu_note=mfu_note, train_steps=steps, train_wall_s=wall, train_chip_hours=chip_hours,
+                train_cost_usd=chip_hours * price if chip_hours else None)
+
+
+def _gib(b: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:,.2f} {unit}"
+    return f"{b:,.0f} B"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s >= 1e-2 else f"{s * 1e3:.3g} ms"
+
+
+def _duration(s: float) -> str:
+    if s >= 86400:
+        return f"{s / 86400:,.1f} days"
+    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s:,.0f} s"
 
 
 def format_plan(plan: Plan) -> str:
-    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
-    rows = [
-        ("target", f"{plan.target} x {plan.devices}"),
-        ("parameters", f"{plan.params / 1e9:.3f} B"),
-        ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)"),
-        ("XLA FLOPs / step", f"{plan.xla_flops_per_device * plan.devices:.3e} (cost analysis, all devices)"),
-        ("per device: arguments", gib(plan.argument_bytes)),
-        ("per device: outputs", f"{gib(plan.output_bytes)} (aliases the donated state)"),
-        ("per device: temporaries", gib(plan.temp_bytes)),
-        ("per device: total", f"{gib(plan.device_bytes)} of {gib(plan.hbm_bytes)} HBM -> {'fits' if plan.fits else 'DOES NOT FIT'}"),
-        ("roofline step time", f"{plan.step_time_s * 1e3:,.1f} ms ({plan.bound}-bound)"),
-        ("roofline MFU", f"{100 * plan.mfu:.1f}%"),
+    rows: list[tuple[str, str]] = [
+        ("target", f"{plan.target}: {plan.chips} x {plan.chip}" + (f" (topology {plan.topology})" if plan.topology else "")),
+        ("figures from", plan.compiler),
+        ("mesh", plan.mesh),
+        ("compile", f"{plan.compile_s:,.1f} s (once)"),
+        ("parameters", f"{plan.params / 1e9:.3f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.3f} M"),
     ]
+    if plan.out_of_memory:
+        needs = f"needs {_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
+        rows += [("per chip: arguments", _gib(plan.argument_bytes)),
+                 ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
+                 ("compiler said", plan.out_of_memory)]
+    else:
+        rows += [
+            ("per chip: arguments", _gib(plan.argument_bytes)),
+            ("per chip: temporaries", _gib(plan.temp_bytes or 0)),
+            ("per chip: generated code", _gib(plan.code_bytes or 0)),
+            ("per chip: peak", f"{_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM -> "
+                               f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
+            ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)"),
+            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e} ({plan.flops_note}; cost analysis as reported: "
+                                 f"{plan.xla_flops_raw:.3e})"),
+            ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (an upper estimate: scaled as the "
+                                        f"FLOPs; as reported: {plan.hbm_bytes_accessed_raw:.3e})"),
+        ]
+        for kind, c in plan.collectives.items():
+            if c["count"]:
+                rows.append((f"  {kind}", f"{c['count']:,} per step, {_gib(c['bytes'])} per chip "
+                                           f"({_gib(c['wire_bytes'])} over the links)"))
+        if not any(c["count"] for c in plan.collectives.values()):
+            rows.append(("collectives", "none"))
+        rows += [
+            ("roofline step time", f"{_ms(plan.step_time_s)}, {plan.bound}-bound (compute {_ms(plan.compute_s)}, "
+                                   f"HBM {_ms(plan.hbm_s)}, ICI {_ms(plan.ici_s)}; perfect overlap: a lower bound)"),
+            ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"),
+            ("roofline MFU", f"{100 * plan.mfu:.1f}%" + (f": {plan.mfu_note}" if plan.mfu_note else "")),
+        ]
+        if plan.train_items:
+            rows.append((f"train {plan.train_items:.3g} {plan.item_unit}",
+                         f"{plan.train_steps:,.0f} steps, {_duration(plan.train_wall_s)}, {plan.train_chip_hours:,.3g} "
+                         f"chip-hours, ${plan.train_cost_usd:,.2f} at ${plan.price_per_chip_hour:.2f}/chip-hour "
+                         f"({plan.price_source})"))
+    rows += [("note", n) for n in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

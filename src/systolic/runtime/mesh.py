@@ -62,6 +62,11 @@ def local_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
     return lo, hi
 
 
+def bytes_per_device(tree) -> int:
+    """Bytes each device holds of a pytree of sharded `jax.ShapeDtypeStruct`s (the largest shard, when uneven)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

@@ -9,7 +9,8 @@ Command signatures, by name (the CLI calls them so):
 - `sample`: `(run_dir, *, count, out, seed) -> Path`, the picture written.
 - `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> str`.
 - `bench`: `(cfg) -> context manager yielding the engine Task`, timed by `systolic bench`.
-- `plan`: `(cfg, target) -> engine.plan.Plan`.
+- `plan`: `(cfg, devices) -> engine.plan.StepProgram`: the real step lowered on a mesh of `devices` (the plan
+  target's), with the workload's FLOP formula and how to scale XLA's count of its loops; engine/plan.py compiles it.
 
 `resolve_config(cfg, overrides, run_dir) -> cfg` (optional) completes a config from elsewhere before a run
 (lm's `init.from=RUN_DIR`). A finished run is opened through `engine.rundir` (config, workload check, newest

@@ -13,6 +13,7 @@ import jax
 from systolic.data.tokenizer import store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
+from systolic.engine.plan import StepProgram
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
@@ -72,32 +73,51 @@ def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
         yield prepared.task
 
 
-def plan(cfg: LMConfig, target: str):
-    """Compiles the real train step ahead of time from abstract inputs on the configured (fake) mesh."""
-    from systolic.engine.plan import make_plan
+def plan(cfg: LMConfig, devices: list) -> StepProgram:
+    """The real train step lowered from abstract inputs on a mesh of `devices` (the target's), for `systolic plan`.
+
+    XLA's cost analysis counts a loop body once. With `model.scan_layers` the layers are one loop (forward and
+    backward), and with `train.grad_accum` > 1 the micro-batches are another around it, so the counted FLOPs are
+    the LM head plus one layer, once. The step's FLOPs are scaled per layer, without compiling an unrolled twin:
+    accum x (head + layers x (counted - head)), the head's FLOPs (6 x d_model x vocab per token) from the formula.
+    """
     from systolic.workloads.lm.flops import train_flops_per_token
     from systolic.workloads.lm.model import resolve_dtype
     from systolic.workloads.lm.train import build_step
 
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-
-    def compile_step(cfg: LMConfig):
-        step = build_step(cfg, mesh)
-        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jax.numpy.int32,
-                                     sharding=step.batch_sharding)
-        with activate(mesh, step.rules):
-            return step, step.train_step.lower(step.abstract, {"inputs": batch, "targets": batch}).compile()
-
-    step, compiled = compile_step(cfg)
-    unrolled = None
-    if cfg.model.scan_layers:
-        _, unrolled = compile_step(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False)))
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(step.abstract.params))
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    step = build_step(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jax.numpy.int32, sharding=step.batch_sharding)
+    inputs = (step.abstract, {"inputs": batch, "targets": batch})
+    with activate(mesh, step.rules):
+        lowered = step.train_step.lower(*inputs)
+    m, accum = cfg.model, cfg.train.grad_accum
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    dtype = "bfloat16" if cfg.model.dtype in ("auto", "bfloat16") else "float32"
-    return make_plan(compiled, target=target, devices=mesh.size, params=params,
-                     model_flops=tokens * train_flops_per_token(cfg.model, step.vocab, cfg.data.seq_len), dtype=dtype,
-                     cost_compiled=unrolled)
+    head = 6 * m.d_model * step.vocab * tokens / accum  # per micro-batch, all chips
+
+    def scale_cost(counted: float) -> tuple[float, str]:
+        if m.scan_layers:
+            return accum * (head + m.layers * (counted - head)), (
+                f"{'micro-batch loop and ' if accum > 1 else ''}layer loop counted once by XLA, scaled as "
+                f"{f'{accum} x ' if accum > 1 else ''}(head + {m.layers} layers x (counted - head))")
+        return accum * counted, f"micro-batch loop counted once by XLA, x {accum}" if accum > 1 else "as counted"
+
+    remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
+             "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
+    return StepProgram(
+        lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs), params=param_count(step.abstract.params),
+        items_per_step=tokens, item_unit="tok",
+        model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
+        dtype=str(jax.numpy.dtype(resolve_dtype(m.dtype))),
+        loop_trips=((accum,) if accum > 1 else ()) + ((m.layers,) if m.scan_layers else ()),
+        scale_cost=scale_cost,
+        notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
+               f"scores; the compiled step computes all T x T scores and the mask, and {remat}",),
+    )
+
+
+def param_count(params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.errors import UserError
+from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import causal_attention, cpu_tweak, gradient_barrier, project
@@ -36,9 +37,10 @@ _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_ba
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
-    """Compute dtype for `ModelConfig.dtype`; 'auto' is bfloat16 on accelerators, float32 on CPU."""
+    """Compute dtype for `ModelConfig.dtype`; 'auto' is bfloat16 on accelerators, float32 on CPU (of the platform
+    being compiled for: `systolic plan` traces TPU programs on a CPU host)."""
     if name == "auto":
-        return jnp.dtype(jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32)
+        return jnp.dtype(jnp.bfloat16 if compile_platform() in ("gpu", "tpu") else jnp.float32)
     return jnp.dtype(name)
 
 

@@ -1,0 +1,133 @@
+"""Plan targets by the names users rent them under: Cloud TPU slices (`v5e-8`, `v5p-128`) and NVIDIA GPUs (`h100`).
+
+A TPU name maps to the topology string that libtpu's compiler takes (`v5e:2x4`, `v5:4x4x4` for v5p) plus the
+per-host layout and wrap-around links, after MaxText's `accelerator_to_spec_map.py` (read 2026-12-04); the table
+here is our own. For v4 and v5p the number in the name counts TensorCores, two per chip: `v5p-128` is 64 chips.
+v5e and v6e have one TensorCore per chip, so the number counts chips.
+
+Chip figures (table dated 2026-12-04; the sources are named on each row). Bandwidths are bytes/s per chip:
+HBM, inter-chip (ICI, NVLink for GPUs: the published per-chip figure, both directions) and data-center
+network (DCN: the host's NICs shared by its chips). Prices are on-demand list prices per chip-hour in
+us-central1; they change, so `--price-per-chip-hour` overrides them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from systolic.errors import UserError
+
+PRICES_DATED = "2026-12-04"
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    platform: str  # "tpu": compiled by libtpu; "gpu": compiled by XLA:CPU on fake devices (no CUDA compiler here)
+    hbm_bytes: float
+    peak_bf16_flops: float  # dense, per chip
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float
+    dcn_bytes_per_s: float  # per chip
+    price_per_chip_hour: float  # USD, on-demand
+    source: str
+
+    @property
+    def peak_fp32_flops(self) -> float:
+        # TPUs run float32 matmuls as several bf16 passes; NVIDIA's non-tensor-core float32 is far lower.
+        return {"NVIDIA A100": 19.5e12, "NVIDIA H100": 67e12, "NVIDIA H200": 67e12}.get(self.name, self.peak_bf16_flops / 2)
+
+
+GiB = 2**30
+CHIPS: dict[str, Chip] = {
+    # https://cloud.google.com/tpu/docs/v4 ; https://cloud.google.com/tpu/pricing
+    "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 1200e9, 2400e9 / 8, 6.25e9, 3.22,
+               "cloud.google.com/tpu/docs/v4 (ICI 2400 Gbps), tpu/pricing"),
+    # https://cloud.google.com/tpu/docs/v5e: 16 GB, 819 GB/s, ICI 1600 Gbps, 2 x 100 Gbps NICs per 8-chip host
+    "v5e": Chip("TPU v5 lite", "tpu", 16 * GiB, 197e12, 819e9, 1600e9 / 8, 200e9 / 8 / 8, 1.20,
+                "cloud.google.com/tpu/docs/v5e, tpu/pricing"),
+    # https://cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, ICI 4800 Gbps
+    "v5p": Chip("TPU v5", "tpu", 95 * GiB, 459e12, 2765e9, 4800e9 / 8, 6.25e9, 4.20,
+                "cloud.google.com/tpu/docs/v5p, tpu/pricing"),
+    # https://cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, ICI 3584 Gbps
+    "v6e": Chip("TPU v6 lite", "tpu", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, 12.5e9, 2.70,
+                "cloud.google.com/tpu/docs/v6e, tpu/pricing"),
+    # NVIDIA data sheets (SXM, dense bf16); NVLink both directions; GCP A2/A3 on-demand per GPU
+    "a100": Chip("NVIDIA A100", "gpu", 80 * GiB, 312e12, 2039e9, 600e9, 12.5e9, 5.07,
+                 "NVIDIA A100 data sheet; cloud.google.com/compute/gpus-pricing (a2-ultragpu)"),
+    "h100": Chip("NVIDIA H100", "gpu", 80 * GiB, 989e12, 3350e9, 900e9, 50e9, 11.06,
+                 "NVIDIA H100 data sheet; cloud.google.com/compute/gpus-pricing (a3-highgpu)"),
+    "h200": Chip("NVIDIA H200", "gpu", 141 * GiB, 989e12, 4800e9, 900e9, 50e9, 10.60,
+                 "NVIDIA H200 data sheet; cloud.google.com/compute/gpus-pricing (a3-ultragpu)"),
+}
+
+# Slice shapes in chips. v5e/v6e: 2-D, 4 chips per host board (a single chip is its own host); v4/v5p: 3-D cubes
+# of 4-chip hosts, with wrap-around links (a torus) from a full 4x4x4 cube up.
+_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8), 192: (4, 4, 12),
+       256: (4, 8, 8), 384: (4, 8, 12), 512: (8, 8, 8), 768: (8, 8, 12), 1024: (8, 8, 16), 2048: (8, 16, 16),
+       4096: (16, 16, 16)}
+_TOPOLOGY_PREFIX = {"v4": "v4", "v5p": "v5", "v5e": "v5e", "v6e": "v6e"}
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as the user wrote it: v5e-8, h100
+    chip: Chip
+    chips: int  # GPUs: the mesh's device count
+    topology: str | None = None  # libtpu's topology string, e.g. v5e:2x4; None for GPUs
+    topology_kwargs: tuple[tuple[str, object], ...] = ()  # chip_config_name, chips_per_host_bounds, wrap
+
+    @property
+    def compiler(self) -> str:
+        if self.chip.platform == "tpu":
+            return f"the TPU compiler (libtpu) for topology {self.topology}"
+        return (f"XLA:CPU on {self.chips} fake CPU devices standing in for {self.chip.name} (no CUDA compiler "
+                "on this host: fusion, layout and temporaries differ from the GPU's, so memory is an estimate)")
+
+
+def tpu_names() -> list[str]:
+    names = []
+    for family in ("v4", "v5e", "v5p", "v6e"):
+        shapes = _3D if family in ("v4", "v5p") else _2D
+        names += [f"{family}-{chips * _CORES_PER_CHIP[family]}" for chips in shapes]
+    return names
+
+
+def _tpu_target(name: str, family: str, count: int) -> Target:
+    cores = _CORES_PER_CHIP[family]
+    shapes = _3D if family in ("v4", "v5p") else _2D
+    if count % cores or count // cores not in shapes:
+        raise _unknown(name)
+    chips = count // cores
+    shape = shapes[chips]
+    topology = f"{_TOPOLOGY_PREFIX[family]}:{'x'.join(map(str, shape))}"
+    if family in ("v4", "v5p"):
+        torus = all(s >= 4 for s in shape)
+        kwargs = (("chip_config_name", "megacore"), ("chips_per_host_bounds", (2, 2, 1)), ("wrap", (torus,) * 3))
+    else:
+        host = (1, 1, 1) if chips == 1 else (2, 2, 1)
+        wrap = (shape[0] == 16, shape[1] == 16, False)  # a full 16x16 pod is a torus; 8x16 wraps its long side
+        kwargs = (("chips_per_host_bounds", host), ("wrap", wrap))
+    return Target(name, CHIPS[family], chips, topology, kwargs)
+
+
+def resolve(name: str, *, mesh_devices: int) -> Target:
+    """The target for a user's name. GPU targets take their device count from the mesh (`h100` x --mesh)."""
+    key = name.strip().lower()
+    if key in CHIPS and CHIPS[key].platform == "gpu":
+        return Target(key, CHIPS[key], mesh_devices)
+    family, _, count = key.rpartition("-")
+    if family in _CORES_PER_CHIP and count.isdigit():
+        return _tpu_target(key, family, int(count))
+    raise _unknown(name)
+
+
+def _unknown(name: str) -> UserError:
+    gpus = [k for k, c in CHIPS.items() if c.platform == "gpu"]
+    return UserError(
+        f"Unknown --target '{name}'. TPU slices by their Cloud TPU names: {', '.join(tpu_names())} (for v4 and v5p "
+        f"the number counts TensorCores, two per chip: v5p-128 is 64 chips). GPUs: {', '.join(gpus)} (the device "
+        "count comes from --mesh, e.g. --target h100 --mesh fsdp=8). Fix: e.g. --target v5e-8."
+    )

@@ -1,0 +1,89 @@
+"""`systolic plan` with the TPU compiler (libtpu) on compile-only devices: the lm step on a small topology."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.tpu_aot,
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                       reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with"),
+]
+
+# A 2-layer scanned Llama small enough to compile for a TPU in seconds.
+TINY = ["model.d_model=128", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=256",
+        "data.seq_len=256", "train.batch_size=8", "model.scan_layers=true"]
+
+
+def plan_lm(target: str, mesh: dict[str, int], *extra: str):
+    from systolic import config as config_lib
+    from systolic.engine import targets
+    from systolic.engine.plan import plan_step
+    from systolic.workloads.lm.config import LMConfig
+    from systolic.workloads.lm.entry import plan
+
+    overrides = [*TINY, *(f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")), *extra]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+    return plan_step("lm", plan, cfg, targets.resolve(target, mesh_devices=0), mesh=str(mesh), train_items=1e9)
+
+
+@pytest.mark.parametrize("mesh, collective", [({"data": 4}, "all-reduce"), ({"fsdp": 4}, "all-gather"),
+                                              ({"fsdp": 2, "tensor": 2}, "all-gather")])
+def test_lm_step_compiles_for_v5e_4_in_each_layout(mesh, collective):
+    p = plan_lm("v5e-4", mesh)
+    assert (p.chips, p.topology, p.fits, p.out_of_memory) == (4, "v5e:2x2", True, None)
+    assert 0 < p.peak_bytes < p.hbm_bytes
+    assert p.collectives[collective]["count"] > 0 and p.collectives[collective]["bytes"] > 0
+    # Per-layer scaling of XLA's count: above the formula (full T x T scores) but not by a loop's worth.
+    assert 1.0 < p.xla_flops_per_step / p.model_flops_per_step < 1.5, p.flops_note
+    assert p.step_time_s == max(p.compute_s, p.hbm_s, p.ici_s) > 0
+
+
+def test_fsdp_splits_the_state_and_the_gradients_are_reduce_scattered():
+    data, fsdp = plan_lm("v5e-4", {"data": 4}), plan_lm("v5e-4", {"fsdp": 4})
+    assert fsdp.argument_bytes < 0.4 * data.argument_bytes
+    assert fsdp.collectives["reduce-scatter"]["count"] > 0
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "systolic", "plan", "lm", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_an_oversized_config_does_not_fit_with_the_bytes_needed_and_no_traceback():
+    # (B, H, T, T) attention scores alone: 64 x 4 x 4096^2 x 4 bytes = 16 GiB, on a 16 GiB v5e chip.
+    proc = cli("--target", "v5e-1", *TINY, "model.layers=1", "model.max_seq_len=4096", "data.seq_len=4096",
+               "train.batch_size=64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] is False and "RESOURCE_EXHAUSTED" in plan["out_of_memory"]
+    assert plan["peak_bytes"] > plan["hbm_bytes"]
+
+
+def test_plan_json_carries_every_figure():
+    proc = cli("--target", "v5e-4", "--mesh", "fsdp=4", *TINY, "--tokens", "2e9", "--price-per-chip-hour", "1.5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    for key in ("argument_bytes", "temp_bytes", "code_bytes", "peak_bytes", "hbm_bytes", "model_flops_per_step",
+                "xla_flops_raw", "xla_flops_per_step", "hbm_bytes_accessed_per_step", "compute_s", "hbm_s", "ici_s",
+                "step_time_s", "items_per_s", "mfu", "train_steps", "train_wall_s", "train_chip_hours",
+                "train_cost_usd", "compile_s"):
+        assert isinstance(plan[key], (int, float)) and plan[key] > 0, key
+    assert plan["fits"] is True and plan["topology"] == "v5e:2x2" and "TPU compiler" in plan["compiler"]
+    assert set(plan["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
+    assert plan["train_cost_usd"] == pytest.approx(plan["train_chip_hours"] * 1.5)
+    assert plan["price_source"] == "--price-per-chip-hour"
+    text = cli("--target", "v5e-4", "--mesh", "fsdp=4", *TINY)
+    assert "the TPU compiler (libtpu) for topology v5e:2x2" in text.stdout and "fits" in text.stdout
+
+
+def test_unknown_target_is_one_paragraph_and_exit_2():
+    proc = cli("--target", "v5e-3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "v5p-128" in proc.stderr and "v5e-4" in proc.stderr

@@ -1,0 +1,89 @@
+"""Plan targets by their Cloud TPU / GPU names, the out-of-memory message parser and the HLO collective counter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from systolic.engine import hlo_collectives, targets
+from systolic.engine.plan import needed_bytes
+from systolic.errors import UserError
+
+
+@pytest.mark.parametrize("name, chips, topology", [
+    ("v5e-1", 1, "v5e:1x1"), ("v5e-4", 4, "v5e:2x2"), ("v5e-8", 8, "v5e:2x4"), ("v5e-256", 256, "v5e:16x16"),
+    ("v6e-32", 32, "v6e:4x8"), ("v4-8", 4, "v4:2x2x1"), ("v5p-8", 4, "v5:2x2x1"), ("v5p-128", 64, "v5:4x4x4"),
+    ("v5p-1024", 512, "v5:8x8x8"),
+])
+def test_cloud_tpu_names_map_to_libtpu_topologies(name, chips, topology):
+    target = targets.resolve(name, mesh_devices=1)
+    assert (target.chips, target.topology, target.chip.platform) == (chips, topology, "tpu")
+    assert "TPU compiler" in target.compiler
+
+
+def test_torus_wrap_and_host_bounds_follow_the_slice_shape():
+    kwargs = dict(targets.resolve("v5p-128", mesh_devices=1).topology_kwargs)
+    assert kwargs == {"chip_config_name": "megacore", "chips_per_host_bounds": (2, 2, 1), "wrap": (True, True, True)}
+    assert dict(targets.resolve("v5p-8", mesh_devices=1).topology_kwargs)["wrap"] == (False, False, False)
+    assert dict(targets.resolve("v5e-1", mesh_devices=1).topology_kwargs)["chips_per_host_bounds"] == (1, 1, 1)
+
+
+def test_gpu_targets_take_their_count_from_the_mesh_and_say_which_compiler():
+    target = targets.resolve("H100", mesh_devices=8)
+    assert (target.chips, target.topology, target.chip.platform) == (8, None, "gpu")
+    assert "XLA:CPU" in target.compiler and "fake" in target.compiler
+
+
+@pytest.mark.parametrize("name", ["v5e-3", "v5p-7", "tpu-v5e", "v7-8", "b200"])
+def test_an_unknown_name_lists_the_valid_ones(name):
+    with pytest.raises(UserError, match="Unknown --target") as e:
+        targets.resolve(name, mesh_devices=1)
+    assert "v5p-128" in str(e.value) and "h100" in str(e.value)
+
+
+def test_out_of_memory_message_gives_the_bytes_needed():
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (40.25G) "
+           "exceeds available HBM (15.75G).")
+    assert needed_bytes(msg, argument_bytes=2**30) == pytest.approx(41.25 * 2**30)
+    assert needed_bytes("Used 31.72G of 15.75G hbm.", argument_bytes=2**30) == pytest.approx(31.72 * 2**30)
+    assert needed_bytes("RESOURCE_EXHAUSTED: something else", argument_bytes=0) is None
+
+
+def test_collectives_of_a_compiled_cpu_program():
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    x = jax.ShapeDtypeStruct((8, 1024), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    compiled = jax.jit(lambda a: a.sum(axis=0), out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+    found = hlo_collectives.read_collectives(compiled.as_text())
+    assert set(found) == set(hlo_collectives.KINDS)
+    reduce = found["all-reduce"]
+    assert reduce.count == 1 and reduce.bytes == 1024 * 4
+    assert reduce.wire_bytes == pytest.approx(2 * 1024 * 4 * 7 / 8)  # a ring over 8 devices
+
+
+LOOP_HLO = """\
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]) parameter(0)
+  %x = f32[64]{0} get-tuple-element(%p), index=1
+  %g = f32[256]{0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (s32[], f32[64]) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  %r = f32[64]{0} all-reduce(%a), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add
+  %w = (s32[], f32[64]) while(%t0), condition=%cond, body=%body
+  ROOT %o = f32[64]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_collective_inside_a_loop_counts_once_per_trip():
+    found = hlo_collectives.read_collectives(LOOP_HLO, loop_trips=(16,))
+    assert (found["all-gather"].count, found["all-gather"].bytes) == (16, 16 * 256 * 4)
+    assert (found["all-reduce"].count, found["all-reduce"].bytes) == (1, 64 * 4)
+    assert found["all-gather"].wire_bytes == pytest.approx(16 * 256 * 4 * 3 / 4)
