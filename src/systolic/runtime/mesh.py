@@ -80,5 +80,13 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
         )
 
 
+def compute_platform() -> str:
+    """'cpu', 'gpu' or 'tpu': where the program being traced will run. That is the platform of the current mesh's
+    devices when a mesh is active (compile-only TPU devices when a CPU host compiles for a TPU topology), else
+    this process's default backend. Safe inside jit: it reads the abstract mesh, on which jit's cache is keyed."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def describe(mesh: Mesh) -> str:
     return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())

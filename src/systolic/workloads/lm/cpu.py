@@ -22,14 +22,16 @@ import jax
 import jax.numpy as jnp
 
 from systolic.runtime import cpu_tuning
+from systolic.runtime.mesh import compute_platform
 
 REWRITES = ("flatten", "attention", "barrier")
 
 
 def cpu_tweak(name: str) -> bool:
-    """Whether the CPU rewrite `name` (one of REWRITES) is on: only on the CPU backend, and as the CPU tuning says."""
+    """Whether the CPU rewrite `name` (one of REWRITES) is on: only in programs compiled for the CPU (not, e.g.,
+    for TPU devices from a CPU host), and as the CPU tuning says."""
     assert name in REWRITES, name
-    return jax.default_backend() == "cpu" and getattr(cpu_tuning.settings(), name)
+    return compute_platform() == "cpu" and getattr(cpu_tuning.settings(), name)
 
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
