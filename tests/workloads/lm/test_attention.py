@@ -131,7 +131,7 @@ def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
             graphdef, params = nnx.split(make_model(model_cfg, 64, 0), nnx.Param)
             loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
                 nnx.merge(graphdef, p)(tokens), tokens).mean()
-            for _ in range(traces - 1):  # later traces reuse the cached kernel: it must hold no tracer of this one
+            for _ in range(traces - 1):  # a kernel cached across traces would leak this trace's values into the next
                 jax.jit(jax.value_and_grad(loss)).trace(params)
             return jax.jit(jax.value_and_grad(loss))(params)
 
@@ -139,3 +139,32 @@ def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
     np.testing.assert_allclose(loss_splash, loss_xla, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_splash), jax.tree.leaves(grads_xla)):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_splash_compiles_for_tpu_devices_from_this_host():
+    """Under a mesh of compile-only TPU devices (what `systolic plan` compiles for), auto is the Mosaic kernel, not
+    its interpreter, and the (T, T) scores are gone from the temporaries. Needs libtpu (the TPU compiler)."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3, devices=devices)
+    rules = RULE_SETS["default"]
+    q = jax.ShapeDtypeStruct((8, 2048, 16, 128), jnp.bfloat16, sharding=NamedSharding(
+        mesh, logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)))
+    k = jax.ShapeDtypeStruct((8, 2048, 8, 128), jnp.bfloat16, sharding=NamedSharding(
+        mesh, logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)))
+
+    def grads(setting):
+        def loss(q, k, v):
+            impl = attention.choose(setting, dtype=q.dtype, head_dim=q.shape[-1])
+            return attention.causal_attention(q, k, v, impl=impl).astype(jnp.float32).sum()
+
+        with activate(mesh, rules):
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile()
+
+    splash, xla = grads("auto"), grads("xla")
+    assert "tpu_custom_call" in splash.as_text()
+    # Per device: 4 rows x 8 heads of (2048, 2048) scores, at least 256 MiB in bfloat16, for the plain formulation.
+    assert xla.memory_analysis().temp_size_in_bytes > 256 * 2**20
+    assert splash.memory_analysis().temp_size_in_bytes < 64 * 2**20

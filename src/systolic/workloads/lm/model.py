@@ -109,7 +109,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd, std = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
-        self.attention = cfg.attention
+        self.attention_setting = cfg.attention
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
@@ -136,7 +136,7 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if kv is None:
-            impl = attention.choose(self.attention, dtype=dt, head_dim=q.shape[-1])
+            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1])
             out = attention.causal_attention(q, k, v, impl=impl)  # (B, T, H, hd)
         else:
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
