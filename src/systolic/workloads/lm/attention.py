@@ -106,7 +106,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
     kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
     assert q_spec[1] is None and q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
-    # check_vma=False: the pallas_call's outputs carry no varying-manual-axes annotation to check.
+    # check_vma=False: the kernel declares its outputs without the varying-axes type that the check needs.
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                          check_vma=False)(q, k, v)
 
