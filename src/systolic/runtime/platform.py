@@ -1,11 +1,12 @@
-"""Which platform the program being traced will run on.
+"""Which platform the program being traced will run on, and which devices will compile it.
 
-Usually the platform of this process's devices. `systolic plan` traces on a CPU host for a chip it does not
-have, so it says so here, and model code that picks a platform-specific formulation (compute dtype, the CPU
-rewrites of workloads/lm/cpu.py, a TPU attention kernel) asks `compile_platform()` rather than
-`jax.default_backend()`. For a TPU target libtpu compiles the program, so TPU kernels may be used. A GPU target
-is traced as GPU code but compiled by XLA:CPU (there is no CUDA compiler here): GPU-only kernels must still fall
-back when `jax.default_backend()` is "cpu".
+`device_platform()` is the platform of the current mesh's devices (compile-only TPU devices when a CPU host
+compiles for a TPU topology), else this process's backend; it is safe inside jit, which keys its cache on the
+abstract mesh. `compile_platform()` is what the program is written for: `systolic plan` for a GPU target traces GPU
+code (bfloat16, no CPU rewrites) but compiles it with XLA:CPU on fake devices, and says so with `compiling_for`.
+Model code that picks a platform-specific formulation (compute dtype, the CPU rewrites of workloads/lm/cpu.py)
+asks `compile_platform()`; a kernel that only one compiler can build (splash: libtpu, cuDNN: CUDA) asks
+`device_platform()`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import jax
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("systolic_compile_platform", default=None)
 
 
+def device_platform() -> str:
+    """"tpu", "gpu" or "cpu": the platform of the devices the program being traced is compiled for."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def compile_platform() -> str:
     """"tpu", "gpu" or "cpu": the target of the program being traced now."""
-    return _TARGET.get() or jax.default_backend()
+    return _TARGET.get() or device_platform()
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
     remat: Literal["none", "full", "dots"] = "none"
+    # training attention: auto = splash on TPU, cuDNN on GPU, lm/cpu.py on CPU (see workloads/lm/attention.py)
+    attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
     scan_layers: bool = False
 
     @property

@@ -28,7 +28,7 @@ from systolic.errors import ConfigError, UserError
 from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 
-COMPUTE_ONLY = ("dtype", "remat")  # model settings that do not change the parameters
+COMPUTE_ONLY = ("dtype", "remat", "attention")  # model settings that do not change the parameters
 
 
 def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:

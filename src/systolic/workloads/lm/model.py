@@ -29,8 +29,9 @@ from flax import nnx
 from systolic.errors import UserError
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
+from systolic.workloads.lm import attention
 from systolic.workloads.lm.config import ModelConfig
-from systolic.workloads.lm.cpu import causal_attention, cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
 
 ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -102,11 +103,13 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention through `jax.nn.dot_product_attention` (BTNH layout)."""
+    """Causal grouped-query attention: in training by `model.attention`'s implementation (`lm/attention.py`),
+    against a KV cache through `jax.nn.dot_product_attention` with an explicit mask."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd, std = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
+        self.attention_setting = cfg.attention
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
@@ -132,10 +135,9 @@ class Attention(nnx.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        if kv is None and cpu_tweak("attention"):
-            out = causal_attention(q, k, v)  # (B, T, H, hd)
-        elif kv is None:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, hd)
+        if kv is None:
+            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1])
+            out = attention.causal_attention(q, k, v, impl=impl)  # (B, T, H, hd)
         else:
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
             # use the explicit mask (key position <= query position) instead.

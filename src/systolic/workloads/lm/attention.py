@@ -1,0 +1,134 @@
+"""Causal grouped-query attention for training, with one implementation per platform.
+
+    platform  `model.attention=auto` picks                                        (T, T) scores in memory
+    tpu       splash: JAX's Pallas splash attention kernel, under shard_map        no
+    gpu       cudnn: cuDNN flash attention, `jax.nn.dot_product_attention`         no
+              (xla where cuDNN cannot: float32, head size not a multiple of 8 or over 128)
+    cpu       cpu: `lm/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
+
+`model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
+platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
+error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
+(`implementation=None`) is the XLA formulation in jax 0.10 and 0.11.
+
+The platform is the traced program's (`runtime.platform.compile_platform`), not only this machine's: compiling under
+a mesh of TPU devices, compile-only ones from `jax.experimental.topologies` on a CPU host included, picks splash.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from systolic.errors import ConfigError
+from systolic.runtime.platform import compile_platform, device_platform
+from systolic.runtime.sharding import logical_to_spec
+from systolic.workloads.lm import cpu
+
+SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
+IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
+# Splash's key blocks must be multiples of the TPU's 128 lanes; 512 is MaxText's default block (min'ed with T).
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+def choose(setting: str, *, dtype: jnp.dtype, head_dim: int) -> str:
+    """The implementation that `model.attention=setting` means for the program being traced, one of
+    IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype or head size cannot run."""
+    platform = compile_platform()
+    if setting == "auto":
+        if platform == "tpu":
+            return "splash"
+        if platform == "gpu":  # a GPU plan traces GPU code but compiles it on CPU devices: no cuDNN kernel there
+            return "cudnn" if device_platform() == "gpu" and _cudnn_takes(dtype, head_dim) else "xla"
+        return "cpu" if cpu.cpu_tweak("attention") else "xla"
+    if setting == "cudnn" and device_platform() != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn needs an NVIDIA GPU, but this program is compiled for {platform}. Fix: "
+            "model.attention=auto (splash on TPU, cuDNN on GPU, the CPU formulation on CPU) or model.attention=xla."
+        )
+    if setting == "cudnn" and not _cudnn_takes(dtype, head_dim):
+        raise ConfigError(
+            f"model.attention=cudnn: cuDNN flash attention takes bfloat16 or float16 with a head size that is a "
+            f"multiple of 8 and at most 128, but got {jnp.dtype(dtype).name} with head size {head_dim}. Fix: "
+            "model.dtype=bfloat16 and a head size like 64 or 128 (model.d_model / model.heads, or model.head_dim), "
+            "or model.attention=auto, which falls back to xla here."
+        )
+    assert setting in SETTINGS, setting  # the config schema checks the value
+    return setting
+
+
+def _cudnn_takes(dtype: jnp.dtype, head_dim: int) -> bool:
+    # jax's own check (cudnn/fused_attention_stablehlo.py) allows head sizes up to 256 on Hopper and later, but it
+    # asks the GPU at trace time; 128 holds on every GPU that cuDNN flash attention supports.
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str) -> jax.Array:
+    """Causal grouped-query attention with `impl` (one of IMPLEMENTATIONS, see `choose`): q (B, T, H, hd), k and
+    v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd)."""
+    if impl == "splash":
+        return splash_attention(q, k, v)
+    if impl == "cpu":
+        return cpu.causal_attention(q, k, v)
+    assert impl in ("cudnn", "xla"), impl
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def splash_block(seq_len: int) -> int:
+    """The splash block size (queries and keys, forward and backward) for sequences of seq_len."""
+    for block in SPLASH_BLOCKS:
+        if seq_len % block == 0:
+            return block
+    raise ConfigError(
+        f"TPU splash attention splits the sequence into blocks of 128, 256 or 512 positions, but got sequences of "
+        f"{seq_len} positions. Fix: data.seq_len a multiple of 128 (e.g. {max(128, round(seq_len / 128) * 128)}), "
+        "or model.attention=xla (the plain formulation, which holds the (T, T) scores in memory)."
+    )
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU.
+
+    Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
+    rules: a Pallas kernel is opaque to XLA's SPMD partitioner, which would otherwise gather every operand onto
+    each device. The sequence stays whole (no rule splits `seq`); the grouping is unchanged by the head split
+    because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole groups."""
+    local = functools.partial(_splash_local, interpret=device_platform() != "tpu")
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return local(q, k, v)
+    q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
+    kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
+    assert q_spec[1] is None and q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
+    # check_vma=False: the kernel declares its outputs without the varying-axes type that the check needs.
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool) -> jax.Array:
+    """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd)."""
+    B, T, H, hd = q.shape
+    kernel = _splash_kernel(H, T, interpret)
+    # The kernel does not scale the logits: pre-scale the queries.
+    q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
+    # The MHA kernel takes fewer key/value heads than query heads (H % KV == 0, query head h reads key/value
+    # head h // (H // KV)), so groups need no repeated key/value heads; the MQA variant takes exactly one.
+    out = jax.vmap(kernel)(q, k, v)  # (B, H, T, hd): the kernel works on one example
+    return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
+
+
+def _splash_kernel(heads: int, seq_len: int, interpret: bool):
+    """A causal splash kernel for (heads, seq_len, hd) queries. Made on each trace: its block tables become
+    constants of that trace (the kernel's own cache keeps the NumPy mask processing, 0.7 s at 16k positions)."""
+    block = splash_block(seq_len)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * heads)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
