@@ -53,18 +53,21 @@ class Row:
         return out + (tiny(self.recipe) if dry_run else [])
 
 
-# Batch sizes for a 141 GB H200 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 below). gpt2-124m: 64 x 1024 tokens, no
-# remat: ~25 GB of saved activations plus ~30 GB for the float32 logits (50,304 columns) and their gradient.
-# llama-1b (recipe: remat=dots, scan_layers): 16 x 2048 tokens, ~25 GB of saved matmul outputs plus 16 GB of
-# float32 parameters and Adam moments; the same batch for XLA attention, which materialises (B, 32, T, T) scores
-# (4.3 G elements per layer) where cuDNN does not.
+# Batch sizes for a 141 GB H200 (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 below), checked with `systolic plan lm
+# --target h200` (XLA:CPU standing in for the GPU, so an estimate; it plans XLA attention, which holds (B, H, T, T)
+# scores where cuDNN does not), jax 0.11.2, 2026-12-04:
+# - gpt2-124m, 32 x 1024 (the recipe's): at 64 x 1024 with XLA attention the plan says 171 GiB, does not fit; about
+#   100 GiB of that is the 12 layers' saved scores, so cuDNN at 64 would fit by the estimate, but without margin
+#   to spare for the first run. 32 x 1024 halves everything.
+# - llama-1b, 16 x 2048 (recipe: remat=dots, scan_layers): 66.8 GiB peak with XLA attention, so the XLA row fits
+#   and both attention rows use the same batch.
 ROWS = (
-    Row("gpt2-124m", "gpt2-124m", batch_size=64, seq_len=1024, steps=20, attention="cudnn", scan_layers=False,
+    Row("gpt2-124m", "gpt2-124m", batch_size=32, seq_len=1024, steps=20, attention="cudnn", scan_layers=False,
         timeout_s=150),
     Row("llama-1b", "llama-1b", batch_size=16, seq_len=2048, steps=10, attention="cudnn", scan_layers=True,
         timeout_s=200),
     # The README's open question: is lax.scan over the layers (compiled once) slower per step on a GPU?
-    Row("gpt2-124m scan", "gpt2-124m", batch_size=64, seq_len=1024, steps=20, attention="cudnn", scan_layers=True,
+    Row("gpt2-124m scan", "gpt2-124m", batch_size=32, seq_len=1024, steps=20, attention="cudnn", scan_layers=True,
         timeout_s=120),
     Row("llama-1b xla-attn", "llama-1b", batch_size=16, seq_len=2048, steps=10, attention="xla", scan_layers=True,
         timeout_s=200),
@@ -78,8 +81,8 @@ def tiny(recipe: str) -> list[str]:
     """The dry run's overrides: the recipe's family at 2 layers of width 64, sequences of 64 tokens, in bfloat16
     (as on a GPU; `auto` would be float32 on CPU)."""
     shrink = ["model.dtype=bfloat16", "model.d_model=64", "model.layers=2", "model.heads=4",
-              f"model.max_seq_len={TINY_SEQ}", "model.vocab_size=320", f"data.seq_len={TINY_SEQ}", f"train.batch_size={TINY_BATCH}",
-              "data.max_bytes=300000", "data.val_percent=30"]
+              f"model.max_seq_len={TINY_SEQ}", "model.vocab_size=320", f"data.seq_len={TINY_SEQ}",
+              f"train.batch_size={TINY_BATCH}", "data.max_bytes=300000", "data.val_percent=30"]
     return shrink + (["model.kv_heads=2", "model.mlp_dim=128"] if recipe.startswith("llama") else [])
 
 
