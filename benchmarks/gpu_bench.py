@@ -57,8 +57,8 @@ class Row:
 # --target h200` (XLA:CPU standing in for the GPU, so an estimate; it plans XLA attention, which holds (B, H, T, T)
 # scores where cuDNN does not), jax 0.11.2, 2026-12-04:
 # - gpt2-124m, 32 x 1024 (the recipe's): at 64 x 1024 with XLA attention the plan says 171 GiB, does not fit; about
-#   100 GiB of that is the 12 layers' saved scores, so cuDNN at 64 would fit by the estimate, but without margin
-#   to spare for the first run. 32 x 1024 halves everything.
+#   100 GiB of that is the 12 layers' saved scores, so cuDNN at 64 x 1024 would fit by the estimate (~70 GiB),
+#   but that figure is another compiler's: the first run keeps the recipe's batch. Try 64 once this has run.
 # - llama-1b, 16 x 2048 (recipe: remat=dots, scan_layers): 66.8 GiB peak with XLA attention, so the XLA row fits
 #   and both attention rows use the same batch.
 ROWS = (
