@@ -117,8 +117,13 @@ def main() -> int:
                SYSTOLIC_COMPILE_CACHE="off")  # cold compiles are the figure; a bare machine has no cache anyway
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # JAX's default takes 75% of the GPU's memory
 
-    pre = subprocess.run([sys.executable, "-c", PREFLIGHT], capture_output=True, text=True, env=dict(
-        env, XLA_PYTHON_CLIENT_PREALLOCATE="false"), timeout=120)
+    try:
+        pre = subprocess.run([sys.executable, "-c", PREFLIGHT], capture_output=True, text=True, env=dict(
+            env, XLA_PYTHON_CLIENT_PREALLOCATE="false"), timeout=120)
+    except subprocess.TimeoutExpired:
+        print("gpu_bench: the preflight (import jax, list the devices) took over 120 s; the GPU or its driver does "
+              "not answer. Fix: check nvidia-smi on that machine.", file=sys.stderr)
+        return 1
     if pre.returncode != 0:
         print(f"gpu_bench: the preflight (import jax, grain and systolic) failed:\n{pre.stderr[-3000:]}\nFix: run "
               "benchmarks/gpu-wheels.sh where a registry is reachable and carry .whl/; gpu.sh installs it.",
