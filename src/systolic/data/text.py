@@ -13,6 +13,7 @@ import grain
 import numpy as np
 
 from systolic.data.corpus import Document
+from systolic.data.prepared import ShardedTokens
 from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 
@@ -26,14 +27,19 @@ def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarr
 
 
 class TokenWindows:
-    """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped)."""
+    """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped).
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    `tokens` is an array in memory or a prepared dataset's memory-mapped `ShardedTokens`."""
+
+    def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int):
         self.tokens = tokens
         self.seq_len = seq_len
         self._offsets = np.arange(seq_len + 1)
         # The repr names the content, so a resumed run can check it reads the same tokens.
-        self._digest = hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).hexdigest()
+        if isinstance(tokens, ShardedTokens):  # named by its shards' checksums: hashing would read every token
+            self._digest = tokens.content_digest
+        else:
+            self._digest = hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).hexdigest()
 
     def __len__(self) -> int:
         return max(len(self.tokens) - 1, 0) // self.seq_len
@@ -68,7 +74,7 @@ class _ReadLocalRows:
 
 
 def make_train_iterator(
-    tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+    tokens: np.ndarray | ShardedTokens, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
 ) -> grain.DatasetIterator:
     """An endless Grain iterator of this process's share of shuffled global batches.
 
@@ -111,7 +117,7 @@ def _mix_seed(seed: int) -> int:
     return int.from_bytes(digest, "big")  # in [0, 2**32), the range Grain accepts
 
 
-def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(tokens: np.ndarray | ShardedTokens, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
     """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`."""
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < batch:
@@ -130,7 +136,12 @@ def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, voca
 
     A model that has learnt anything beats this; one that has not sits at or above it.
     """
-    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    return unigram_cross_entropy_from_counts(np.bincount(train_tokens, minlength=vocab_size),
+                                             np.bincount(val_tokens, minlength=vocab_size))
+
+
+def unigram_cross_entropy_from_counts(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
+    """`unigram_cross_entropy` from the (vocab_size,) counts of each id in the two splits."""
+    counts = train_counts.astype(np.float64) + 1.0
     log_prob = np.log(counts) - np.log(counts.sum())  # (vocab_size,)
-    val_counts = np.bincount(val_tokens, minlength=vocab_size)
-    return float(-(val_counts * log_prob).sum() / len(val_tokens))
+    return float(-(val_counts * log_prob).sum() / val_counts.sum())
