@@ -98,8 +98,8 @@ def test_jsonl_gz_and_arrow_records_with_a_field(tmp_path):
             writer.write_table(table)
     (hf / "state.json").write_text("{}")
     (hf / "dataset_info.json").write_text("{}")
-    for src, name in ((tmp_path / "a.jsonl.gz", "gz"), (hf, "arrow")):
-        prepare(str(src), tmp_path / name, field="content", val_percent=VAL, shard_tokens=500, workers=1)
+    for src, name, shard_tokens in ((tmp_path / "a.jsonl.gz", "gz", 500), (hf, "arrow", 1 << 26)):  # 1 shard each
+        prepare(str(src), tmp_path / name, field="content", val_percent=VAL, shard_tokens=shard_tokens, workers=1)
         dataset = PreparedDataset.open(tmp_path / name)
         assert sum(dataset.index["splits"][s]["documents"] for s in ("train", "validation")) == 40
         assert sum(len(dataset.tokens(s)) for s in ("train", "validation")) == sum(len(r["content"]) + 1 for r in rows)

@@ -30,6 +30,7 @@ from systolic.errors import UserError
 
 PROGRESS_FILE = "progress.json"
 _BATCH_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling, small enough to stream
+_COUNT_CHUNK = 1 << 22
 
 
 @dataclasses.dataclass
@@ -191,11 +192,11 @@ class _Writer:
             split.ends.append(split.tokens)
             size = self.settings["shard_tokens"]
             if split.pending_tokens >= size:
-                pending = np.concatenate(split.pending)
+                pending, split.pending = np.concatenate(split.pending), []  # the pieces are freed here
                 while len(pending) >= size:
                     _write_shard(self.partial, split, pending[:size])
                     pending = pending[size:]
-                split.pending, split.pending_tokens = [pending], len(pending)
+                split.pending, split.pending_tokens = [pending.copy()], len(pending)  # not a view of the shards
                 self._save_progress()
 
     def _save_progress(self) -> None:
@@ -253,7 +254,7 @@ class _Writer:
         }
         for leftover in [self.partial / PROGRESS_FILE, *self.partial.glob("pending-*"), *self.partial.glob("counts-*"),
                          *self.partial.glob("*.i64"), *self.partial.glob("*.tmp")]:
-            leftover.unlink()
+            leftover.unlink(missing_ok=True)  # progress.json exists only once a shard was full
         _write_atomic(self.partial / INDEX_FILE, json.dumps(index, indent=1).encode())
         if self.skipped:
             warnings.warn(f"Skipped {self.skipped} unreadable, binary or non-UTF-8 file(s) in {self.settings['source']}.",
@@ -272,13 +273,14 @@ def _flush_ends(partial: Path, split: _Split) -> None:
 
 def _write_shard(partial: Path, split: _Split, tokens: np.ndarray) -> None:
     name = f"{split.name}-{len(split.shards):05d}.bin"
-    split.counts += np.bincount(tokens, minlength=len(split.counts))
-    data = np.ascontiguousarray(tokens, tokens.dtype.newbyteorder("<")).tobytes()
+    for start in range(0, len(tokens), _COUNT_CHUNK):  # bincount widens to int64: a chunk at a time, not the shard
+        split.counts += np.bincount(tokens[start: start + _COUNT_CHUNK], minlength=len(split.counts))
+    data = memoryview(np.ascontiguousarray(tokens, tokens.dtype.newbyteorder("<"))).cast("B")  # no copy
     _write_atomic(partial / name, data)
     split.shards.append({"file": name, "tokens": len(tokens), "sha256": hashlib.sha256(data).hexdigest()})
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
         f.write(data)
