@@ -256,7 +256,7 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
         cut = min(max(round(len(doc.text) * (1 - val_percent / 100)), 1), len(doc.text) - 1)
         return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
     position = [_unit_hash(doc.name) for doc in docs]
-    is_val = [p * 100 < val_percent for p in position]
+    is_val = [is_validation(doc.name, val_percent) for doc in docs]
     if not any(is_val):  # the document nearest to the validation side moves over
         is_val[min(range(len(docs)), key=position.__getitem__)] = True
     elif all(is_val):
@@ -264,6 +264,11 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
     train = [doc for doc, val in zip(docs, is_val, strict=True) if not val]
     val = [doc for doc, val in zip(docs, is_val, strict=True) if val]
     return train, val
+
+
+def is_validation(name: str, val_percent: float) -> bool:
+    """Whether the document `name` is held out, by a stable hash of the name alone (so a corpus can stream)."""
+    return _unit_hash(name) * 100 < val_percent
 
 
 def _unit_hash(name: str) -> float:

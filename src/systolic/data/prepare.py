@@ -182,7 +182,7 @@ class _Writer:
             if not text:
                 continue
             # The same stable name hash as corpus.split_documents, decided per document so it can stream.
-            split = self.splits[1 if corpus._unit_hash(name) * 100 < self.settings["val_percent"] else 0]
+            split = self.splits[1 if corpus.is_validation(name, self.settings["val_percent"]) else 0]
             doc = tokens[ends[i] - lengths[i]: ends[i]]
             split.pending += [doc, eot]
             split.pending_tokens += len(doc) + 1
