@@ -4,6 +4,7 @@ is one paragraph, exit 2, nothing written."""
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -123,11 +124,13 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(corpus_dir, tmp_path, mon
         prepare(str(corpus_dir), out, val_percent=VAL, shard_tokens=5_000, workers=1)
     assert not out.exists() and (tmp_path / "resumed.partial" / "progress.json").is_file()
     monkeypatch.setattr(prepare_mod, "_write_shard", write_shard)
-    with pytest.raises(UserError, match="other settings"):  # a different command does not mix into it
+    saved = _files(tmp_path / "resumed.partial")
+    with pytest.raises(UserError, match="other settings"):  # a different command does not mix into it ...
         prepare(str(corpus_dir), out, val_percent=VAL, shard_tokens=6_000, workers=1)
-    with pytest.raises(KeyboardInterrupt):  # ... and the refused attempt removed nothing
-        monkeypatch.setattr(prepare_mod, "_write_shard", stop_after_three)
-        calls.clear()
+    assert _files(tmp_path / "resumed.partial") == saved  # ... nor removes its progress
+    monkeypatch.setattr(prepare_mod, "_write_shard", stop_after_three)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):  # interrupted twice: after shards 3 and 6
         prepare(str(corpus_dir), out, val_percent=VAL, shard_tokens=5_000, workers=1)
     monkeypatch.setattr(prepare_mod, "_write_shard", write_shard)
     with pytest.warns(UserWarning):
@@ -199,3 +202,24 @@ def test_bad_data_exits_2_and_writes_nothing(prepared_dir, bpe_file, tmp_path, c
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     # An existing output folder is never overwritten.
     _fails_cleanly(["data", "prepare", str(empty), "--out", str(prepared_dir)], capsys, "already exists", prepared_dir)
+
+
+def test_resume_refuses_an_input_that_changed(corpus_dir, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src)
+    write_shard, calls = prepare_mod._write_shard, []
+
+    def stop_after_two(*args):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        write_shard(*args)
+
+    monkeypatch.setattr(prepare_mod, "_write_shard", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(src), tmp_path / "out", val_percent=VAL, shard_tokens=5_000, workers=1)
+    monkeypatch.setattr(prepare_mod, "_write_shard", write_shard)
+    (src / "aaa.txt").write_text("a file that sorts first shifts every later record")
+    with pytest.raises(UserError, match="changed since the interrupted preparation"):
+        prepare(str(src), tmp_path / "out", val_percent=VAL, shard_tokens=5_000, workers=1)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -66,8 +66,8 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
     settings = {"source": str(root.resolve()), "field": field, "val_percent": val_percent, "shard_tokens": shard_tokens,
                 "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name}
     partial = out.with_name(out.name + ".partial")
+    writer = _Writer.resume_or_start(partial, settings, tok)  # outside the try: another run's progress is kept
     try:
-        writer = _Writer.resume_or_start(partial, settings, tok)
         _tokenize_into(writer, corpus.iter_texts(root, field=field), spec, workers or os.cpu_count() or 1)
         writer.finish(tok, spec, field)
     except UserError:
@@ -80,8 +80,15 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
 
 
 def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spec: str, workers: int) -> None:
+    last = None
     for _ in range(writer.consumed):  # a resumed run skips what the saved progress holds (read, not tokenized)
-        next(texts)
+        last, _text = next(texts, (None, None))
+    if last != writer.last_name:  # files added, removed or renamed before the point where it stopped
+        raise UserError(
+            f"The input {writer.settings['source']} changed since the interrupted preparation in {writer.partial}: "
+            f"its record {writer.consumed} is now {last!r}, not {writer.last_name!r}, so the saved shards do not "
+            f"match it. It was removed. Fix: run the command again to prepare from the start."
+        )
     batches = _batches(texts)
     if workers == 1:
         tok = make_tokenizer(spec)
@@ -143,6 +150,7 @@ class _Writer:
         self.dtype = np.dtype(tok.dtype)
         self.splits = [_Split(name, [], np.zeros(tok.vocab_size, np.int64)) for name in SPLITS]
         self.consumed = 0  # input records (documents, empty ones and unreadable files) taken so far
+        self.last_name: str | None = None  # the last of them, checked when a run resumes
         self.skipped = 0
         self.saves = 0
 
@@ -161,6 +169,7 @@ class _Writer:
                 f"one ({settings}). Fix: rerun it with its own settings to finish it, or delete {partial}."
             )
         writer.consumed, writer.skipped, writer.saves = progress["consumed"], progress["skipped"], progress["saves"]
+        writer.last_name = progress["last_name"]
         for split, saved in zip(writer.splits, progress["splits"], strict=True):
             split.shards, split.documents, split.tokens, split.bytes = (
                 saved["shards"], saved["documents"], saved["tokens"], saved["bytes"])
@@ -177,6 +186,7 @@ class _Writer:
         eot = np.array([self.eot], self.dtype)
         for i, (name, text) in enumerate(items):
             self.consumed += 1
+            self.last_name = name
             if text is None:
                 self.skipped += 1
             if not text:
@@ -211,7 +221,7 @@ class _Writer:
             np.save(self.partial / counts, split.counts)
             splits.append({"shards": split.shards, "documents": split.documents, "tokens": split.tokens,
                            "bytes": split.bytes, "pending": pending, "counts": counts})
-        progress = {"settings": self.settings, "consumed": self.consumed, "skipped": self.skipped,
+        progress = {"settings": self.settings, "consumed": self.consumed, "last_name": self.last_name, "skipped": self.skipped,
                     "saves": self.saves, "splits": splits}
         _write_atomic(self.partial / PROGRESS_FILE, json.dumps(progress).encode())
         for old in self.partial.glob("*.npy"):
