@@ -223,3 +223,19 @@ def test_resume_refuses_an_input_that_changed(corpus_dir, tmp_path, monkeypatch)
     with pytest.raises(UserError, match="changed since the interrupted preparation"):
         prepare(str(src), tmp_path / "out", val_percent=VAL, shard_tokens=5_000, workers=1)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_memory_mapped_batches_equal_in_memory_ones_and_split_over_processes(prepared_dir):
+    from systolic.data.text import make_train_iterator
+
+    tokens = PreparedDataset.open(prepared_dir).tokens("train")  # 20,000-token shards: windows straddle them
+    in_memory = tokens[np.arange(len(tokens))]
+    kwargs = dict(seq_len=16, global_batch=8, seed=3)
+    mapped, array = make_train_iterator(tokens, **kwargs), make_train_iterator(in_memory, **kwargs)
+    halves = [make_train_iterator(tokens, **kwargs, process_index=i, process_count=2) for i in range(2)]
+    for _ in range(30):
+        batch, want = next(mapped), next(array)
+        np.testing.assert_array_equal(batch["inputs"], want["inputs"])
+        np.testing.assert_array_equal(batch["targets"], want["targets"])
+        parts = [next(h) for h in halves]  # each process reads its own 4 rows; together the global batch
+        np.testing.assert_array_equal(np.concatenate([p["inputs"] for p in parts]), want["inputs"])
