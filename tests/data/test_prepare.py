@@ -239,3 +239,39 @@ def test_memory_mapped_batches_equal_in_memory_ones_and_split_over_processes(pre
         np.testing.assert_array_equal(batch["targets"], want["targets"])
         parts = [next(h) for h in halves]  # each process reads its own 4 rows; together the global batch
         np.testing.assert_array_equal(np.concatenate([p["inputs"] for p in parts]), want["inputs"])
+
+
+@pytest.fixture(scope="module")
+def two_prepared(corpus_dir, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("mixture")
+    for package in ("json", "email"):
+        assert main(["data", "prepare", str(corpus_dir / package), "--out", str(root / package), "--val-percent",
+                     "30", "--shard-tokens", "20000", "--workers", "1"]) == 0
+    return root / "json", root / "email"
+
+
+def test_mixture_rows_follow_the_weights(two_prepared):
+    from systolic.data.text import make_mixture_iterator
+
+    a, b = (PreparedDataset.open(p).tokens("train") for p in two_prepared)
+    first_a = {bytes(a[np.arange(i * 16, i * 16 + 17)].astype(np.int32)) for i in range((len(a) - 1) // 16)}
+    it = make_mixture_iterator([a, b], [3.0, 1.0], seq_len=16, global_batch=8, seed=0)
+    rows = np.concatenate([np.concatenate([x["inputs"], x["targets"][:, -1:]], axis=1) for x in (next(it) for _ in range(50))])
+    from_a = np.mean([bytes(r) in first_a for r in rows.astype(np.int32)])
+    assert from_a == pytest.approx(0.75, abs=0.01)
+
+
+def test_train_on_a_mixture_resumes_to_the_same_losses(two_prepared, tmp_path, capsys):
+    mixture = f"data.mixture={two_prepared[0]}:0.7,{two_prepared[1]}:0.3"
+    assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "whole")]) == 0
+    assert main([*TRAIN, mixture, "loop.stop_at_step=4", "--run-dir", str(tmp_path / "resumed")]) == 0
+    assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "resumed")]) == 0
+    whole = _losses(tmp_path / "whole")
+    assert sorted(whole) == list(range(1, 11)) and _losses(tmp_path / "resumed") == whole
+    run = tmp_path / "bad"
+    for bad, message in ((f"data.mixture={two_prepared[0]}:0", "positive weight"),
+                         (f"data.mixture={two_prepared[0]}:x", "positive weight"),
+                         (f"data.mixture={tmp_path}:1", "not a prepared dataset")):
+        _fails_cleanly([*TRAIN, bad, "--run-dir", str(run)], capsys, message, run)
+    _fails_cleanly([*TRAIN, mixture, f"data.path={two_prepared[0]}", "--run-dir", str(run)], capsys, "both set", run)
+    assert not run.exists()

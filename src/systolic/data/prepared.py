@@ -79,6 +79,31 @@ class ShardedTokens:
         return f"ShardedTokens(tokens={self._length}, sha256={self.content_digest})"
 
 
+class ConcatTokens:
+    """Several token sources end to end, with the same `len()` and integer-array indexing (mixtures' validation)."""
+
+    def __init__(self, parts: list[ShardedTokens]):
+        self._parts = parts
+        self._starts = np.cumsum([0] + [len(p) for p in parts])  # (parts + 1,)
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+        self.content_digest = hashlib.sha256(" ".join(p.content_digest for p in parts).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = np.asarray(index)
+        part = np.searchsorted(self._starts, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for p in np.unique(part):
+            where = part == p
+            out[where] = self._parts[p][index[where] - self._starts[p]]
+        return out
+
+    def __repr__(self) -> str:
+        return f"ConcatTokens(tokens={len(self)}, sha256={self.content_digest})"
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedDataset:
     root: Path
