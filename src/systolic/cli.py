@@ -423,7 +423,8 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from systolic.workloads.lm.config import LMConfig
 
     tree = config_lib.apply_overrides({}, args.overrides)
-    others = [item for item in args.overrides if not item.startswith("data.")]
+    read = ("data.path=", "data.max_bytes=", "data.val_percent=")  # what a tokenizer is trained from
+    others = [item for item in args.overrides if not item.startswith(read)]
     if others:
         raise UserError(f"`systolic tokenizer train` reads only data.* settings (data.path, data.max_bytes, "
                         f"data.val_percent), but got {', '.join(others)}. Fix: drop those overrides, e.g. "
