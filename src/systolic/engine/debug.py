@@ -79,8 +79,11 @@ class CheckedStep:
     """`train_step` under checkify: `(state, batch, step) -> (state, metrics)`, raising `TrainingHalted` (with the
     step number, the operation and its source line) when a check fails.
 
-    JAX cannot instrument every program (a step jitted with `compiler_options`, some `shard_map` bodies): then a
-    warning says so and the plain step runs, with jax_debug_nans/infs (on in the loop) reporting NaN and Inf.
+    JAX cannot instrument every program (a step jitted with `compiler_options`, a `while_loop` inside `shard_map`,
+    as the simulations' adaptive steps): then a warning says so and the plain step runs on a copy of its input.
+    When the guard finds that step non-finite, it runs again eagerly under jax_debug_nans/infs, which stops at the
+    first operation that makes a NaN or Inf. (Letting jax_debug_nans see the jitted step's output instead makes jax
+    re-run it op by op, which took over 10 minutes for a 32^2 simulation frame on one device.)
     """
 
     def __init__(self, train_step: Callable[[Any, Any], tuple[Any, Any]]):
@@ -96,7 +99,7 @@ class CheckedStep:
         if self.instrumented is None:
             self.instrumented = self._instrument(state, batch)
         if not self.instrumented:
-            return self.train_step(state, batch)
+            return self._plain(state, batch)
         with jax.debug_nans(False), jax.debug_infs(False):
             error, out = self.jitted(state, batch)
         failure = describe_check_failure(error)  # fetches the error flags: one host sync per step in debug mode
@@ -106,6 +109,15 @@ class CheckedStep:
                 "checkpoint is intact. Fix: inspect that line with this step's inputs (with --no-jit, a breakpoint() "
                 "there stops in pdb); docs/debugging.md explains the report. Rerun the same command to resume."
             )
+        return out
+
+    def _plain(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        saved = jax.tree.map(jnp.copy, state)  # the step donates its input; a failed step is re-run from this copy
+        with jax.debug_nans(False), jax.debug_infs(False):
+            out = self.train_step(state, batch)
+        if not bool(out[1].get("finite", True)):  # the guard's verdict: one host sync per step in debug mode
+            with jax.disable_jit():  # under the loop's jax_debug_nans/infs: raises FloatingPointError at the culprit
+                self.train_step(saved, batch)
         return out
 
     def _instrument(self, state: Any, batch: Any) -> bool:

@@ -65,7 +65,8 @@ class Task:
     split: str = "train"  # the metrics split of the step rows
     progress_keys: tuple[str, ...] = ("loss",)  # metrics shown beside the progress bar
     label: str = "train"  # the progress bar's name
-    nonfinite_advice: str = "lower optim.lr, raise optim.warmup_steps or check the data near this step"
+    nonfinite_advice: str = ("lower optim.lr, raise optim.warmup_steps or check the data near this step, then rerun the "
+                             "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
     after_step: Callable[[int, TrainState], None] | None = None  # after every step, and step 0 of a fresh run
 

@@ -180,7 +180,8 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
         items_per_step=run.num_seeds * run.env_steps_per_chunk,
         item_unit="env_steps",
         check=CHECKED,
-        nonfinite_advice="lower ppo.lr or ppo.max_grad_norm, or set ppo.normalize_obs=true",
+        nonfinite_advice="lower ppo.lr or ppo.max_grad_norm, or set ppo.normalize_obs=true, then rerun the same "
+                         "command to resume; or set loop.nonfinite=skip to drop such steps and go on",
         meta={"workload": "rl", "env": cfg.env.name},
     )
     return Prepared(task=task, env=env, layout=layout)

@@ -151,7 +151,9 @@ def integrate_cfl(w_hat: jax.Array, t: jax.Array, t_stop: jax.Array, *, cfl: flo
         speed = slab.pmax(speed)
         dt = jnp.minimum(cfl * dx / jnp.maximum(speed, 1e-30), dt_max).astype(time.dtype)
         remaining = t_stop - time
-        last = dt >= remaining * (1 - 1e-9)  # also absorbs a sliver left by rounding
+        # Also absorbs a sliver left by rounding. A blown-up field (NaN speed, so NaN dt) ends the frame too: a
+        # NaN compares false, and the loop would never reach t_stop; the engine's guard then halts the run.
+        last = (dt >= remaining * (1 - 1e-9)) | ~jnp.isfinite(dt)
         dt = jnp.where(last, remaining, dt)
         w = ifrk4_step(w, time, dt, rhs, jnp.exp(lin * (0.5 * dt)), first_stage=first)
         return w, jnp.where(last, t_stop, time + dt), count + 1, last
