@@ -38,8 +38,9 @@ def test_lm_step_compiles_for_v5e_4_in_each_layout(mesh, collective):
     assert (p.chips, p.topology, p.fits, p.out_of_memory) == (4, "v5e:2x2", True, None)
     assert 0 < p.peak_bytes < p.hbm_bytes
     assert p.collectives[collective]["count"] > 0 and p.collectives[collective]["bytes"] > 0
-    # Per-layer scaling of XLA's count: above the formula (full T x T scores) but not by a loop's worth.
-    assert 1.0 < p.xla_flops_per_step / p.model_flops_per_step < 1.5, p.flops_note
+    # XLA's count with every loop x its trips, + splash's FLOPs (invisible to XLA) from the formula: the formula's
+    # count, plus the few percent it leaves out (norms, softmax, the optimizer).
+    assert 1.0 < p.xla_flops_per_step / p.model_flops_per_step < 1.1, p.flops_note
     assert p.step_time_s == max(p.compute_s, p.hbm_s, p.ici_s) > 0
 
 
@@ -56,9 +57,10 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_an_oversized_config_does_not_fit_with_the_bytes_needed_and_no_traceback():
-    # (B, H, T, T) attention scores alone: 64 x 4 x 4096^2 x 4 bytes = 16 GiB, on a 16 GiB v5e chip.
+    # The logits alone, (B, T, vocab): 64 x 4096 x 32768 x 2 bytes = 16 GiB in bfloat16, on a 16 GiB v5e chip
+    # (splash attention keeps no (T, T) scores, so they are what overflows).
     proc = cli("--target", "v5e-1", *TINY, "model.layers=1", "model.max_seq_len=4096", "data.seq_len=4096",
-               "train.batch_size=64", "--json")
+               "train.batch_size=64", "model.vocab_size=32768", "--json")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
     plan = json.loads(proc.stdout)

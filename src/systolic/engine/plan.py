@@ -4,8 +4,11 @@ A workload lowers its real train step from abstract inputs (`jax.ShapeDtypeStruc
 of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads:
 - memory per chip from the compiler's memory analysis; a compile-time out-of-memory (RESOURCE_EXHAUSTED) is a
   result, "DOES NOT FIT", with the bytes the compiler asked for;
-- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: the workload scales them to the
-  whole step (lm: per layer, see workloads/lm/entry.py) and says how they differ from its FLOP formula;
+- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: each loop of the compiled program (a
+  layer scan, a micro-batch scan, the TPU compiler's own collective-matmul loops) is weighted by its trip count,
+  read from the HLO (engine/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
+  is invisible to XLA, so the workload adds its formula's FLOPs for it; the result is set beside the workload's
+  FLOP formula;
 - the collectives of the compiled HLO (engine/hlo_collectives.py), counted per step;
 - a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth), as if
   the three overlapped perfectly, so it is a lower bound on the step time.
@@ -28,7 +31,7 @@ from typing import Any
 
 import jax
 
-from systolic.engine import hlo_collectives
+from systolic.engine import hlo_collectives, hlo_text
 from systolic.engine.targets import PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime.platform import compiling_for
@@ -47,8 +50,8 @@ class StepProgram:
     item_unit: str
     model_flops_per_step: float  # the workload's formula (the MFU numerator)
     dtype: str  # compute dtype: "bfloat16" or "float32"
-    loop_trips: tuple[int, ...]  # the step's loops by nesting depth, outermost first (for counting collectives)
-    scale_cost: Callable[[float], tuple[float, str]]  # XLA's raw FLOPs (all devices) -> (per step, how)
+    kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
+    kernel_note: str = ""  # which kernels, counted how
     notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
 
 
@@ -79,10 +82,10 @@ class Plan:
     # FLOPs and bytes (None when the program did not compile)
     model_flops_per_step: float
     xla_flops_raw: float | None  # cost analysis, all chips, loop bodies once
-    xla_flops_per_step: float | None  # scaled to the whole step, all chips
+    xla_flops_per_step: float | None  # every loop x its trips, + custom kernels' FLOPs; all chips
     flops_note: str
     hbm_bytes_accessed_raw: float | None  # per chip, loop bodies once
-    hbm_bytes_accessed_per_step: float | None  # per chip, scaled as the FLOPs are
+    hbm_bytes_accessed_per_step: float | None  # per chip, every loop x its trips
     collectives: dict[str, dict[str, float]]  # kind -> count, bytes, wire_bytes (per chip per step)
     # roofline
     compute_s: float | None
@@ -235,15 +238,21 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     cost = cost[0] if isinstance(cost, list) else cost
     # SPMD: the cost analysis is the one program every chip runs, so per chip; x chips for the step.
     raw_flops = float(cost.get("flops", 0.0)) * target.chips
-    flops, flops_note = program.scale_cost(raw_flops)
     raw_bytes = float(cost.get("bytes accessed", 0.0))
-    # The loops' share of HBM traffic taken to equal their share of FLOPs: an upper estimate, since the work outside
-    # the loops (optimizer update, LM head) moves more bytes per FLOP than a layer.
-    step_bytes = raw_bytes * (flops / raw_flops if raw_flops else 1.0)
-    collectives = hlo_collectives.read_collectives(compiled.as_text(), program.loop_trips)
+    hlo = compiled.as_text()
+    weighted = hlo_text.step_cost(hlo)
+    flops = weighted.flops * target.chips + program.kernel_flops
+    loops = (f"{weighted.loops} loops (layer scans, collective matmuls...) weighted by their trip counts from the "
+             f"HLO" if weighted.loops else "no loops")
+    unknown = (f"; {len(weighted.unknown)} loops of unreadable trip count counted once ({', '.join(weighted.unknown)})"
+               if weighted.unknown else "")
+    kernels = f"; + {program.kernel_flops:.3e} {program.kernel_note}" if program.kernel_flops else ""
+    flops_note = f"XLA's cost analysis, {loops}{unknown}{kernels}"
+    # XLA's generic count (on this host) weights each loop's bytes; the TPU compiler's own total is scaled by it.
+    step_bytes = raw_bytes * (weighted.bytes_accessed / weighted.counted_bytes if weighted.counted_bytes else 1.0)
+    collectives = hlo_collectives.read_collectives(hlo)
     wire = sum(c.wire_bytes for c in collectives.values())
-    # Compute at the larger of the two counts: XLA's can fall below the formula when the compiler makes loops of
-    # its own (collective matmuls over the fsdp shards), whose bodies it also counts once.
+    # Compute at the formula's count when XLA's falls short of it (a loop of unreadable trips, an opaque kernel).
     compute_s = max(flops, program.model_flops_per_step) / target.chips / peak
     hbm_s, ici_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s
     step_s = max(compute_s, hbm_s, ici_s)
@@ -256,8 +265,8 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                     f"step time follows XLA's count, the MFU the formula's, so even at the compute roofline it is at "
                     f"most 1/{ratio:.2f} = {100 / ratio:.0f}%")
     else:
-        mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs: loops the compiler made itself (e.g. collective "
-                    "matmuls) are counted once as well, so the compute time uses the formula's count")
+        mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
+                    "formula's count")
     peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                   + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
     steps = train_items / program.items_per_step if train_items else None
@@ -314,10 +323,12 @@ def format_plan(plan: Plan) -> str:
             ("per chip: peak", f"{_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
             ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)"),
-            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e} ({plan.flops_note}; cost analysis as reported: "
+            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e} = {plan.xla_flops_per_step / (plan.model_flops_per_step or 1):.2f}"
+                                 f"x the formula ({plan.flops_note}; as reported, loop bodies once: "
                                  f"{plan.xla_flops_raw:.3e})"),
-            ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (an upper estimate: scaled as the "
-                                        f"FLOPs; as reported: {plan.hbm_bytes_accessed_raw:.3e})"),
+            ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (XLA's bytes accessed, each loop x its "
+                                        f"trips: an upper estimate, as it counts every operand read in full; as "
+                                        f"reported: {plan.hbm_bytes_accessed_raw:.3e})"),
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
