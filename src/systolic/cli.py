@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Compile the real train step ahead of time for the target (TPU: with libtpu's "
                                       "compiler on compile-only devices; GPU: XLA:CPU on fake devices) and report "
                                       "per-chip memory, FLOPs, collectives, a roofline step time and the cost to train.")
-    plan.add_argument("workload", help="which workload: lm")
+    plan.add_argument("workload", help="which workload: lm, gan, rl, sim")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--recipe")
     plan.add_argument("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "

@@ -50,6 +50,26 @@ def test_fsdp_splits_the_state_and_the_gradients_are_reduce_scattered():
     assert fsdp.collectives["reduce-scatter"]["count"] > 0
 
 
+@pytest.mark.parametrize("workload, recipe, mesh", [("rl", "rl-cartpole", {"data": 4}),
+                                                    ("gan", "gan-digits", {"data": 2, "fsdp": 2}),
+                                                    ("sim", "sim-gray-scott", {"data": 4})])
+def test_every_workload_plans_its_real_step(workload, recipe, mesh):
+    from systolic import config as config_lib
+    from systolic import workloads
+    from systolic.engine import targets
+    from systolic.engine.plan import plan_step
+
+    w = workloads.get(workload)
+    overrides = [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")]
+    cfg, _ = config_lib.load(w.config, recipe, overrides, w.default_recipe)
+    p = plan_step(workload, w.command("plan"), cfg, targets.resolve("v5e-4", mesh_devices=0), mesh=str(mesh))
+    assert (p.fits, p.topology, p.model_flops_per_step) == (True, "v5e:2x2", None)
+    assert sum(c["count"] for c in p.collectives.values()) > 0  # the data-parallel reductions, the halo exchange
+    if workload != "gan":  # rl's rollout and update loops, sim's solver steps: weighted by their trips
+        assert p.xla_flops_per_step > 10 * p.xla_flops_raw, p.flops_note
+    assert p.mfu is not None and "no FLOP formula" in p.mfu_note
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     return subprocess.run([sys.executable, "-m", "systolic", "plan", "lm", *args], capture_output=True, text=True,

@@ -48,7 +48,7 @@ class StepProgram:
     params: int
     items_per_step: int  # tokens, env steps, samples...
     item_unit: str
-    model_flops_per_step: float  # the workload's formula (the MFU numerator)
+    model_flops_per_step: float | None  # the workload's formula (the MFU numerator); None: it has none, XLA's count
     dtype: str  # compute dtype: "bfloat16" or "float32"
     kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
     kernel_note: str = ""  # which kernels, counted how
@@ -80,7 +80,7 @@ class Plan:
     # (0 when the compiler's message gave no size)
     out_of_memory: str | None  # the compiler's message
     # FLOPs and bytes (None when the program did not compile)
-    model_flops_per_step: float
+    model_flops_per_step: float | None  # None: the workload has no formula
     xla_flops_raw: float | None  # cost analysis, all chips, loop bodies once
     xla_flops_per_step: float | None  # every loop x its trips, + custom kernels' FLOPs; all chips
     flops_note: str
@@ -242,8 +242,8 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     hlo = compiled.as_text()
     weighted = hlo_text.step_cost(hlo)
     flops = weighted.flops * target.chips + program.kernel_flops
-    loops = (f"{weighted.loops} loops (layer scans, collective matmuls...) weighted by their trip counts from the "
-             f"HLO" if weighted.loops else "no loops")
+    loops = (f"{weighted.loops} loop{'s' if weighted.loops > 1 else ''} weighted by {'their' if weighted.loops > 1 else 'its'} "
+             "trip count from the HLO" if weighted.loops else "no loops")
     unknown = (f"; {len(weighted.unknown)} loops of unreadable trip count counted once ({', '.join(weighted.unknown)})"
                if weighted.unknown else "")
     kernels = f"; + {program.kernel_flops:.3e} {program.kernel_note}" if program.kernel_flops else ""
@@ -253,12 +253,15 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     collectives = hlo_collectives.read_collectives(hlo)
     wire = sum(c.wire_bytes for c in collectives.values())
     # Compute at the formula's count when XLA's falls short of it (a loop of unreadable trips, an opaque kernel).
-    compute_s = max(flops, program.model_flops_per_step) / target.chips / peak
+    formula = program.model_flops_per_step
+    compute_s = max(flops, formula or 0.0) / target.chips / peak
     hbm_s, ici_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s
     step_s = max(compute_s, hbm_s, ici_s)
     bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)"}[step_s]
-    ratio = flops / program.model_flops_per_step if program.model_flops_per_step else 1.0
-    if abs(ratio - 1) <= FLOPS_AGREE:
+    ratio = flops / formula if formula else 1.0
+    if formula is None:
+        mfu_note = "the workload has no FLOP formula: the MFU is XLA's count over the roofline time"
+    elif abs(ratio - 1) <= FLOPS_AGREE:
         mfu_note = None
     elif ratio > 1:
         mfu_note = (f"XLA counts {ratio:.2f}x the formula's FLOPs (the notes say what the formula leaves out); the "
@@ -280,7 +283,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 collectives={k: dataclasses.asdict(c) for k, c in collectives.items()},
                 compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, step_time_s=step_s, bound=bound,
                 items_per_s=program.items_per_step / step_s if step_s else None,
-                mfu=program.model_flops_per_step / (step_s * peak * target.chips) if step_s else None,
+                mfu=(formula or flops) / (step_s * peak * target.chips) if step_s else None,
                 mfu_note=mfu_note, train_steps=steps, train_wall_s=wall, train_chip_hours=chip_hours,
                 train_cost_usd=chip_hours * price if chip_hours else None)
 
@@ -322,10 +325,12 @@ def format_plan(plan: Plan) -> str:
             ("per chip: generated code", _gib(plan.code_bytes or 0)),
             ("per chip: peak", f"{_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
-            ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)"),
-            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e} = {plan.xla_flops_per_step / (plan.model_flops_per_step or 1):.2f}"
-                                 f"x the formula ({plan.flops_note}; as reported, loop bodies once: "
-                                 f"{plan.xla_flops_raw:.3e})"),
+            ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)" if plan.model_flops_per_step
+                                   else "no formula for this workload"),
+            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e}"
+                                 + (f" = {plan.xla_flops_per_step / plan.model_flops_per_step:.2f}x the formula"
+                                    if plan.model_flops_per_step else "")
+                                 + f" ({plan.flops_note}; as reported, loop bodies once: {plan.xla_flops_raw:.3e})"),
             ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (XLA's bytes accessed, each loop x its "
                                         f"trips: an upper estimate, as it counts every operand read in full; as "
                                         f"reported: {plan.hbm_bytes_accessed_raw:.3e})"),
