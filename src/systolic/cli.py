@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                       "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)")
     plan.add_argument("--mesh", default="", help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2 (unset axes are 1; default: "
                       "the recipe's mesh over all the target's chips)")
+    plan.add_argument("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, "
+                      "data parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)")
     plan.add_argument("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items "
                       "(tokens for lm), e.g. 20e9")
     plan.add_argument("--price-per-chip-hour", type=float, help="USD, instead of the table's on-demand list price")
@@ -335,9 +337,13 @@ def _plan(args: argparse.Namespace) -> int:
     workload = workloads.get(args.workload)
     plan_fn = workload.command("plan")
     mesh_overrides = _mesh_overrides(args.mesh)
-    target = targets.resolve(args.target, mesh_devices=jax.device_count())
+    target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
     if not mesh_overrides and target.chip.platform == "gpu":
         mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
+    if args.slices > 1:
+        if "data=" not in args.mesh:  # the data axis runs across the slices: it takes what --mesh leaves
+            mesh_overrides = [o for o in mesh_overrides if not o.startswith("mesh.data=")] + ["mesh.data=-1"]
+        mesh_overrides.append(f"mesh.slices={args.slices}")
     cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides], workload.default_recipe)
     if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
@@ -350,7 +356,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:
         print(f"systolic plan {args.workload} --recipe {recipe} --target {args.target}" +
-              (f" --mesh {args.mesh}" if args.mesh else ""))
+              (f" --slices {args.slices}" if args.slices > 1 else "") + (f" --mesh {args.mesh}" if args.mesh else ""))
         print(format_plan(result))
     return 0
 

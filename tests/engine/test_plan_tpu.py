@@ -50,24 +50,47 @@ def test_fsdp_splits_the_state_and_the_gradients_are_reduce_scattered():
     assert fsdp.collectives["reduce-scatter"]["count"] > 0
 
 
-@pytest.mark.parametrize("workload, recipe, mesh", [("rl", "rl-cartpole", {"data": 4}),
-                                                    ("gan", "gan-digits", {"data": 2, "fsdp": 2}),
-                                                    ("sim", "sim-gray-scott", {"data": 4})])
-def test_every_workload_plans_its_real_step(workload, recipe, mesh):
+def plan_workload(workload: str, recipe: str, mesh: dict[str, int], *, slices: int = 1, extra=()):
     from systolic import config as config_lib
     from systolic import workloads
     from systolic.engine import targets
     from systolic.engine.plan import plan_step
 
     w = workloads.get(workload)
-    overrides = [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")]
+    overrides = [*(f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")), f"mesh.slices={slices}", *extra]
     cfg, _ = config_lib.load(w.config, recipe, overrides, w.default_recipe)
-    p = plan_step(workload, w.command("plan"), cfg, targets.resolve("v5e-4", mesh_devices=0), mesh=str(mesh))
+    target = targets.resolve("v5e-4", mesh_devices=0, slices=slices)
+    return plan_step(workload, w.command("plan"), cfg, target, mesh=str(mesh))
+
+
+@pytest.mark.parametrize("workload, recipe, mesh", [("rl", "rl-cartpole", {"data": 4}),
+                                                    ("gan", "gan-digits", {"data": 2, "fsdp": 2}),
+                                                    ("sim", "sim-gray-scott", {"data": 4})])
+def test_every_workload_plans_its_real_step(workload, recipe, mesh):
+    p = plan_workload(workload, recipe, mesh)
     assert (p.fits, p.topology, p.model_flops_per_step) == (True, "v5e:2x2", None)
     assert sum(c["count"] for c in p.collectives.values()) > 0  # the data-parallel reductions, the halo exchange
     if workload != "gan":  # rl's rollout and update loops, sim's solver steps: weighted by their trips
         assert p.xla_flops_per_step > 10 * p.xla_flops_raw, p.flops_note
     assert p.mfu is not None and "no FLOP formula" in p.mfu_note
+    assert p.dcn_s == 0
+
+
+@pytest.mark.parametrize("workload, recipe, mesh, extra", [
+    ("lm", "lm-tiny", {"data": 2, "fsdp": 4}, TINY),
+    ("rl", "rl-cartpole", {"data": 8}, ()),
+    ("gan", "gan-digits", {"data": 8}, ()),
+    ("sim", "sim-gray-scott", {"data": 8}, ()),
+])
+def test_every_workload_plans_two_slices_with_the_gradient_sum_over_the_data_center_network(workload, recipe, mesh,
+                                                                                            extra):
+    p = plan_workload(workload, recipe, mesh, slices=2, extra=extra)
+    assert (p.fits, p.chips, p.slices) == (True, 8, 2)
+    dcn = sum(c["dcn_wire_bytes"] for c in p.collectives.values())
+    if workload in ("lm", "gan", "rl"):  # data parallel across slices: the gradients (rl: the seeds' metrics) cross
+        assert dcn > 0 and p.dcn_s > 0
+    if workload == "lm":  # fsdp=4 inside each slice: each chip sums its quarter of the float32 gradients across
+        assert dcn == pytest.approx(p.params * 4 / 4, rel=0.1)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -35,6 +35,14 @@ def test_gpu_targets_take_their_count_from_the_mesh_and_say_which_compiler():
     assert "XLA:CPU" in target.compiler and "fake" in target.compiler
 
 
+def test_slices_multiply_the_chips_and_reach_the_topology():
+    target = targets.resolve("v5e-256", mesh_devices=1, slices=2)
+    assert (target.chips, target.slices, target.topology) == (512, 2, "v5e:16x16")
+    assert dict(target.topology_kwargs)["num_slices"] == 2 and "x 2 slices" in target.compiler
+    with pytest.raises(UserError, match="TPU slices"):
+        targets.resolve("h100", mesh_devices=8, slices=2)
+
+
 @pytest.mark.parametrize("name", ["v5e-3", "v5p-7", "tpu-v5e", "v7-8", "b200"])
 def test_an_unknown_name_lists_the_valid_ones(name):
     with pytest.raises(UserError, match="Unknown --target") as e:
@@ -130,3 +138,26 @@ def test_step_cost_weights_each_loop_body_by_its_trips():
     want = lines["main"] + lines["cond"] + 16 * body
     assert (cost.flops, cost.loops, cost.unknown) == (want, 2, ())
     assert cost.counted_flops == lines["main"] + lines["cond"] + lines["body"] + lines["inner_cond"] + inner
+
+
+def test_cross_slice_transfers_count_as_dcn_traffic():
+    # How libtpu compiles a data-parallel gradient sum over 2 slices: inside each slice an all-reduce, across slices
+    # a host transfer to the multi-slice runtime.
+    hlo = """\
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %r = f32[1024]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %t = token[] after-all()
+  %s = (f32[1024]{0}, u32[], token[]) send(%r, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}
+  ROOT %o = f32[1024]{0} copy(%r)
+}
+"""
+    found = hlo_collectives.read_collectives(hlo, slice_of=[0, 0, 0, 0, 1, 1, 1, 1])
+    reduce = found["all-reduce"]
+    assert (reduce.count, reduce.bytes) == (2, 2 * 4096)
+    assert reduce.dcn_wire_bytes == pytest.approx(4096)  # a ring over 2 slices moves 2 x 1/2 of the array
+    assert reduce.wire_bytes == pytest.approx(2 * 4096 * 3 / 4 + 4096)
+    # A plain collective whose groups span slices is DCN traffic too.
+    spanning = hlo.replace("{{0,1,2,3}}", "{{0,4},{1,5},{2,6},{3,7}}")
+    assert hlo_collectives.read_collectives(spanning, slice_of=[0] * 4 + [1] * 4)["all-reduce"].dcn_wire_bytes == \
+        pytest.approx(2 * 4096)

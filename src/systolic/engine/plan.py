@@ -10,8 +10,9 @@ of the target's devices and hands the planner a `StepProgram`; the planner compi
   is invisible to XLA, so the workload adds its formula's FLOPs for it; the result is set beside the workload's
   FLOP formula;
 - the collectives of the compiled HLO (engine/hlo_collectives.py), counted per step;
-- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth), as if
-  the three overlapped perfectly, so it is a lower bound on the step time.
+- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth, and
+  with several slices the bytes of collectives that span slices at DCN bandwidth), as if they overlapped perfectly,
+  so it is a lower bound on the step time.
 
 For TPU targets the compiler is libtpu's, on compile-only devices of the named topology (no TPU needed). GPU
 targets compile with XLA:CPU on fake devices: the output says so.
@@ -62,6 +63,7 @@ class Plan:
     chip: str
     chips: int
     topology: str | None
+    slices: int
     compiler: str
     mesh: str
     compile_s: float
@@ -91,6 +93,7 @@ class Plan:
     compute_s: float | None
     hbm_s: float | None
     ici_s: float | None
+    dcn_s: float | None  # 0 for one slice
     step_time_s: float | None
     bound: str | None
     items_per_s: float | None
@@ -217,7 +220,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     price = price_per_chip_hour if price_per_chip_hour is not None else chip.price_per_chip_hour
     source = ("--price-per-chip-hour" if price_per_chip_hour is not None
               else f"on-demand list price as of {PRICES_DATED}: {chip.source}")
-    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology,
+    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology, slices=target.slices,
                   compiler=target.compiler, mesh=mesh, compile_s=compile_s, params=program.params,
                   items_per_step=program.items_per_step, item_unit=program.item_unit, hbm_bytes=chip.hbm_bytes,
                   argument_bytes=program.argument_bytes, model_flops_per_step=program.model_flops_per_step,
@@ -229,7 +232,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                     peak_bytes=int(needed or 0), out_of_memory=out_of_memory,
                     xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
                     hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
-                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, step_time_s=None, bound=None,
+                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, dcn_s=None, step_time_s=None, bound=None,
                     items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
                     train_chip_hours=None, train_cost_usd=None)
 
@@ -250,14 +253,16 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     flops_note = f"XLA's cost analysis, {loops}{unknown}{kernels}"
     # XLA's generic count (on this host) weights each loop's bytes; the TPU compiler's own total is scaled by it.
     step_bytes = raw_bytes * (weighted.bytes_accessed / weighted.counted_bytes if weighted.counted_bytes else 1.0)
-    collectives = hlo_collectives.read_collectives(hlo)
-    wire = sum(c.wire_bytes for c in collectives.values())
+    collectives = hlo_collectives.read_collectives(hlo, _slice_of(compiled) if target.slices > 1 else ())
+    dcn = sum(c.dcn_wire_bytes for c in collectives.values())
+    wire = sum(c.wire_bytes for c in collectives.values()) - dcn
     # Compute at the formula's count when XLA's falls short of it (a loop of unreadable trips, an opaque kernel).
     formula = program.model_flops_per_step
     compute_s = max(flops, formula or 0.0) / target.chips / peak
-    hbm_s, ici_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s
-    step_s = max(compute_s, hbm_s, ici_s)
-    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)"}[step_s]
+    hbm_s, ici_s, dcn_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s, dcn / chip.dcn_bytes_per_s
+    step_s = max(compute_s, hbm_s, ici_s, dcn_s)
+    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)",
+             dcn_s: "data-center network (DCN)"}[step_s]
     ratio = flops / formula if formula else 1.0
     if formula is None:
         mfu_note = "the workload has no FLOP formula: the MFU is XLA's count over the roofline time"
@@ -281,11 +286,17 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 xla_flops_raw=raw_flops, xla_flops_per_step=flops, flops_note=flops_note,
                 hbm_bytes_accessed_raw=raw_bytes, hbm_bytes_accessed_per_step=step_bytes,
                 collectives={k: dataclasses.asdict(c) for k, c in collectives.items()},
-                compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, step_time_s=step_s, bound=bound,
+                compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s, step_time_s=step_s, bound=bound,
                 items_per_s=program.items_per_step / step_s if step_s else None,
                 mfu=(formula or flops) / (step_s * peak * target.chips) if step_s else None,
                 mfu_note=mfu_note, train_steps=steps, train_wall_s=wall, train_chip_hours=chip_hours,
                 train_cost_usd=chip_hours * price if chip_hours else None)
+
+
+def _slice_of(compiled: Any) -> list[int]:
+    """The slice of each partition: partition p runs on the p-th device of the mesh the inputs are sharded over."""
+    mesh = next(s.mesh for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "mesh"))
+    return [d.slice_index for d in mesh.devices.flat]
 
 
 def _gib(b: float) -> str:
@@ -307,7 +318,8 @@ def _duration(s: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     rows: list[tuple[str, str]] = [
-        ("target", f"{plan.target}: {plan.chips} x {plan.chip}" + (f" (topology {plan.topology})" if plan.topology else "")),
+        ("target", f"{plan.target}" + (f" x {plan.slices} slices" if plan.slices > 1 else "")
+                   + f": {plan.chips} x {plan.chip}" + (f" (topology {plan.topology})" if plan.topology else "")),
         ("figures from", plan.compiler),
         ("mesh", plan.mesh),
         ("compile", f"{plan.compile_s:,.1f} s (once)"),
@@ -337,13 +349,16 @@ def format_plan(plan: Plan) -> str:
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
+                dcn = f", {_gib(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
                 rows.append((f"  {kind}", f"{c['count']:,} per step, {_gib(c['bytes'])} per chip "
-                                           f"({_gib(c['wire_bytes'])} over the links)"))
+                                           f"({_gib(c['wire_bytes'])} over the links{dcn})"))
         if not any(c["count"] for c in plan.collectives.values()):
             rows.append(("collectives", "none"))
         rows += [
             ("roofline step time", f"{_ms(plan.step_time_s)}, {plan.bound}-bound (compute {_ms(plan.compute_s)}, "
-                                   f"HBM {_ms(plan.hbm_s)}, ICI {_ms(plan.ici_s)}; perfect overlap: a lower bound)"),
+                                   f"HBM {_ms(plan.hbm_s)}, ICI {_ms(plan.ici_s)}"
+                                   + (f", DCN {_ms(plan.dcn_s)}" if plan.dcn_s else "")
+                                   + "; perfect overlap: a lower bound)"),
             ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"),
             ("roofline MFU", f"{100 * plan.mfu:.1f}%" + (f": {plan.mfu_note}" if plan.mfu_note else "")),
         ]
