@@ -132,3 +132,16 @@ def test_unknown_target_is_one_paragraph_and_exit_2():
     proc = cli("--target", "v5e-3")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "v5p-128" in proc.stderr and "v5e-4" in proc.stderr
+
+
+def test_search_reports_the_candidates_and_the_largest_batch_that_fits():
+    proc = cli("--target", "v5e-4", "--mesh", "fsdp=4", *TINY, "--search", "--json")
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    tried = [(c["remat"], c["per_chip"]) for c in found["candidates"]]
+    assert len(tried) == len(set(tried)) and tried[0] == ("none", 8)
+    # The tiny model fits 64 sequences per chip without recomputation: nothing else needs a compile.
+    assert (found["best"]["remat"], found["best"]["batch"]) == ("none", 256) and found["best"]["plan"]["fits"]
+    proc = subprocess.run([sys.executable, "-m", "systolic", "plan", "rl", "--target", "v5e-4", "--search"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "only the lm workload" in proc.stderr

@@ -299,14 +299,14 @@ def _slice_of(compiled: Any) -> list[int]:
     return [d.slice_index for d in mesh.devices.flat]
 
 
-def _gib(b: float) -> str:
+def gib_text(b: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= size:
             return f"{b / size:,.2f} {unit}"
     return f"{b:,.0f} B"
 
 
-def _ms(s: float) -> str:
+def ms_text(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s >= 1e-2 else f"{s * 1e3:.3g} ms"
 
 
@@ -326,16 +326,16 @@ def format_plan(plan: Plan) -> str:
         ("parameters", f"{plan.params / 1e9:.3f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.3f} M"),
     ]
     if plan.out_of_memory:
-        needs = f"needs {_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
-        rows += [("per chip: arguments", _gib(plan.argument_bytes)),
+        needs = f"needs {gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
+        rows += [("per chip: arguments", gib_text(plan.argument_bytes)),
                  ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
                  ("compiler said", plan.out_of_memory)]
     else:
         rows += [
-            ("per chip: arguments", _gib(plan.argument_bytes)),
-            ("per chip: temporaries", _gib(plan.temp_bytes or 0)),
-            ("per chip: generated code", _gib(plan.code_bytes or 0)),
-            ("per chip: peak", f"{_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM -> "
+            ("per chip: arguments", gib_text(plan.argument_bytes)),
+            ("per chip: temporaries", gib_text(plan.temp_bytes or 0)),
+            ("per chip: generated code", gib_text(plan.code_bytes or 0)),
+            ("per chip: peak", f"{gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
             ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)" if plan.model_flops_per_step
                                    else "no formula for this workload"),
@@ -349,15 +349,15 @@ def format_plan(plan: Plan) -> str:
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
-                dcn = f", {_gib(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
-                rows.append((f"  {kind}", f"{c['count']:,} per step, {_gib(c['bytes'])} per chip "
-                                           f"({_gib(c['wire_bytes'])} over the links{dcn})"))
+                dcn = f", {gib_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
+                rows.append((f"  {kind}", f"{c['count']:,} per step, {gib_text(c['bytes'])} per chip "
+                                           f"({gib_text(c['wire_bytes'])} over the links{dcn})"))
         if not any(c["count"] for c in plan.collectives.values()):
             rows.append(("collectives", "none"))
         rows += [
-            ("roofline step time", f"{_ms(plan.step_time_s)}, {plan.bound}-bound (compute {_ms(plan.compute_s)}, "
-                                   f"HBM {_ms(plan.hbm_s)}, ICI {_ms(plan.ici_s)}"
-                                   + (f", DCN {_ms(plan.dcn_s)}" if plan.dcn_s else "")
+            ("roofline step time", f"{ms_text(plan.step_time_s)}, {plan.bound}-bound (compute {ms_text(plan.compute_s)}, "
+                                   f"HBM {ms_text(plan.hbm_s)}, ICI {ms_text(plan.ici_s)}"
+                                   + (f", DCN {ms_text(plan.dcn_s)}" if plan.dcn_s else "")
                                    + "; perfect overlap: a lower bound)"),
             ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"),
             ("roofline MFU", f"{100 * plan.mfu:.1f}%" + (f": {plan.mfu_note}" if plan.mfu_note else "")),
