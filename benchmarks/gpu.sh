@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# Step time, tokens/s and MFU of a ~124M GPT-2 and a ~1B Llama on one GPU, in bf16 (model.dtype=auto), with
-# JAX's fused attention (jax.nn.dot_product_attention picks cuDNN's kernel on NVIDIA GPUs). Under 8 minutes
-# on one H200. Needs jax[cuda12] in the environment (pip install -e '.[cuda]'); nothing is downloaded.
+# Step time, tokens/s and MFU of gpt2-124m and llama-1b on one NVIDIA GPU in bfloat16 with cuDNN attention, plus
+# cuDNN against XLA attention (llama-1b) and a scanned against a looped layer stack (gpt2-124m): the rows and
+# batch sizes are in benchmarks/gpu_bench.py. Under 8 minutes on one H200. Not yet run on a GPU.
 #
-#   bash benchmarks/gpu.sh                 # prints a table; JSON lines go to ${OUT:-/tmp}/gpu-bench-*.json
+# It needs nothing but this tree, a python3 with jax and its CUDA plugin, flax, optax, orbax-checkpoint,
+# tokenizers, rich, matplotlib and pyyaml (the GPU machine's image), and the wheels that benchmarks/gpu-wheels.sh
+# downloads into .whl/ (grain and its needs, tensorboardX): when .whl/ holds wheels they are installed into
+# $SYSTOLIC_GPU_SH_SITE (default /tmp/site) with no registry. systolic itself runs from src/ (no pip install).
+# Prints the table; JSON lines, the table and the rows' output go to $OUT (default /tmp/gpu-bench):
+# gpu-bench.jsonl, gpu-bench.txt, gpu-bench.log. Exit code 2 when JAX sees no GPU, 1 when a row failed.
+#
+#   bash benchmarks/gpu-wheels.sh                         # first, here, where the registry is reachable
+#   bash benchmarks/gpu.sh                                # on the GPU machine
+#   SYSTOLIC_GPU_SH_DRY_RUN=1 bash benchmarks/gpu.sh      # anywhere: the same pipeline, tiny models on CPU
+#
+# With the device tool (a session that is lent an nvidia-h200), after `bash benchmarks/gpu-wheels.sh` in the
+# root of the session's own checkout (the one the tool sends):
+#   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=540)
+# $OUT's three files come back; put the table into docs/benchmarks.md ("GPU (H200)").
 set -euo pipefail
-PY=${PYTHON:-python}
-OUT=${OUT:-/tmp}
-if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
-  echo "benchmarks/gpu.sh: JAX sees no GPU (backend: $("$PY" -c 'import jax; print(jax.default_backend())')). Fix: run it on a GPU machine with jax[cuda12] installed." >&2
-  exit 2
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=${SYSTOLIC_GPU_SH_SITE:-/tmp/site}
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PY" -c 'import jax; print("devices:", jax.devices())'
-export SYSTOLIC_COMPILE_CACHE=${SYSTOLIC_COMPILE_CACHE:-$OUT/xla-cache}
-# data.max_bytes keeps corpus reading short; the bench times the train step only.
-timeout 200 "$PY" -m systolic bench lm --recipe gpt2-124m --steps 20 --json \
-  train.batch_size=32 data.max_bytes=20000000 | tail -n 1 > "$OUT/gpu-bench-gpt2-124m.json"
-timeout 260 "$PY" -m systolic bench lm --recipe llama-1b --steps 10 --json \
-  train.batch_size=16 data.max_bytes=20000000 | tail -n 1 > "$OUT/gpu-bench-llama-1b.json"
-"$PY" - "$OUT" <<'PY'
-import json, sys
-print(f"{'recipe':<12} {'step ms':>9} {'tokens/s':>11} {'TFLOP/s':>9} {'MFU':>6} {'compile s':>10} {'peak GiB':>9}")
-for name in ("gpt2-124m", "llama-1b"):
-    r = json.load(open(f"{sys.argv[1]}/gpu-bench-{name}.json"))
-    mem = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else float("nan")
-    print(f"{name:<12} {r['step_time_s'] * 1e3:>9.1f} {r['items_per_s']:>11,.0f} {r['flops_per_s'] / 1e12:>9.1f} "
-          f"{100 * r['mfu']:>5.1f}% {r['compile_s']:>10.1f} {mem:>9.1f}")
-PY
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" benchmarks/gpu_bench.py

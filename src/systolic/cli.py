@@ -120,6 +120,25 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
 
+    data = sub.add_parser("data", help="prepare a corpus into token shards that training memory-maps; describe one")
+    data_actions = data.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    prep = data_actions.add_parser(
+        "prepare", help="tokenize a corpus into token shards (then `systolic train lm data.path=DIR`)",
+        description="Stream a corpus (text files, a folder, .jsonl(.gz), .parquet, a Hugging Face save_to_disk "
+                    "folder), tokenize it on every core and write token shards plus an index to DIR, atomically; "
+                    "an interrupted run resumes when run again, e.g. `systolic data prepare corpus/ --out "
+                    "data/corpus --tokenizer tok.json`.")
+    prep.add_argument("src", help="the corpus to prepare")
+    prep.add_argument("--out", type=Path, required=True, help="the folder to create")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizer.json")
+    prep.add_argument("--field", default="text", help="the text field of .jsonl/.parquet/.arrow records (default text)")
+    prep.add_argument("--val-percent", type=float, default=5.0, help="share of documents held out (default 5)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 2**26)")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (default 0: one per core)")
+    data_info = data_actions.add_parser("info", help="tokens, documents, shards, tokenizer of a prepared dataset; "
+                                                     "checks every shard's SHA-256")
+    data_info.add_argument("dir", type=Path)
+
     launch = sub.add_parser("launch", help="run N local processes of one multi-process run",
                             description="Start N processes on this machine joined by jax.distributed, e.g. "
                                         "`systolic launch --processes 2 --devices-per-process 2 -- train lm`.")
@@ -168,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
     cpu_tuning.apply_at_start(stepping=args.command in _STEPPING_COMMANDS)
-    if args.command not in ("launch", "tokenizer"):  # neither compiles anything
+    if args.command not in ("launch", "tokenizer", "data"):  # none of them compiles anything
         from systolic.runtime import compile_cache
 
         compile_cache.enable()
@@ -452,7 +471,8 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from systolic.workloads.lm.config import LMConfig
 
     tree = config_lib.apply_overrides({}, args.overrides)
-    others = [item for item in args.overrides if not item.startswith("data.")]
+    read = ("data.path=", "data.max_bytes=", "data.val_percent=")  # what a tokenizer is trained from
+    others = [item for item in args.overrides if not item.startswith(read)]
     if others:
         raise UserError(f"`systolic tokenizer train` reads only data.* settings (data.path, data.max_bytes, "
                         f"data.val_percent), but got {', '.join(others)}. Fix: drop those overrides, e.g. "
@@ -485,6 +505,24 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data(args: argparse.Namespace) -> int:
+    if args.data_action == "prepare":
+        from systolic.data.prepare import prepare
+
+        print(prepare(args.src, args.out, tokenizer=args.tokenizer, field=args.field, val_percent=args.val_percent,
+                      shard_tokens=args.shard_tokens, workers=args.workers))
+    else:
+        from systolic.data.prepared import PreparedDataset, is_prepared
+
+        if not is_prepared(str(args.dir)):
+            raise UserError(f"{args.dir} is not a prepared dataset (it has no index.json). Fix: point at a folder "
+                            "written by `systolic data prepare SRC --out DIR`.")
+        dataset = PreparedDataset.open(args.dir)
+        print(f"{dataset.describe()}\n  checksums: all {sum(len(dataset.shards(s)) for s in ('train', 'validation'))} "
+              "shard(s) match their SHA-256")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import jax
 
@@ -501,7 +539,7 @@ def _info(args: argparse.Namespace) -> int:
 
 _HANDLERS = {"train": _run, "simulate": _run, "fit": _run, "eval": _evaluate_run, "export": _export,
              "generate": _generate, "convert": _convert, "tokenizer": _train_tokenizer, "sample": _sample,
-             "info": _info, "bench": _bench, "plan": _plan, "launch": _launch}
+             "info": _info, "data": _data, "bench": _bench, "plan": _plan, "launch": _launch}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ corpus root, so the hash-based split does not change when the corpus moves.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -138,22 +139,54 @@ def _read_text_files(root: Path, files: list[Path]) -> Iterator[tuple[str, str |
         yield file.relative_to(root).as_posix(), text
 
 
-def _read_jsonl(file: Path) -> Iterator[tuple[str, str]]:
-    with file.open("rb") as lines:
+def iter_texts(root: Path, *, field: str = "text") -> Iterator[tuple[str, str | None]]:
+    """Streams (name, text) of every document at `root` without holding the corpus: one record at a time.
+
+    A folder is walked in name order: `.jsonl`, `.jsonl.gz`, `.parquet` and `.arrow` files (a Hugging Face
+    `save_to_disk` folder holds `.arrow` files) are read as records with a string `field`, every other file as
+    one text document. Text is None for an unreadable, binary or non-UTF-8 text file.
+    """
+    if not root.is_dir():
+        yield from _read_file(root.parent, root, field)
+        return
+    files = list_files(root)
+    if any(f.suffix == ".arrow" for f in files):  # a save_to_disk folder's own metadata is not a document
+        files = [f for f in files if f.name not in _HF_METADATA]
+    for file in files:
+        yield from _read_file(root, file, field)
+
+
+_HF_METADATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
+
+
+def _read_file(root: Path, file: Path, field: str) -> Iterator[tuple[str, str | None]]:
+    name, lower = file.relative_to(root).as_posix(), file.name.lower()
+    if lower.endswith((".jsonl", ".jsonl.gz")):
+        return _read_jsonl(file, field, name)
+    if lower.endswith(".parquet"):
+        return _read_parquet(file, field, name)
+    if lower.endswith(".arrow"):
+        return _read_arrow(file, field, name)
+    return _read_text_files(root, [file])
+
+
+def _read_jsonl(file: Path, field: str = "text", name: str = "") -> Iterator[tuple[str, str]]:
+    opener = gzip.open if file.name.lower().endswith(".gz") else open
+    with opener(file, "rb") as lines:
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             try:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise _bad_row(file, number, f"is not valid JSON ({error})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise _bad_row(file, number, f"is not valid JSON ({error})", field=field) from None
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 got = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
-                raise _bad_row(file, number, f"has no string field 'text' (got {got})")
-            yield f"{file.name}:{number}", row["text"]
+                raise _bad_row(file, number, f"has no string field {field!r} (got {got})", field=field)
+            yield f"{name or file.name}:{number}", row[field]
 
 
-def _read_parquet(file: Path) -> Iterator[tuple[str, str]]:
+def _read_parquet(file: Path, field: str = "text", name: str = "") -> Iterator[tuple[str, str]]:
     try:
         import pyarrow.parquet as pq  # optional dependency; most users never read parquet
     except ImportError:
@@ -162,24 +195,49 @@ def _read_parquet(file: Path) -> Iterator[tuple[str, str]]:
             "pip install 'systolic[parquet]', or convert the file to .jsonl."
         ) from None
     parquet = pq.ParquetFile(file)
-    if "text" not in parquet.schema_arrow.names:
+    _check_column(file, field, parquet.schema_arrow.names)
+    yield from _rows(file, field, name, (b.column(0) for b in parquet.iter_batches(columns=[field])))
+
+
+def _read_arrow(file: Path, field: str, name: str) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise UserError(f"{file} is an .arrow file, but pyarrow is not installed. Fix: pip install 'systolic[parquet]'.") from None
+    with pa.memory_map(str(file)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)  # what `datasets` writes
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            batches = iter(reader)
+        _check_column(file, field, reader.schema.names)
+        yield from _rows(file, field, name, (b.column(field) for b in batches))
+
+
+def _check_column(file: Path, field: str, names: list[str]) -> None:
+    if field not in names:
         raise UserError(
-            f"{file} has no column 'text' (columns: {parquet.schema_arrow.names}). Expected one string column "
-            "named 'text' holding one document per row. Fix: rename the column or convert the file."
+            f"{file} has no column {field!r} (columns: {names}). Expected one string column holding one document "
+            "per row. Fix: name the column with --field (e.g. --field content), or rename it."
         )
+
+
+def _rows(file: Path, field: str, name: str, columns) -> Iterator[tuple[str, str]]:
     row = 0
-    for batch in parquet.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
+    for column in columns:
+        for text in column.to_pylist():
             if text is not None and not isinstance(text, str):
-                raise _bad_row(file, row, f"has a non-string 'text' ({type(text).__name__})", unit="row")
-            yield f"{file.name}:{row}", text or ""
+                raise _bad_row(file, row, f"has a non-string {field!r} ({type(text).__name__})", unit="row", field=field)
+            yield f"{name or file.name}:{row}", text or ""
             row += 1
 
 
-def _bad_row(file: Path, number: int, problem: str, unit: str = "line") -> UserError:
+def _bad_row(file: Path, number: int, problem: str, unit: str = "line", field: str = "text") -> UserError:
     return UserError(
-        f"{file} {unit} {number} {problem}. Expected one JSON object per {unit} with a string field 'text', "
-        f'e.g. {{"text": "some document"}}. Fix: repair or remove that {unit}.'
+        f"{file} {unit} {number} {problem}. Expected one JSON object per {unit} with a string field {field!r}, "
+        f'e.g. {{"{field}": "some document"}}. Fix: repair or remove that {unit}.'
     )
 
 
@@ -198,7 +256,7 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
         cut = min(max(round(len(doc.text) * (1 - val_percent / 100)), 1), len(doc.text) - 1)
         return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
     position = [_unit_hash(doc.name) for doc in docs]
-    is_val = [p * 100 < val_percent for p in position]
+    is_val = [is_validation(doc.name, val_percent) for doc in docs]
     if not any(is_val):  # the document nearest to the validation side moves over
         is_val[min(range(len(docs)), key=position.__getitem__)] = True
     elif all(is_val):
@@ -206,6 +264,11 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
     train = [doc for doc, val in zip(docs, is_val, strict=True) if not val]
     val = [doc for doc, val in zip(docs, is_val, strict=True) if val]
     return train, val
+
+
+def is_validation(name: str, val_percent: float) -> bool:
+    """Whether the document `name` is held out, by a stable hash of the name alone (so a corpus can stream)."""
+    return _unit_hash(name) * 100 < val_percent
 
 
 def _unit_hash(name: str) -> float:

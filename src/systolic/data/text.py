@@ -13,8 +13,11 @@ import grain
 import numpy as np
 
 from systolic.data.corpus import Document
+from systolic.data.prepared import ConcatTokens, ShardedTokens
 from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
+
+Tokens = np.ndarray | ShardedTokens | ConcatTokens  # in memory, or memory-mapped from a prepared dataset
 
 
 def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarray:
@@ -26,14 +29,19 @@ def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarr
 
 
 class TokenWindows:
-    """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped)."""
+    """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped).
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    `tokens` is an array in memory or a prepared dataset's memory-mapped tokens."""
+
+    def __init__(self, tokens: Tokens, seq_len: int):
         self.tokens = tokens
         self.seq_len = seq_len
         self._offsets = np.arange(seq_len + 1)
         # The repr names the content, so a resumed run can check it reads the same tokens.
-        self._digest = hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).hexdigest()
+        if isinstance(tokens, ShardedTokens | ConcatTokens):  # named by shard checksums: hashing reads every token
+            self._digest = tokens.content_digest
+        else:
+            self._digest = hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).hexdigest()
 
     def __len__(self) -> int:
         return max(len(self.tokens) - 1, 0) // self.seq_len
@@ -68,7 +76,7 @@ class _ReadLocalRows:
 
 
 def make_train_iterator(
-    tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+    tokens: Tokens, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
 ) -> grain.DatasetIterator:
     """An endless Grain iterator of this process's share of shuffled global batches.
 
@@ -76,14 +84,7 @@ def make_train_iterator(
     walks the same global batches of window indices, so `get_state()` (a small JSON-able dict) does not depend
     on the process count and a checkpoint resumes on any number of hosts.
     """
-    if global_batch % process_count:
-        raise UserError(
-            f"The global batch size ({global_batch}) is not divisible by the number of processes ({process_count}), "
-            "so the processes cannot take equal shares of each batch. Fix: set train.batch_size to a multiple of "
-            f"{process_count}."
-        )
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    local = _local_share(global_batch, process_index, process_count)
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < global_batch:
         raise UserError(
@@ -91,7 +92,6 @@ def make_train_iterator(
             f"{seq_len}, fewer than one batch of train.batch_size={global_batch}. Fix: use a larger corpus (raise "
             "data.max_bytes or point data.path at more text), or lower data.seq_len or train.batch_size."
         )
-    local = global_batch // process_count
     dataset = (
         # Grain reshuffles each epoch with seed + epoch, so seeds s and s + 1 would replay each other's orders one
         # epoch apart; hashing the seed puts different seeds' epoch orders ~2**31 epochs apart.
@@ -106,12 +106,81 @@ def make_train_iterator(
     return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 
 
+def make_mixture_iterator(
+    sources: Sequence[Tokens], weights: Sequence[float], *, seq_len: int, global_batch: int,
+    seed: int, process_index: int = 0, process_count: int = 1,
+) -> grain.DatasetIterator:
+    """`make_train_iterator` over several token sources: each source's windows are shuffled and repeated on their
+    own, then interleaved by `weights` (Grain's `MapDataset.mix`, deterministic), so a batch holds about
+    `weights[i] / sum(weights)` of its rows from source i, and the iterator's state is one index as before."""
+    local = _local_share(global_batch, process_index, process_count)
+    windows = [TokenWindows(tokens, seq_len) for tokens in sources]
+    for i, w in enumerate(windows):
+        if not len(w):
+            raise UserError(
+                f"Mixture source {i + 1} has {len(sources[i])} training tokens: not one window of data.seq_len={seq_len}. "
+                "Fix: drop it from data.mixture or lower data.seq_len."
+            )
+    tagged = [
+        grain.MapDataset.range(len(w)).shuffle(seed=(_mix_seed(seed) + i) % 2**32).repeat(None).map(_Tag(i))
+        for i, w in enumerate(windows)
+    ]
+    dataset = (
+        grain.MapDataset.mix(tagged, list(weights))
+        .batch(global_batch, drop_remainder=True)  # (global_batch, 2): (source, window) pairs
+        .map(_ReadLocalMixedRows(windows, process_index * local, (process_index + 1) * local))
+    )
+    return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
+
+
+class _Tag:
+    def __init__(self, source: int):
+        self.source = source
+
+    def __call__(self, window: int) -> np.ndarray:
+        return np.array([self.source, window], np.int64)
+
+    def __repr__(self) -> str:
+        return f"_Tag({self.source})"
+
+
+class _ReadLocalMixedRows:
+    """`_ReadLocalRows` for (source, window) pairs."""
+
+    def __init__(self, windows: list[TokenWindows], start: int, stop: int):
+        self.windows, self.start, self.stop = windows, start, stop
+
+    def __call__(self, pairs: np.ndarray) -> dict[str, np.ndarray]:
+        pairs = pairs[self.start : self.stop]  # (local, 2)
+        out = np.empty((len(pairs), self.windows[0].seq_len + 1), np.int64)
+        for source, windows in enumerate(self.windows):
+            rows = pairs[:, 0] == source
+            if rows.any():
+                out[rows] = windows[pairs[rows, 1]]
+        return _as_batch(out)
+
+    def __repr__(self) -> str:
+        return f"_ReadLocalMixedRows({self.windows!r}, rows=[{self.start}:{self.stop}])"
+
+
+def _local_share(global_batch: int, process_index: int, process_count: int) -> int:
+    if global_batch % process_count:
+        raise UserError(
+            f"The global batch size ({global_batch}) is not divisible by the number of processes ({process_count}), "
+            "so the processes cannot take equal shares of each batch. Fix: set train.batch_size to a multiple of "
+            f"{process_count}."
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    return global_batch // process_count
+
+
 def _mix_seed(seed: int) -> int:
     digest = hashlib.blake2b(f"systolic-train-order-{seed}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big")  # in [0, 2**32), the range Grain accepts
 
 
-def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(tokens: Tokens, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
     """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`."""
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < batch:
@@ -130,7 +199,12 @@ def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, voca
 
     A model that has learnt anything beats this; one that has not sits at or above it.
     """
-    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    return unigram_cross_entropy_from_counts(np.bincount(train_tokens, minlength=vocab_size),
+                                             np.bincount(val_tokens, minlength=vocab_size))
+
+
+def unigram_cross_entropy_from_counts(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
+    """`unigram_cross_entropy` from the (vocab_size,) counts of each id in the two splits."""
+    counts = train_counts.astype(np.float64) + 1.0
     log_prob = np.log(counts) - np.log(counts.sum())  # (vocab_size,)
-    val_counts = np.bincount(val_tokens, minlength=vocab_size)
-    return float(-(val_counts * log_prob).sum() / len(val_tokens))
+    return float(-(val_counts * log_prob).sum() / val_counts.sum())

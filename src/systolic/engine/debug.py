@@ -127,10 +127,12 @@ class CheckedStep:
 
 
 def _work_around_batched_scatter_check() -> None:
-    """JAX bug (0.10.2): checkify's out-of-bounds check of a scatter with batching dimensions, which is the gradient
-    of `take_along_axis` (optax's integer-label cross-entropy), raises IndexError while tracing. Such a scatter
-    writes at the indices its forward gather read, and that gather is checked, so when the bug is present the
-    scatter's own bounds check is skipped. Patches jax's rule table (private) once, and only if needed."""
+    """JAX bug (0.10.2 and 0.11.2): checkify's out-of-bounds check of a scatter with batching dimensions, which is
+    the gradient of `take_along_axis` (optax's integer-label cross-entropy), raises IndexError while tracing: its
+    helper `scatter_oob` sizes the update window without the operand's batching dimensions. Such a scatter writes at
+    the indices its forward gather read, and that gather is checked, so when the bug is present the scatter's own
+    bounds check is skipped. Patches that private helper once, and only if needed; its signature is the same in
+    jax 0.10 and 0.11, where the rule table's entries are not (0.11 added a context argument)."""
     try:
         from jax._src import checkify as impl  # private; if it moves, the bug (if still there) shows as an IndexError
     except ImportError:
@@ -144,15 +146,16 @@ def _work_around_batched_scatter_check() -> None:
         return
     except IndexError:
         pass
-    for prim, rule in list(impl.error_checks.items()):
-        if prim.name.startswith("scatter"):
-            def tolerant(error, enabled_errors, operand, indices, updates, *, dimension_numbers, _rule=rule, **params):
-                if dimension_numbers.operand_batching_dims:
-                    enabled_errors = enabled_errors - {impl.OOBError}
-                return _rule(error, enabled_errors, operand, indices, updates, dimension_numbers=dimension_numbers,
-                             **params)
+    scatter_oob = impl.scatter_oob
 
-            impl.error_checks[prim] = tolerant
+    def tolerant_scatter_oob(operand, indices, updates, dnums):
+        if not dnums.operand_batching_dims:
+            return scatter_oob(operand, indices, updates, dnums)
+        in_bounds = jnp.zeros(indices.shape, bool)  # "nothing out of bounds", with the payload checkify expects
+        return jnp.any(in_bounds), impl.oob_payload(in_bounds, indices, dnums.scatter_dims_to_operand_dims,
+                                                    operand.shape)
+
+    impl.scatter_oob = tolerant_scatter_oob
 
 
 def describe_check_failure(error: checkify.Error) -> str | None:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from systolic.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -17,12 +19,18 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, enabled: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
-        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._tb = None
         if enabled and tensorboard:
-            from tensorboardX import SummaryWriter  # heavy import, only when used
-
+            try:
+                from tensorboardX import SummaryWriter  # heavy import, only when used
+            except ModuleNotFoundError as e:
+                raise UserError(
+                    f"observe.tensorboard=true writes TensorBoard files with tensorboardX, which is not installed "
+                    f"({e}). Fix: pip install tensorboardX (a systolic dependency), or observe.tensorboard=false "
+                    "(metrics.jsonl is written either way)."
+                ) from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
@@ -122,8 +123,34 @@ class DataConfig:
     # "byte", or a Hugging Face tokenizer.json (or a folder holding one). The file is checked when it is loaded,
     # not here: a finished run's config names the original path, and a run reads its own copy RUN_DIR/tokenizer.json.
     tokenizer: str = "byte"
+    # "DIR:WEIGHT,DIR:WEIGHT": prepared datasets (`systolic data prepare`) sampled by weight, instead of data.path
+    mixture: str = ""
+
+    @property
+    def mixture_sources(self) -> list[tuple[str, float]]:
+        """data.mixture as (prepared folder, weight) pairs; empty when unset. ConfigError when malformed."""
+        sources = []
+        for item in filter(None, (part.strip() for part in self.mixture.split(","))):
+            path, _, weight = item.rpartition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            if not path or not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"data.mixture={self.mixture!r}: {item!r} is not DIR:WEIGHT with a positive weight. Expected "
+                    "comma-separated prepared folders with weights, e.g. data.mixture='data/web:0.7,data/code:0.3'. "
+                    "Fix: give every folder a weight greater than 0."
+                )
+            sources.append((path, value))
+        return sources
 
     def validate(self) -> None:
+        if self.mixture_sources and self.path:
+            raise ConfigError(
+                f"data.mixture={self.mixture!r} and data.path={self.path!r} are both set; a run reads one or the other. "
+                "Fix: drop data.path, or data.mixture."
+            )
         if self.seq_len <= 0:
             raise ConfigError(f"data.seq_len={self.seq_len} must be greater than 0. Fix: e.g. data.seq_len=256.")
         if not 0 < self.val_percent < 100:

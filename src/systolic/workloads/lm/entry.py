@@ -38,6 +38,10 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
     say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
         f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
+    if data.mixture:
+        total = sum(w for _, _, w in data.mixture)
+        say("mixture: " + ", ".join(f"{path} {w / total:.0%} of rows ({len(t):,} training tokens)"
+                                    for path, t, w in data.mixture))
     settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
                                  checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):

@@ -14,13 +14,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.data import corpus, text
+from systolic.data import corpus, prepared, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
 from systolic.engine.optim import make_optimizer, make_schedule
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import CHECKED, jit_step, make_train_step
+from systolic.errors import UserError
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
@@ -32,21 +33,69 @@ from systolic.workloads.lm.model import Transformer, resolve_dtype
 
 @dataclasses.dataclass
 class Corpus:
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: text.Tokens  # in memory (a raw corpus) or memory-mapped (a prepared one)
+    val_tokens: text.Tokens  # a mixture's: its sources' validation splits end to end
     val_bytes: int  # UTF-8 bytes of the validation text: the denominator of nats/byte
     num_docs: tuple[int, int]
+    unigram: tuple[np.ndarray, np.ndarray]  # (vocab_size,) count of each id in train and in validation
+    mixture: tuple[tuple[str, text.Tokens, float], ...] = ()  # data.mixture's (folder, training split, weight)
 
 
 def load_corpus(cfg: LMConfig) -> Corpus:
+    """A prepared dataset's folder (`systolic data prepare`) by memory map, else a raw corpus read and tokenized."""
+    if cfg.data.mixture_sources:
+        return _load_mixture(cfg)
+    if prepared.is_prepared(cfg.data.path):
+        return _load_prepared(cfg)
     tokenizer = make_tokenizer(cfg.data.tokenizer)
     docs = corpus.read_documents(cfg.data.path, max_bytes=cfg.data.max_bytes)
     train_docs, val_docs = corpus.split_documents(docs, cfg.data.val_percent)
+    train_tokens = text.encode_documents(train_docs, tokenizer)
+    val_tokens = text.encode_documents(val_docs, tokenizer)
     return Corpus(
-        train_tokens=text.encode_documents(train_docs, tokenizer),
-        val_tokens=text.encode_documents(val_docs, tokenizer),
+        train_tokens=train_tokens,
+        val_tokens=val_tokens,
         val_bytes=sum(len(d.text.encode("utf-8")) for d in val_docs),
         num_docs=(len(train_docs), len(val_docs)),
+        unigram=(np.bincount(train_tokens, minlength=tokenizer.vocab_size),
+                 np.bincount(val_tokens, minlength=tokenizer.vocab_size)),
+    )
+
+
+def _load_mixture(cfg: LMConfig) -> Corpus:
+    parts = [(_load_prepared(cfg, path), path, weight) for path, weight in cfg.data.mixture_sources]
+    return Corpus(
+        train_tokens=prepared.ConcatTokens([c.train_tokens for c, _, _ in parts]),
+        val_tokens=prepared.ConcatTokens([c.val_tokens for c, _, _ in parts]),  # every source's held-out text
+        val_bytes=sum(c.val_bytes for c, _, _ in parts),
+        num_docs=(sum(c.num_docs[0] for c, _, _ in parts), sum(c.num_docs[1] for c, _, _ in parts)),
+        unigram=(sum(c.unigram[0] for c, _, _ in parts), sum(c.unigram[1] for c, _, _ in parts)),
+        mixture=tuple((path, c.train_tokens, weight) for c, path, weight in parts),
+    )
+
+
+def _load_prepared(cfg: LMConfig, path: str = "") -> Corpus:
+    path = path or cfg.data.path
+    if not prepared.is_prepared(path):
+        raise UserError(f"data.mixture names {path!r}, which is not a prepared dataset (no index.json in it). Fix: "
+                        f"prepare it with `systolic data prepare SRC --out {path}`.")
+    dataset = prepared.PreparedDataset.open(path)  # checks every shard's size and SHA-256
+    dataset.check_tokenizer(cfg.data.tokenizer)
+    split_at = dataset.index["val_percent"]
+    if cfg.data.max_bytes or cfg.data.val_percent != split_at:
+        raise UserError(
+            f"{path} is a prepared dataset, split at preparation with --val-percent {split_at} "
+            f"and read whole, but this run sets data.val_percent={cfg.data.val_percent} and data.max_bytes="
+            f"{cfg.data.max_bytes}. Fix: set data.val_percent={split_at} data.max_bytes=0, or prepare the data again "
+            "with the split you want."
+        )
+    splits = dataset.index["splits"]
+    return Corpus(
+        train_tokens=dataset.tokens("train"),
+        val_tokens=dataset.tokens("validation"),
+        val_bytes=splits["validation"]["bytes"],
+        num_docs=(splits["train"]["documents"], splits["validation"]["documents"]),
+        unigram=(dataset.unigram("train"), dataset.unigram("validation")),
     )
 
 
@@ -186,10 +235,12 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
 
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
-    iterator = text.make_train_iterator(
-        data.train_tokens, seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
-        process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo),
-    )
+    shares = dict(seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
+                  process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo))
+    if data.mixture:
+        iterator = text.make_mixture_iterator([t for _, t, _ in data.mixture], [w for _, _, w in data.mixture], **shares)
+    else:
+        iterator = text.make_train_iterator(data.train_tokens, **shares)
     eval_batch = cfg.train.batch_size // cfg.train.grad_accum
     host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
                                        num_batches=cfg.train.eval_batches)
@@ -220,5 +271,6 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
 
 def baseline_nats_per_byte(data: Corpus, vocab: int) -> float:
     """The unigram model's cross-entropy on the validation text: a model that learned nothing scores this."""
-    per_token = text.unigram_cross_entropy(data.train_tokens, data.val_tokens, vocab)
+    train_counts, val_counts = (np.pad(c, (0, vocab - len(c))) for c in data.unigram)
+    per_token = text.unigram_cross_entropy_from_counts(train_counts, val_counts)
     return per_token * len(data.val_tokens) / data.val_bytes

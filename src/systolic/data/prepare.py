@@ -1,0 +1,299 @@
+"""`systolic data prepare`: stream a corpus, tokenize it in worker processes, write token shards (prepared.py).
+
+The input is read one record at a time and at most `2 * workers` batches are in flight, so memory does not grow
+with the corpus. Everything is written into OUT.partial and renamed to OUT when complete, so a half-written
+dataset is never taken for a finished one. After each complete shard the progress (input records consumed,
+the tokens not yet in a full shard, per-document offsets so far) is saved; a rerun of the same command resumes
+there and writes the same bytes as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from systolic.data import corpus
+from systolic.data.prepared import FORMAT, INDEX_FILE, SPLITS, VERSION, tokenizer_digest
+from systolic.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer, tokenizer_file
+from systolic.errors import UserError
+
+PROGRESS_FILE = "progress.json"
+_BATCH_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling, small enough to stream
+_COUNT_CHUNK = 1 << 22
+
+
+@dataclasses.dataclass
+class _Split:
+    """One split while it is being written."""
+
+    name: str
+    pending: list[np.ndarray]  # tokens not yet in a full shard, in pieces (joined once per shard, not per document)
+    counts: np.ndarray  # (vocab_size,) int64 occurrences of each id in the shards written
+    shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    ends: list[int] = dataclasses.field(default_factory=list)  # document end offsets not yet in <split>-docs.i64
+    pending_tokens: int = 0
+    documents: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+
+def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text", val_percent: float = 5.0,
+            shard_tokens: int = 1 << 26, workers: int = 0) -> str:
+    """Prepares `src` into `out`; returns a one-line summary. `workers=0`: one per CPU core."""
+    if not 0 < val_percent < 100 or shard_tokens <= 0 or workers < 0:
+        raise UserError(f"--val-percent {val_percent}, --shard-tokens {shard_tokens}, --workers {workers}: expected "
+                        "0 < val-percent < 100, shard-tokens > 0 and workers >= 0 (0: one per core).")
+    root = Path(src).expanduser()
+    if not root.exists():
+        raise UserError(f"{src} does not exist. Expected a text file, a folder, a .jsonl(.gz), .parquet or a Hugging "
+                        "Face save_to_disk folder. Fix: correct the path.")
+    out = Path(out).expanduser()
+    if out.exists():
+        raise UserError(f"--out {out} already exists. Fix: remove it, or choose another --out.")
+    spec = tokenizer if tokenizer == ByteTokenizer.name else str(tokenizer_file(tokenizer).resolve())
+    tok = make_tokenizer(spec)
+    settings = {"source": str(root.resolve()), "field": field, "val_percent": val_percent, "shard_tokens": shard_tokens,
+                "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name}
+    partial = out.with_name(out.name + ".partial")
+    writer = _Writer.resume_or_start(partial, settings, tok)  # outside the try: another run's progress is kept
+    try:
+        _tokenize_into(writer, corpus.iter_texts(root, field=field), spec, workers or os.cpu_count() or 1)
+        writer.finish(tok, spec, field)
+    except UserError:
+        shutil.rmtree(partial, ignore_errors=True)  # bad input: leave nothing behind
+        raise
+    os.replace(partial, out)
+    t, v = writer.splits
+    return (f"prepared {out}: {t.documents:,} train / {v.documents:,} validation documents, {t.tokens:,} / {v.tokens:,} "
+            f"tokens in {len(t.shards)} + {len(v.shards)} shard(s)")
+
+
+def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spec: str, workers: int) -> None:
+    last = None
+    for _ in range(writer.consumed):  # a resumed run skips what the saved progress holds (read, not tokenized)
+        last, _text = next(texts, (None, None))
+    if last != writer.last_name:  # files added, removed or renamed before the point where it stopped
+        raise UserError(
+            f"The input {writer.settings['source']} changed since the interrupted preparation in {writer.partial}: "
+            f"its record {writer.consumed} is now {last!r}, not {writer.last_name!r}, so the saved shards do not "
+            f"match it. It was removed. Fix: run the command again to prepare from the start."
+        )
+    batches = _batches(texts)
+    if workers == 1:
+        tok = make_tokenizer(spec)
+        for items in batches:
+            writer.add(items, _encode(tok, [t for _, t in items]))
+        return
+    # spawn, not fork: a forked child of a process that already used the tokenizers' thread pool can deadlock.
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        in_flight: collections.deque = collections.deque()
+        for items in batches:  # ordered, and at most 2 * workers batches held: the input streams
+            in_flight.append((items, pool.apply_async(_encode_in_worker, ([t for _, t in items],))))
+            if len(in_flight) >= 2 * workers:
+                done, result = in_flight.popleft()
+                writer.add(done, result.get())
+        while in_flight:
+            done, result = in_flight.popleft()
+            writer.add(done, result.get())
+
+
+def _batches(texts: Iterator[tuple[str, str | None]]) -> Iterator[list[tuple[str, str | None]]]:
+    batch, size = [], 0
+    for name, text in texts:
+        batch.append((name, text))
+        size += len(text or "")
+        if size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tok: Tokenizer, texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(all tokens concatenated, tokens per text, UTF-8 bytes per text); an unreadable text (None) is empty."""
+    ids = tok.encode_batch([t or "" for t in texts])
+    lengths = np.array([len(i) for i in ids], np.int64)
+    nbytes = np.array([len(t.encode("utf-8")) if t else 0 for t in texts], np.int64)
+    return (np.concatenate(ids) if ids else np.zeros(0, tok.dtype)).astype(tok.dtype), lengths, nbytes
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no threads on top
+    _worker_tokenizer = make_tokenizer(spec)
+
+
+def _encode_in_worker(texts: list[str | None]):
+    assert _worker_tokenizer is not None
+    return _encode(_worker_tokenizer, texts)
+
+
+class _Writer:
+    """Appends documents to the two splits, writes full shards, saves progress after each."""
+
+    def __init__(self, partial: Path, settings: dict[str, Any], tok: Tokenizer):
+        self.partial, self.settings, self.eot = partial, settings, tok.eot_id
+        self.dtype = np.dtype(tok.dtype)
+        self.splits = [_Split(name, [], np.zeros(tok.vocab_size, np.int64)) for name in SPLITS]
+        self.consumed = 0  # input records (documents, empty ones and unreadable files) taken so far
+        self.last_name: str | None = None  # the last of them, checked when a run resumes
+        self.skipped = 0
+        self.saves = 0
+
+    @classmethod
+    def resume_or_start(cls, partial: Path, settings: dict[str, Any], tok: Tokenizer) -> _Writer:
+        writer = cls(partial, settings, tok)
+        progress_file = partial / PROGRESS_FILE
+        if not progress_file.is_file():  # nothing saved yet (or never started): start afresh
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            return writer
+        progress = json.loads(progress_file.read_text())
+        if progress["settings"] != settings:
+            raise UserError(
+                f"{partial} holds an interrupted preparation with other settings ({progress['settings']}) than this "
+                f"one ({settings}). Fix: rerun it with its own settings to finish it, or delete {partial}."
+            )
+        writer.consumed, writer.skipped, writer.saves = progress["consumed"], progress["skipped"], progress["saves"]
+        writer.last_name = progress["last_name"]
+        for split, saved in zip(writer.splits, progress["splits"], strict=True):
+            split.shards, split.documents, split.tokens, split.bytes = (
+                saved["shards"], saved["documents"], saved["tokens"], saved["bytes"])
+            split.pending = [np.load(partial / saved["pending"])]
+            split.pending_tokens = len(split.pending[0])
+            split.counts = np.load(partial / saved["counts"])
+            with (partial / f"{split.name}-docs.i64").open("r+b") as f:  # drop offsets written after the save
+                f.truncate(split.documents * 8)
+        return writer
+
+    def add(self, items: list[tuple[str, str | None]], encoded: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        tokens, lengths, nbytes = encoded
+        ends = np.cumsum(lengths)
+        eot = np.array([self.eot], self.dtype)
+        for i, (name, text) in enumerate(items):
+            self.consumed += 1
+            self.last_name = name
+            if text is None:
+                self.skipped += 1
+            if not text:
+                continue
+            # The same stable name hash as corpus.split_documents, decided per document so it can stream.
+            split = self.splits[1 if corpus.is_validation(name, self.settings["val_percent"]) else 0]
+            doc = tokens[ends[i] - lengths[i]: ends[i]]
+            split.pending += [doc, eot]
+            split.pending_tokens += len(doc) + 1
+            split.documents += 1
+            split.tokens += len(doc) + 1
+            split.bytes += int(nbytes[i])
+            split.ends.append(split.tokens)
+            size = self.settings["shard_tokens"]
+            if split.pending_tokens >= size:
+                pending, split.pending = np.concatenate(split.pending), []  # the pieces are freed here
+                while len(pending) >= size:
+                    _write_shard(self.partial, split, pending[:size])
+                    pending = pending[size:]
+                split.pending, split.pending_tokens = [pending.copy()], len(pending)  # not a view of the shards
+                self._save_progress()
+
+    def _save_progress(self) -> None:
+        """Pending tokens and counts under a fresh name, then progress.json by rename: a kill at any moment leaves
+        the previous progress or this one, whole."""
+        self.saves += 1
+        splits = []
+        for split in self.splits:
+            pending, counts = f"pending-{self.saves}-{split.name}.npy", f"counts-{self.saves}-{split.name}.npy"
+            _flush_ends(self.partial, split)
+            np.save(self.partial / pending, _joined(split, self.dtype))
+            np.save(self.partial / counts, split.counts)
+            splits.append({"shards": split.shards, "documents": split.documents, "tokens": split.tokens,
+                           "bytes": split.bytes, "pending": pending, "counts": counts})
+        progress = {"settings": self.settings, "consumed": self.consumed, "last_name": self.last_name, "skipped": self.skipped,
+                    "saves": self.saves, "splits": splits}
+        _write_atomic(self.partial / PROGRESS_FILE, json.dumps(progress).encode())
+        for old in self.partial.glob("*.npy"):
+            if old.name.startswith(("pending-", "counts-")) and not old.name.startswith((f"pending-{self.saves}-",
+                                                                                         f"counts-{self.saves}-")):
+                old.unlink()
+
+    def finish(self, tok: Tokenizer, spec: str, field: str) -> None:
+        empty = [s.name for s in self.splits if not s.documents]
+        if empty:
+            train, val = self.splits
+            raise UserError(
+                f"{self.settings['source']} gave {train.documents} training and {val.documents} validation "
+                f"document(s) ({self.skipped} unreadable file(s) skipped): the {' and '.join(empty)} split would be "
+                "empty. Expected non-empty UTF-8 text files or records with a non-empty "
+                f"{field!r} field, enough that --val-percent {self.settings['val_percent']} of them (chosen by a hash "
+                "of their names) leaves both splits non-empty. Fix: add documents, or change --val-percent."
+            )
+        for split in self.splits:
+            if split.pending_tokens:
+                _write_shard(self.partial, split, _joined(split, self.dtype))
+                split.pending, split.pending_tokens = [], 0
+            _flush_ends(self.partial, split)
+            ends = np.fromfile(self.partial / f"{split.name}-docs.i64", np.int64)
+            np.save(self.partial / f"{split.name}-docs.npy", np.concatenate([[0], ends]))
+            np.save(self.partial / f"{split.name}-unigram.npy", split.counts)
+        tok_file = None
+        if spec != ByteTokenizer.name:
+            tok_file = "tokenizer.json"
+            shutil.copyfile(spec, self.partial / tok_file)
+        index = {
+            "format": FORMAT, "version": VERSION, "source": self.settings["source"], "field": field,
+            "dtype": self.settings["dtype"], "shard_tokens": self.settings["shard_tokens"],
+            "val_percent": self.settings["val_percent"], "skipped_files": self.skipped,
+            "tokenizer": {"name": tok.name if tok_file is None else Path(spec).name, "file": tok_file,
+                          "sha256": self.settings["tokenizer_sha256"], "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
+            "splits": {s.name: {"documents": s.documents, "tokens": s.tokens, "bytes": s.bytes, "shards": s.shards,
+                                "offsets": f"{s.name}-docs.npy", "unigram": f"{s.name}-unigram.npy"}
+                       for s in self.splits},
+        }
+        for leftover in [self.partial / PROGRESS_FILE, *self.partial.glob("pending-*"), *self.partial.glob("counts-*"),
+                         *self.partial.glob("*.i64"), *self.partial.glob("*.tmp")]:
+            leftover.unlink(missing_ok=True)  # progress.json exists only once a shard was full
+        _write_atomic(self.partial / INDEX_FILE, json.dumps(index, indent=1).encode())
+        if self.skipped:
+            warnings.warn(f"Skipped {self.skipped} unreadable, binary or non-UTF-8 file(s) in {self.settings['source']}.",
+                          stacklevel=2)
+
+
+def _joined(split: _Split, dtype: np.dtype) -> np.ndarray:
+    return np.concatenate(split.pending) if split.pending else np.zeros(0, dtype)
+
+
+def _flush_ends(partial: Path, split: _Split) -> None:
+    with (partial / f"{split.name}-docs.i64").open("ab") as f:
+        f.write(np.asarray(split.ends, np.int64).tobytes())
+    split.ends = []
+
+
+def _write_shard(partial: Path, split: _Split, tokens: np.ndarray) -> None:
+    name = f"{split.name}-{len(split.shards):05d}.bin"
+    for start in range(0, len(tokens), _COUNT_CHUNK):  # bincount widens to int64: a chunk at a time, not the shard
+        split.counts += np.bincount(tokens[start: start + _COUNT_CHUNK], minlength=len(split.counts))
+    data = memoryview(np.ascontiguousarray(tokens, tokens.dtype.newbyteorder("<"))).cast("B")  # no copy
+    _write_atomic(partial / name, data)
+    split.shards.append({"file": name, "tokens": len(tokens), "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,188 @@
+"""A prepared dataset on disk (written by `systolic data prepare`, see prepare.py) and how training reads it.
+
+Layout of DIR: `index.json` (what is in it, with a SHA-256 per shard), per split (`train`, `validation`) the
+shards `<split>-00000.bin`, ... of `shard_tokens` raw little-endian tokens each (the last one shorter), every
+document followed by the tokenizer's end-of-document id as `text.encode_documents` does; `<split>-docs.npy`
+(int64, documents + 1 token offsets: document i is tokens [offsets[i], offsets[i + 1])); `<split>-unigram.npy`
+(int64 count of each id, for the unigram baseline); and `tokenizer.json`, a copy of the BPE it was made with.
+Training reads the shards by memory map, so start-up memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from systolic.data.tokenizer import ByteTokenizer, tokenizer_file
+from systolic.errors import UserError
+
+INDEX_FILE = "index.json"
+FORMAT = "systolic-prepared-tokens"
+VERSION = 1
+SPLITS = ("train", "validation")
+_HASH_CHUNK = 1 << 24
+
+
+def is_prepared(path: str) -> bool:
+    """Whether `path` is a prepared dataset's folder (it holds an index.json)."""
+    return bool(path) and (Path(path).expanduser() / INDEX_FILE).is_file()
+
+
+def tokenizer_digest(spec: str) -> str:
+    """"byte" for the byte tokenizer, else the SHA-256 of the tokenizer.json that `spec` names."""
+    if spec == ByteTokenizer.name:
+        return spec
+    return hashlib.sha256(tokenizer_file(spec).read_bytes()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ShardedTokens:
+    """One split's tokens across its shards, by memory map: `len()` and integer-array indexing, like a 1-D array.
+
+    All shards but the last hold exactly `shard_tokens` tokens, so a token's shard is its index // shard_tokens.
+    """
+
+    def __init__(self, files: list[Path], sizes: list[int], shard_tokens: int, dtype: np.dtype, digest: str):
+        self._maps = [np.memmap(f, dtype=dtype, mode="r", shape=(n,)) for f, n in zip(files, sizes, strict=True)]
+        self._length = sum(sizes)
+        self._shard_tokens = shard_tokens
+        self.dtype = np.dtype(dtype)
+        self.content_digest = digest  # names the content in Grain's repr without reading every token
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = np.asarray(index)
+        if index.size and (index.min() < 0 or index.max() >= self._length):
+            raise IndexError(f"token index out of range [0, {self._length})")
+        shard = index // self._shard_tokens
+        out = np.empty(index.shape, self.dtype)
+        for s in np.unique(shard):  # a window straddles at most two shards
+            where = shard == s
+            out[where] = self._maps[s][index[where] - s * self._shard_tokens]
+        return out
+
+    def __repr__(self) -> str:
+        return f"ShardedTokens(tokens={self._length}, sha256={self.content_digest})"
+
+
+class ConcatTokens:
+    """Several token sources end to end, with the same `len()` and integer-array indexing (mixtures' validation)."""
+
+    def __init__(self, parts: list[ShardedTokens]):
+        self._parts = parts
+        self._starts = np.cumsum([0] + [len(p) for p in parts])  # (parts + 1,)
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+        self.content_digest = hashlib.sha256(" ".join(p.content_digest for p in parts).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = np.asarray(index)
+        part = np.searchsorted(self._starts, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for p in np.unique(part):
+            where = part == p
+            out[where] = self._parts[p][index[where] - self._starts[p]]
+        return out
+
+    def __repr__(self) -> str:
+        return f"ConcatTokens(tokens={len(self)}, sha256={self.content_digest})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedDataset:
+    root: Path
+    index: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path, *, verify: bool = True) -> PreparedDataset:
+        """Reads DIR/index.json; with `verify`, checks every shard's size and SHA-256 (UserError if one fails)."""
+        root = Path(path).expanduser()
+        try:
+            index = json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))
+            ok = index.get("format") == FORMAT and index.get("version") == VERSION
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            ok = False
+        if not ok:
+            raise UserError(
+                f"{root / INDEX_FILE} is not the index of a prepared dataset (format {FORMAT!r}, version {VERSION}). "
+                f"Fix: prepare the data again with `systolic data prepare SRC --out {root}` into a new folder."
+            )
+        dataset = cls(root, index)
+        if verify:
+            dataset.verify()
+        return dataset
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.index["dtype"])
+
+    def shards(self, split: str) -> list[dict[str, Any]]:
+        return self.index["splits"][split]["shards"]
+
+    def verify(self) -> None:
+        """Every shard is present, of the recorded size and SHA-256; raises one UserError naming the first bad one."""
+        for split in SPLITS:
+            for shard in self.shards(split):
+                file = self.root / shard["file"]
+                expected = shard["tokens"] * self.dtype.itemsize
+                size = file.stat().st_size if file.is_file() else None
+                if size != expected:
+                    problem = "is missing" if size is None else f"has {size:,} bytes where the index records {expected:,}"
+                elif file_sha256(file) != shard["sha256"]:
+                    problem = "fails its SHA-256 check (its bytes changed since it was written)"
+                else:
+                    continue
+                raise UserError(
+                    f"The prepared dataset {self.root} is damaged: shard {file.name} {problem}. Training on it would "
+                    f"read wrong tokens. Fix: prepare it again (`systolic data prepare {self.index['source']} --out "
+                    "NEW_DIR`) or restore the folder from a good copy."
+                )
+
+    def tokens(self, split: str) -> ShardedTokens:
+        shards = self.shards(split)
+        digest = hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()[:16]
+        return ShardedTokens([self.root / s["file"] for s in shards], [s["tokens"] for s in shards],
+                             self.index["shard_tokens"], self.dtype, digest)
+
+    def unigram(self, split: str) -> np.ndarray:
+        return np.load(self.root / self.index["splits"][split]["unigram"])
+
+    def check_tokenizer(self, spec: str) -> None:
+        """UserError unless `spec` (data.tokenizer) names the tokenizer the data was prepared with."""
+        recorded = self.index["tokenizer"]
+        if tokenizer_digest(spec) != recorded["sha256"]:
+            made_with = "data.tokenizer=byte" if recorded["sha256"] == "byte" else f"the tokenizer {self.root / recorded['file']}"
+            raise UserError(
+                f"The prepared dataset {self.root} holds token ids of {made_with}, but this run uses data.tokenizer="
+                f"{spec!r}, a different tokenizer; the model would learn the wrong tokens. Fix: train with "
+                f"data.tokenizer={'byte' if recorded['sha256'] == 'byte' else self.root / recorded['file']}, or prepare "
+                "the data again with --tokenizer set to the run's tokenizer."
+            )
+
+    def describe(self) -> str:
+        """What `systolic data info` prints."""
+        ix = self.index
+        tok = ix["tokenizer"]
+        lines = [f"{self.root}: prepared from {ix['source']} (field {ix['field']!r}), {ix['dtype']} tokens, "
+                 f"tokenizer {tok['name']} (vocabulary {tok['vocab_size']}, eot {tok['eot_id']}, sha256 {tok['sha256'][:16]})"]
+        for split in SPLITS:
+            s = ix["splits"][split]
+            lines.append(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes of text, "
+                         f"{len(s['shards'])} shard(s) of <= {ix['shard_tokens']:,} tokens")
+        return "\n".join(lines)
