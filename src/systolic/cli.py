@@ -372,7 +372,8 @@ def _plan(args: argparse.Namespace) -> int:
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
     mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items()) + ("" if args.mesh else " (the recipe's)")
     command = (f"systolic plan {args.workload} --recipe {recipe} --target {args.target}"
-               + (f" --slices {args.slices}" if args.slices > 1 else "") + (f" --mesh {args.mesh}" if args.mesh else ""))
+               + (f" --slices {args.slices}" if args.slices > 1 else "") + (f" --mesh {args.mesh}" if args.mesh else "")
+               + "".join(f" {o}" for o in args.overrides))
     if args.search:
         return _plan_search(args, workload, cfg, recipe, target, mesh, shape["data"] * shape["fsdp"], command)
     result = plan_step(args.workload, plan_fn, cfg, target, mesh=mesh, train_items=args.tokens,
