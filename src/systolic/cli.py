@@ -102,16 +102,20 @@ def _parser() -> argparse.ArgumentParser:
                           description="Compile the real train step ahead of time for the target (TPU: with libtpu's "
                                       "compiler on compile-only devices; GPU: XLA:CPU on fake devices) and report "
                                       "per-chip memory, FLOPs, collectives, a roofline step time and the cost to train.")
-    plan.add_argument("workload", help="which workload: lm")
+    plan.add_argument("workload", help="which workload: lm, gan, rl, sim")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     plan.add_argument("--recipe")
     plan.add_argument("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
                       "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)")
     plan.add_argument("--mesh", default="", help="e.g. fsdp=64 or data=2,fsdp=4,tensor=2 (unset axes are 1; default: "
                       "the recipe's mesh over all the target's chips)")
+    plan.add_argument("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, "
+                      "data parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)")
     plan.add_argument("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items "
                       "(tokens for lm), e.g. 20e9")
     plan.add_argument("--price-per-chip-hour", type=float, help="USD, instead of the table's on-demand list price")
+    plan.add_argument("--search", action="store_true", help="lm: compile candidate per-chip batches (powers of 2, "
+                      "bisected) x model.remat none/dots/full and report the largest batch that fits")
     plan.add_argument("--json", action="store_true", help="print one JSON object with every figure")
 
     sub.add_parser("info", help="platform, devices, process count and the default mesh")
@@ -354,23 +358,68 @@ def _plan(args: argparse.Namespace) -> int:
     workload = workloads.get(args.workload)
     plan_fn = workload.command("plan")
     mesh_overrides = _mesh_overrides(args.mesh)
-    target = targets.resolve(args.target, mesh_devices=jax.device_count())
+    target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
     if not mesh_overrides and target.chip.platform == "gpu":
         mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
+    if args.slices > 1:
+        if "data=" not in args.mesh:  # the data axis runs across the slices: it takes what --mesh leaves
+            mesh_overrides = [o for o in mesh_overrides if not o.startswith("mesh.data=")] + ["mesh.data=-1"]
+        mesh_overrides.append(f"mesh.slices={args.slices}")
     cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides], workload.default_recipe)
     if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
                         "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
     mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items()) + ("" if args.mesh else " (the recipe's)")
+    command = (f"systolic plan {args.workload} --recipe {recipe} --target {args.target}"
+               + (f" --slices {args.slices}" if args.slices > 1 else "") + (f" --mesh {args.mesh}" if args.mesh else "")
+               + "".join(f" {o}" for o in args.overrides))
+    if args.search:
+        return _plan_search(args, workload, cfg, recipe, target, mesh, shape["data"] * shape["fsdp"], command)
     result = plan_step(args.workload, plan_fn, cfg, target, mesh=mesh, train_items=args.tokens,
                        price_per_chip_hour=args.price_per_chip_hour)
     if args.json:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:
-        print(f"systolic plan {args.workload} --recipe {recipe} --target {args.target}" +
-              (f" --mesh {args.mesh}" if args.mesh else ""))
+        print(command)
         print(format_plan(result))
+    return 0
+
+
+def _plan_search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: str, data_parallel: int,
+                 command: str) -> int:
+    import dataclasses
+    import json
+
+    from systolic.engine import plan_search
+    from systolic.engine.plan import format_plan
+
+    if args.workload != "lm":
+        raise UserError(f"--search varies train.batch_size and model.remat, which only the lm workload has; got "
+                        f"'{args.workload}'. Fix: plan {args.workload} with a given config (leave out --search), or "
+                        "e.g. systolic plan lm --recipe llama-1b --target v6e-32 --search.")
+
+    def configure(cfg, remat: str, batch: int):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat),
+                                   train=dataclasses.replace(cfg.train, batch_size=batch))
+
+    if not args.json:
+        print(f"{command} --search: per-chip batches bisected for each model.remat (data.seq_len "
+              f"{cfg.data.seq_len}, {data_parallel} data-parallel devices)")
+        print(plan_search.HEADER)
+    tried = plan_search.search(args.workload, workload.command("plan"), cfg, target, mesh=mesh,
+                               data_parallel=data_parallel, grad_accum=cfg.train.grad_accum, configure=configure,
+                               train_items=args.tokens, price_per_chip_hour=args.price_per_chip_hour,
+                               say=(lambda _: None) if args.json else print)
+    chosen = plan_search.best(tried)
+    if args.json:
+        print(json.dumps({"recipe": recipe, "candidates": [dataclasses.asdict(c) for c in tried],
+                          "best": dataclasses.asdict(chosen) if chosen else None}))
+    else:
+        print(plan_search.format_search(tried, target.chip.hbm_bytes).splitlines()[-1])
+        if chosen:
+            print(f"its full plan (as `{command} model.remat={chosen.remat} train.batch_size={chosen.batch}`):")
+            print(format_plan(chosen.plan))
     return 0
 
 

@@ -24,3 +24,9 @@ def test_batch_must_divide_data_axes():
     mesh_lib.check_batch(16, 2, mesh)
     with pytest.raises(ConfigError, match="multiple of 8, e.g. train.batch_size=16"):
         mesh_lib.check_batch(12, 1, mesh)
+
+
+def test_slices_need_devices_that_span_them():
+    # One process of 8 CPU devices is one slice: mesh.slices=2 says what it needs instead of building a wrong mesh.
+    with pytest.raises(ConfigError, match="mesh.slices=2 splits the data axis across 2 processes.*span 1"):
+        mesh_lib.make_mesh(MeshConfig(data=-1, slices=2))

@@ -1,13 +1,20 @@
 """The collectives of a compiled program, read from its optimised HLO text (`compiled.as_text()`).
 
-Counted per step: each collective instruction once per execution, so one inside a loop counts once per trip.
-HLO after optimisation rarely states a loop's trip count, so the caller supplies the trip counts of the
-program's loops by nesting depth (lm: the layer scan, inside the gradient-accumulation scan when there is one);
-a loop nested deeper than the caller knows counts once per trip of the loops it does know.
+Counted per step: each collective instruction once per execution, so one inside a loop counts once per trip, a
+loop's trips read from the HLO itself (engine/hlo_text.py: the layer scan, a micro-batch scan, and the loops the
+TPU compiler makes for collective matmuls, whose collective-permutes run once per trip). The fusions a
+collective sits in are computations called from their loop body, so they inherit its count.
 
 Bytes are those of the whole array a collective works on, per device: an all-gather's gathered result, a
 reduce-scatter's full input, an all-reduce's array. `wire_bytes` is what a ring moves per device: (n-1)/n of
 that for gather, scatter and all-to-all, twice that for all-reduce, all of it for a permute.
+
+With several slices (`slice_of`: each partition's slice), the TPU compiler keeps the collectives inside a slice and
+hands what crosses slices to the multi-slice runtime (Megascale) as a host-transfer `send` with
+`_xla_megascale_transfer_type="ALL_REDUCE"` (or another kind) and the partial array as its operand: counted as that
+kind, its wire bytes those of a ring over the slices and all of them `dcn_wire_bytes`. A plain collective whose
+groups span slices (another compiler's way) counts as DCN traffic too, all of its wire bytes (the part a
+hierarchical algorithm would keep inside each slice is not split off: an upper estimate).
 """
 
 from __future__ import annotations
@@ -17,15 +24,16 @@ import math
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
+from systolic.engine import hlo_text as hlo_text_lib
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .* \{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
-_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Collective:
     count: int  # executions per step
     bytes: float  # per device per step, the arrays as described above
     wire_bytes: float  # per device per step, moved by a ring algorithm
+    dcn_wire_bytes: float = 0.0  # the part of wire_bytes whose groups span slices (over the data-center network)
 
 
 def _array_bytes(shape_text: str) -> list[float]:
@@ -81,52 +90,79 @@ def _wire(kind: str, payload: float, group: int | None) -> float:
     return payload * (n - 1) / n
 
 
-def read_collectives(hlo_text: str, loop_trips: Sequence[int] = ()) -> dict[str, Collective]:
-    """Every kind in KINDS, with count and bytes per step per device (zeros for kinds the program lacks)."""
-    computations: dict[str, list[tuple[str, str, str, str]]] = {}
-    headers: dict[str, str] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if m := _HEADER.match(line):
-            current = m.group(1)
-            headers[current] = m.group(2)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and (m := _INSTR.match(line)):
-            computations[current].append((m.group(1), m.group(2), m.group(3), m.group(4)))
-    totals = {k: [0, 0.0, 0.0] for k in KINDS}
+def _groups(attrs: str) -> list[list[int]] | None:
+    """The partitions of each replica group (or each source -> target pair), or None when unreadable."""
+    if m := re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", attrs):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    if m := re.search(r"replica_groups=\[([0-9]+),([0-9]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs):
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+        axes = [kv.split("=") for kv in m.group(1).split(",")]
+        names, sizes = [k.strip("' ") for k, _ in axes], [int(v) for _, v in axes]
+        grouped = [names.index(a.strip("' ")) for a in m.group(2).split(",")]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + grouped)
+        return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    if m := re.search(r"source_target_pairs=\{([0-9,{}]*)\}", attrs):
+        return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{([0-9]+,[0-9]+)\}", m.group(1))]
+    return None
 
-    def visit(comp: str, depth: int, seen: tuple[str, ...]) -> None:
-        multiplier = math.prod(loop_trips[:depth])
-        for _, shape, opcode, rest in computations.get(comp, ()):
-            callees = [(role, name) for role, name in _CALLS.findall(rest)]
-            if b := _BRANCHES.search(rest):
-                callees += [("branch", n.strip().lstrip("%")) for n in b.group(1).split(",")]
-            base = opcode.removesuffix("-start")
-            fused_scatter = next((n for r, n in callees if r == "calls" and n.startswith("all-reduce-scatter")), None)
-            kind = "reduce-scatter" if fused_scatter else base if base in KINDS and not opcode.endswith("-done") else None
-            if kind:
-                group = _group_size(rest) if not fused_scatter else _fused_group(computations.get(fused_scatter, ()))
-                payload = _payload(kind, opcode, shape, headers.get(fused_scatter) if fused_scatter else None, group)
-                totals[kind][0] += multiplier
-                totals[kind][1] += multiplier * payload
-                totals[kind][2] += multiplier * _wire(kind, payload, group)
-                if fused_scatter:
-                    continue  # its inner all-reduce is the implementation, not a second collective
-            for role, callee in callees:
-                if callee not in seen and callee in computations:
-                    visit(callee, depth + (role in ("body", "condition")), seen + (callee,))
 
-    if entry is not None:
-        visit(entry, 0, (entry,))
-    return {k: Collective(k, int(c), b, w) for k, (c, b, w) in totals.items()}
+def _spans_slices(attrs: str, slice_of: Sequence[int]) -> bool:
+    groups = _groups(attrs)
+    if groups is None:  # unreadable groups: across slices only if every partition takes part, as in all-reduce(all)
+        return False
+    return any(len({slice_of[p] for p in g if p < len(slice_of)}) > 1 for g in groups)
+
+
+def read_collectives(hlo_text: str, slice_of: Sequence[int] = ()) -> dict[str, Collective]:
+    """Every kind in KINDS, with count and bytes per step per device (zeros for kinds the program lacks).
+    `slice_of[p]`: the slice of partition p (the mesh's devices in order), for the DCN share; () for one slice."""
+    module = hlo_text_lib.parse(hlo_text)
+    runs, _ = hlo_text_lib.executions(module)
+    totals = {k: [0, 0.0, 0.0, 0.0] for k in KINDS}
+    for comp, instructions in module.computations.items():
+        times = runs.get(comp, 0)
+        if not times:
+            continue
+        for instr in instructions:
+            if instr.opcode == "send" and (m := _MEGASCALE.search(instr.rest)):
+                kind = m.group(1).lower().replace("_", "-")
+                if kind in KINDS:
+                    payload = _array_bytes(instr.shape)[0]
+                    n = max(len(set(slice_of)), 2)
+                    wire = times * _wire(kind, payload, n)
+                    for i, add in enumerate((times, times * payload, wire, wire)):
+                        totals[kind][i] += add
+                continue
+            base = instr.opcode.removesuffix("-start")
+            fused_scatter = next((n for r, n in instr.callees()
+                                  if r == "calls" and n.startswith("all-reduce-scatter")), None)
+            kind = ("reduce-scatter" if fused_scatter
+                    else base if base in KINDS and not instr.opcode.endswith("-done") else None)
+            if not kind:
+                continue
+            group = (_group_size(instr.rest) if not fused_scatter
+                     else _fused_group(module.computations.get(fused_scatter, ())))
+            payload = _payload(kind, instr.opcode, instr.shape,
+                               module.headers.get(fused_scatter) if fused_scatter else None, group)
+            wire = times * _wire(kind, payload, group)
+            totals[kind][0] += times
+            totals[kind][1] += times * payload
+            totals[kind][2] += wire
+            attrs = instr.rest if not fused_scatter else next(
+                (i.rest for i in module.computations.get(fused_scatter, ()) if i.opcode.startswith("all-reduce")), "")
+            if len(set(slice_of)) > 1 and _spans_slices(attrs, slice_of):
+                totals[kind][3] += wire
+    return {k: Collective(k, int(c), b, w, d) for k, (c, b, w, d) in totals.items()}
 
 
 def _fused_group(instructions) -> int | None:
-    for _, _, opcode, rest in instructions:
-        if opcode.startswith("all-reduce"):
-            return _group_size(rest)
+    for instr in instructions:
+        if instr.opcode.startswith("all-reduce"):
+            return _group_size(instr.rest)
     return None

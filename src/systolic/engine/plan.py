@@ -4,11 +4,15 @@ A workload lowers its real train step from abstract inputs (`jax.ShapeDtypeStruc
 of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads:
 - memory per chip from the compiler's memory analysis; a compile-time out-of-memory (RESOURCE_EXHAUSTED) is a
   result, "DOES NOT FIT", with the bytes the compiler asked for;
-- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: the workload scales them to the
-  whole step (lm: per layer, see workloads/lm/entry.py) and says how they differ from its FLOP formula;
+- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: each loop of the compiled program (a
+  layer scan, a micro-batch scan, the TPU compiler's own collective-matmul loops) is weighted by its trip count,
+  read from the HLO (engine/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
+  is invisible to XLA, so the workload adds its formula's FLOPs for it; the result is set beside the workload's
+  FLOP formula;
 - the collectives of the compiled HLO (engine/hlo_collectives.py), counted per step;
-- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth), as if
-  the three overlapped perfectly, so it is a lower bound on the step time.
+- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth, and
+  with several slices the bytes of collectives that span slices at DCN bandwidth), as if they overlapped perfectly,
+  so it is a lower bound on the step time.
 
 For TPU targets the compiler is libtpu's, on compile-only devices of the named topology (no TPU needed). GPU
 targets compile with XLA:CPU on fake devices: the output says so.
@@ -28,7 +32,7 @@ from typing import Any
 
 import jax
 
-from systolic.engine import hlo_collectives
+from systolic.engine import hlo_collectives, hlo_text
 from systolic.engine.targets import PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime.platform import compiling_for
@@ -45,10 +49,10 @@ class StepProgram:
     params: int
     items_per_step: int  # tokens, env steps, samples...
     item_unit: str
-    model_flops_per_step: float  # the workload's formula (the MFU numerator)
+    model_flops_per_step: float | None  # the workload's formula (the MFU numerator); None: it has none, XLA's count
     dtype: str  # compute dtype: "bfloat16" or "float32"
-    loop_trips: tuple[int, ...]  # the step's loops by nesting depth, outermost first (for counting collectives)
-    scale_cost: Callable[[float], tuple[float, str]]  # XLA's raw FLOPs (all devices) -> (per step, how)
+    kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
+    kernel_note: str = ""  # which kernels, counted how
     notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
 
 
@@ -59,6 +63,7 @@ class Plan:
     chip: str
     chips: int
     topology: str | None
+    slices: int
     compiler: str
     mesh: str
     compile_s: float
@@ -77,17 +82,18 @@ class Plan:
     # (0 when the compiler's message gave no size)
     out_of_memory: str | None  # the compiler's message
     # FLOPs and bytes (None when the program did not compile)
-    model_flops_per_step: float
+    model_flops_per_step: float | None  # None: the workload has no formula
     xla_flops_raw: float | None  # cost analysis, all chips, loop bodies once
-    xla_flops_per_step: float | None  # scaled to the whole step, all chips
+    xla_flops_per_step: float | None  # every loop x its trips, + custom kernels' FLOPs; all chips
     flops_note: str
     hbm_bytes_accessed_raw: float | None  # per chip, loop bodies once
-    hbm_bytes_accessed_per_step: float | None  # per chip, scaled as the FLOPs are
+    hbm_bytes_accessed_per_step: float | None  # per chip, every loop x its trips
     collectives: dict[str, dict[str, float]]  # kind -> count, bytes, wire_bytes (per chip per step)
     # roofline
     compute_s: float | None
     hbm_s: float | None
     ici_s: float | None
+    dcn_s: float | None  # 0 for one slice
     step_time_s: float | None
     bound: str | None
     items_per_s: float | None
@@ -214,7 +220,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     price = price_per_chip_hour if price_per_chip_hour is not None else chip.price_per_chip_hour
     source = ("--price-per-chip-hour" if price_per_chip_hour is not None
               else f"on-demand list price as of {PRICES_DATED}: {chip.source}")
-    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology,
+    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology, slices=target.slices,
                   compiler=target.compiler, mesh=mesh, compile_s=compile_s, params=program.params,
                   items_per_step=program.items_per_step, item_unit=program.item_unit, hbm_bytes=chip.hbm_bytes,
                   argument_bytes=program.argument_bytes, model_flops_per_step=program.model_flops_per_step,
@@ -226,7 +232,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                     peak_bytes=int(needed or 0), out_of_memory=out_of_memory,
                     xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
                     hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
-                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, step_time_s=None, bound=None,
+                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, dcn_s=None, step_time_s=None, bound=None,
                     items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
                     train_chip_hours=None, train_cost_usd=None)
 
@@ -235,29 +241,40 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     cost = cost[0] if isinstance(cost, list) else cost
     # SPMD: the cost analysis is the one program every chip runs, so per chip; x chips for the step.
     raw_flops = float(cost.get("flops", 0.0)) * target.chips
-    flops, flops_note = program.scale_cost(raw_flops)
     raw_bytes = float(cost.get("bytes accessed", 0.0))
-    # The loops' share of HBM traffic taken to equal their share of FLOPs: an upper estimate, since the work outside
-    # the loops (optimizer update, LM head) moves more bytes per FLOP than a layer.
-    step_bytes = raw_bytes * (flops / raw_flops if raw_flops else 1.0)
-    collectives = hlo_collectives.read_collectives(compiled.as_text(), program.loop_trips)
-    wire = sum(c.wire_bytes for c in collectives.values())
-    # Compute at the larger of the two counts: XLA's can fall below the formula when the compiler makes loops of
-    # its own (collective matmuls over the fsdp shards), whose bodies it also counts once.
-    compute_s = max(flops, program.model_flops_per_step) / target.chips / peak
-    hbm_s, ici_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s
-    step_s = max(compute_s, hbm_s, ici_s)
-    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)"}[step_s]
-    ratio = flops / program.model_flops_per_step if program.model_flops_per_step else 1.0
-    if abs(ratio - 1) <= FLOPS_AGREE:
+    hlo = compiled.as_text()
+    weighted = hlo_text.step_cost(hlo)
+    flops = weighted.flops * target.chips + program.kernel_flops
+    loops = (f"{weighted.loops} loop{'s' if weighted.loops > 1 else ''} weighted by {'their' if weighted.loops > 1 else 'its'} "
+             "trip count from the HLO" if weighted.loops else "no loops")
+    unknown = (f"; {len(weighted.unknown)} loops of unreadable trip count counted once ({', '.join(weighted.unknown)})"
+               if weighted.unknown else "")
+    kernels = f"; + {program.kernel_flops:.3e} {program.kernel_note}" if program.kernel_flops else ""
+    flops_note = f"XLA's cost analysis, {loops}{unknown}{kernels}"
+    # XLA's generic count (on this host) weights each loop's bytes; the TPU compiler's own total is scaled by it.
+    step_bytes = raw_bytes * (weighted.bytes_accessed / weighted.counted_bytes if weighted.counted_bytes else 1.0)
+    collectives = hlo_collectives.read_collectives(hlo, _slice_of(compiled) if target.slices > 1 else ())
+    dcn = sum(c.dcn_wire_bytes for c in collectives.values())
+    wire = sum(c.wire_bytes for c in collectives.values()) - dcn
+    # Compute at the formula's count when XLA's falls short of it (a loop of unreadable trips, an opaque kernel).
+    formula = program.model_flops_per_step
+    compute_s = max(flops, formula or 0.0) / target.chips / peak
+    hbm_s, ici_s, dcn_s = step_bytes / chip.hbm_bytes_per_s, wire / chip.ici_bytes_per_s, dcn / chip.dcn_bytes_per_s
+    step_s = max(compute_s, hbm_s, ici_s, dcn_s)
+    bound = {compute_s: "compute", hbm_s: "HBM bandwidth", ici_s: "interconnect (ICI)",
+             dcn_s: "data-center network (DCN)"}[step_s]
+    ratio = flops / formula if formula else 1.0
+    if formula is None:
+        mfu_note = "the workload has no FLOP formula: the MFU is XLA's count over the roofline time"
+    elif abs(ratio - 1) <= FLOPS_AGREE:
         mfu_note = None
     elif ratio > 1:
         mfu_note = (f"XLA counts {ratio:.2f}x the formula's FLOPs (the notes say what the formula leaves out); the "
                     f"step time follows XLA's count, the MFU the formula's, so even at the compute roofline it is at "
                     f"most 1/{ratio:.2f} = {100 / ratio:.0f}%")
     else:
-        mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs: loops the compiler made itself (e.g. collective "
-                    "matmuls) are counted once as well, so the compute time uses the formula's count")
+        mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
+                    "formula's count")
     peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                   + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
     steps = train_items / program.items_per_step if train_items else None
@@ -269,21 +286,27 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 xla_flops_raw=raw_flops, xla_flops_per_step=flops, flops_note=flops_note,
                 hbm_bytes_accessed_raw=raw_bytes, hbm_bytes_accessed_per_step=step_bytes,
                 collectives={k: dataclasses.asdict(c) for k, c in collectives.items()},
-                compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, step_time_s=step_s, bound=bound,
+                compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s, step_time_s=step_s, bound=bound,
                 items_per_s=program.items_per_step / step_s if step_s else None,
-                mfu=program.model_flops_per_step / (step_s * peak * target.chips) if step_s else None,
+                mfu=(formula or flops) / (step_s * peak * target.chips) if step_s else None,
                 mfu_note=mfu_note, train_steps=steps, train_wall_s=wall, train_chip_hours=chip_hours,
                 train_cost_usd=chip_hours * price if chip_hours else None)
 
 
-def _gib(b: float) -> str:
+def _slice_of(compiled: Any) -> list[int]:
+    """The slice of each partition: partition p runs on the p-th device of the mesh the inputs are sharded over."""
+    mesh = next(s.mesh for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "mesh"))
+    return [d.slice_index for d in mesh.devices.flat]
+
+
+def gib_text(b: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= size:
             return f"{b / size:,.2f} {unit}"
     return f"{b:,.0f} B"
 
 
-def _ms(s: float) -> str:
+def ms_text(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s >= 1e-2 else f"{s * 1e3:.3g} ms"
 
 
@@ -295,39 +318,47 @@ def _duration(s: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     rows: list[tuple[str, str]] = [
-        ("target", f"{plan.target}: {plan.chips} x {plan.chip}" + (f" (topology {plan.topology})" if plan.topology else "")),
+        ("target", f"{plan.target}" + (f" x {plan.slices} slices" if plan.slices > 1 else "")
+                   + f": {plan.chips} x {plan.chip}" + (f" (topology {plan.topology})" if plan.topology else "")),
         ("figures from", plan.compiler),
         ("mesh", plan.mesh),
         ("compile", f"{plan.compile_s:,.1f} s (once)"),
         ("parameters", f"{plan.params / 1e9:.3f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.3f} M"),
     ]
     if plan.out_of_memory:
-        needs = f"needs {_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
-        rows += [("per chip: arguments", _gib(plan.argument_bytes)),
+        needs = f"needs {gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
+        rows += [("per chip: arguments", gib_text(plan.argument_bytes)),
                  ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
                  ("compiler said", plan.out_of_memory)]
     else:
         rows += [
-            ("per chip: arguments", _gib(plan.argument_bytes)),
-            ("per chip: temporaries", _gib(plan.temp_bytes or 0)),
-            ("per chip: generated code", _gib(plan.code_bytes or 0)),
-            ("per chip: peak", f"{_gib(plan.peak_bytes)} of {_gib(plan.hbm_bytes)} HBM -> "
+            ("per chip: arguments", gib_text(plan.argument_bytes)),
+            ("per chip: temporaries", gib_text(plan.temp_bytes or 0)),
+            ("per chip: generated code", gib_text(plan.code_bytes or 0)),
+            ("per chip: peak", f"{gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
-            ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)"),
-            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e} ({plan.flops_note}; cost analysis as reported: "
-                                 f"{plan.xla_flops_raw:.3e})"),
-            ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (an upper estimate: scaled as the "
-                                        f"FLOPs; as reported: {plan.hbm_bytes_accessed_raw:.3e})"),
+            ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)" if plan.model_flops_per_step
+                                   else "no formula for this workload"),
+            ("XLA FLOPs / step", f"{plan.xla_flops_per_step:.3e}"
+                                 + (f" = {plan.xla_flops_per_step / plan.model_flops_per_step:.2f}x the formula"
+                                    if plan.model_flops_per_step else "")
+                                 + f" ({plan.flops_note}; as reported, loop bodies once: {plan.xla_flops_raw:.3e})"),
+            ("HBM bytes / step / chip", f"{plan.hbm_bytes_accessed_per_step:.3e} (XLA's bytes accessed, each loop x its "
+                                        f"trips: an upper estimate, as it counts every operand read in full; as "
+                                        f"reported: {plan.hbm_bytes_accessed_raw:.3e})"),
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
-                rows.append((f"  {kind}", f"{c['count']:,} per step, {_gib(c['bytes'])} per chip "
-                                           f"({_gib(c['wire_bytes'])} over the links)"))
+                dcn = f", {gib_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
+                rows.append((f"  {kind}", f"{c['count']:,} per step, {gib_text(c['bytes'])} per chip "
+                                           f"({gib_text(c['wire_bytes'])} over the links{dcn})"))
         if not any(c["count"] for c in plan.collectives.values()):
             rows.append(("collectives", "none"))
         rows += [
-            ("roofline step time", f"{_ms(plan.step_time_s)}, {plan.bound}-bound (compute {_ms(plan.compute_s)}, "
-                                   f"HBM {_ms(plan.hbm_s)}, ICI {_ms(plan.ici_s)}; perfect overlap: a lower bound)"),
+            ("roofline step time", f"{ms_text(plan.step_time_s)}, {plan.bound}-bound (compute {ms_text(plan.compute_s)}, "
+                                   f"HBM {ms_text(plan.hbm_s)}, ICI {ms_text(plan.ici_s)}"
+                                   + (f", DCN {ms_text(plan.dcn_s)}" if plan.dcn_s else "")
+                                   + "; perfect overlap: a lower bound)"),
             ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"),
             ("roofline MFU", f"{100 * plan.mfu:.1f}%" + (f": {plan.mfu_note}" if plan.mfu_note else "")),
         ]

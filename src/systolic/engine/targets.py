@@ -77,12 +77,14 @@ class Target:
     chip: Chip
     chips: int  # GPUs: the mesh's device count
     topology: str | None = None  # libtpu's topology string, e.g. v5e:2x4; None for GPUs
-    topology_kwargs: tuple[tuple[str, object], ...] = ()  # chip_config_name, chips_per_host_bounds, wrap
+    topology_kwargs: tuple[tuple[str, object], ...] = ()  # chip_config_name, chips_per_host_bounds, wrap, num_slices
+    slices: int = 1  # TPU slices joined by the data-center network; `chips` counts all of them
 
     @property
     def compiler(self) -> str:
         if self.chip.platform == "tpu":
-            return f"the TPU compiler (libtpu) for topology {self.topology}"
+            return f"the TPU compiler (libtpu) for topology {self.topology}" + (
+                f" x {self.slices} slices" if self.slices > 1 else "")
         return (f"XLA:CPU on {self.chips} fake CPU devices standing in for {self.chip.name} (no CUDA compiler "
                 "on this host: fusion, layout and temporaries differ from the GPU's, so memory is an estimate)")
 
@@ -95,7 +97,7 @@ def tpu_names() -> list[str]:
     return names
 
 
-def _tpu_target(name: str, family: str, count: int) -> Target:
+def _tpu_target(name: str, family: str, count: int, slices: int) -> Target:
     cores = _CORES_PER_CHIP[family]
     shapes = _3D if family in ("v4", "v5p") else _2D
     if count % cores or count // cores not in shapes:
@@ -110,17 +112,26 @@ def _tpu_target(name: str, family: str, count: int) -> Target:
         host = (1, 1, 1) if chips == 1 else (2, 2, 1)
         wrap = (shape[0] == 16, shape[1] == 16, False)  # a full 16x16 pod is a torus; 8x16 wraps its long side
         kwargs = (("chips_per_host_bounds", host), ("wrap", wrap))
-    return Target(name, CHIPS[family], chips, topology, kwargs)
+    if slices > 1:
+        kwargs += (("num_slices", slices),)
+    return Target(name, CHIPS[family], chips * slices, topology, kwargs, slices)
 
 
-def resolve(name: str, *, mesh_devices: int) -> Target:
-    """The target for a user's name. GPU targets take their device count from the mesh (`h100` x --mesh)."""
+def resolve(name: str, *, mesh_devices: int, slices: int = 1) -> Target:
+    """The target for a user's name, `slices` of it. GPU targets take their device count from the mesh (`h100` x
+    --mesh)."""
     key = name.strip().lower()
+    if slices < 1:
+        raise UserError(f"--slices {slices}: expected the number of slices, at least 1. Fix: e.g. --slices 2.")
     if key in CHIPS and CHIPS[key].platform == "gpu":
+        if slices > 1:
+            raise UserError(f"--slices {slices} with --target {name}: slices are TPU slices joined by the data-center "
+                            "network; a GPU plan runs on fake devices of one process. Fix: a TPU target (e.g. --target "
+                            "v5e-256 --slices 2), or leave out --slices.")
         return Target(key, CHIPS[key], mesh_devices)
     family, _, count = key.rpartition("-")
     if family in _CORES_PER_CHIP and count.isdigit():
-        return _tpu_target(key, family, int(count))
+        return _tpu_target(key, family, int(count), slices)
     raise _unknown(name)
 
 

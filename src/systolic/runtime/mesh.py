@@ -36,10 +36,31 @@ def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
-    """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError."""
+    """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError.
+
+    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x tensor
+    over its own ICI links and the data axis runs across slices, so the one collective that crosses the slower
+    data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`). Devices
+    without a slice index (CPU, GPU) take each process as a slice."""
     devices = devices if devices is not None else jax.devices()
     shape = resolve_shape(cfg, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    if cfg.slices == 1:
+        return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    from jax.experimental import mesh_utils
+
+    by_process = getattr(devices[0], "slice_index", None) is None
+    granules = len({d.process_index if by_process else d.slice_index for d in devices})
+    if shape[0] % cfg.slices or granules != cfg.slices:
+        raise ConfigError(
+            f"mesh.slices={cfg.slices} splits the data axis across {cfg.slices} "
+            f"{'processes' if by_process else 'TPU slices'}, but the mesh has mesh.data={shape[0]} and the devices "
+            f"span {granules} {'processes' if by_process else 'slices'}. Fix: mesh.slices={granules} with mesh.data a "
+            f"multiple of it (e.g. mesh.data={granules} or -1), or mesh.slices=1."
+        )
+    per_slice = (shape[0] // cfg.slices, *shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1), devices,
+                                                process_is_granule=by_process)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -10,7 +10,8 @@ Command signatures, by name (the CLI calls them so):
 - `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> str`.
 - `bench`: `(cfg) -> context manager yielding the engine Task`, timed by `systolic bench`.
 - `plan`: `(cfg, devices) -> engine.plan.StepProgram`: the real step lowered on a mesh of `devices` (the plan
-  target's), with the workload's FLOP formula and how to scale XLA's count of its loops; engine/plan.py compiles it.
+  target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
+  engine/plan.py compiles it and weights its loops by their trip counts. Every workload offers one.
 
 `resolve_config(cfg, overrides, run_dir) -> cfg` (optional) completes a config from elsewhere before a run
 (lm's `init.from=RUN_DIR`). A finished run is opened through `engine.rundir` (config, workload check, newest

@@ -93,14 +93,21 @@ def test_auto_picks_by_platform(monkeypatch, platform, dtype, head_dim, want):
     monkeypatch.setattr(attention, "compile_platform", lambda: platform)
     monkeypatch.setattr(attention, "device_platform", lambda: platform)
     monkeypatch.setattr(attention.cpu, "compile_platform", lambda: platform)
-    assert attention.choose("auto", dtype=dtype, head_dim=head_dim) == want
+    assert attention.choose("auto", dtype=dtype, head_dim=head_dim, seq_len=256) == want
+
+
+def test_auto_falls_back_to_xla_on_tpu_where_splash_cannot_split_the_sequence(monkeypatch):
+    monkeypatch.setattr(attention, "compile_platform", lambda: "tpu")
+    assert attention.choose("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=200) == "xla"
+    with pytest.raises(ConfigError, match=r"data.seq_len a multiple of 128"):
+        attention.choose("splash", dtype=jnp.bfloat16, head_dim=64, seq_len=200)
 
 
 def test_forced_choices_act_or_say_why_not():
-    assert attention.choose("splash", dtype=jnp.float32, head_dim=64) == "splash"
-    assert attention.choose("xla", dtype=jnp.float32, head_dim=64) == "xla"
+    assert attention.choose("splash", dtype=jnp.float32, head_dim=64, seq_len=256) == "splash"
+    assert attention.choose("xla", dtype=jnp.float32, head_dim=64, seq_len=200) == "xla"
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU.*compiled for cpu"):
-        attention.choose("cudnn", dtype=jnp.bfloat16, head_dim=64)
+        attention.choose("cudnn", dtype=jnp.bfloat16, head_dim=64, seq_len=256)
 
 
 def test_splash_blocks_follow_the_sequence_length():
@@ -158,7 +165,7 @@ def test_splash_compiles_for_tpu_devices_from_this_host():
 
     def grads(setting):
         def loss(q, k, v):
-            impl = attention.choose(setting, dtype=q.dtype, head_dim=q.shape[-1])
+            impl = attention.choose(setting, dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1])
             return attention.causal_attention(q, k, v, impl=impl).astype(jnp.float32).sum()
 
         # Standard promotion: the transpose of jax's own XLA attention mixes float32 and bfloat16 internally, which

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from systolic.engine import loop
+from systolic.engine.plan import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
@@ -80,5 +81,25 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
     return save_grid(np.asarray(images)[:count], Path(out) if out else run_dir / "sample.png")
 
 
+def plan(cfg: GANConfig, devices: list) -> StepProgram:
+    """The real train step (`gan.d_steps` discriminator updates, one generator update, the EMA) lowered from
+    abstract inputs on a mesh of `devices`, for `systolic plan`."""
+    from systolic.workloads.gan.data import channels_for
+    from systolic.workloads.gan.task import make_step
+    from systolic.workloads.gan.train import param_count
+
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    channels, size, rows = channels_for(cfg), cfg.image.size, cfg.train.batch_size
+    rules, _, _, abstract, batch_shard, train_step = make_step(cfg, channels, mesh)
+    batch = {"images": jax.ShapeDtypeStruct((rows, size, size, channels), jax.numpy.float32, sharding=batch_shard),
+             "labels": jax.ShapeDtypeStruct((rows,), jax.numpy.int32, sharding=batch_shard)}
+    with activate(mesh, rules):
+        lowered = train_step.lower(abstract, batch)
+    return StepProgram(lowered=lowered, argument_bytes=mesh_lib.bytes_per_device((abstract, batch)),
+                       params=param_count(abstract.params), items_per_step=rows, item_unit="img",
+                       model_flops_per_step=None, dtype="float32",
+                       notes=("no FLOP formula for the gan workload: the MFU is taken from XLA's count",))
+
+
 WORKLOAD = Workload(name="gan", config=GANConfig, default_recipe="gan-digits",
-                    commands={"train": train, "sample": sample})
+                    commands={"train": train, "sample": sample, "plan": plan})

@@ -44,16 +44,22 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",), rules))  # leading axis only; pixels stay whole
 
 
-def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
-    """`run_dir` None: no evaluation (tests)."""
+def make_step(cfg: GANConfig, channels: int, mesh: Mesh):
+    """(rules, nets, init_state, abstract_state, batch_sharding, train_step): the jitted step on `mesh`."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, 1, mesh)
-    images = load_images(cfg)
-    nets = make_networks(cfg, images.channels)
-    init, abstract, shardings = make_state_fns(cfg, images.channels, mesh, rules)
+    nets = make_networks(cfg, channels)
+    init, abstract, shardings = make_state_fns(cfg, channels, mesh, rules)
     batch_shard = batch_sharding(mesh, rules)
     train_step = jit_step(make_train_step(cfg, nets), state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh,
                           loop=cfg.loop, check=CHECKED)
+    return rules, nets, init, abstract, batch_shard, train_step
+
+
+def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
+    """`run_dir` None: no evaluation (tests)."""
+    images = load_images(cfg)
+    rules, nets, init, abstract, batch_shard, train_step = make_step(cfg, images.channels, mesh)
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
     iterator = BatchIterator(images.train_images, images.train_labels, global_batch=cfg.train.batch_size,

@@ -2,6 +2,7 @@
 
     platform  `model.attention=auto` picks                                        (T, T) scores in memory
     tpu       splash: JAX's Pallas splash attention kernel, under shard_map        no
+              (xla where splash cannot: a sequence length not a multiple of 128)
     gpu       cudnn: cuDNN flash attention, `jax.nn.dot_product_attention`         no
               (xla where cuDNN cannot: float32, head size not a multiple of 8 or over 128)
     cpu       cpu: `lm/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
@@ -36,13 +37,14 @@ IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
 SPLASH_BLOCKS = (512, 256, 128)
 
 
-def choose(setting: str, *, dtype: jnp.dtype, head_dim: int) -> str:
+def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int) -> str:
     """The implementation that `model.attention=setting` means for the program being traced, one of
-    IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype or head size cannot run."""
+    IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype, head size or sequence length
+    cannot run."""
     platform = compile_platform()
     if setting == "auto":
         if platform == "tpu":
-            return "splash"
+            return "splash" if seq_len % SPLASH_BLOCKS[-1] == 0 else "xla"
         if platform == "gpu":  # a GPU plan traces GPU code but compiles it on CPU devices: no cuDNN kernel there
             return "cudnn" if device_platform() == "gpu" and _cudnn_takes(dtype, head_dim) else "xla"
         return "cpu" if cpu.cpu_tweak("attention") else "xla"
@@ -58,6 +60,8 @@ def choose(setting: str, *, dtype: jnp.dtype, head_dim: int) -> str:
             "model.dtype=bfloat16 and a head size like 64 or 128 (model.d_model / model.heads, or model.head_dim), "
             "or model.attention=auto, which falls back to xla here."
         )
+    if setting == "splash":
+        splash_block(seq_len)  # a ConfigError, with the fix, for a length the kernel cannot split
     assert setting in SETTINGS, setting  # the config schema checks the value
     return setting
 

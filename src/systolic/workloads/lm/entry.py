@@ -80,11 +80,9 @@ def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
 def plan(cfg: LMConfig, devices: list) -> StepProgram:
     """The real train step lowered from abstract inputs on a mesh of `devices` (the target's), for `systolic plan`.
 
-    XLA's cost analysis counts a loop body once. With `model.scan_layers` the layers are one loop (forward and
-    backward), and with `train.grad_accum` > 1 the micro-batches are another around it, so the counted FLOPs are
-    the LM head plus one layer, once. The step's FLOPs are scaled per layer, without compiling an unrolled twin:
-    accum x (head + layers x (counted - head)), the head's FLOPs (6 x d_model x vocab per token) from the formula.
-    """
+    XLA's cost analysis cannot see inside the splash attention kernel (a Pallas kernel, a custom call to XLA): its
+    FLOPs are added from the formula's attention term."""
+    from systolic.workloads.lm import attention
     from systolic.workloads.lm.flops import train_flops_per_token
     from systolic.workloads.lm.model import resolve_dtype
     from systolic.workloads.lm.train import build_step
@@ -95,28 +93,26 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     inputs = (step.abstract, {"inputs": batch, "targets": batch})
     with activate(mesh, step.rules):
         lowered = step.train_step.lower(*inputs)
-    m, accum = cfg.model, cfg.train.grad_accum
+    m = cfg.model
+    dtype = jax.numpy.dtype(resolve_dtype(m.dtype))
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    head = 6 * m.d_model * step.vocab * tokens / accum  # per micro-batch, all chips
-
-    def scale_cost(counted: float) -> tuple[float, str]:
-        if m.scan_layers:
-            return accum * (head + m.layers * (counted - head)), (
-                f"{'micro-batch loop and ' if accum > 1 else ''}layer loop counted once by XLA, scaled as "
-                f"{f'{accum} x ' if accum > 1 else ''}(head + {m.layers} layers x (counted - head))")
-        return accum * counted, f"micro-batch loop counted once by XLA, x {accum}" if accum > 1 else "as counted"
-
+    with activate(mesh, step.rules):
+        impl = attention.choose(m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len)
+    # Causal attention's model FLOPs per token (workloads/lm/flops.py): what the kernel must do at the least.
+    attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
              "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs), params=param_count(step.abstract.params),
         items_per_step=tokens, item_unit="tok",
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
-        dtype=str(jax.numpy.dtype(resolve_dtype(m.dtype))),
-        loop_trips=((accum,) if accum > 1 else ()) + ((m.layers,) if m.scan_layers else ()),
-        scale_cost=scale_cost,
+        dtype=str(dtype),
+        kernel_flops=attention_flops if impl == "splash" else 0.0,
+        kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
+                     "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
-               f"scores; the compiled step computes all T x T scores and the mask, and {remat}",),
+               f"scores; attention runs as {impl}"
+               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",),
     )
 
 

@@ -136,7 +136,7 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if kv is None:
-            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1])
+            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1])
             out = attention.causal_attention(q, k, v, impl=impl)  # (B, T, H, hd)
         else:
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
 
 from systolic.engine import loop
+from systolic.engine.plan import StepProgram
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
@@ -61,5 +63,27 @@ def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
 
 
+def plan(cfg: RLConfig, devices: list) -> StepProgram:
+    """One chunk step (`rl.updates_per_chunk` PPO updates of every seed: rollouts, GAE, minibatch epochs) lowered
+    from abstract inputs on a mesh of `devices`, for `systolic plan`."""
+    from systolic.workloads.rl.envs import Env
+    from systolic.workloads.rl.train import choose_layout, make_state_fns
+
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    layout = choose_layout(cfg, mesh)
+    _, chunk_step, abstract, _ = make_state_fns(cfg, Env(cfg.env), mesh, layout)
+    with activate(mesh):
+        lowered = chunk_step.lower(abstract, None)
+    run = cfg.rl
+    return StepProgram(
+        lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(abstract),
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)) // run.num_seeds,
+        items_per_step=run.num_seeds * run.env_steps_per_chunk, item_unit="env_steps", model_flops_per_step=None,
+        dtype="float32",
+        notes=(f"one step is a chunk of {run.updates_per_chunk} PPO updates x {run.num_seeds} seeds, split by "
+               f"{layout} over the data axes; parameters are per seed; no FLOP formula for the rl workload: the MFU "
+               "is taken from XLA's count",))
+
+
 WORKLOAD = Workload(name="rl", config=RLConfig, default_recipe="rl-cartpole",
-                    commands={"train": train, "eval": evaluate})
+                    commands={"train": train, "eval": evaluate, "plan": plan})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from systolic.engine import loop
+from systolic.engine.plan import StepProgram
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
@@ -120,5 +122,25 @@ def fit(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     return result
 
 
+def plan(cfg: SimConfig, devices: list) -> StepProgram:
+    """One frame of `systolic simulate` (the solver's steps up to the next output time, the grid split in slabs
+    over the mesh) lowered from abstract inputs on a mesh of `devices`, for `systolic plan`."""
+    with precision(cfg):
+        mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+        sim = make_simulation(cfg, mesh)
+        lowered = sim.frame_step.lower(sim.abstract_state, None)
+    fixed = sim.steps_per_frame > 0
+    return StepProgram(
+        lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(sim.abstract_state),
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(sim.abstract_state.params)),
+        items_per_step=sim.steps_per_frame if fixed else 1, item_unit="steps" if fixed else "frames",
+        model_flops_per_step=None, dtype=cfg.sim.dtype,
+        notes=(f"one step is a frame of {cfg.sim.equation} on a {cfg.grid.n}^2 grid"
+               + (f" ({sim.steps_per_frame} solver steps)" if fixed else " (adaptive steps: the loop's trip count "
+                  "is data-dependent, so XLA's count has its body once)")
+               + "; 'parameters' counts the grid's values; no FLOP formula for the sim workload: the MFU is taken "
+                 "from XLA's count",))
+
+
 WORKLOAD = Workload(name="sim", config=SimConfig, default_recipe="sim-turbulence",
-                    commands={"simulate": simulate, "fit": fit})
+                    commands={"simulate": simulate, "fit": fit, "plan": plan})
