@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(BIN)/systolic train lm
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not tpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not tpu" --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not tpu"
