@@ -16,10 +16,10 @@ run: $(STAMP)
 	$(BIN)/systolic train lm
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not tpu" --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu and not tpu" --durations=15
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not tpu"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not gpu and not tpu"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -134,6 +134,7 @@ def test_unknown_target_is_one_paragraph_and_exit_2():
     assert "v5p-128" in proc.stderr and "v5e-4" in proc.stderr
 
 
+@pytest.mark.slow  # the bisection itself is tested against a stand-in compiler in test_plan_search.py
 def test_search_reports_the_candidates_and_the_largest_batch_that_fits():
     proc = cli("--target", "v5e-4", "--mesh", "fsdp=4", *TINY, "--search", "--json")
     assert proc.returncode == 0, proc.stderr
