@@ -137,7 +137,6 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
         start = int(jax.device_get(state.step))
         progress = ProgressReporter(total=total, start=start, mode=settings.observe.progress, quiet=settings.quiet,
                                     enabled=is_writer, description=task.label)
-        profiler.progress = progress
         writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
         if resumed_from is not None:
             progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
@@ -181,7 +180,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 if (recompiled := recompiles.check(step, args)) is not None:
                     progress.log(f"[yellow]warning:[/] {recompiled}")
                 del args
-                profiler.after(step, state)
+                profiler.after(step, state, progress)
                 pending.append((step, metrics))
                 if task.after_step is not None:
                     with _floating_point_errors(step):
@@ -271,19 +270,17 @@ class _Profiler:
 
     def __init__(self, steps: tuple[int, int] | None, directory: Path):
         self.steps, self.directory, self.active = steps, directory, False
-        self.progress: ProgressReporter | None = None
 
     def before(self, step: int) -> None:
         if self.steps and step == self.steps[0] and jax.process_index() == 0:
             jax.profiler.start_trace(str(self.directory))
             self.active = True
 
-    def after(self, step: int, state: Any) -> None:
+    def after(self, step: int, state: Any, progress: ProgressReporter) -> None:
         if self.active and step >= self.steps[1]:
             jax.block_until_ready(state)  # the trace must contain the device work, not just the dispatch
             self.stop()
-            if self.progress is not None:
-                self.progress.log(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
+            progress.log(f"profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
 
     def stop(self) -> None:
         if self.active:

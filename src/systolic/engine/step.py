@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.config import LoopConfig
