@@ -23,6 +23,8 @@ from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import UserError
 
 VAL = 30.0
+_TINY = dict(arg.split("=", 1) for arg in TINY_LM)
+TINY_BATCH, TINY_SEQ = int(_TINY["train.batch_size"]), int(_TINY["data.seq_len"])
 pytestmark = pytest.mark.filterwarnings("ignore:Skipped 1")  # blob.bin, on purpose
 
 
@@ -261,6 +263,24 @@ def test_mixture_rows_follow_the_weights(two_prepared):
     assert from_a == pytest.approx(0.75, abs=0.01)
 
 
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (3, 1), (1, 1, 1), (0.123, 5.0, 2.5)])
+def test_mixture_counts_equal_grains_own_interleaving(weights):
+    import grain
+
+    from systolic.data.text import mixture_counts
+
+    tags = [grain.MapDataset.range(1).repeat(None).map(lambda _, i=i: i) for i in range(len(weights))]
+    mixed = grain.MapDataset.mix(tags, list(weights))
+    sources = np.array([mixed[k] for k in range(3000)])
+    for rows in (0, 1, 7, 64, 999, 3000):
+        assert mixture_counts(rows, weights) == [int((sources[:rows] == i).sum()) for i in range(len(weights))]
+
+
+def _source_tokens(run: Path) -> dict[int, tuple[float, float]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["tokens/json"], r["tokens/email"]) for r in records if r["split"] == "train"}
+
+
 def test_train_on_a_mixture_resumes_to_the_same_losses(two_prepared, tmp_path, capsys):
     mixture = f"data.mixture={two_prepared[0]}:0.7,{two_prepared[1]}:0.3"
     assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "whole")]) == 0
@@ -268,6 +288,12 @@ def test_train_on_a_mixture_resumes_to_the_same_losses(two_prepared, tmp_path, c
     assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "resumed")]) == 0
     whole = _losses(tmp_path / "whole")
     assert sorted(whole) == list(range(1, 11)) and _losses(tmp_path / "resumed") == whole
+    # Tokens per source so far: every step's tokens counted once, split 7:3, the same after the resume.
+    counts = _source_tokens(tmp_path / "whole")
+    assert counts == _source_tokens(tmp_path / "resumed")
+    per_step = TINY_BATCH * TINY_SEQ
+    assert [sum(counts[s]) for s in range(1, 11)] == [s * per_step for s in range(1, 11)]
+    assert counts[10][0] / (10 * per_step) == pytest.approx(0.7, abs=1 / TINY_BATCH)
     run = tmp_path / "bad"
     for bad, message in ((f"data.mixture={two_prepared[0]}:0", "positive weight"),
                          (f"data.mixture={two_prepared[0]}:x", "positive weight"),

@@ -69,6 +69,9 @@ class Task:
                              "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
     after_step: Callable[[int, TrainState], None] | None = None  # after every step, and step 0 of a fresh run
+    # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
+    # each train row: no state to checkpoint, so a resumed run writes the same values.
+    step_metrics: Callable[[int], dict[str, float]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +212,8 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                     for (s, _), values in zip(pending, fetched):
                         guard.check_step(s, values)
                         last = _floats({k: v for k, v in values.items() if k not in VERDICT_KEYS})
+                        if task.step_metrics is not None:
+                            last |= task.step_metrics(s)
                         writer.write(s, task.split, last | ({"skipped_total": guard.skipped} if guard.skipped else {}))
                         items = last[task.items_metric] if task.items_metric else task.items_per_step
                         items_done += items

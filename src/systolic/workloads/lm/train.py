@@ -264,9 +264,28 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": vocab},
+        step_metrics=_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len) if data.mixture else None,
     )
     param_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
     return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)
+
+
+def source_names(paths: list[str]) -> list[str]:
+    """Metric names of a mixture's sources: each folder's name, numbered where two share one."""
+    names = [Path(p).expanduser().resolve().name or "source" for p in paths]
+    return [f"{n}_{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _mixture_metrics(data: Corpus, global_batch: int, seq_len: int):
+    """`tokens/<source>`: training tokens read from each mixture source up to and including the step."""
+    names = source_names([path for path, _, _ in data.mixture])
+    weights = [w for _, _, w in data.mixture]
+
+    def metrics(step: int) -> dict[str, float]:
+        rows = text.mixture_counts(step * global_batch, weights)
+        return {f"tokens/{n}": float(r * seq_len) for n, r in zip(names, rows, strict=True)}
+
+    return metrics
 
 
 def baseline_nats_per_byte(data: Corpus, vocab: int) -> float:
