@@ -82,3 +82,28 @@ def test_launch_stops_everything_when_a_process_dies(tmp_path):
     for pid in pids.values():  # no process is left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_two_processes_read_their_own_rows_of_a_prepared_mixture_and_resume_on_one(tmp_path):
+    """Each of two processes reads only its half of each global batch from memory-mapped shards: the losses equal
+    one process's reading every row; the checkpoint (data position included) resumes on one process."""
+    from systolic.cli import main
+    from systolic.data.corpus import stdlib_dir
+
+    for package in ("json", "email"):
+        assert main(["data", "prepare", str(stdlib_dir() / package), "--out", str(tmp_path / package),
+                     "--val-percent", "30", "--shard-tokens", "20000", "--workers", "1"]) == 0
+    run = [*TINY, f"data.mixture={tmp_path / 'json'}:0.7,{tmp_path / 'email'}:0.3", "data.val_percent=30",
+           "data.max_bytes=0"]
+    ref = tmp_path / "ref"
+    systolic(["train", "lm", *run, "mesh.data=2", "--run-dir", str(ref)], devices=2)
+    expected = train_losses(ref)
+    multi = tmp_path / "multi"
+    systolic(["launch", "--processes", "2", "--devices-per-process", "1", "--", "train", "lm", *run, "mesh.data=2",
+              "loop.stop_at_step=4", "--run-dir", str(multi)], devices=1)
+    got = train_losses(multi)
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in range(1, 5)], [expected[s] for s in range(1, 5)], rtol=1e-5)
+    systolic(["train", "lm", *run, "mesh.data=1", "--run-dir", str(multi)], devices=1)
+    resumed = train_losses(multi)
+    np.testing.assert_allclose([resumed[5], resumed[6]], [expected[5], expected[6]], rtol=1e-5)
