@@ -146,3 +146,12 @@ def test_search_reports_the_candidates_and_the_largest_batch_that_fits():
     proc = subprocess.run([sys.executable, "-m", "systolic", "plan", "rl", "--target", "v5e-4", "--search"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "only the lm workload" in proc.stderr
+
+
+def test_packed_documents_plan_what_training_runs_with_splash_taking_the_segment_ids():
+    # data.packing=documents: the batch carries segment ids and positions (two more int32 (B, T) arrays, split
+    # over fsdp like the tokens), and the TPU compiler takes splash with SegmentIds per shard of batch and heads.
+    mesh = {"fsdp": 2, "tensor": 2}
+    concat, packed = plan_lm("v5e-4", mesh), plan_lm("v5e-4", mesh, "data.packing=documents")
+    assert packed.fits and "attention runs as splash" in packed.notes[0]
+    assert packed.argument_bytes - concat.argument_bytes == 2 * 8 * 256 * 4 // 2

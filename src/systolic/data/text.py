@@ -2,6 +2,10 @@
 
 A window is `seq_len + 1` tokens starting at a multiple of `seq_len`; inputs are its first `seq_len` tokens
 and targets its last `seq_len`, so consecutive windows share one token and every token is a target once.
+
+Documents are packed end to end, each followed by the end-of-document id. Given that id (`eot_id`, lm's
+`data.packing=documents`), a batch also carries each input's document (`segment_ids`) and its position in that
+document (`positions`), so the model can attend within documents only (`document_segments`).
 """
 
 from __future__ import annotations
@@ -57,30 +61,60 @@ class TokenWindows:
         return f"TokenWindows(tokens={len(self.tokens)}, seq_len={self.seq_len}, blake2b={self._digest})"
 
 
-def _as_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
+def batch_keys(packed: bool) -> tuple[str, ...]:
+    """The keys of a batch, each an int32 (B, seq_len) array: with `eot_id` given (`packed`), four, else two."""
+    return ("inputs", "targets", "segment_ids", "positions") if packed else ("inputs", "targets")
+
+
+def document_segments(inputs: np.ndarray, eot_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each input token's document in its window, and its position in that document: (segment_ids, positions),
+    int32 arrays shaped like `inputs` (B, T).
+
+    The end-of-document token opens the next document, as a beginning-of-sequence token would (and as `generate`
+    starts a fresh document from it), so no target crosses a boundary that the model cannot see across: a
+    document's last token predicts the end-of-document id, which predicts the next document's first token.
+    Segment ids count the end-of-document tokens at or before each input; a document cut by the window's start is
+    segment 0 and starts at position 0."""
+    is_eot = inputs == eot_id  # (B, T)
+    segment_ids = np.cumsum(is_eot, axis=1, dtype=np.int32)  # (B, T)
+    index = np.arange(inputs.shape[1], dtype=np.int32)  # (T,)
+    start = np.maximum.accumulate(np.where(is_eot, index, 0), axis=1)  # (B, T): where each input's document starts
+    return segment_ids, index - start
+
+
+def _as_batch(windows: np.ndarray, eot_id: int | None) -> dict[str, np.ndarray]:
     windows = windows.astype(np.int32)  # (B, seq_len + 1)
-    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}  # (B, seq_len) each
+    batch = {"inputs": windows[:, :-1], "targets": windows[:, 1:]}  # (B, seq_len) each
+    if eot_id is not None:
+        batch["segment_ids"], batch["positions"] = document_segments(batch["inputs"], eot_id)  # (B, seq_len) each
+    return batch
 
 
 class _ReadLocalRows:
     """Keeps this process's rows of a global batch of window indices and reads only those windows."""
 
-    def __init__(self, windows: TokenWindows, start: int, stop: int):
-        self.windows, self.start, self.stop = windows, start, stop
+    def __init__(self, windows: TokenWindows, start: int, stop: int, eot_id: int | None):
+        self.windows, self.start, self.stop, self.eot_id = windows, start, stop, eot_id
 
     def __call__(self, global_indices: np.ndarray) -> dict[str, np.ndarray]:
-        return _as_batch(self.windows[global_indices[self.start : self.stop]])
+        return _as_batch(self.windows[global_indices[self.start : self.stop]], self.eot_id)
 
     def __repr__(self) -> str:
-        return f"_ReadLocalRows({self.windows!r}, rows=[{self.start}:{self.stop}])"
+        return f"_ReadLocalRows({self.windows!r}, rows=[{self.start}:{self.stop}]{_segments_repr(self.eot_id)})"
+
+
+def _segments_repr(eot_id: int | None) -> str:
+    return "" if eot_id is None else f", segments at eot={eot_id}"
 
 
 def make_train_iterator(
-    tokens: Tokens, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+    tokens: Tokens, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1,
+    eot_id: int | None = None,
 ) -> grain.DatasetIterator:
     """An endless Grain iterator of this process's share of shuffled global batches.
 
-    Yields `{'inputs', 'targets'}` int32 arrays of shape (global_batch // process_count, seq_len). Every process
+    Yields `{'inputs', 'targets'}` int32 arrays of shape (global_batch // process_count, seq_len), and with
+    `eot_id` also `segment_ids` and `positions` (`document_segments`). Every process
     walks the same global batches of window indices, so `get_state()` (a small JSON-able dict) does not depend
     on the process count and a checkpoint resumes on any number of hosts.
     """
@@ -99,7 +133,7 @@ def make_train_iterator(
         .shuffle(seed=_mix_seed(seed))
         .repeat(None)
         .batch(global_batch, drop_remainder=True)  # (global_batch,) window indices; may straddle two epochs
-        .map(_ReadLocalRows(windows, process_index * local, (process_index + 1) * local))
+        .map(_ReadLocalRows(windows, process_index * local, (process_index + 1) * local, eot_id))
     )
     # Grain's defaults (16 threads, 500 batches ahead) would hold gigabytes of large batches; reading a batch
     # is one numpy gather, so a couple of batches ahead hides it behind the device step.
@@ -108,7 +142,7 @@ def make_train_iterator(
 
 def make_mixture_iterator(
     sources: Sequence[Tokens], weights: Sequence[float], *, seq_len: int, global_batch: int,
-    seed: int, process_index: int = 0, process_count: int = 1,
+    seed: int, process_index: int = 0, process_count: int = 1, eot_id: int | None = None,
 ) -> grain.DatasetIterator:
     """`make_train_iterator` over several token sources: each source's windows are shuffled and repeated on their
     own, then interleaved by `weights` (Grain's `MapDataset.mix`, deterministic), so a batch holds about
@@ -128,7 +162,7 @@ def make_mixture_iterator(
     dataset = (
         grain.MapDataset.mix(tagged, list(weights))
         .batch(global_batch, drop_remainder=True)  # (global_batch, 2): (source, window) pairs
-        .map(_ReadLocalMixedRows(windows, process_index * local, (process_index + 1) * local))
+        .map(_ReadLocalMixedRows(windows, process_index * local, (process_index + 1) * local, eot_id))
     )
     return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 
@@ -163,8 +197,8 @@ class _Tag:
 class _ReadLocalMixedRows:
     """`_ReadLocalRows` for (source, window) pairs."""
 
-    def __init__(self, windows: list[TokenWindows], start: int, stop: int):
-        self.windows, self.start, self.stop = windows, start, stop
+    def __init__(self, windows: list[TokenWindows], start: int, stop: int, eot_id: int | None):
+        self.windows, self.start, self.stop, self.eot_id = windows, start, stop, eot_id
 
     def __call__(self, pairs: np.ndarray) -> dict[str, np.ndarray]:
         pairs = pairs[self.start : self.stop]  # (local, 2)
@@ -173,10 +207,10 @@ class _ReadLocalMixedRows:
             rows = pairs[:, 0] == source
             if rows.any():
                 out[rows] = windows[pairs[rows, 1]]
-        return _as_batch(out)
+        return _as_batch(out, self.eot_id)
 
     def __repr__(self) -> str:
-        return f"_ReadLocalMixedRows({self.windows!r}, rows=[{self.start}:{self.stop}])"
+        return f"_ReadLocalMixedRows({self.windows!r}, rows=[{self.start}:{self.stop}]{_segments_repr(self.eot_id)})"
 
 
 def _local_share(global_batch: int, process_index: int, process_count: int) -> int:
@@ -196,8 +230,10 @@ def _mix_seed(seed: int) -> int:
     return int.from_bytes(digest, "big")  # in [0, 2**32), the range Grain accepts
 
 
-def make_eval_batches(tokens: Tokens, *, seq_len: int, batch: int, num_batches: int) -> list[dict[str, np.ndarray]]:
-    """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`."""
+def make_eval_batches(tokens: Tokens, *, seq_len: int, batch: int, num_batches: int,
+                      eot_id: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`,
+    with the keys that `make_train_iterator` gives for the same `eot_id`."""
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < batch:
         raise UserError(
@@ -207,7 +243,7 @@ def make_eval_batches(tokens: Tokens, *, seq_len: int, batch: int, num_batches: 
         )
     used = min(len(windows), batch * num_batches) // batch * batch
     chosen = np.arange(used) * len(windows) // used  # distinct, evenly spaced, first window always included
-    return [_as_batch(windows[chosen[i : i + batch]]) for i in range(0, used, batch)]
+    return [_as_batch(windows[chosen[i : i + batch]], eot_id) for i in range(0, used, batch)]
 
 
 def unigram_cross_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:

@@ -7,6 +7,11 @@
               (xla where cuDNN cannot: float32, head size not a multiple of 8 or over 128)
     cpu       cpu: `lm/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
 
+Packed documents (`segment_ids`, lm's `data.packing=documents`) are masked to causal AND same segment by every
+implementation: splash takes the ids (`SegmentIds`), the cpu formulation folds them into its additive bias, and
+xla and cudnn take a (B, 1, T, T) boolean mask, which jax hands cuDNN as an additive bias (cuDNN's training kernel
+with a bias needs an even sequence length: auto falls back to xla for an odd one).
+
 `model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
 platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
 error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
@@ -37,16 +42,17 @@ IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
 SPLASH_BLOCKS = (512, 256, 128)
 
 
-def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int) -> str:
+def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int, segments: bool = False) -> str:
     """The implementation that `model.attention=setting` means for the program being traced, one of
     IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype, head size or sequence length
-    cannot run."""
+    cannot run (`segments`: with packed documents' segment ids)."""
     platform = compile_platform()
     if setting == "auto":
         if platform == "tpu":
             return "splash" if seq_len % SPLASH_BLOCKS[-1] == 0 else "xla"
         if platform == "gpu":  # a GPU plan traces GPU code but compiles it on CPU devices: no cuDNN kernel there
-            return "cudnn" if device_platform() == "gpu" and _cudnn_takes(dtype, head_dim) else "xla"
+            takes = _cudnn_takes(dtype, head_dim) and not (segments and seq_len % 2)
+            return "cudnn" if device_platform() == "gpu" and takes else "xla"
         return "cpu" if cpu.cpu_tweak("attention") else "xla"
     if setting == "cudnn" and device_platform() != "gpu":
         raise ConfigError(
@@ -60,6 +66,13 @@ def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int) -> st
             "model.dtype=bfloat16 and a head size like 64 or 128 (model.d_model / model.heads, or model.head_dim), "
             "or model.attention=auto, which falls back to xla here."
         )
+    if setting == "cudnn" and segments and seq_len % 2:
+        raise ConfigError(
+            f"model.attention=cudnn with data.packing=documents: the documents' mask reaches cuDNN as an additive "
+            f"bias, and cuDNN's training kernel takes a bias only for an even sequence length, but data.seq_len="
+            f"{seq_len}. Fix: an even data.seq_len (e.g. {seq_len + 1}), or model.attention=auto, which falls back to "
+            "xla here."
+        )
     if setting == "splash":
         splash_block(seq_len)  # a ConfigError, with the fix, for a length the kernel cannot split
     assert setting in SETTINGS, setting  # the config schema checks the value
@@ -72,18 +85,22 @@ def _cudnn_takes(dtype: jnp.dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention with `impl` (one of IMPLEMENTATIONS, see `choose`): q (B, T, H, hd), k and
-    v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd)."""
+    v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd).
+    With `segment_ids` (B, T) int32 a query attends only to keys of its own segment (packed documents)."""
     if impl == "splash":
-        return splash_attention(q, k, v)
+        return splash_attention(q, k, v, segment_ids)
     if impl == "cpu":
-        return cpu.causal_attention(q, k, v)
+        return cpu.causal_attention(q, k, v, segment_ids)
     assert impl in ("cudnn", "xla"), impl
+    # (B, 1, T, T), shared by the heads. is_causal stays on with it: cuDNN then skips the blocks above the diagonal.
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     # jax's own XLA formulation adds float32 statistics to bfloat16 scores; that implicit promotion is its choice,
     # so it runs under standard promotion even where a caller (the tests) makes promotion strict.
     with jax.numpy_dtype_promotion("standard"):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
 def splash_block(seq_len: int) -> int:
@@ -98,7 +115,7 @@ def splash_block(seq_len: int) -> int:
     )
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU.
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
@@ -106,20 +123,24 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     each device. The sequence stays whole (no rule splits `seq`); the grouping is unchanged by the head split
     because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole groups."""
     local = functools.partial(_splash_local, interpret=device_platform() != "tpu")
+    operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
-        return local(q, k, v)
+        return local(*operands)
     q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
     kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
     assert q_spec[1] is None and q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
+    segment_spec = jax.sharding.PartitionSpec(q_spec[0], None)  # (B, T): the rows of q's shard, whole sequences
+    in_specs = (q_spec, kv_spec, kv_spec, segment_spec)[: len(operands)]
     # check_vma=False: the kernel declares its outputs without the varying-axes type that the check needs.
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)
 
 
-def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool) -> jax.Array:
-    """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd)."""
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+                  interpret: bool) -> jax.Array:
+    """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
+    -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
     kernel = _splash_kernel(H, T, interpret)
     # The kernel does not scale the logits: pre-scale the queries.
@@ -127,7 +148,12 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool) 
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
     # The MHA kernel takes fewer key/value heads than query heads (H % KV == 0, query head h reads key/value
     # head h // (H // KV)), so groups need no repeated key/value heads; the MQA variant takes exactly one.
-    out = jax.vmap(kernel)(q, k, v)  # (B, H, T, hd): the kernel works on one example
+    if segment_ids is None:
+        out = jax.vmap(kernel)(q, k, v)  # (B, H, T, hd): the kernel works on one example
+    else:
+        # The kernel ands its static causal mask with `segment q == segment kv`; every query keeps its own key.
+        segmented = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))  # noqa: E731
+        out = jax.vmap(segmented)(q, k, v, segment_ids)  # (B, H, T, hd)
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 

@@ -125,6 +125,10 @@ class DataConfig:
     tokenizer: str = "byte"
     # "DIR:WEIGHT,DIR:WEIGHT": prepared datasets (`systolic data prepare`) sampled by weight, instead of data.path
     mixture: str = ""
+    # How documents share a window of seq_len tokens (docs/data.md, "Document packing"): "concat" attends across
+    # the end-of-document tokens as if the corpus were one text; "documents" masks attention to each document and
+    # restarts positions at each document, the end-of-document token opening the next one.
+    packing: Literal["concat", "documents"] = "concat"
 
     @property
     def mixture_sources(self) -> list[tuple[str, float]]:

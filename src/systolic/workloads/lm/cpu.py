@@ -43,8 +43,9 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     return y.reshape(*lead, *out)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd).
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal grouped-query attention: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd); with
+    `segment_ids` (B, T) a query attends only to keys of its own segment.
 
     Heads go in front before the dots, and a query group shares its key/value head by stacking the group's
     queries along the query axis, so both dots are plain batched matmuls over (B, KV) that XLA:CPU runs without
@@ -55,13 +56,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     q = (q * (1.0 / math.sqrt(hd))).reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
     # -1e30 rather than -inf: exp underflows to exactly 0 and no inf - inf appears in the backward pass.
-    bias = jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0, -1e30).astype(q.dtype)  # (T, T)
-    out = _attention_core(q, k, v, jnp.tile(bias, (G, 1)))  # (B, KV, G*T, hd)
+    causal = jnp.tril(jnp.ones((T, T), bool))  # (T, T)
+    if segment_ids is None:
+        bias = jnp.tile(jnp.where(causal, 0.0, -1e30).astype(q.dtype), (G, 1))  # (G*T, T)
+    else:
+        allowed = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])  # (B, T, T)
+        bias = jnp.tile(jnp.where(allowed, 0.0, -1e30).astype(q.dtype)[:, None], (1, 1, G, 1))  # (B, 1, G*T, T)
+    out = _attention_core(q, k, v, bias)  # (B, KV, G*T, hd)
     return out.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
 def _attention_forward(q, k, v, bias):
-    """q (B, KV, Q, hd), k and v (B, KV, S, hd), bias (Q, S) -> out (B, KV, Q, hd) and probs (B, KV, Q, S)."""
+    """q (B, KV, Q, hd), k and v (B, KV, S, hd), bias (Q, S) or (B, 1, Q, S) -> out (B, KV, Q, hd) and probs
+    (B, KV, Q, S)."""
     # bias is in the compute dtype; the mask is added to the float32 scores, as the softmax runs in float32.
     scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) + bias.astype(jnp.float32)  # (B, KV, Q, S)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

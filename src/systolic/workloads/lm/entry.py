@@ -85,19 +85,19 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     from systolic.workloads.lm import attention
     from systolic.workloads.lm.flops import train_flops_per_token
     from systolic.workloads.lm.model import resolve_dtype
-    from systolic.workloads.lm.train import build_step
+    from systolic.workloads.lm.train import abstract_batch, build_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     step = build_step(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jax.numpy.int32, sharding=step.batch_sharding)
-    inputs = (step.abstract, {"inputs": batch, "targets": batch})
+    inputs = (step.abstract, abstract_batch(cfg, step.batch_sharding))  # with packed documents' segment ids too
     with activate(mesh, step.rules):
         lowered = step.train_step.lower(*inputs)
     m = cfg.model
     dtype = jax.numpy.dtype(resolve_dtype(m.dtype))
     tokens = cfg.train.batch_size * cfg.data.seq_len
     with activate(mesh, step.rules):
-        impl = attention.choose(m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len)
+        impl = attention.choose(m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
+                                segments=cfg.data.packing == "documents")
     # Causal attention's model FLOPs per token (workloads/lm/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",

@@ -86,16 +86,17 @@ class Norm(nnx.Module):
 
 
 def rope_tables(positions: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, each (T, hd), in the rotate-half layout of Hugging Face Llama."""
+    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
+    of Hugging Face Llama."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)  # (hd/2,)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)  # (T, hd)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
-    cos, sin = rope[0][None, :, None, :], rope[1][None, :, None, :]  # (1, T, 1, hd)
+    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, hd)
     h = x.astype(jnp.float32)
     x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, hd/2) each
     rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, hd)
@@ -123,9 +124,10 @@ class Attention(nnx.Module):
         else:
             self.bq = self.bk = self.bv = self.bo = None
 
-    def __call__(self, x, rope, mask, start, kv):
-        """x (B, T, D); kv None (training: causal over x) or this layer's cache (k, v), each (B, S, KV, hd),
-        into which x's keys/values are written at `start`. Returns (y (B, T, D), updated kv or None)."""
+    def __call__(self, x, rope, mask, start, kv, segment_ids=None):
+        """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given) or
+        this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`. Returns
+        (y (B, T, D), updated kv or None)."""
         dt = self.dtype
         q = project(x, self.wq[...].astype(dt))  # (B, T, H, hd)
         k = project(x, self.wk[...].astype(dt))  # (B, T, KV, hd)
@@ -136,9 +138,11 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if kv is None:
-            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1])
-            out = attention.causal_attention(q, k, v, impl=impl)  # (B, T, H, hd)
+            impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
+                                    segments=segment_ids is not None)
+            out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids)  # (B, T, H, hd)
         else:
+            assert segment_ids is None, "decoding attends over one document per row"
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
             # use the explicit mask (key position <= query position) instead.
             ck = jax.lax.dynamic_update_slice(kv[0], k, (0, start, 0, 0))  # (B, S, KV, hd)
@@ -190,10 +194,10 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, rope, mask, start, kv):
+    def __call__(self, x, rope, mask, start, kv, segment_ids=None):
         if kv is None and cpu_tweak("barrier"):
             x = gradient_barrier(x)
-        y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv)
+        y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv, segment_ids)
         x = constrain(x + y, ACT)
         x = constrain(x + self.mlp(self.mlp_norm(x)), ACT)
         return x, kv
@@ -227,9 +231,14 @@ class Transformer(nnx.Module):
         else:
             self.lm_head = _param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens int32 (B, T) -> logits float32 (B, T, vocab), causal over T."""
-        logits, _ = self._forward(tokens, None)
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """tokens int32 (B, T) -> logits float32 (B, T, vocab), causal over T.
+
+        Documents packed into a row (`data.packing=documents`) pass `segment_ids` (B, T), so a token attends only
+        to earlier tokens of its own segment, and `positions` (B, T), each token's position in its document (for
+        the rotary or learned position embedding); by default one document per row at positions 0..T-1."""
+        logits, _ = self._forward(tokens, None, segment_ids, positions)
         return logits
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -243,7 +252,7 @@ class Transformer(nnx.Module):
         shape = (cfg.layers, batch, max_len, cfg.n_kv_heads, cfg.d_head)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 
-    def _forward(self, tokens, cache):
+    def _forward(self, tokens, cache, segment_ids=None, positions=None):
         cfg, dt = self.cfg, self.dtype
         T = tokens.shape[1]
         if T > cfg.max_seq_len:
@@ -252,20 +261,21 @@ class Transformer(nnx.Module):
                 f"positions. Fix: cut the input to {cfg.max_seq_len} tokens (data.seq_len) or raise model.max_seq_len."
             )
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-        positions = start + jnp.arange(T, dtype=jnp.int32)  # (T,)
+        if positions is None:
+            positions = (start + jnp.arange(T, dtype=jnp.int32))[None]  # (1, T): every row alike
         # Gather the fsdp-split columns first: a lookup into a table split on both axes makes the SPMD
         # partitioner fall back to replicating it ("involuntary full rematerialization").
         table = constrain(self.embed[...], ("vocab", None))  # (V, D)
         x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
         if self.pos_embed is not None:
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)[None]  # (B, T, D)
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)  # (B or 1, T, D)
         x = constrain(x, ACT)
         rope = rope_tables(positions, cfg.d_head, cfg.rope_theta) if cfg.family == "llama" else None
-        mask = None if cache is None else jnp.arange(cache.k.shape[2])[None, :] <= positions[:, None]  # (T, S)
+        mask = None if cache is None else jnp.arange(cache.k.shape[2])[None, :] <= positions[0][:, None]  # (T, S)
         kv = None if cache is None else (cache.k, cache.v)
 
         def apply(block: Block, x, kv_layer):
-            return block(x, rope, mask, start, kv_layer)
+            return block(x, rope, mask, start, kv_layer, segment_ids)
 
         if cfg.remat != "none":
             apply = nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])

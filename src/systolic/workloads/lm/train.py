@@ -153,10 +153,22 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
 # LOSS AND EVALUATION ------------------------------------------------------------------------------------------
 
 
+def batch_logits(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+    """The model's logits (B, T, V) float32 for a batch of `text` windows: within documents when the batch carries
+    their segment ids and positions (data.packing=documents), else across the whole window."""
+    return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+
+
+def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
+    """What a global train batch looks like under `cfg.data.packing`, for compiling the step without data."""
+    shape = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32, sharding=sharding)
+    return {key: shape for key in text.batch_keys(packed=cfg.data.packing == "documents")}
+
+
 def make_loss_fn(graphdef: nnx.GraphDef):
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        logits = nnx.merge(graphdef, params)(batch["inputs"])  # (B, T, V) float32
+        logits = batch_logits(nnx.merge(graphdef, params), batch)  # (B, T, V) float32
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         return loss, {}
 
@@ -166,7 +178,7 @@ def make_loss_fn(graphdef: nnx.GraphDef):
 def make_eval_step(graphdef: nnx.GraphDef):
     @jax.jit
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(batch["inputs"])  # (B, T, V)
+        logits = batch_logits(nnx.merge(graphdef, params), batch)  # (B, T, V)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
 
     return eval_step
@@ -233,17 +245,19 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
     train_step, batch_shard = step.train_step, step.batch_sharding
     data = load_corpus(cfg)
 
+    # The end-of-document id marks where documents start in a window, for batches that keep attention within them.
+    eot_id = make_tokenizer(cfg.data.tokenizer).eot_id if cfg.data.packing == "documents" else None
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
     shares = dict(seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
-                  process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo))
+                  process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo), eot_id=eot_id)
     if data.mixture:
         iterator = text.make_mixture_iterator([t for _, t, _ in data.mixture], [w for _, _, w in data.mixture], **shares)
     else:
         iterator = text.make_train_iterator(data.train_tokens, **shares)
     eval_batch = cfg.train.batch_size // cfg.train.grad_accum
     host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
-                                       num_batches=cfg.train.eval_batches)
+                                       num_batches=cfg.train.eval_batches, eot_id=eot_id)
     lo, hi = mesh_lib.local_rows(batch_shard, eval_batch)
     eval_batches = [place({k: v[lo:hi] for k, v in b.items()}, batch_shard, eval_batch) for b in host_eval]
     bytes_per_token = data.val_bytes / len(data.val_tokens)
