@@ -39,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="sample text from a trained lm run directory")
     gen.add_argument("run_dir", type=Path)
-    gen.add_argument("--prompt")
+    gen.add_argument("--prompt", help="the text to continue; with --chat, the user's message")
+    gen.add_argument("--chat", action="store_true", help="render --prompt (and --system) with the run's chat template "
+                     "and print only the assistant's reply")
+    gen.add_argument("--system", help="with --chat: the system message before the user's")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, help="0 = greedy")
     gen.add_argument("--top-k", type=int, help="0 = off")
@@ -462,7 +465,8 @@ def _generate(args: argparse.Namespace) -> int:
     from systolic import workloads
 
     print(workloads.get("lm").command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
-                                       args.top_k, args.top_p, args.seed))
+                                                  args.top_k, args.top_p, args.seed, chat=args.chat,
+                                                  system=args.system))
     return 0
 
 

@@ -8,6 +8,7 @@ keeps its own normaliser, pre-tokeniser, post-processor and decoder, so ids matc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -56,6 +57,7 @@ class BPETokenizer:
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
         specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.special_tokens = specials  # spelling -> id of every special token, e.g. {"<|im_end|>": 2}
         # A post-processor pickles as its JSON; reading that avoids serialising the whole (maybe 10 MB) file.
         processor = tokenizer.post_processor
         template_bos, template_eos = _template_specials(json.loads(processor.__getstate__()) if processor else None)
@@ -106,6 +108,25 @@ class BPETokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode` of each text, run in parallel threads by the Rust library."""
         return [np.asarray(e.ids, self.dtype) for e in self._tokenizer.encode_batch(list(texts))]
+
+    def encode_with_specials(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of `text` in which special tokens are spelt out, such as a rendered chat template ("<|im_end|>" is
+        that token, as transformers matches it by default), with nothing added by the post-processor (as
+        `apply_chat_template` tokenizes, add_special_tokens=False); and each id's [start, end) characters in
+        `text`, int64 (N, 2)."""
+        encoding = self._with_specials.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, self.dtype), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+
+    @functools.cached_property
+    def _with_specials(self) -> Tokenizer:
+        # A second copy: matching special tokens is a setting of the Rust object, and `encode` needs it off.
+        copy = Tokenizer.from_str(self._tokenizer.to_str())
+        copy.encode_special_tokens = False
+        return copy
+
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry or added token spelt `token` (e.g. "<|eot_id|>"), or None."""
+        return self._tokenizer.token_to_id(token)
 
     def decode(self, ids) -> str:
         """Text of `ids`; special tokens and ids outside the vocabulary are dropped."""

@@ -2,7 +2,9 @@
 
 The byte tokenizer needs no training and no file. A BPE tokenizer (`systolic.data.bpe`) is a Hugging Face
 tokenizer.json, trained by `systolic tokenizer train` or shipped with a model. A run trained with one keeps a
-copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate.
+copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate. A model's
+tokenizer.json comes with companion files (its special tokens and chat template, `systolic.data.chat`), which
+travel with it into the run and back out to Hugging Face.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import numpy as np
 from systolic.errors import ConfigError, UserError
 
 RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run directory
+# Files of a Hugging Face folder that belong to its tokenizer.json: special tokens (tokenizer_config.json, or
+# special_tokens_map.json in old folders) and the chat template (chat_template.jinja since transformers 5, else an
+# entry of tokenizer_config.json). Not the named extra templates of additional_chat_templates/.
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class Tokenizer(Protocol):
@@ -136,16 +142,28 @@ def tokenizer_for_training(run_dir: Path, spec: str, *, resuming: bool) -> str:
     return spec if spec == ByteTokenizer.name else str(copy)
 
 
-def store_in_run(run_dir: Path, spec: str) -> None:
-    """Makes `run_dir` self-contained: copies the tokenizer.json that `spec` names to RUN_DIR/tokenizer.json,
-    atomically; for the byte tokenizer, removes a copy left by an earlier run in the same directory."""
-    copy = Path(run_dir) / RUN_FILE
-    if spec == ByteTokenizer.name:
-        copy.unlink(missing_ok=True)
-        return
-    from systolic.data.bpe import write_atomic
+def tokenizer_files(source: Path) -> dict[str, Path]:
+    """What travels with the tokenizer.json `source`, by the name each has in a run or a Hugging Face folder:
+    tokenizer.json itself and the companions beside it. Only a file named tokenizer.json has companions: a
+    `tok.json` (as `systolic tokenizer train` writes) is no Hugging Face folder's, whatever lies beside it."""
+    source = Path(source)
+    companions = [source.with_name(name) for name in COMPANION_FILES] if source.name == RUN_FILE else []
+    return {RUN_FILE: source, **{p.name: p for p in companions if p.is_file()}}
 
-    source = tokenizer_file(spec)
-    if copy.exists() and source.resolve() == copy.resolve():
-        return
-    write_atomic(copy, source.read_bytes())
+
+def store_in_run(run_dir: Path, spec: str) -> None:
+    """Makes `run_dir` self-contained: copies the tokenizer.json that `spec` names to RUN_DIR/tokenizer.json, and
+    its companions beside it, each atomically; removes a tokenizer (for the byte tokenizer) or companions that an
+    earlier run left in the same directory and that `spec` does not have."""
+    run_dir = Path(run_dir)
+    copy = run_dir / RUN_FILE
+    files = {} if spec == ByteTokenizer.name else tokenizer_files(tokenizer_file(spec))
+    if copy.exists() and RUN_FILE in files and files[RUN_FILE].resolve() == copy.resolve():
+        return  # resuming from the run's own copy
+    for name in (RUN_FILE, *COMPANION_FILES):
+        if name in files:
+            from systolic.data.bpe import write_atomic  # imports the Rust library only when a BPE is used
+
+            write_atomic(run_dir / name, files[name].read_bytes())
+        else:
+            (run_dir / name).unlink(missing_ok=True)

@@ -7,7 +7,8 @@ Command signatures, by name (the CLI calls them so):
 - `train`, `simulate`, `fit`: `(cfg, run_dir, quiet) -> engine.loop.RunResult`; they run the engine's loop.
 - `eval`: `(run_dir, *, episodes, gymnasium, gif, seed) -> str`, the report to print.
 - `sample`: `(run_dir, *, count, out, seed) -> Path`, the picture written.
-- `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> str`.
+- `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, *, chat, system) -> str`;
+  with `chat`, `prompt` is the user's message and the result the assistant's reply.
 - `bench`: `(cfg) -> context manager yielding the engine Task`, timed by `systolic bench`.
 - `plan`: `(cfg, devices) -> engine.plan.StepProgram`: the real step lowered on a mesh of `devices` (the plan
   target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;

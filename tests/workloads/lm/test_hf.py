@@ -14,6 +14,8 @@ import pytest
 import yaml
 from flax import nnx
 
+from tiny_hf import VOCAB, finetune_overrides, make_hf_model
+
 from systolic import cli
 from systolic import config as config_lib
 from systolic.config import MeshConfig
@@ -29,29 +31,8 @@ from systolic.workloads.lm.train import build_task, model_graphdef, param_shardi
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320  # >= the byte tokenizer's 258 ids, so a fine-tune on bytes fits
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 NEW = 10
-
-
-def make_hf_model(family: str):
-    """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
-    no near-ties), norm scales near 1 and biases near 0 (a large random final-norm bias would fix the argmax)."""
-    torch.manual_seed(0)
-    if family == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-6,
-            bos_token_id=1, eos_token_id=2, attn_implementation="eager")
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-        model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
-    return model.eval()
 
 
 def hf_logits(model, tokens) -> np.ndarray:
@@ -211,15 +192,9 @@ def test_parse_size():
 # FINE-TUNING FROM AN IMPORT -----------------------------------------------------------------------------------
 
 
-def _overrides(source: Path, corpus: Path) -> list[str]:
-    return [f"init.from={source}", f"data.path={corpus}", "data.seq_len=16", "train.batch_size=8", "train.steps=4",
-            "train.eval_batches=1", "checkpoint.every_steps=2", "optim.warmup_steps=1", "sample.max_new_tokens=0",
-            "observe.plot=false", "observe.tensorboard=false", "observe.progress=off"]
-
-
 def test_init_from_takes_the_source_model_and_params(imported, corpus_dir, tmp_path):
     source = imported["llama"]
-    overrides = [*_overrides(source, corpus_dir), "model.dtype=float32"]
+    overrides = [*finetune_overrides(source, corpus_dir), "model.dtype=float32"]
     recipe = config_lib.load(LMConfig, None, overrides, "lm-tiny")[0]
     cfg = init_from.resolve_config(recipe, overrides, tmp_path / "new")
     want = load_run(source, "test")
@@ -240,7 +215,7 @@ def test_finetune_runs_and_resumes_without_the_source(imported, corpus_dir, tmp_
     source = tmp_path / "imported"
     shutil.copytree(imported["llama"], source)
     run = tmp_path / "finetune"
-    argv = ["train", "lm", *_overrides(source, corpus_dir), "--run-dir", str(run)]
+    argv = ["train", "lm", *finetune_overrides(source, corpus_dir), "--run-dir", str(run)]
     assert cli.main([*argv, "loop.stop_at_step=2"]) == 0
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["model"]["d_model"] == 64 and saved["init"]["from"] == str(source)

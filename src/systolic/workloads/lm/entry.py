@@ -59,10 +59,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         say(f"throughput: {result.items_per_s:,.0f} tokens/s; first step (compile) {result.compile_s:.1f} s; "
             f"wall time {result.wall_s:.1f} s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
-        text = sample.sample_text(cfg, prepared.graphdef, result.state.params, prepared.vocab,
-                                  prompt=cfg.sample.prompt, max_new_tokens=cfg.sample.max_new_tokens,
-                                  temperature=cfg.sample.temperature, top_k=cfg.sample.top_k,
-                                  top_p=cfg.sample.top_p, seed=cfg.sample.seed)
+        text = sample.sample_text(cfg, prepared.graphdef, result.state.params, cfg.sample)
         say(f"sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}):\n{cfg.sample.prompt}{text}")
     return result
 
@@ -121,9 +118,10 @@ def param_count(params) -> int:
 
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
-             top_k: int | None, top_p: float | None, seed: int | None) -> str:
+             top_k: int | None, top_p: float | None, seed: int | None, *, chat: bool = False,
+             system: str | None = None) -> str:
     return sample.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_k=top_k, top_p=top_p, seed=seed)
+                                    top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system)
 
 
 WORKLOAD = Workload(name="lm", config=LMConfig, default_recipe="lm-tiny",

@@ -2,8 +2,9 @@
 
 `systolic convert from-hf SRC RUN_DIR` reads a local folder (config.json + model.safetensors, or sharded
 model-*.safetensors + model.safetensors.index.json) one tensor at a time, places each parameter straight into
-its sharded layout, and writes a run directory: config.yaml, tokenizer.json (when SRC has one) and a
-parameters-only checkpoint at step 0, which `systolic generate` and `systolic train lm init.from=RUN_DIR` read.
+its sharded layout, and writes a run directory: config.yaml, tokenizer.json (when SRC has one, with its special
+tokens and chat template: `data.tokenizer.COMPANION_FILES`) and a parameters-only checkpoint at step 0, which
+`systolic generate` and `systolic train lm init.from=RUN_DIR` read.
 `systolic convert to-hf RUN_DIR OUT` writes the latest checkpoint back as a folder `from_pretrained` loads.
 Which tensor is which lives in `hf_tensors`, config.json in `hf_config`; tests/workloads/lm/test_hf.py checks
 logits and greedy generations against transformers.
@@ -29,7 +30,7 @@ from safetensors.numpy import save_file
 
 from systolic import config as config_lib
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import RUN_FILE, make_tokenizer
+from systolic.data.tokenizer import RUN_FILE, make_tokenizer, tokenizer_files
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
@@ -223,8 +224,8 @@ def parse_size(text: str) -> int:
 
 
 def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConfig:
-    """`systolic convert from-hf`: writes `run_dir` (config.yaml, tokenizer.json, a step-0 parameters-only
-    checkpoint). The directory appears complete or not at all. Returns the run's config."""
+    """`systolic convert from-hf`: writes `run_dir` (config.yaml, tokenizer.json and its companions, a step-0
+    parameters-only checkpoint). The directory appears complete or not at all. Returns the run's config."""
     src, run_dir = Path(src), Path(run_dir)
     mcfg = hf_config.model_config(hf_config.read_config(src), src, scan_layers=scan_layers)
     _check_free(run_dir)
@@ -246,7 +247,8 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
         tmp.mkdir(parents=True)
         (tmp / rundir.CONFIG_FILE).write_text(config_lib.dump_yaml(cfg), encoding="utf-8")
         if tokenizer.is_file():
-            shutil.copyfile(tokenizer, tmp / RUN_FILE)
+            for name, path in tokenizer_files(tokenizer).items():
+                shutil.copyfile(path, tmp / name)
         ckpt = Checkpointer(tmp / "checkpoints", cfg.checkpoint)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
         meta = {"workload": "lm", "vocab": mcfg.vocab_size, "params_only": True, "source": str(src.absolute())}
@@ -261,7 +263,8 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
 
 def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) -> list[str]:
     """`systolic convert to-hf`: the run's newest intact checkpoint as a Hugging Face folder (config.json,
-    safetensors, tokenizer.json when the run has one), written to a temporary folder and renamed when complete.
+    safetensors, tokenizer.json and its companions when the run has one), written to a temporary folder and
+    renamed when complete.
     Returns the names of the files written."""
     out = Path(out)
     _check_free(out)
@@ -274,9 +277,10 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
         files = write_safetensors(tmp, export_tensors(run.cfg.model, params), max_shard_bytes)
-        if run.cfg.data.tokenizer != "byte":
-            shutil.copyfile(run.cfg.data.tokenizer, tmp / RUN_FILE)
-            files.append(RUN_FILE)
+        if run.cfg.data.tokenizer != "byte":  # the run's own copy, with the chat template that travelled with it
+            for name, path in tokenizer_files(Path(run.cfg.data.tokenizer)).items():
+                shutil.copyfile(path, tmp / name)
+                files.append(name)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

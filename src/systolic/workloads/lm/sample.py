@@ -1,10 +1,11 @@
-"""Text in, text out: tokenise a prompt, decode with the KV cache, detokenise. Works from any run directory."""
+"""Text in, text out: tokenise a prompt (or render a chat conversation), decode with the KV cache, detokenise.
+Works from any run directory."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -12,20 +13,31 @@ from flax import nnx
 
 from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
 from systolic.engine import finished
-from systolic.workloads.lm.config import LMConfig
+from systolic.errors import UserError
+from systolic.workloads.lm.config import LMConfig, SampleConfig
 from systolic.workloads.lm.generate import generate
 
+if TYPE_CHECKING:
+    from systolic.data.chat import ChatTemplate
 
-def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, vocab: int, *, prompt: str,
-                max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int) -> str:
+
+def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig) -> str:
+    """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token."""
     tokenizer = make_tokenizer(cfg.data.tokenizer)
-    ids = tokenizer.encode(prompt).astype(np.int32)
+    ids = tokenizer.encode(settings.prompt).astype(np.int32)
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
-    new = generate(graphdef, params, ids[None, :], max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, key=jax.random.PRNGKey(seed), vocab_limit=tokenizer.vocab_size)
+    return _continue(graphdef, params, tokenizer, ids, (tokenizer.eot_id,), settings)
+
+
+def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
+              settings: SampleConfig) -> str:
+    """The text that the model adds after the prompt `ids`, up to (not including) the first of `stop_ids`."""
+    new = generate(graphdef, params, ids[None, :], max_new_tokens=settings.max_new_tokens,
+                   temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                   key=jax.random.PRNGKey(settings.seed), vocab_limit=tokenizer.vocab_size)
     new = np.asarray(jax.device_get(new))[0]
-    stop = np.flatnonzero(new == tokenizer.eot_id)
+    stop = np.flatnonzero(np.isin(new, stop_ids))
     if stop.size:
         new = new[: stop[0]]
     return continuation_text(tokenizer, ids, new)
@@ -40,18 +52,51 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.
 
 
 def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
-                      top_k: int | None, top_p: float | None, seed: int | None) -> str:
-    """The prompt followed by its continuation; unset arguments take the run's `sample` settings."""
-    command = "systolic generate"
+                      top_k: int | None, top_p: float | None, seed: int | None, chat: bool = False,
+                      system: str | None = None) -> str:
+    """The prompt followed by its continuation; unset arguments take the run's `sample` settings. With `chat`, the
+    assistant's reply alone, to the user message `prompt` after the optional system message `system`, rendered
+    with the run's chat template and ended by its end-of-turn token."""
+    if system is not None and not chat:
+        raise UserError("--system sets the system message of a chat, but --chat is not set, so it would be ignored. "
+                        "Fix: add --chat (the run needs a chat template), or drop --system.")
+    if chat and prompt is None:
+        raise UserError("--chat needs --prompt: it is the user's message that the model replies to. Fix: e.g. "
+                        "`systolic generate RUN --chat --prompt \"What is a monad?\"`.")
+    command = "systolic generate --chat" if chat else "systolic generate"
     cfg = finished.read_config(run_dir, "lm", command)  # the settings checked before the slow part
     overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
+    if chat:
+        template = chat_template(run_dir, cfg)
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": settings.prompt})
+        ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
+        run = load_run(run_dir, command)
+        return _continue(run.graphdef, run.params, template.tokenizer, ids, template.stop_ids, settings)
     run = load_run(run_dir, command)
-    cfg, graphdef, params, vocab = run.cfg, run.graphdef, run.params, run.vocab
-    return settings.prompt + sample_text(cfg, graphdef, params, vocab, prompt=settings.prompt, max_new_tokens=settings.max_new_tokens,
-                       temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
+    return settings.prompt + sample_text(run.cfg, run.graphdef, run.params, settings)
+
+
+def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:
+    """The chat template that the run `run_dir` (config `cfg`) keeps beside its tokenizer.json; a UserError when it
+    has none."""
+    from systolic.data.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate  # Jinja only for chat
+
+    spec = run_tokenizer(run_dir, cfg.data.tokenizer)
+    template = None if spec == "byte" else ChatTemplate.load(Path(spec).parent, make_tokenizer(spec))
+    if template is None:
+        lacks = ("uses the byte tokenizer" if spec == "byte" else
+                 f"has no {TEMPLATE_FILE}, and no `chat_template` entry in a {CONFIG_FILE}, beside its tokenizer.json")
+        raise UserError(
+            f"{run_dir} has no chat template (it {lacks}), so --chat cannot write the conversation in the format its "
+            "model was trained on. Fix: drop --chat to continue plain text; or import an instruction-tuned model "
+            f"whose Hugging Face folder has its chat template with `systolic convert from-hf`; or copy the model's "
+            f"{TEMPLATE_FILE} and {CONFIG_FILE} into {run_dir}."
+        )
+    return template
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""Tiny random transformers models for the Hugging Face tests (tests/workloads/lm/test_hf.py, tests/data/test_chat.py),
+built from a config with no download, and the overrides of a short fine-tune from an imported run. torch and
+transformers are imported when a model is made: the test modules skip themselves when they are missing."""
+
+from pathlib import Path
+
+VOCAB = 320  # >= the byte tokenizer's 258 ids, so a fine-tune on bytes fits
+
+
+def make_hf_model(family: str):
+    """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
+    no near-ties), norm scales near 1 and biases near 0 (a large random final-norm bias would fix the argmax)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    return model.eval()
+
+
+def finetune_overrides(source: Path, corpus: Path) -> list[str]:
+    """`systolic train lm` overrides of a 4-step fine-tune from the imported run `source` (the same program in every
+    test, so a session compiles it once)."""
+    return [f"init.from={source}", f"data.path={corpus}", "data.seq_len=16", "train.batch_size=8", "train.steps=4",
+            "train.eval_batches=1", "checkpoint.every_steps=2", "optim.warmup_steps=1", "sample.max_new_tokens=0",
+            "observe.plot=false", "observe.tensorboard=false", "observe.progress=off"]
