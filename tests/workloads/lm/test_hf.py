@@ -25,33 +25,13 @@ from systolic.workloads.lm import hf, hf_config, hf_tensors, init_from
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.sample import generate_from_run, load_run
 from systolic.workloads.lm.train import build_task, model_graphdef, param_shardings
+from tiny import HF_VOCAB as VOCAB, make_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320  # >= the byte tokenizer's 258 ids, so a fine-tune on bytes fits
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 NEW = 10
-
-
-def make_hf_model(family: str):
-    """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
-    no near-ties), norm scales near 1 and biases near 0 (a large random final-norm bias would fix the argmax)."""
-    torch.manual_seed(0)
-    if family == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-6,
-            bos_token_id=1, eos_token_id=2, attn_implementation="eager")
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-        model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
-    return model.eval()
 
 
 def hf_logits(model, tokens) -> np.ndarray:
