@@ -28,14 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("workload", help="which workload: sim")
     _add_run_arguments(fit, "fit.steps=200 fit.noise=0.05", "runs/<recipe>-fit")
 
-    ev = sub.add_parser("eval", help="evaluate a trained run directory (rl: every seed's policy)",
-                        description="Evaluate a trained run, e.g. `systolic eval rl runs/rl-cartpole --episodes 100 --gymnasium`.")
-    ev.add_argument("workload", help="which workload: rl")
-    ev.add_argument("run_dir", type=Path)
-    ev.add_argument("--episodes", type=int, default=100, help="episodes per seed (default 100)")
-    ev.add_argument("--gymnasium", action="store_true", help="run the policy in Gymnasium's reference implementation")
-    ev.add_argument("--gif", type=Path, help="also write a GIF of one episode to this path")
-    ev.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes' start states")
+    # Each workload declares its own eval options (Workload.options); _evaluate_run parses them, so -h is its too.
+    ev = sub.add_parser("eval", add_help=False, usage="systolic eval WORKLOAD RUN_DIR [options]",
+                        help="evaluate a trained run directory (lm: likelihood of text or multiple choice; rl: every "
+                             "seed's policy)",
+                        description="Evaluate a trained run, e.g. `systolic eval lm runs/lm-tiny --data notes.txt`, "
+                                    "`systolic eval lm runs/llama --choices items.jsonl` or `systolic eval rl "
+                                    "runs/rl-cartpole --episodes 100 --gymnasium`. Each workload has its own options: "
+                                    "`systolic eval lm -h`, `systolic eval rl -h`.")
+    ev.add_argument("workload", nargs="?", help="which workload: lm or rl")
+    ev.set_defaults(print_eval_help=ev.print_help)
 
     gen = sub.add_parser("generate", help="sample text from a trained lm run directory")
     gen.add_argument("run_dir", type=Path)
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may sit between options (`a=1 --recipe r b=2`); argparse leaves the later ones unrecognised.
     args, extra = parser.parse_known_args(argv)
+    if args.command == "eval":  # the run directory and the workload's own options: parsed in _evaluate_run
+        args.options, extra = extra, []
     stray = [item for item in extra if item.startswith("-") or args.command not in _OVERRIDE_COMMANDS]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
@@ -439,10 +443,53 @@ def _launch(args: argparse.Namespace) -> int:
 def _evaluate_run(args: argparse.Namespace) -> int:
     from systolic import workloads
 
-    evaluate = workloads.get(args.workload).command("eval")
-    print(evaluate(args.run_dir, episodes=args.episodes, gymnasium=args.gymnasium, gif=args.gif,
-                            seed=args.seed))
+    if args.workload is None or args.workload.startswith("-"):
+        if not {"-h", "--help"} & {args.workload, *args.options}:
+            raise UserError("`systolic eval` needs a workload and a run directory, e.g. `systolic eval lm runs/lm-tiny "
+                            "--data notes.txt` or `systolic eval rl runs/rl-cartpole`. Fix: add them; `systolic eval "
+                            "lm -h` lists lm's options.")
+        args.print_eval_help()
+        return 0
+    workload = workloads.get(args.workload)
+    evaluate = workload.command("eval")
+    options = vars(_workload_options(workload, "eval", args.options))
+    print(evaluate(options.pop("run_dir"), **options))
     return 0
+
+
+class _OptionParser(argparse.ArgumentParser):
+    """A workload command's own options: a parse error is a UserError (one paragraph, exit 2), not argparse's exit."""
+
+    def error(self, message: str):
+        raise UserError(f"`{self.prog}`: {message}. Usage: {self.usage_line()}. Fix: correct the arguments; "
+                        f"`{self.prog} -h` describes each.")
+
+    def usage_line(self) -> str:
+        return " ".join(self.format_usage().split()).removeprefix("usage: ")
+
+
+def _workload_options(workload, command: str, argv: list[str]) -> argparse.Namespace:
+    """RUN_DIR and the options `workload` declares for `command` (Workload.options), parsed from argv. An option it
+    does not declare is an error that names the workloads whose command has it."""
+    from systolic import workloads
+
+    def make_parser(w) -> _OptionParser:
+        parser = _OptionParser(prog=f"systolic {command} {w.name}")
+        parser.add_argument("run_dir", type=Path, help="the run directory")
+        w.options.get(command, lambda _: None)(parser)
+        return parser
+
+    parser = make_parser(workload)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        others = [workloads.get(name) for name in workloads.WORKLOADS if name != workload.name]
+        owners = [w.name for w in others if command in w.options and flag in make_parser(w)._option_string_actions]
+        where = f" (it is an option of `systolic {command} {owners[0]}`)" if owners else ""
+        what = f"option {flag}{where}" if flag.startswith("-") else f"argument {flag!r}"
+        raise UserError(f"`{parser.prog}` has no {what}. Usage: {parser.usage_line()}. Fix: leave out {flag}; "
+                        f"`{parser.prog} -h` describes each option.")
+    return args
 
 
 def _debug_mode(args: argparse.Namespace):

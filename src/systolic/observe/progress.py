@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 class ProgressReporter:
     def __init__(self, *, total: int, start: int, mode: str = "auto", quiet: bool = False, enabled: bool = True,
-                 description: str = "train"):
+                 description: str = "train", unit: str = "step"):
         self.enabled = enabled and not quiet
+        self.unit = unit  # what is counted, in the plain lines
         self.console = Console(stderr=True, no_color=not sys.stderr.isatty(), soft_wrap=True)
         self.total = total
         self._start_step = start
@@ -39,7 +40,7 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=text)
         else:
-            self.console.print(f"step {step}/{self.total} | {text} | ETA {self._eta(step)}", highlight=False)
+            self.console.print(f"{self.unit} {step}/{self.total} | {text} | ETA {self._eta(step)}", highlight=False)
 
     def restart_clock(self, step: int) -> None:
         """ETA from here on: called once the first (compiling) step is done so compile time does not skew it."""

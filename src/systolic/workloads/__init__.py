@@ -5,7 +5,8 @@ each a plain function. The CLI dispatches from these records and never probes a 
 Command signatures, by name (the CLI calls them so):
 
 - `train`, `simulate`, `fit`: `(cfg, run_dir, quiet) -> engine.loop.RunResult`; they run the engine's loop.
-- `eval`: `(run_dir, *, episodes, gymnasium, gif, seed) -> str`, the report to print.
+- `eval`: `(run_dir, **options) -> str`, the report to print; `options` are the ones the workload declares in
+  `options["eval"]` (rl: episodes, gymnasium, gif, seed; lm: data, choices, batch_size).
 - `sample`: `(run_dir, *, count, out, seed) -> Path`, the picture written.
 - `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, *, chat, system) -> str`;
   with `chat`, `prompt` is the user's message and the result the assistant's reply.
@@ -14,7 +15,9 @@ Command signatures, by name (the CLI calls them so):
   target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
   engine/plan.py compiles it and weights its loops by their trip counts. Every workload offers one.
 
-`resolve_config(cfg, overrides, run_dir) -> cfg` (optional) completes a config from elsewhere before a run
+`options` (optional) maps a command to a function that adds that command's own options to an argparse parser: the
+CLI parses them per workload, so an option of another workload's command (`systolic eval lm --episodes`) is an
+error, not ignored. `resolve_config(cfg, overrides, run_dir) -> cfg` (optional) completes a config from elsewhere before a run
 (lm's `init.from=RUN_DIR`). A finished run is opened through `engine.rundir` (config, workload check, newest
 intact checkpoint). Workload modules are imported lazily, so `systolic info` pays for no model code.
 """
@@ -46,6 +49,7 @@ class Workload:
     default_recipe: str
     commands: Mapping[str, Callable[..., Any]]  # command name -> function (signatures above)
     resolve_config: Callable[[Any, list[str], Any], Any] | None = None
+    options: Mapping[str, Callable[[Any], None]] = dataclasses.field(default_factory=dict)  # command -> add its options
 
     def command(self, name: str) -> Callable[..., Any]:
         """The function for `name`, or a UserError naming the workloads that offer it."""

@@ -57,7 +57,8 @@ def test_train_resume_and_eval(tiny_rl, tmp_path, capsys):
     (["train", "rl", "env.name=Pong"], "is not an environment the rl workload can build"),
     (["train", "rl", "--recipe", "lm-tiny"], "is for the 'lm' workload, not 'rl'"),
     (["eval", "rl", "/nonexistent/run"], "not a systolic run directory"),
-    (["eval", "lm", "/nonexistent/run"], "has no `eval` command"),
+    (["eval", "gan", "/nonexistent/run"], "has no `eval` command"),
+    (["eval", "rl", "/nonexistent/run", "--data", "x.txt"], "has no option --data (it is an option of `systolic eval lm`)"),
 ])
 def test_user_errors_exit_2_without_traceback(argv, fragment, capsys, tmp_path):
     assert main(argv + (["--run-dir", str(tmp_path / "r")] if argv[0] == "train" else [])) == 2

@@ -1,7 +1,8 @@
-"""What the CLI calls for the `lm` workload: train (then report and sample) and generate from a run directory."""
+"""What the CLI calls for the `lm` workload: train (then report and sample), generate from and evaluate a run directory."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import math
@@ -124,6 +125,26 @@ def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temp
                                     top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system)
 
 
+def evaluate(run_dir: Path, *, data: str | None, choices: Path | None, batch_size: int | None) -> str:
+    """`systolic eval lm RUN_DIR`: the report to print, the figures as JSON on its last line."""
+    from systolic.workloads.lm.evaluate import evaluate_run
+
+    return evaluate_run(run_dir, data=data, choices=choices, batch_size=batch_size)
+
+
+def add_eval_options(parser: argparse.ArgumentParser) -> None:
+    """`systolic eval lm`'s own options (the arguments of `evaluate`)."""
+    parser.add_argument("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl "
+                        "with field 'text' or a .parquet, as data.path reads them): nats/token, nats/byte, bits/byte, "
+                        "perplexity")
+    parser.add_argument("--choices", type=Path, metavar="FILE.jsonl", help='score multiple choice: one {"context": '
+                        'str, "choices": [str, ...], "label": int} a line; accuracy and acc_norm')
+    parser.add_argument("--batch-size", type=int, metavar="N", help="rows per batch (default: the run's "
+                        "train.batch_size / train.grad_accum), rounded up to a multiple of the data-parallel devices")
+
+
 WORKLOAD = Workload(name="lm", config=LMConfig, default_recipe="lm-tiny",
-                    commands={"train": train, "generate": generate, "bench": build_bench_task, "plan": plan},
+                    commands={"train": train, "generate": generate, "eval": evaluate, "bench": build_bench_task,
+                              "plan": plan},
+                    options={"eval": add_eval_options},
                     resolve_config=init_from.resolve_config)  # with init.from: the source's model and tokenizer

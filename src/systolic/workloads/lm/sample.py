@@ -11,9 +11,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from systolic.config import MeshConfig
 from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
 from systolic.engine import finished
-from systolic.errors import UserError
+from systolic.errors import ConfigError, UserError
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import Rules, rules_for, with_shardings
 from systolic.workloads.lm.config import LMConfig, SampleConfig
 from systolic.workloads.lm.generate import generate
 
@@ -101,19 +104,24 @@ def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:
 
 @dataclasses.dataclass(frozen=True)
 class LoadedRun:
-    """A trained lm run's model on one device: what `generate` and `export` start from."""
+    """A trained lm run's model: what `generate`, `export` and `eval` start from."""
 
     cfg: LMConfig
     vocab: int  # embedding rows (the tokenizer's vocabulary, padded)
     graphdef: nnx.GraphDef
-    params: Any  # pure dict of arrays, on the first device
+    params: Any  # pure dict of arrays: on the first device, or laid out on `mesh` by `rules`
     step: int  # the checkpoint's step
+    mesh: jax.sharding.Mesh | None = None  # None: the parameters sit on the first device
+    rules: Rules | None = None
+    layout: str = "one device"  # which mesh, and why: for reports
 
 
-def load_run(run_dir: Path, command: str) -> LoadedRun:
+def load_run(run_dir: Path, command: str, *, sharded: bool = False,
+             devices: list[jax.Device] | None = None) -> LoadedRun:
     """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
-    ("systolic export") names what the user ran in the errors."""
-    from systolic.workloads.lm.train import model_graphdef
+    ("systolic export") names what the user ran in the errors. `sharded`: the parameters laid out over `devices`
+    (default: all) as `sharded_layout` chooses; otherwise on the first device."""
+    from systolic.workloads.lm.train import model_graphdef, param_shardings
 
     with finished.open_run(run_dir, "lm", command) as run:
         cfg: LMConfig = run.cfg
@@ -123,10 +131,34 @@ def load_run(run_dir: Path, command: str) -> LoadedRun:
         vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
         graphdef = model_graphdef(cfg.model, vocab)
         abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-        params = run.restore_params(abstract)
-    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step)
+        mesh, rules, layout = None, None, "one device"
+        if sharded:
+            mesh, rules, layout = sharded_layout(cfg, vocab, jax.devices() if devices is None else devices)
+            shardings = param_shardings(cfg.model, vocab, mesh, rules)
+        else:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+        params = run.restore_params(with_shardings(abstract, shardings))
+    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step, mesh=mesh, rules=rules,
+                     layout=layout)
+
+
+def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:
+    """The run's own mesh and sharding rules when they fit `devices` (a different count, or sizes that do not
+    divide, do not); otherwise every device data-parallel with the parameters replicated, which fits any count.
+    Returns (mesh, rules, a description for reports)."""
+    from systolic.workloads.lm.train import param_shardings
+
+    try:
+        mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+        rules = rules_for(cfg.sharding.rules, mesh)
+        param_shardings(cfg.model, vocab, mesh, rules)  # a ConfigError when a dimension does not divide
+        return mesh, rules, f"mesh {mesh_lib.describe(mesh)} (the run's, sharding.rules={cfg.sharding.rules})"
+    except ConfigError:
+        mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices)
+        m = cfg.mesh
+        return mesh, rules_for("dp", mesh), (
+            f"mesh {mesh_lib.describe(mesh)} (every device data-parallel: the run's mesh data={m.data} fsdp={m.fsdp} "
+            f"tensor={m.tensor} does not fit these {len(devices)} device(s))")
 
 
 def _model(cfg: LMConfig, vocab: int):

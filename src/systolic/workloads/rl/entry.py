@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
 
 
+def add_eval_options(parser: argparse.ArgumentParser) -> None:
+    """`systolic eval rl`'s own options (the arguments of `evaluate`)."""
+    parser.add_argument("--episodes", type=int, default=100, metavar="N", help="episodes per seed (default 100)")
+    parser.add_argument("--gymnasium", action="store_true", help="run the policy in Gymnasium's reference implementation")
+    parser.add_argument("--gif", type=Path, metavar="FILE.gif", help="also write a GIF of one episode to this path")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the evaluation episodes' start states")
+
+
 def plan(cfg: RLConfig, devices: list) -> StepProgram:
     """One chunk step (`rl.updates_per_chunk` PPO updates of every seed: rollouts, GAE, minibatch epochs) lowered
     from abstract inputs on a mesh of `devices`, for `systolic plan`."""
@@ -86,4 +95,4 @@ def plan(cfg: RLConfig, devices: list) -> StepProgram:
 
 
 WORKLOAD = Workload(name="rl", config=RLConfig, default_recipe="rl-cartpole",
-                    commands={"train": train, "eval": evaluate, "plan": plan})
+                    commands={"train": train, "eval": evaluate, "plan": plan}, options={"eval": add_eval_options})
