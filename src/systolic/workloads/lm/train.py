@@ -79,7 +79,8 @@ def _load_prepared(cfg: LMConfig, path: str = "") -> Corpus:
     if not prepared.is_prepared(path):
         raise UserError(f"data.mixture names {path!r}, which is not a prepared dataset (no index.json in it). Fix: "
                         f"prepare it with `systolic data prepare SRC --out {path}`.")
-    dataset = prepared.PreparedDataset.open(path)  # checks every shard's size and SHA-256
+    # Checks every shard's size, and the SHA-256 of those not checked before or changed since (cache.py).
+    dataset = prepared.PreparedDataset.open(path, trust_verified=True)
     dataset.check_tokenizer(cfg.data.tokenizer)
     split_at = dataset.index["val_percent"]
     if cfg.data.max_bytes or cfg.data.val_percent != split_at:
