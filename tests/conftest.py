@@ -12,6 +12,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # CLI subprocesses that the end-to-end tests start.
 os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
+# The data cache (raw corpora tokenized once, verified shards) in a folder of this test process, never the user's
+# ~/.cache: each pytest-xdist worker imports this file and gets its own, inherited by the CLI subprocesses it starts.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["SYSTOLIC_CACHE"] = tempfile.mkdtemp(prefix="systolic-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SYSTOLIC_CACHE"], ignore_errors=True)
+
 from systolic.runtime import cpu_tuning  # noqa: E402
 
 # The XLA:CPU flags the CLI sets (inherited by the CLI subprocesses), so tests compile what users run. Not the
@@ -79,8 +88,6 @@ def tiny_lm(corpus_dir):
 
 # One persistent XLA cache for the whole session (inherited by CLI subprocesses): the many small runs of the
 # same tiny programs compile once. Never the user's ~/.cache.
-import tempfile  # noqa: E402
-
 if not os.environ.get("SYSTOLIC_COMPILE_CACHE"):
     os.environ["SYSTOLIC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="systolic-test-xla-")
 from systolic.runtime import compile_cache  # noqa: E402

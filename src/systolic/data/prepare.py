@@ -61,10 +61,9 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
     out = Path(out).expanduser()
     if out.exists():
         raise UserError(f"--out {out} already exists. Fix: remove it, or choose another --out.")
-    spec = tokenizer if tokenizer == ByteTokenizer.name else str(tokenizer_file(tokenizer).resolve())
+    spec = _resolved(tokenizer)
     tok = make_tokenizer(spec)
-    settings = {"source": str(root.resolve()), "field": field, "val_percent": val_percent, "shard_tokens": shard_tokens,
-                "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name}
+    settings = _settings(str(root.resolve()), field, val_percent, shard_tokens, spec, tok)
     partial = out.with_name(out.name + ".partial")
     writer = _Writer.resume_or_start(partial, settings, tok)  # outside the try: another run's progress is kept
     try:
@@ -77,6 +76,32 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
     t, v = writer.splits
     return (f"prepared {out}: {t.documents:,} train / {v.documents:,} validation documents, {t.tokens:,} / {v.tokens:,} "
             f"tokens in {len(t.shards)} + {len(v.shards)} shard(s)")
+
+
+def write_encoded(out: Path, splits: list[tuple[np.ndarray, np.ndarray, int]], *, tokenizer: str, source: str,
+                  val_percent: float, field: str = "text", shard_tokens: int = 1 << 26) -> None:
+    """Writes splits that are already encoded into the existing empty folder `out`, in the layout `prepare` writes.
+
+    `splits` holds (tokens, tokens per document, UTF-8 bytes) for train and for validation, the tokens as
+    `text.encode_documents` returns them (each document followed by the end-of-document id). The raw-corpus cache
+    (cached_corpus.py) writes the in-memory path's own tokens this way, so a cached corpus is the tokens it had.
+    """
+    spec = _resolved(tokenizer)
+    tok = make_tokenizer(spec)
+    writer = _Writer(out, _settings(source, field, val_percent, shard_tokens, spec, tok), tok, resumable=False)
+    for split, (tokens, lengths, nbytes) in zip(writer.splits, splits, strict=True):
+        writer.append(split, [tokens.astype(tok.dtype, copy=False)], lengths.tolist(), nbytes)
+    writer.finish(tok, spec, field)
+
+
+def _resolved(tokenizer: str) -> str:
+    """data.tokenizer / --tokenizer as "byte" or the absolute path of its tokenizer.json (copied into the output)."""
+    return tokenizer if tokenizer == ByteTokenizer.name else str(tokenizer_file(tokenizer).resolve())
+
+
+def _settings(source: str, field: str, val_percent: float, shard_tokens: int, spec: str, tok: Tokenizer) -> dict[str, Any]:
+    return {"source": source, "field": field, "val_percent": val_percent, "shard_tokens": shard_tokens,
+            "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name}
 
 
 def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spec: str, workers: int) -> None:
@@ -143,10 +168,11 @@ def _encode_in_worker(texts: list[str | None]):
 
 
 class _Writer:
-    """Appends documents to the two splits, writes full shards, saves progress after each."""
+    """Appends documents to the two splits, writes full shards, saves progress after each (when resumable)."""
 
-    def __init__(self, partial: Path, settings: dict[str, Any], tok: Tokenizer):
+    def __init__(self, partial: Path, settings: dict[str, Any], tok: Tokenizer, *, resumable: bool = True):
         self.partial, self.settings, self.eot = partial, settings, tok.eot_id
+        self.resumable = resumable  # False: written in one go (the raw-corpus cache), no progress to save
         self.dtype = np.dtype(tok.dtype)
         self.splits = [_Split(name, [], np.zeros(tok.vocab_size, np.int64)) for name in SPLITS]
         self.consumed = 0  # input records (documents, empty ones and unreadable files) taken so far
@@ -193,20 +219,26 @@ class _Writer:
                 continue
             # The same stable name hash as corpus.split_documents, decided per document so it can stream.
             split = self.splits[1 if corpus.is_validation(name, self.settings["val_percent"]) else 0]
-            doc = tokens[ends[i] - lengths[i]: ends[i]]
-            split.pending += [doc, eot]
-            split.pending_tokens += len(doc) + 1
-            split.documents += 1
-            split.tokens += len(doc) + 1
-            split.bytes += int(nbytes[i])
+            self.append(split, [tokens[ends[i] - lengths[i]: ends[i]], eot], [lengths[i] + 1], int(nbytes[i]))
+
+    def append(self, split: _Split, pieces: list[np.ndarray], lengths: list[int], nbytes: int) -> None:
+        """Adds documents to `split`: `pieces` hold their tokens, each document's ending in the end-of-document id,
+        `lengths` their token counts (with that id) and `nbytes` their UTF-8 bytes; writes the shards that fill."""
+        split.pending += pieces
+        for length in lengths:
+            split.tokens += int(length)
             split.ends.append(split.tokens)
-            size = self.settings["shard_tokens"]
-            if split.pending_tokens >= size:
-                pending, split.pending = np.concatenate(split.pending), []  # the pieces are freed here
-                while len(pending) >= size:
-                    _write_shard(self.partial, split, pending[:size])
-                    pending = pending[size:]
-                split.pending, split.pending_tokens = [pending.copy()], len(pending)  # not a view of the shards
+            split.pending_tokens += int(length)
+        split.documents += len(lengths)
+        split.bytes += nbytes
+        size = self.settings["shard_tokens"]
+        if split.pending_tokens >= size:
+            pending, split.pending = np.concatenate(split.pending), []  # the pieces are freed here
+            while len(pending) >= size:
+                _write_shard(self.partial, split, pending[:size])
+                pending = pending[size:]
+            split.pending, split.pending_tokens = [pending.copy()], len(pending)  # not a view of the shards
+            if self.resumable:
                 self._save_progress()
 
     def _save_progress(self) -> None:
@@ -272,6 +304,8 @@ class _Writer:
 
 
 def _joined(split: _Split, dtype: np.dtype) -> np.ndarray:
+    if len(split.pending) == 1:  # a whole split from write_encoded: no copy of it
+        return split.pending[0]
     return np.concatenate(split.pending) if split.pending else np.zeros(0, dtype)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from systolic.data import cache
 from systolic.data.tokenizer import ByteTokenizer, tokenizer_file
 from systolic.errors import UserError
 
@@ -110,8 +111,11 @@ class PreparedDataset:
     index: dict[str, Any]
 
     @classmethod
-    def open(cls, path: str | Path, *, verify: bool = True) -> PreparedDataset:
-        """Reads DIR/index.json; with `verify`, checks every shard's size and SHA-256 (UserError if one fails)."""
+    def open(cls, path: str | Path, *, verify: bool = True, trust_verified: bool = False) -> PreparedDataset:
+        """Reads DIR/index.json; with `verify`, checks every shard's size and SHA-256 (UserError if one fails).
+
+        `trust_verified` (training's start) skips reading the shards that passed before and are unchanged since
+        (cache.py says what unchanged means); `systolic data info` reads them all."""
         root = Path(path).expanduser()
         try:
             index = json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))
@@ -125,7 +129,7 @@ class PreparedDataset:
             )
         dataset = cls(root, index)
         if verify:
-            dataset.verify()
+            dataset.verify(trust_verified=trust_verified)
         return dataset
 
     @property
@@ -135,24 +139,36 @@ class PreparedDataset:
     def shards(self, split: str) -> list[dict[str, Any]]:
         return self.index["splits"][split]["shards"]
 
-    def verify(self) -> None:
-        """Every shard is present, of the recorded size and SHA-256; raises one UserError naming the first bad one."""
-        for split in SPLITS:
-            for shard in self.shards(split):
-                file = self.root / shard["file"]
-                expected = shard["tokens"] * self.dtype.itemsize
-                size = file.stat().st_size if file.is_file() else None
-                if size != expected:
-                    problem = "is missing" if size is None else f"has {size:,} bytes where the index records {expected:,}"
-                elif file_sha256(file) != shard["sha256"]:
-                    problem = "fails its SHA-256 check (its bytes changed since it was written)"
-                else:
-                    continue
-                raise UserError(
-                    f"The prepared dataset {self.root} is damaged: shard {file.name} {problem}. Training on it would "
-                    f"read wrong tokens. Fix: prepare it again (`systolic data prepare {self.index['source']} --out "
-                    "NEW_DIR`) or restore the folder from a good copy."
-                )
+    def verify(self, *, trust_verified: bool = False) -> None:
+        """Every shard is present, of the recorded size and SHA-256; raises one UserError naming the first bad one.
+
+        Shards that pass are remembered in the cache (cache.remember_shards); with `trust_verified`, those remembered
+        and unchanged are not read again, so a training start does not grow with the corpus."""
+        problem = self.damage(trust_verified=trust_verified)
+        if problem:
+            raise UserError(
+                f"The prepared dataset {self.root} is damaged: {problem}. Training on it would read wrong tokens. Fix: "
+                f"prepare it again (`systolic data prepare {self.index['source']} --out NEW_DIR`) or restore the "
+                "folder from a good copy."
+            )
+
+    def damage(self, *, trust_verified: bool = False) -> str | None:
+        """What is wrong with the first bad shard ("shard X is missing", ...), or None when all pass."""
+        recorded = {self.root / s["file"]: s for split in SPLITS for s in self.shards(split)}
+        trusted = cache.trusted_shards(self.root, {f: s["sha256"] for f, s in recorded.items()}) if trust_verified else set()
+        checked = {}
+        for file, shard in recorded.items():
+            expected = shard["tokens"] * self.dtype.itemsize
+            seen = cache.shard_stat(file) if file.is_file() else None  # before reading: a later change shows
+            if seen is None or seen["size"] != expected:
+                return f"shard {file.name} " + ("is missing" if seen is None else
+                                                f"has {seen['size']:,} bytes where the index records {expected:,}")
+            if file not in trusted and file_sha256(file) != shard["sha256"]:
+                return f"shard {file.name} fails its SHA-256 check (its bytes changed since it was written)"
+            checked[file] = {**seen, "sha256": shard["sha256"]}
+        if len(trusted) < len(recorded):  # something was read: remember it for the next start
+            cache.remember_shards(self.root, checked)
+        return None
 
     def tokens(self, split: str) -> ShardedTokens:
         shards = self.shards(split)

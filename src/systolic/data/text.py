@@ -27,9 +27,16 @@ Tokens = np.ndarray | ShardedTokens | ConcatTokens  # in memory, or memory-mappe
 def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarray:
     """All documents as one token array of `tokenizer.dtype` (uint16, or uint32 past 65,536 ids), each
     followed by `tokenizer.eot_id`."""
+    return encode_with_lengths(docs, tokenizer)[0]
+
+
+def encode_with_lengths(docs: Sequence[Document], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_documents`, and each document's token count including its end-of-document id: (documents,) int64."""
     eot = np.array([tokenizer.eot_id], tokenizer.dtype)
-    parts = [part for ids in tokenizer.encode_batch([doc.text for doc in docs]) for part in (ids, eot)]
-    return np.concatenate(parts) if parts else np.zeros(0, tokenizer.dtype)
+    ids = tokenizer.encode_batch([doc.text for doc in docs])
+    parts = [part for doc_ids in ids for part in (doc_ids, eot)]
+    tokens = np.concatenate(parts) if parts else np.zeros(0, tokenizer.dtype)
+    return tokens, np.array([len(doc_ids) + 1 for doc_ids in ids], np.int64)
 
 
 class TokenWindows:

@@ -39,6 +39,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
     say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
         f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
+    if data.origin:
+        say(data.origin)
     if data.mixture:
         total = sum(w for _, _, w in data.mixture)
         say("mixture: " + ", ".join(f"{path} {w / total:.0%} of rows ({len(t):,} training tokens)"

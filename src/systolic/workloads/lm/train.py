@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.data import corpus, prepared, text
+from systolic.data import cached_corpus, prepared, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
@@ -33,33 +33,25 @@ from systolic.workloads.lm.model import Transformer, resolve_dtype
 
 @dataclasses.dataclass
 class Corpus:
-    train_tokens: text.Tokens  # in memory (a raw corpus) or memory-mapped (a prepared one)
+    train_tokens: text.Tokens  # memory-mapped: a prepared dataset, or a raw corpus's entry in the cache
     val_tokens: text.Tokens  # a mixture's: its sources' validation splits end to end
     val_bytes: int  # UTF-8 bytes of the validation text: the denominator of nats/byte
     num_docs: tuple[int, int]
     unigram: tuple[np.ndarray, np.ndarray]  # (vocab_size,) count of each id in train and in validation
     mixture: tuple[tuple[str, text.Tokens, float], ...] = ()  # data.mixture's (folder, training split, weight)
+    origin: str = ""  # a raw corpus's start-up line: read from the cache, or tokenized and cached
 
 
 def load_corpus(cfg: LMConfig) -> Corpus:
-    """A prepared dataset's folder (`systolic data prepare`) by memory map, else a raw corpus read and tokenized."""
+    """A prepared dataset's folder (`systolic data prepare`) by memory map, else a raw corpus, tokenized on its first
+    use into the cache (cached_corpus.py) and memory-mapped from there."""
     if cfg.data.mixture_sources:
         return _load_mixture(cfg)
     if prepared.is_prepared(cfg.data.path):
         return _load_prepared(cfg)
-    tokenizer = make_tokenizer(cfg.data.tokenizer)
-    docs = corpus.read_documents(cfg.data.path, max_bytes=cfg.data.max_bytes)
-    train_docs, val_docs = corpus.split_documents(docs, cfg.data.val_percent)
-    train_tokens = text.encode_documents(train_docs, tokenizer)
-    val_tokens = text.encode_documents(val_docs, tokenizer)
-    return Corpus(
-        train_tokens=train_tokens,
-        val_tokens=val_tokens,
-        val_bytes=sum(len(d.text.encode("utf-8")) for d in val_docs),
-        num_docs=(len(train_docs), len(val_docs)),
-        unigram=(np.bincount(train_tokens, minlength=tokenizer.vocab_size),
-                 np.bincount(val_tokens, minlength=tokenizer.vocab_size)),
-    )
+    dataset, origin = cached_corpus.load(cfg.data.path, max_bytes=cfg.data.max_bytes, val_percent=cfg.data.val_percent,
+                                         tokenizer=cfg.data.tokenizer)
+    return dataclasses.replace(_from_dataset(dataset), origin=origin)
 
 
 def _load_mixture(cfg: LMConfig) -> Corpus:
@@ -79,7 +71,8 @@ def _load_prepared(cfg: LMConfig, path: str = "") -> Corpus:
     if not prepared.is_prepared(path):
         raise UserError(f"data.mixture names {path!r}, which is not a prepared dataset (no index.json in it). Fix: "
                         f"prepare it with `systolic data prepare SRC --out {path}`.")
-    dataset = prepared.PreparedDataset.open(path)  # checks every shard's size and SHA-256
+    # Checks every shard's size, and the SHA-256 of those not checked before or changed since (cache.py).
+    dataset = prepared.PreparedDataset.open(path, trust_verified=True)
     dataset.check_tokenizer(cfg.data.tokenizer)
     split_at = dataset.index["val_percent"]
     if cfg.data.max_bytes or cfg.data.val_percent != split_at:
@@ -89,6 +82,10 @@ def _load_prepared(cfg: LMConfig, path: str = "") -> Corpus:
             f"{cfg.data.max_bytes}. Fix: set data.val_percent={split_at} data.max_bytes=0, or prepare the data again "
             "with the split you want."
         )
+    return _from_dataset(dataset)
+
+
+def _from_dataset(dataset: prepared.PreparedDataset) -> Corpus:
     splits = dataset.index["splits"]
     return Corpus(
         train_tokens=dataset.tokens("train"),
