@@ -141,6 +141,33 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(corpus_dir, tmp_path, mon
     assert _files(out) == _files(whole)
 
 
+def test_a_kill_at_any_shard_resumes_to_the_same_bytes(corpus_dir, tmp_path, monkeypatch):
+    """Shards are written as tokens come: a kill may leave the open shard longer than the saved progress, or
+    closed after it; the resumed run cuts it back and writes the uninterrupted bytes."""
+    whole = tmp_path / "whole"
+    with pytest.warns(UserWarning):
+        prepare(str(corpus_dir), whole, val_percent=VAL, shard_tokens=7_000, workers=1)
+    write_shard = prepare_mod._write_shard
+    monkeypatch.setattr(prepare_mod, "_FLUSH_TOKENS", 1_000)  # open shards grow between saves, too
+    for stop in range(1, 8):
+        calls = []
+
+        def stop_at(*args, stop=stop, calls=calls):
+            if len(calls) == stop:
+                raise KeyboardInterrupt
+            calls.append(1)
+            write_shard(*args)
+
+        out = tmp_path / f"stop{stop}"
+        monkeypatch.setattr(prepare_mod, "_write_shard", stop_at)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(str(corpus_dir), out, val_percent=VAL, shard_tokens=7_000, workers=1)
+        monkeypatch.setattr(prepare_mod, "_write_shard", write_shard)
+        with pytest.warns(UserWarning):
+            prepare(str(corpus_dir), out, val_percent=VAL, shard_tokens=7_000, workers=1)
+        assert _files(out) == _files(whole), stop
+
+
 def _losses(run: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}

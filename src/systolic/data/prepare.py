@@ -1,10 +1,11 @@
 """`systolic data prepare`: stream a corpus, tokenize it in worker processes, write token shards (prepared.py).
 
-The input is read one record at a time and at most `2 * workers` batches are in flight, so memory does not grow
-with the corpus. Everything is written into OUT.partial and renamed to OUT when complete, so a half-written
-dataset is never taken for a finished one. After each complete shard the progress (input records consumed,
-the tokens not yet in a full shard, per-document offsets so far) is saved; a rerun of the same command resumes
-there and writes the same bytes as a run that was never interrupted.
+The input is read one record at a time, at most `2 * workers` batches are in flight, and tokens go to the shard
+being filled every few MB, so memory grows neither with the corpus nor with the shard size. Everything is written
+into OUT.partial and renamed to OUT when complete, so a half-written dataset is never taken for a finished one.
+After each complete shard the progress (input records consumed, the tokens already in each split's open shard,
+per-document offsets so far) is saved; a rerun of the same command resumes there, cutting the open shards back to
+the saved length, and writes the same bytes as a run that was never interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from systolic.errors import UserError
 PROGRESS_FILE = "progress.json"
 _BATCH_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling, small enough to stream
 _COUNT_CHUNK = 1 << 22
+_FLUSH_TOKENS = 1 << 21  # tokens held per split before they go to its open shard (4-8 MB)
 
 
 @dataclasses.dataclass
@@ -38,8 +40,9 @@ class _Split:
     """One split while it is being written."""
 
     name: str
-    pending: list[np.ndarray]  # tokens not yet in a full shard, in pieces (joined once per shard, not per document)
-    counts: np.ndarray  # (vocab_size,) int64 occurrences of each id in the shards written
+    pending: list[np.ndarray]  # tokens not yet written to the open shard, in pieces (joined once per flush)
+    counts: np.ndarray  # (vocab_size,) int64 occurrences of each id written so far (open shard included)
+    open: _OpenShard | None = None  # the shard being filled
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ends: list[int] = dataclasses.field(default_factory=list)  # document end offsets not yet in <split>-docs.i64
     pending_tokens: int = 0
@@ -100,8 +103,9 @@ def _resolved(tokenizer: str) -> str:
 
 
 def _settings(source: str, field: str, val_percent: float, shard_tokens: int, spec: str, tok: Tokenizer) -> dict[str, Any]:
+    # progress 2: open shards on disk (1 kept pending tokens in .npy files); a mismatch is refused like any setting
     return {"source": source, "field": field, "val_percent": val_percent, "shard_tokens": shard_tokens,
-            "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name}
+            "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name, "progress": 2}
 
 
 def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spec: str, workers: int) -> None:
@@ -199,9 +203,9 @@ class _Writer:
         for split, saved in zip(writer.splits, progress["splits"], strict=True):
             split.shards, split.documents, split.tokens, split.bytes = (
                 saved["shards"], saved["documents"], saved["tokens"], saved["bytes"])
-            split.pending = [np.load(partial / saved["pending"])]
-            split.pending_tokens = len(split.pending[0])
             split.counts = np.load(partial / saved["counts"])
+            _forget_unsaved_shards(partial, split, saved["open_tokens"])
+            split.open = _OpenShard.reopen(partial, split, saved["open_tokens"], writer.dtype)
             with (partial / f"{split.name}-docs.i64").open("r+b") as f:  # drop offsets written after the save
                 f.truncate(split.documents * 8)
         return writer
@@ -231,34 +235,47 @@ class _Writer:
             split.pending_tokens += int(length)
         split.documents += len(lengths)
         split.bytes += nbytes
-        size = self.settings["shard_tokens"]
-        if split.pending_tokens >= size:
-            pending, split.pending = np.concatenate(split.pending), []  # the pieces are freed here
-            while len(pending) >= size:
-                _write_shard(self.partial, split, pending[:size])
-                pending = pending[size:]
-            split.pending, split.pending_tokens = [pending.copy()], len(pending)  # not a view of the shards
-            if self.resumable:
-                self._save_progress()
+        room = self.settings["shard_tokens"] - (split.open.tokens if split.open else 0)
+        if split.pending_tokens >= min(room, _FLUSH_TOKENS) and self._flush(split) and self.resumable:
+            self._save_progress()
+
+    def _flush(self, split: _Split) -> bool:
+        """Writes `split`'s pending tokens to its open shard, closing each shard that fills; True if one did."""
+        pending, split.pending, split.pending_tokens = _joined(split, self.dtype), [], 0
+        size, closed = self.settings["shard_tokens"], False
+        while len(pending):
+            if split.open is None:
+                split.open = _OpenShard(self.partial, split)
+            take = pending[: size - split.open.tokens]
+            for start in range(0, len(take), _COUNT_CHUNK):  # bincount widens to int64: a chunk at a time
+                split.counts += np.bincount(take[start: start + _COUNT_CHUNK], minlength=len(split.counts))
+            split.open.write(take)
+            pending = pending[len(take):]
+            if split.open.tokens == size:
+                _write_shard(self.partial, split)
+                closed = True
+        return closed
 
     def _save_progress(self) -> None:
-        """Pending tokens and counts under a fresh name, then progress.json by rename: a kill at any moment leaves
-        the previous progress or this one, whole."""
+        """Every split's tokens flushed and synced to its open shard, counts under a fresh name, then progress.json
+        by rename: a kill at any moment leaves the previous progress or this one, whole."""
         self.saves += 1
         splits = []
         for split in self.splits:
-            pending, counts = f"pending-{self.saves}-{split.name}.npy", f"counts-{self.saves}-{split.name}.npy"
+            self._flush(split)  # may fill the other split's shard too; recorded below all the same
+            counts = f"counts-{self.saves}-{split.name}.npy"
             _flush_ends(self.partial, split)
-            np.save(self.partial / pending, _joined(split, self.dtype))
+            if split.open is not None:
+                split.open.sync()
             np.save(self.partial / counts, split.counts)
             splits.append({"shards": split.shards, "documents": split.documents, "tokens": split.tokens,
-                           "bytes": split.bytes, "pending": pending, "counts": counts})
+                           "bytes": split.bytes, "open_tokens": split.open.tokens if split.open else 0,
+                           "counts": counts})
         progress = {"settings": self.settings, "consumed": self.consumed, "last_name": self.last_name, "skipped": self.skipped,
                     "saves": self.saves, "splits": splits}
         _write_atomic(self.partial / PROGRESS_FILE, json.dumps(progress).encode())
-        for old in self.partial.glob("*.npy"):
-            if old.name.startswith(("pending-", "counts-")) and not old.name.startswith((f"pending-{self.saves}-",
-                                                                                         f"counts-{self.saves}-")):
+        for old in self.partial.glob("counts-*.npy"):
+            if not old.name.startswith(f"counts-{self.saves}-"):
                 old.unlink()
 
     def finish(self, tok: Tokenizer, spec: str, field: str) -> None:
@@ -273,9 +290,9 @@ class _Writer:
                 "of their names) leaves both splits non-empty. Fix: add documents, or change --val-percent."
             )
         for split in self.splits:
-            if split.pending_tokens:
-                _write_shard(self.partial, split, _joined(split, self.dtype))
-                split.pending, split.pending_tokens = [], 0
+            self._flush(split)
+            if split.open is not None and split.open.tokens:  # the last, shorter shard
+                _write_shard(self.partial, split)
             _flush_ends(self.partial, split)
             ends = np.fromfile(self.partial / f"{split.name}-docs.i64", np.int64)
             np.save(self.partial / f"{split.name}-docs.npy", np.concatenate([[0], ends]))
@@ -294,7 +311,10 @@ class _Writer:
                                 "offsets": f"{s.name}-docs.npy", "unigram": f"{s.name}-unigram.npy"}
                        for s in self.splits},
         }
-        for leftover in [self.partial / PROGRESS_FILE, *self.partial.glob("pending-*"), *self.partial.glob("counts-*"),
+        for split in self.splits:
+            if split.open is not None:  # an empty open shard: the split ended exactly at a shard boundary
+                split.open.discard()
+        for leftover in [self.partial / PROGRESS_FILE, *self.partial.glob("counts-*"),
                          *self.partial.glob("*.i64"), *self.partial.glob("*.tmp")]:
             leftover.unlink(missing_ok=True)  # progress.json exists only once a shard was full
         _write_atomic(self.partial / INDEX_FILE, json.dumps(index, indent=1).encode())
@@ -315,13 +335,62 @@ def _flush_ends(partial: Path, split: _Split) -> None:
     split.ends = []
 
 
-def _write_shard(partial: Path, split: _Split, tokens: np.ndarray) -> None:
-    name = f"{split.name}-{len(split.shards):05d}.bin"
-    for start in range(0, len(tokens), _COUNT_CHUNK):  # bincount widens to int64: a chunk at a time, not the shard
-        split.counts += np.bincount(tokens[start: start + _COUNT_CHUNK], minlength=len(split.counts))
-    data = memoryview(np.ascontiguousarray(tokens, tokens.dtype.newbyteorder("<"))).cast("B")  # no copy
-    _write_atomic(partial / name, data)
-    split.shards.append({"file": name, "tokens": len(tokens), "sha256": hashlib.sha256(data).hexdigest()})
+def _forget_unsaved_shards(partial: Path, split: _Split, open_tokens: int) -> None:
+    """Removes `split`'s shards written after the saved progress; the one that was open at the save (closed since,
+    or still open) becomes the open `.tmp` again, to be cut back to its saved length."""
+    open_name = f"{split.name}-{len(split.shards):05d}.bin"
+    kept = {s["file"] for s in split.shards}
+    for file in sorted(partial.glob(f"{split.name}-*.bin")) + sorted(partial.glob(f"{split.name}-*.bin.tmp")):
+        if file.name in kept:
+            continue
+        if open_tokens and file.name == open_name:
+            os.replace(file, partial / f"{open_name}.tmp")
+        elif not (open_tokens and file.name == f"{open_name}.tmp"):
+            file.unlink()
+
+
+class _OpenShard:
+    """The shard being filled, `<split>-NNNNN.bin.tmp`: tokens are appended and hashed as they come."""
+
+    def __init__(self, partial: Path, split: _Split, *, keep_tokens: int = 0, itemsize: int = 0):
+        self.name = f"{split.name}-{len(split.shards):05d}.bin"
+        self.tmp = partial / f"{self.name}.tmp"
+        self.sha = hashlib.sha256()
+        self.tokens = keep_tokens
+        if keep_tokens:  # resuming: cut what was written after the saved progress, hash what stays
+            with self.tmp.open("r+b") as f:
+                f.truncate(keep_tokens * itemsize)
+            with self.tmp.open("rb") as f:
+                while chunk := f.read(_COUNT_CHUNK):
+                    self.sha.update(chunk)
+        self.file = self.tmp.open("ab" if keep_tokens else "wb")
+
+    @classmethod
+    def reopen(cls, partial: Path, split: _Split, tokens: int, dtype: np.dtype) -> _OpenShard | None:
+        return cls(partial, split, keep_tokens=tokens, itemsize=dtype.itemsize) if tokens else None
+
+    def write(self, tokens: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(tokens, tokens.dtype.newbyteorder("<"))).cast("B")  # no copy
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(tokens)
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_shard(partial: Path, split: _Split) -> None:
+    """Closes `split`'s full (or last) open shard under its final name and records it."""
+    shard, split.open = split.open, None
+    shard.sync()
+    shard.file.close()
+    os.replace(shard.tmp, partial / shard.name)
+    split.shards.append({"file": shard.name, "tokens": shard.tokens, "sha256": shard.sha.hexdigest()})
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
