@@ -66,3 +66,13 @@ def test_unknown_recipe_suggests_close_match():
 def test_on_off_choices_survive_yaml_booleans():
     assert load("observe.progress=off").observe.progress == "off"
     assert load("observe.progress=on").observe.progress == "on"
+
+
+def test_a_workload_s_recipe_answers_to_its_short_name():
+    assert config_lib.recipe_path("sft", "lm") == config_lib.RECIPE_DIR / "lm-sft.yaml"
+    cfg, name = config_lib.load(LMConfig, "sft", ["data.path=chats.jsonl"], "lm-tiny", "lm")
+    assert name == "lm-sft" and cfg.data.format == "chat" and cfg.data.packing == "documents"
+    with pytest.raises(ConfigError, match="Unknown recipe 'sfy' \\(nor 'lm-sfy'\\). Did you mean 'sft'"):
+        config_lib.recipe_path("sfy", "lm")
+    with pytest.raises(ConfigError, match="Unknown recipe 'sft'"):  # no workload: names are whole
+        config_lib.recipe_path("sft")

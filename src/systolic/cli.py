@@ -156,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
 def _add_run_arguments(parser: argparse.ArgumentParser, example: str, default_dir: str) -> None:
     """The arguments of every command that runs a recipe: overrides, --recipe, --run-dir, -q."""
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"config overrides, e.g. {example}")
-    parser.add_argument("--recipe", help="bundled recipe name or path to a YAML file (default: the workload's default)")
+    parser.add_argument("--recipe", help="bundled recipe name (`lm-sft`, or `sft` under `train lm`) or path to a YAML "
+                        "file (default: the workload's default)")
     parser.add_argument("--run-dir", type=Path, help=f"where the run writes everything (default: {default_dir})")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument("--debug", action="store_true", help="NaN/Inf checks, checkify on the train step (NaN, "
@@ -250,13 +251,13 @@ def _prepare_run(name: str, command: str, args: argparse.Namespace, dir_suffix: 
     workload.command(command)  # before anything starts: an unsupported command is a user error
     overrides = _start_processes(args.overrides)
     # Check the recipe's workload before its keys: another workload's sections would read as misspellings.
-    recipe_path = config_lib.recipe_path(args.recipe or workload.default_recipe)
+    recipe_path = config_lib.recipe_path(args.recipe or workload.default_recipe, name)
     declared = config_lib.read_yaml(recipe_path).get("workload", name)
     if declared != name:
         raise UserError(f"Recipe '{recipe_path.stem}' is for the '{declared}' workload, not '{name}'. Fix: pick a "
                         f"recipe for {name}, or run the {declared} workload (e.g. `systolic train {declared} --recipe "
                         f"{recipe_path.stem}`).")
-    cfg, recipe = config_lib.load(workload.config, args.recipe, overrides, workload.default_recipe)
+    cfg, recipe = config_lib.load(workload.config, args.recipe, overrides, workload.default_recipe, name)
     run_dir = args.run_dir or Path("runs") / f"{recipe}{dir_suffix}"
     if workload.resolve_config is not None:  # settings taken from elsewhere, e.g. lm's init.from=RUN_DIR
         cfg = workload.resolve_config(cfg, overrides, run_dir)
@@ -291,7 +292,8 @@ def _bench(args: argparse.Namespace) -> int:
     build_task = workload.command("bench")
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 timed step.")
-    cfg, recipe = config_lib.load(workload.config, args.recipe, _start_processes(args.overrides), workload.default_recipe)
+    cfg, recipe = config_lib.load(workload.config, args.recipe, _start_processes(args.overrides), workload.default_recipe,
+                                  args.workload)
     with build_task(cfg) as task:
         result = benchmark(task, steps=args.steps)
     if args.json:
@@ -372,7 +374,8 @@ def _plan(args: argparse.Namespace) -> int:
         if "data=" not in args.mesh:  # the data axis runs across the slices: it takes what --mesh leaves
             mesh_overrides = [o for o in mesh_overrides if not o.startswith("mesh.data=")] + ["mesh.data=-1"]
         mesh_overrides.append(f"mesh.slices={args.slices}")
-    cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides], workload.default_recipe)
+    cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides],
+                                  workload.default_recipe, args.workload)
     if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
                         "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")

@@ -236,19 +236,27 @@ def _field_default(section: Any, name: str) -> Any:
 # LOADING ------------------------------------------------------------------------------------------------------
 
 
-def recipe_path(recipe: str) -> Path:
-    """A recipe name (`lm-tiny`) resolves to the bundled YAML; anything with a suffix or slash is a file path."""
+def recipe_path(recipe: str, workload: str = "") -> Path:
+    """A recipe name (`lm-tiny`) resolves to the bundled YAML, and under a workload a short name to that workload's
+    recipe when no recipe has the name itself (`--recipe sft` under `train lm`: lm-sft); anything with a suffix or
+    slash is a file path."""
     if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
         path = Path(recipe).expanduser()
         if not path.is_file():
             raise ConfigError(f"Recipe file {path} does not exist. Fix: pass an existing YAML file or a recipe name ({', '.join(list_recipes())}).")
         return path
     path = RECIPE_DIR / f"{recipe}.yaml"
+    if not path.is_file() and workload:
+        path = RECIPE_DIR / f"{workload}-{recipe}.yaml"
     if not path.is_file():
         names = list_recipes()
-        close = difflib.get_close_matches(recipe, names, n=1)
+        prefix = f"{workload}-" if workload else ""
+        short = [n.removeprefix(prefix) for n in names if prefix and n.startswith(prefix)]  # `--recipe sft`
+        close = difflib.get_close_matches(recipe, [*names, *short], n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"Unknown recipe '{recipe}'.{hint} Available recipes: {', '.join(names)}. Or pass a path to a YAML file.")
+        tried = f" (nor '{prefix}{recipe}')" if prefix else ""
+        raise ConfigError(f"Unknown recipe '{recipe}'{tried}.{hint} Available recipes: {', '.join(names)}. Or pass a "
+                          "path to a YAML file.")
     return path
 
 
@@ -403,9 +411,11 @@ def config_key(field_name: str) -> str:
     return field_name[:-1] if field_name.endswith("_") and keyword.iskeyword(field_name[:-1]) else field_name
 
 
-def load(schema: type, recipe: str | None, overrides: list[str], default_recipe: str) -> tuple[Any, str]:
-    """Reads a recipe (bundled name or YAML path), applies overrides, validates. Returns (config, recipe name)."""
-    path = recipe_path(recipe or default_recipe)
+def load(schema: type, recipe: str | None, overrides: list[str], default_recipe: str,
+         workload: str = "") -> tuple[Any, str]:
+    """Reads a recipe (bundled name, short name under `workload`, or YAML path), applies overrides, validates.
+    Returns (config, recipe name)."""
+    path = recipe_path(recipe or default_recipe, workload)
     tree = read_yaml(path)
     tree = apply_overrides(tree, overrides)
     return from_dict(schema, tree), path.stem

@@ -101,9 +101,10 @@ class BPETokenizer:
             )
         return cls(tokenizer, name or str(path))
 
-    def encode(self, text: str) -> np.ndarray:
-        """Ids of `text` (with the special tokens the file's post-processor adds, e.g. Llama's <s>)."""
-        return np.asarray(self._tokenizer.encode(text).ids, self.dtype)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """Ids of `text`, with the special tokens the file's post-processor adds (e.g. Llama's <s>) unless
+        `add_special_tokens` is False (text that continues other text, such as a completion after its prompt)."""
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, self.dtype)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode` of each text, run in parallel threads by the Rust library."""

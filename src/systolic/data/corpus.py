@@ -255,15 +255,23 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
             )
         cut = min(max(round(len(doc.text) * (1 - val_percent / 100)), 1), len(doc.text) - 1)
         return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
-    position = [_unit_hash(doc.name) for doc in docs]
-    is_val = [is_validation(doc.name, val_percent) for doc in docs]
-    if not any(is_val):  # the document nearest to the validation side moves over
-        is_val[min(range(len(docs)), key=position.__getitem__)] = True
-    elif all(is_val):
-        is_val[max(range(len(docs)), key=position.__getitem__)] = False
+    is_val = held_out([doc.name for doc in docs], val_percent)
     train = [doc for doc, val in zip(docs, is_val, strict=True) if not val]
     val = [doc for doc, val in zip(docs, is_val, strict=True) if val]
     return train, val
+
+
+def held_out(names: Sequence[str], val_percent: float) -> list[bool]:
+    """Which of `names` (two or more) are held out: `is_validation` of each, except that both sides are kept
+    non-empty: when none is held out the name nearest to the validation side moves over, when all are, the
+    farthest moves back."""
+    position = [_unit_hash(name) for name in names]
+    is_val = [is_validation(name, val_percent) for name in names]
+    if not any(is_val):
+        is_val[min(range(len(names)), key=position.__getitem__)] = True
+    elif all(is_val):
+        is_val[max(range(len(names)), key=position.__getitem__)] = False
+    return is_val
 
 
 def is_validation(name: str, val_percent: float) -> bool:

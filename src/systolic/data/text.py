@@ -11,7 +11,7 @@ document (`positions`), so the model can attend within documents only (`document
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 import numpy as np
@@ -82,10 +82,16 @@ def document_segments(inputs: np.ndarray, eot_id: int) -> tuple[np.ndarray, np.n
     document's last token predicts the end-of-document id, which predicts the next document's first token.
     Segment ids count the end-of-document tokens at or before each input; a document cut by the window's start is
     segment 0 and starts at position 0."""
-    is_eot = inputs == eot_id  # (B, T)
-    segment_ids = np.cumsum(is_eot, axis=1, dtype=np.int32)  # (B, T)
-    index = np.arange(inputs.shape[1], dtype=np.int32)  # (T,)
-    start = np.maximum.accumulate(np.where(is_eot, index, 0), axis=1)  # (B, T): where each input's document starts
+    return segments_from_starts(inputs == eot_id)
+
+
+def segments_from_starts(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions) int32 (B, T) of inputs where `starts` (B, T) bool marks each segment's first
+    input: segment ids count the starts at or before each input, positions count from the segment's start (a
+    segment cut by the row's start begins at position 0)."""
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)  # (B, T)
+    index = np.arange(starts.shape[1], dtype=np.int32)  # (T,)
+    start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)  # (B, T): where each input's segment starts
     return segment_ids, index - start
 
 
@@ -125,7 +131,7 @@ def make_train_iterator(
     walks the same global batches of window indices, so `get_state()` (a small JSON-able dict) does not depend
     on the process count and a checkpoint resumes on any number of hosts.
     """
-    local = _local_share(global_batch, process_index, process_count)
+    local = local_share(global_batch, process_index, process_count)
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < global_batch:
         raise UserError(
@@ -133,14 +139,22 @@ def make_train_iterator(
             f"{seq_len}, fewer than one batch of train.batch_size={global_batch}. Fix: use a larger corpus (raise "
             "data.max_bytes or point data.path at more text), or lower data.seq_len or train.batch_size."
         )
+    read = _ReadLocalRows(windows, process_index * local, (process_index + 1) * local, eot_id)
+    return shuffled_batches(len(windows), read, global_batch=global_batch, seed=seed)
+
+
+def shuffled_batches(num_rows: int, read: Callable[[np.ndarray], dict[str, np.ndarray]], *, global_batch: int,
+                     seed: int) -> grain.DatasetIterator:
+    """An endless Grain iterator of `read(indices)` for global batches of row indices in [0, num_rows), shuffled
+    anew each epoch; `read` keeps this process's rows. Its state is one position, the same on every process."""
     dataset = (
         # Grain reshuffles each epoch with seed + epoch, so seeds s and s + 1 would replay each other's orders one
         # epoch apart; hashing the seed puts different seeds' epoch orders ~2**31 epochs apart.
-        grain.MapDataset.range(len(windows))
+        grain.MapDataset.range(num_rows)
         .shuffle(seed=_mix_seed(seed))
         .repeat(None)
-        .batch(global_batch, drop_remainder=True)  # (global_batch,) window indices; may straddle two epochs
-        .map(_ReadLocalRows(windows, process_index * local, (process_index + 1) * local, eot_id))
+        .batch(global_batch, drop_remainder=True)  # (global_batch,) row indices; may straddle two epochs
+        .map(read)
     )
     # Grain's defaults (16 threads, 500 batches ahead) would hold gigabytes of large batches; reading a batch
     # is one numpy gather, so a couple of batches ahead hides it behind the device step.
@@ -154,7 +168,7 @@ def make_mixture_iterator(
     """`make_train_iterator` over several token sources: each source's windows are shuffled and repeated on their
     own, then interleaved by `weights` (Grain's `MapDataset.mix`, deterministic), so a batch holds about
     `weights[i] / sum(weights)` of its rows from source i, and the iterator's state is one index as before."""
-    local = _local_share(global_batch, process_index, process_count)
+    local = local_share(global_batch, process_index, process_count)
     windows = [TokenWindows(tokens, seq_len) for tokens in sources]
     for i, w in enumerate(windows):
         if not len(w):
@@ -220,7 +234,8 @@ class _ReadLocalMixedRows:
         return f"_ReadLocalMixedRows({self.windows!r}, rows=[{self.start}:{self.stop}]{_segments_repr(self.eot_id)})"
 
 
-def _local_share(global_batch: int, process_index: int, process_count: int) -> int:
+def local_share(global_batch: int, process_index: int, process_count: int) -> int:
+    """Rows of each global batch that one process reads; a UserError when the processes cannot share it equally."""
     if global_batch % process_count:
         raise UserError(
             f"The global batch size ({global_batch}) is not divisible by the number of processes ({process_count}), "

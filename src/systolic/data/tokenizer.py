@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from systolic.errors import ConfigError, UserError
+
+if TYPE_CHECKING:  # Jinja is imported only for chat
+    from systolic.data.chat import ChatTemplate
 
 RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run directory
 # Files of a Hugging Face folder that belong to its tokenizer.json: special tokens (tokenizer_config.json, or
@@ -33,7 +36,7 @@ class Tokenizer(Protocol):
     pad_id: int
     dtype: type
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
@@ -49,8 +52,8 @@ class ByteTokenizer:
     vocab_size = 258
     dtype = np.uint16  # uint8 cannot hold the special ids next to the bytes
 
-    def encode(self, text: str) -> np.ndarray:
-        """UTF-8 bytes of `text` as a uint16 array."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """UTF-8 bytes of `text` as a uint16 array (bytes have no special tokens to add)."""
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -95,6 +98,18 @@ def tokenizer_file(spec: str) -> Path:
         "train one with `systolic tokenizer train --vocab-size 8192 data.path=CORPUS --out tok.json`, or set "
         "data.tokenizer=byte."
     )
+
+
+def find_chat_template(spec: str) -> ChatTemplate | None:
+    """The chat template among the companions of the tokenizer.json that data.tokenizer=`spec` names, or None:
+    the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see `tokenizer_files`), or a
+    folder without a template."""
+    if spec == ByteTokenizer.name:
+        return None
+    from systolic.data.chat import ChatTemplate
+
+    path = tokenizer_file(spec)
+    return ChatTemplate.load(path.parent, make_tokenizer(spec)) if path.name == RUN_FILE else None
 
 
 # THE RUN DIRECTORY'S COPY -------------------------------------------------------------------------------------

@@ -40,8 +40,15 @@ CHECKED = ("loss", "grad_norm")  # what the guard checks besides the parameters 
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule: optax.Schedule | None = None,
-                    grad_accum: int = 1) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """Returns an un-jitted `train_step(state, batch) -> (state, metrics)`; `jit_step` guards and jits it."""
+                    grad_accum: int = 1, loss_terms: Callable[[Any], jax.Array] | None = None,
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns an un-jitted `train_step(state, batch) -> (state, metrics)`; `jit_step` guards and jits it.
+
+    With `grad_accum` > 1 the step's loss and gradients combine the micro-batches': equally by default, which is
+    the whole batch's mean when `loss_fn` is a mean over equally many terms per micro-batch. A loss that is a mean
+    over a varying number of terms (tokens under a loss mask) passes `loss_terms(micro_batch) -> float32 scalar`,
+    their number: each micro-batch then counts by its share of the terms, so the step's loss is the mean over all
+    the batch's terms, exactly as without accumulation."""
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -54,14 +61,18 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule:
             zeros = jax.tree.map(jnp.zeros_like, state.params)
 
             def accumulate(carry, inputs):
-                grads_sum, loss_sum = carry
+                grads_sum, loss_sum, weight_sum = carry
                 mb, key = inputs
                 (loss, metrics), grads = grad_fn(state.params, mb, key)
-                return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss), metrics
+                weight = jnp.ones((), jnp.float32) if loss_terms is None else loss_terms(mb)  # () float32
+                grads_sum = jax.tree.map(lambda total, g: total + weight * g, grads_sum, grads)
+                return (grads_sum, loss_sum + weight * loss, weight_sum + weight), metrics
 
-            (grads, loss), metrics = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), (micro, keys))
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            loss = loss / grad_accum
+            zero = jnp.zeros((), jnp.float32)
+            (grads, loss, weight), metrics = jax.lax.scan(accumulate, (zeros, zero, zero), (micro, keys))
+            weight = jnp.maximum(weight, 1.0)  # a batch with no loss terms at all: zero loss and gradients
+            grads = jax.tree.map(lambda g: g / weight, grads)
+            loss = loss / weight
             metrics = jax.tree.map(jnp.mean, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

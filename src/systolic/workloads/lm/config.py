@@ -114,9 +114,11 @@ class LMTrainConfig(TrainConfig):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Text to train on. An empty `path` means the Python standard library's own `.py` files."""
+    """Text (or, with `format: chat`, chat records) to train on. An empty `path` means the Python standard library's
+    own `.py` files."""
 
-    path: str = ""  # a text file, a directory of text files, a .jsonl (field `text`) or .parquet (column `text`)
+    # a text file, a directory of text files, a .jsonl (field `text`) or .parquet (column `text`); chat: .jsonl records
+    path: str = ""
     seq_len: int = 256
     val_percent: float = 5.0  # share of documents held out for validation, chosen by a hash of their name
     max_bytes: int = 0  # 0: use the whole corpus; else stop reading after this many bytes
@@ -129,6 +131,9 @@ class DataConfig:
     # the end-of-document tokens as if the corpus were one text; "documents" masks attention to each document and
     # restarts positions at each document, the end-of-document token opening the next one.
     packing: Literal["concat", "documents"] = "concat"
+    # "text": documents to continue. "chat": supervised fine-tuning records (`messages`, or `prompt`/`completion`)
+    # from .jsonl, packed whole into rows, with the loss on the assistant's tokens only (data/sft.py).
+    format: Literal["text", "chat"] = "text"
 
     @property
     def mixture_sources(self) -> list[tuple[str, float]]:
@@ -161,11 +166,32 @@ class DataConfig:
             raise ConfigError(f"data.val_percent={self.val_percent} must be between 0 and 100 (exclusive). Fix: e.g. data.val_percent=5.")
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 means no limit).")
+        if self.format == "chat":
+            self._check_chat()
         if not self.tokenizer.strip():
             raise ConfigError(
                 "data.tokenizer is empty. Expected 'byte' (the built-in byte-level tokenizer) or the path of a Hugging "
                 "Face tokenizer.json. Fix: set data.tokenizer=byte, or data.tokenizer=tok.json after "
                 "`systolic tokenizer train --vocab-size 8192 --out tok.json`."
+            )
+
+    def _check_chat(self) -> None:
+        if self.packing != "documents":
+            raise ConfigError(
+                f"data.format=chat with data.packing={self.packing}: chat examples are packed whole into rows, and "
+                "with concat packing they would attend to each other. Expected data.packing=documents, which keeps "
+                "attention within each example and restarts positions there. Fix: add data.packing=documents (the "
+                "sft recipe sets it: `systolic train lm --recipe sft`)."
+            )
+        ignored = {key: value for key, value in (("data.mixture", self.mixture), ("data.max_bytes", self.max_bytes))
+                   if value}
+        if not self.path or ignored:
+            got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
+            raise ConfigError(
+                f"data.format=chat reads chat records from data.path, but got {got}. Expected data.path naming a .jsonl "
+                "file (or a folder of them) of records such as {\"messages\": [...]} or {\"prompt\": ..., "
+                "\"completion\": ...}, with data.mixture and data.max_bytes unset (they apply to text). Fix: set "
+                "data.path=chats.jsonl and drop the others."
             )
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import jax
 
-from systolic.data.tokenizer import store_in_run, tokenizer_for_training
+from systolic.data.sft import ChatCorpus
+from systolic.data.tokenizer import find_chat_template, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.plan import StepProgram
@@ -37,11 +38,15 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters ({cfg.model.family}, {cfg.model.layers} layers, "
         f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
-    say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
-        f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
-    if data.origin:
-        say(data.origin)
-    if data.mixture:
+    chat = isinstance(data, ChatCorpus)
+    if chat:
+        say(f"data: {data.describe()}; run directory {run_dir}")
+    else:
+        say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
+            f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
+        if data.origin:
+            say(data.origin)
+    if not chat and data.mixture:
         total = sum(w for _, _, w in data.mixture)
         say("mixture: " + ", ".join(f"{path} {w / total:.0%} of rows ({len(t):,} training tokens)"
                                     for path, t, w in data.mixture))
@@ -53,17 +58,26 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         say(f"stopped at step {result.final_step} of {cfg.train.steps} with a checkpoint; run the same command "
             "again to continue.")
         return result
-    baseline = baseline_nats_per_byte(data, prepared.vocab)
     ev = result.eval_metrics
-    if ev:
+    if ev and chat:
+        say(f"validation: {ev['loss']:.4f} nats per assistant token of the held-out examples")
+    elif ev:
+        baseline = baseline_nats_per_byte(data, prepared.vocab)
         say(f"validation: {ev['nats_per_byte']:.4f} nats/byte = {ev['bits_per_byte']:.4f} bits/byte "
             f"(unigram baseline {baseline:.4f} nats/byte = {baseline / math.log(2):.4f} bits/byte)")
     if result.items_per_s:
         say(f"throughput: {result.items_per_s:,.0f} tokens/s; first step (compile) {result.compile_s:.1f} s; "
             f"wall time {result.wall_s:.1f} s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
-        text = sample.sample_text(cfg, prepared.graphdef, result.state.params, cfg.sample)
-        say(f"sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}):\n{cfg.sample.prompt}{text}")
+        # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
+        template = find_chat_template(cfg.data.tokenizer) if chat else None
+        settings = f"temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}"
+        if template is not None:
+            reply = sample.chat_reply(prepared.graphdef, result.state.params, template, cfg.sample)
+            say(f"sample reply ({settings}) to {cfg.sample.prompt!r}:\n{reply}")
+        else:
+            text = sample.sample_text(cfg, prepared.graphdef, result.state.params, cfg.sample)
+            say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
 

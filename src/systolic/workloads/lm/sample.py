@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
+from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer, run_tokenizer
 from systolic.engine import finished
 from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
@@ -31,6 +31,16 @@ def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, settings: Sa
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
     return _continue(graphdef, params, tokenizer, ids, (tokenizer.eot_id,), settings)
+
+
+def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, settings: SampleConfig, *,
+               system: str | None = None) -> str:
+    """The assistant's reply to the user message `settings.prompt` (after the system message `system`, if any),
+    rendered with `template` and ended by its end-of-turn token."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": settings.prompt})
+    ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
+    return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings)
 
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
@@ -74,11 +84,8 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     settings.validate()
     if chat:
         template = chat_template(run_dir, cfg)
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        messages.append({"role": "user", "content": settings.prompt})
-        ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
         run = load_run(run_dir, command)
-        return _continue(run.graphdef, run.params, template.tokenizer, ids, template.stop_ids, settings)
+        return chat_reply(run.graphdef, run.params, template, settings, system=system)
     run = load_run(run_dir, command)
     return settings.prompt + sample_text(run.cfg, run.graphdef, run.params, settings)
 
@@ -86,10 +93,10 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
 def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:
     """The chat template that the run `run_dir` (config `cfg`) keeps beside its tokenizer.json; a UserError when it
     has none."""
-    from systolic.data.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate  # Jinja only for chat
+    from systolic.data.chat import CONFIG_FILE, TEMPLATE_FILE
 
     spec = run_tokenizer(run_dir, cfg.data.tokenizer)
-    template = None if spec == "byte" else ChatTemplate.load(Path(spec).parent, make_tokenizer(spec))
+    template = find_chat_template(spec)
     if template is None:
         lacks = ("uses the byte tokenizer" if spec == "byte" else
                  f"has no {TEMPLATE_FILE}, and no `chat_template` entry in a {CONFIG_FILE}, beside its tokenizer.json")

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.data import cached_corpus, prepared, text
+from systolic.data import cached_corpus, packed, prepared, sft, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
@@ -156,38 +156,69 @@ def batch_logits(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
 
 
+def batch_keys(cfg: LMConfig) -> tuple[str, ...]:
+    """The keys of a batch, each an int32 (B, seq_len) array: chat rows carry a loss mask besides the packed keys."""
+    if cfg.data.format == "chat":
+        return packed.BATCH_KEYS
+    return text.batch_keys(packed=cfg.data.packing == "documents")
+
+
 def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
-    """What a global train batch looks like under `cfg.data.packing`, for compiling the step without data."""
+    """What a global train batch looks like under `cfg.data`, for compiling the step without data."""
     shape = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32, sharding=sharding)
-    return {key: shape for key in text.batch_keys(packed=cfg.data.packing == "documents")}
+    return {key: shape for key in batch_keys(cfg)}
+
+
+def token_losses(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+    """Each target's cross-entropy (B, T) float32."""
+    logits = batch_logits(model, batch)  # (B, T, V) float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
+
+
+def loss_terms(batch: dict[str, jax.Array]) -> jax.Array:
+    """How many targets of a chat batch are in its loss () float32: what a micro-batch's mean counts for when
+    train.grad_accum > 1 (engine/step.py), so the step's loss is the mean over all of the batch's assistant tokens."""
+    return batch["loss_mask"].sum().astype(jnp.float32)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef):
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        logits = batch_logits(nnx.merge(graphdef, params), batch)  # (B, T, V) float32
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-        return loss, {}
+        ce = token_losses(nnx.merge(graphdef, params), batch)  # (B, T)
+        if "loss_mask" not in batch:
+            return ce.mean(), {}
+        # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
+        # Under jit the sums run over the global batch, so every device divides by the same count.
+        mask = batch["loss_mask"].astype(jnp.float32)  # (B, T)
+        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), {}
 
     return loss_fn
 
 
 def make_eval_step(graphdef: nnx.GraphDef):
     @jax.jit
-    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        logits = batch_logits(nnx.merge(graphdef, params), batch)  # (B, T, V)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(the batch's summed cross-entropy () float32, the number of targets it sums over () int32)."""
+        ce = token_losses(nnx.merge(graphdef, params), batch)  # (B, T)
+        if "loss_mask" not in batch:
+            return ce.sum(), jnp.asarray(ce.size, jnp.int32)
+        mask = batch["loss_mask"]  # (B, T) int32
+        return (ce * mask.astype(jnp.float32)).sum(), mask.sum()
 
     return eval_step
 
 
-def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float):
+def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float | None):
+    """The validation loss in nats per target token, and with `bytes_per_token` (text) per UTF-8 byte. Chat data
+    reports nats per assistant token only: its held-out text is mostly prompts, which are not in the loss."""
     eval_step = make_eval_step(graphdef)
-    tokens = sum(int(np.prod(b["targets"].shape)) for b in eval_batches)
 
     def evaluate(state: TrainState) -> dict[str, float]:
-        total = sum(eval_step(state.params, b) for b in eval_batches)  # summed on device, one fetch below
-        nats_per_token = float(total) / tokens
+        sums = [eval_step(state.params, b) for b in eval_batches]
+        total, count = jax.device_get((sum(s for s, _ in sums), sum(c for _, c in sums)))  # summed on device, one fetch
+        nats_per_token = float(total) / float(count)
+        if bytes_per_token is None:
+            return {"loss": nats_per_token}
         nats_per_byte = nats_per_token / bytes_per_token
         return {"loss": nats_per_token, "nats_per_byte": nats_per_byte, "bits_per_byte": nats_per_byte / math.log(2)}
 
@@ -202,7 +233,7 @@ class Prepared:
     task: Task
     mesh: Mesh
     rules: Rules
-    corpus: Corpus
+    corpus: Corpus | sft.ChatCorpus  # by data.format
     vocab: int
     graphdef: nnx.GraphDef
     param_count: int
@@ -229,7 +260,8 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps), cfg.train.grad_accum)
+    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps),
+                              cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
                           check=CHECKED)
@@ -240,24 +272,32 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
     step = build_step(cfg, mesh)
     rules, vocab, graphdef, init, abstract = step.rules, step.vocab, step.graphdef, step.init, step.abstract
     train_step, batch_shard = step.train_step, step.batch_sharding
-    data = load_corpus(cfg)
+    data = sft.load_chat_corpus(cfg.data.path, cfg.data.tokenizer, seq_len=cfg.data.seq_len,
+                                val_percent=cfg.data.val_percent) if cfg.data.format == "chat" else load_corpus(cfg)
 
-    # The end-of-document id marks where documents start in a window, for batches that keep attention within them.
-    eot_id = make_tokenizer(cfg.data.tokenizer).eot_id if cfg.data.packing == "documents" else None
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
-    shares = dict(seq_len=cfg.data.seq_len, global_batch=cfg.train.batch_size, seed=cfg.train.seed,
-                  process_index=lo // (hi - lo), process_count=cfg.train.batch_size // (hi - lo), eot_id=eot_id)
-    if data.mixture:
-        iterator = text.make_mixture_iterator([t for _, t, _ in data.mixture], [w for _, _, w in data.mixture], **shares)
-    else:
-        iterator = text.make_train_iterator(data.train_tokens, **shares)
+    shares = dict(global_batch=cfg.train.batch_size, seed=cfg.train.seed, process_index=lo // (hi - lo),
+                  process_count=cfg.train.batch_size // (hi - lo))
     eval_batch = cfg.train.batch_size // cfg.train.grad_accum
-    host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
-                                       num_batches=cfg.train.eval_batches, eot_id=eot_id)
+    if isinstance(data, sft.ChatCorpus):
+        iterator = packed.make_train_iterator(data.train, **shares)
+        host_eval = packed.make_eval_batches(data.val, batch=eval_batch, num_batches=cfg.train.eval_batches)
+        bytes_per_token = None  # chat reports nats per assistant token (make_evaluate)
+    else:
+        # The end-of-document id marks where documents start in a window, for batches that keep attention within them.
+        eot_id = make_tokenizer(cfg.data.tokenizer).eot_id if cfg.data.packing == "documents" else None
+        shares |= dict(seq_len=cfg.data.seq_len, eot_id=eot_id)
+        if data.mixture:
+            iterator = text.make_mixture_iterator([t for _, t, _ in data.mixture], [w for _, _, w in data.mixture],
+                                                  **shares)
+        else:
+            iterator = text.make_train_iterator(data.train_tokens, **shares)
+        host_eval = text.make_eval_batches(data.val_tokens, seq_len=cfg.data.seq_len, batch=eval_batch,
+                                           num_batches=cfg.train.eval_batches, eot_id=eot_id)
+        bytes_per_token = data.val_bytes / len(data.val_tokens)
     lo, hi = mesh_lib.local_rows(batch_shard, eval_batch)
     eval_batches = [place({k: v[lo:hi] for k, v in b.items()}, batch_shard, eval_batch) for b in host_eval]
-    bytes_per_token = data.val_bytes / len(data.val_tokens)
 
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     compute = str(jnp.dtype(resolve_dtype(cfg.model.dtype)))
@@ -275,7 +315,8 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": vocab},
-        step_metrics=_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len) if data.mixture else None,
+        step_metrics=(_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
+                      if isinstance(data, Corpus) and data.mixture else None),
     )
     param_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
     return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)

@@ -1,0 +1,200 @@
+"""Supervised fine-tuning data (lm's data.format=chat): records -> token ids and the mask of tokens to learn, packed.
+
+`data.path` is a .jsonl file (or .jsonl.gz), or a folder of them read in name order; each line is one record:
+
+- `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}`, rendered
+  with the chat template kept beside the run's tokenizer.json (a model imported by `systolic convert from-hf`
+  brings its own) by `ChatTemplate.encode_with_mask`: the tokens to learn are the assistant messages', each
+  through the end-of-turn token after it. A conversation without an assistant message teaches nothing: it is
+  skipped and counted.
+- `{"prompt": "...", "completion": "..."}`, plain text that the chat template never touches (TRL's rule for
+  prompt-completion strings; write conversations as `messages`): the prompt's ids, with what the tokenizer's
+  post-processor adds (Llama's <|begin_of_text|>), then the completion's ids tokenized on their own (the ids the
+  model writes after that prompt when it generates) and the end-of-document id. The tokens to learn are the
+  completion's and the end-of-document id.
+
+Each example is named `file:line` (as .jsonl documents are) and held out for validation by the stable hash of its
+name (`corpus.held_out`). An example longer than a row (data.seq_len + 1 tokens) is cut to a row's length, losing
+what follows, and counted (TRL truncates too); the examples are then packed whole into rows (data/packed.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from systolic.data import corpus, packed
+from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer
+from systolic.errors import UserError
+
+SUFFIXES = (".jsonl", ".jsonl.gz")
+_EXAMPLE = ('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]} or '
+            '{"prompt": "2 + 2 =", "completion": " 4"}')
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatCorpus:
+    """Training and held-out examples packed into rows, and what reading them found."""
+
+    train: packed.PackedRows
+    val: packed.PackedRows
+    examples: tuple[int, int]  # (train, validation)
+    tokens: tuple[int, int]  # of the examples, after truncation
+    learn_tokens: tuple[int, int]  # the tokens to learn: the loss's terms
+    truncated: int  # examples longer than a row, cut to fit
+    skipped: int  # conversations without an assistant message
+
+    def describe(self) -> str:
+        """One line for the start of a run."""
+        dropped = "".join(f", {n:,} {what}" for n, what in ((self.truncated, "cut to a row"),
+                                                           (self.skipped, "skipped without an assistant message")) if n)
+        return (f"{self.examples[0]:,} train / {self.examples[1]:,} validation examples{dropped}, packed into "
+                f"{len(self.train):,} / {len(self.val):,} rows of {self.train.row_len} tokens; "
+                f"{self.learn_tokens[0]:,} / {self.learn_tokens[1]:,} of their {self.tokens[0]:,} / {self.tokens[1]:,} "
+                "tokens to learn")
+
+
+def load_chat_corpus(path: str, tokenizer_spec: str, *, seq_len: int, val_percent: float) -> ChatCorpus:
+    """Reads, encodes, splits and packs the records at `path` into rows of `seq_len + 1` tokens."""
+    tokenizer = make_tokenizer(tokenizer_spec)
+    encoder = _Encoder(tokenizer, tokenizer_spec)
+    row_len = seq_len + 1
+    names, examples, truncated = [], [], 0
+    for name, where, record in read_records(path):
+        example = encoder.encode(record, where)
+        if example is None:
+            continue
+        ids, learn = example
+        truncated += len(ids) > row_len
+        names.append(name)
+        examples.append((ids[:row_len], learn[:row_len]))
+    if len(examples) < 2:
+        skipped = (f", after skipping {encoder.skipped} conversation(s) without an assistant message"
+                   if encoder.skipped else "")
+        raise UserError(
+            f"data.path={path!r} holds {len(examples)} usable example(s){skipped}: too few to train on and hold some "
+            f"out for validation. Expected one JSON record per line, e.g. {_EXAMPLE}. Fix: point data.path at more "
+            "records."
+        )
+    if truncated:
+        warnings.warn(f"{truncated} of {len(examples)} examples are longer than data.seq_len + 1 = {row_len} tokens "
+                      "and were cut to fit, losing what follows; raise data.seq_len to keep them whole.", stacklevel=2)
+    if encoder.skipped:
+        warnings.warn(f"skipped {encoder.skipped} conversation(s) without an assistant message (e.g. "
+                      f"{encoder.first_skipped}): they have no tokens to learn.", stacklevel=2)
+    is_val = corpus.held_out(names, val_percent)
+    splits = [[e for e, v in zip(examples, is_val, strict=True) if v == held] for held in (False, True)]
+    # An example's first token is never learnt (data/packed.py): count what the loss will see.
+    learn_tokens = tuple(sum(int(learn[1:].sum()) for _, learn in split) for split in splits)
+    for split, count in zip(("training", "held-out"), learn_tokens, strict=True):
+        if not count:
+            raise UserError(
+                f"The {split} examples of data.path={path!r} have no tokens to learn left after truncation to "
+                f"data.seq_len + 1 = {row_len} tokens (prompts fill the rows). Fix: raise data.seq_len, or shorten "
+                "the prompts."
+            )
+    rows = [packed.pack(split, row_len, pad_id=tokenizer.pad_id, dtype=tokenizer.dtype) for split in splits]
+    return ChatCorpus(
+        train=rows[0], val=rows[1],
+        examples=(len(splits[0]), len(splits[1])),
+        tokens=tuple(sum(len(ids) for ids, _ in split) for split in splits),
+        learn_tokens=learn_tokens,
+        truncated=truncated, skipped=encoder.skipped,
+    )
+
+
+def read_records(path: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(name `file:line`, where to point errors `path line N`, record) of every non-empty line at `path`."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise UserError(f"data.path={path!r} does not exist. Expected a .jsonl file of chat records, or a folder of "
+                        f"them, e.g. lines like {_EXAMPLE}. Fix: correct the path.")
+    files = corpus.list_files(root, suffixes=SUFFIXES) if root.is_dir() else [root]
+    if not files or not all(f.name.lower().endswith(SUFFIXES) for f in files):
+        found = "holds no .jsonl files" if root.is_dir() else "is not a .jsonl file"
+        raise UserError(f"data.path={path!r} {found}; data.format=chat reads one JSON record per line from .jsonl "
+                        f"(or .jsonl.gz) files, e.g. {_EXAMPLE}. Fix: point data.path at such a file or folder, or "
+                        "set data.format=text to train on plain text.")
+    for file in files:
+        name = file.relative_to(root).as_posix() if root.is_dir() else file.name
+        opener = gzip.open if file.name.lower().endswith(".gz") else open
+        with opener(file, "rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{file} line {number}"
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                    raise _bad_record(where, f"is not valid JSON ({error})") from None
+                if not isinstance(record, dict):
+                    raise _bad_record(where, f"holds a JSON {type(record).__name__}, not an object")
+                yield f"{name}:{number}", where, record
+
+
+class _Encoder:
+    """A record -> (ids, mask of tokens to learn), or None for a conversation without an assistant message."""
+
+    def __init__(self, tokenizer: Tokenizer, spec: str):
+        self.tokenizer, self.spec = tokenizer, spec
+        self._template, self._looked = None, False
+        self.skipped, self.first_skipped = 0, ""
+
+    def encode(self, record: dict[str, Any], where: str) -> packed.Example | None:
+        has_messages, has_prompt = "messages" in record, "prompt" in record or "completion" in record
+        if has_messages and has_prompt:
+            raise _bad_record(where, "has both `messages` and `prompt`/`completion`, so which to learn is ambiguous")
+        if has_messages:
+            return self._conversation(record["messages"], where)
+        if has_prompt:
+            return self._prompt_completion(record, where)
+        raise _bad_record(where, f"has neither `messages` nor `prompt` and `completion` (its keys: {sorted(record)})")
+
+    def _conversation(self, messages: Any, where: str) -> packed.Example | None:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise _bad_record(where, "has `messages` that are not a non-empty list of objects with a string `role`")
+        try:
+            ids, learn = self.template(where).encode_with_mask(messages)
+        except UserError as error:  # the template refused this conversation: say which one
+            raise UserError(f"{where}: {error}") from None
+        if not learn.any():
+            self.skipped += 1
+            self.first_skipped = self.first_skipped or where
+            return None
+        return ids, learn
+
+    def _prompt_completion(self, record: dict[str, Any], where: str) -> packed.Example:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise _bad_record(where, "needs `prompt` and `completion` both strings (for conversations, use `messages`)")
+        tok = self.tokenizer
+        head = tok.encode(prompt)
+        tail = np.concatenate([tok.encode(completion, add_special_tokens=False), np.array([tok.eot_id], tok.dtype)])
+        return np.concatenate([head, tail]), np.concatenate([np.zeros(len(head), bool), np.ones(len(tail), bool)])
+
+    def template(self, where: str):
+        if not self._looked:
+            self._template, self._looked = find_chat_template(self.spec), True
+        if self._template is None:
+            raise UserError(
+                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.spec!r} has no chat "
+                "template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so there is "
+                "no format to write it in. Fix: fine-tune a model imported from a Hugging Face folder that has its "
+                "template (`systolic convert from-hf MODEL runs/NAME`, then init.from=runs/NAME), copy the model's "
+                "chat_template.jinja and tokenizer_config.json beside the tokenizer.json, or write the records as "
+                "prompt/completion text."
+            )
+        return self._template
+
+
+def _bad_record(where: str, problem: str) -> UserError:
+    return UserError(f"{where} {problem}. Expected one JSON object per line, {_EXAMPLE}. Fix: repair or remove "
+                     "that line.")
