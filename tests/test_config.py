@@ -50,12 +50,22 @@ def test_round_trip_through_dict():
         ("model.norm_eps=0", "greater than 0"),
         ("data.seq_len=4096", "model.max_seq_len"),
         ("train.batch_size=10", "grad_accum"),
+        ("model.sliding_window=-1", "model.sliding_window=-1 must be >= 0"),
+        ("model.rope_scaling.type=dynamic", "Allowed values: none, linear, llama3, yarn"),
+        ("model.rope_scaling.factor=0", "model.rope_scaling.factor=0.0 out of range"),
+        ("model.rope_scaling.type=yarn", "needs model.rope_scaling.original_max_seq_len"),
+        ("model.rope_scaling.high_freq_factor=0.5", "must be greater than low_freq_factor"),
     ],
 )
 def test_bad_overrides_name_key_and_fix(override, fragment):
     overrides = [override] + (["train.grad_accum=4"] if "batch_size" in override else [])
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
         load(*overrides)
+
+
+def test_llama_block_switches_are_refused_for_gpt2():
+    with pytest.raises(ConfigError, match=r"model\.qk_norm=true, model\.rope_scaling\.type=linear with model\.family=gpt2"):
+        load("model.family=gpt2", "model.qk_norm=true", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2")
 
 
 def test_unknown_recipe_suggests_close_match():

@@ -108,6 +108,16 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     # Not quiet: the sample at the end of training is printed, so its settings are read.
     assert main(["train", "lm", *TINY_LM, *LM_CLI_QUIET, "train.steps=2", "train.eval_every=1", "sample.max_new_tokens=4",
                  "observe.profile_steps=2", "observe.progress=off", "--run-dir", str(tmp_path / "lm")]) == 0
+    # RoPE scalings read their own settings: a scaled model computes its frequencies from them (their parity with
+    # transformers: tests/workloads/lm/test_hf_families.py).
+    from systolic.workloads.lm.config import LMConfig
+    from systolic.workloads.lm.rope import inverse_frequencies
+
+    for scaling in (["type=llama3", "factor=8", "original_max_seq_len=16"],
+                    ["type=yarn", "factor=4", "original_max_seq_len=16", "attention_factor=1.2", "truncate=false"]):
+        overrides = [*TINY_LM, *(f"model.rope_scaling.{o}" for o in scaling)]
+        cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+        assert inverse_frequencies(cfg.model)[0].shape == (cfg.model.d_head // 2,)
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

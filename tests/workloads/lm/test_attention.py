@@ -1,6 +1,8 @@
 """Training attention (`lm/attention.py`): the splash kernel, run by Pallas's interpreter on CPU, computes causal
-grouped-query attention and its gradients, alone and under a mesh; the choice of implementation per platform."""
+grouped-query attention and its gradients, alone and under a mesh; every implementation and the KV-cache decode
+path agree under a sliding window; the choice of implementation per platform."""
 
+import dataclasses
 import time
 
 import jax
@@ -23,21 +25,27 @@ def _inputs():
     return q, k, v, jax.random.normal(kd, (B, T, H, HD))  # d_out: a cotangent that weights every output
 
 
-def _reference(q, k, v):
-    """float64 NumPy causal grouped-query attention: query head h reads key/value head h // (H // KV)."""
+def _reference(q, k, v, *, window=0, segment_ids=None):
+    """float64 NumPy causal grouped-query attention: query head h reads key/value head h // (H // KV); with a
+    window W only keys with query - key < W (transformers' sliding window); with segment ids only its segment's."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     k, v = np.repeat(k, H // KV, axis=2), np.repeat(v, H // KV, axis=2)  # (B, T, H, hd)
     s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    query, key = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = (key <= query) & ((query - key < window) if window else True)  # (T, T)
+    if segment_ids is not None:
+        ids = np.asarray(segment_ids)
+        allowed = allowed & (ids[:, None, :, None] == ids[:, None, None, :])  # (B, 1, T, T)
+    s = np.where(allowed, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
 
 
-def _value_and_grads(impl):
-    """out and d(sum(out * d_out))/d(q, k, v) with `impl`, jitted."""
+def _value_and_grads(impl, **kw):
+    """out and d(sum(out * d_out))/d(q, k, v) with `impl` (and causal_attention's keywords `kw`), jitted."""
 
     def f(q, k, v, d_out):
-        out, pullback = jax.vjp(lambda *a: attention.causal_attention(*a, impl=impl), q, k, v)
+        out, pullback = jax.vjp(lambda *a: attention.causal_attention(*a, impl=impl, **kw), q, k, v)
         return out, pullback(d_out)
 
     return jax.jit(f)
@@ -81,6 +89,74 @@ def test_splash_under_a_mesh_splits_batch_and_heads(expected):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+# SLIDING WINDOW -----------------------------------------------------------------------------------------------
+
+WINDOW = 100  # over 256 positions and across splash's 128-position blocks: some blocks lie partly in the window
+SEGMENTS = np.stack([np.searchsorted([60, 200], np.arange(T), side="right"),  # documents [0, 60), [60, 200), [200, T)
+                     np.searchsorted([150], np.arange(T), side="right")]).astype(np.int32)  # (B, T)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+@pytest.mark.parametrize("impl", ["xla", "cpu", "splash"])
+def test_sliding_window_in_every_implementation(impl, packed):
+    """Each training implementation gives the float64 reference's output under a window, alone and with packed
+    documents, and the gradients of the plain XLA formulation."""
+    segment_ids = jnp.asarray(SEGMENTS) if packed else None
+    q, k, v, d_out = _inputs()
+    out, grads = _value_and_grads(impl, window=WINDOW, segment_ids=segment_ids)(q, k, v, d_out)
+    want = _reference(q, k, v, window=WINDOW, segment_ids=segment_ids)
+    np.testing.assert_allclose(out, want, atol=2e-5)
+    assert np.abs(want - _reference(q, k, v, segment_ids=segment_ids)).max() > 0.1  # the window matters
+    if impl != "xla":
+        _, xla_grads = _value_and_grads("xla", window=WINDOW, segment_ids=segment_ids)(q, k, v, d_out)
+        for name, got, expected_grad in zip("qkv", grads, xla_grads):
+            np.testing.assert_allclose(got, expected_grad, atol=5e-5, rtol=1e-5, err_msg=f"{impl}: d{name}")
+
+
+def test_decode_path_masks_the_window_as_training_does():
+    """A model with a window of 5 over 16 tokens: its training forward (xla, and the cpu formulation that auto
+    picks here) and the KV-cache decode path (the prompt, then one token at a time) give the same logits."""
+    from systolic.workloads.lm.config import ModelConfig
+    from systolic.workloads.lm.model import make_model
+
+    cfg = ModelConfig(d_model=32, layers=2, heads=4, kv_heads=2, max_seq_len=32, dtype="float32", sliding_window=5)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
+    training = {setting: make_model(dataclasses.replace(cfg, attention=setting), 64, 0)(tokens)
+                for setting in ("xla", "auto")}
+    model = make_model(cfg, 64, 0)
+    logits, cache = model.decode(tokens[:, :6], model.init_cache(2, 16))  # (B, 6, V)
+    steps = [logits]
+    for t in range(6, 16):
+        logits, cache = model.decode(tokens[:, t : t + 1], cache)  # (B, 1, V)
+        steps.append(logits)
+    decoded = jnp.concatenate(steps, axis=1)  # (B, T, V)
+    for setting, logits in training.items():
+        np.testing.assert_allclose(decoded, logits, atol=1e-5, err_msg=setting)
+    unwindowed = make_model(dataclasses.replace(cfg, sliding_window=0), 64, 0)(tokens)
+    assert np.abs(np.asarray(unwindowed - decoded)).max() > 1e-3  # the window matters
+
+
+def test_cudnn_call_takes_the_window(monkeypatch):
+    """No GPU here: trace the cudnn path, with jax's cuDNN version probe stubbed, with packed documents and a
+    window: the kernel gets the window as its sliding_window_length, forward and backward."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+    q, kv = jnp.zeros((B, T, H, HD), jnp.bfloat16), jnp.zeros((B, T, KV, HD), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = attention.causal_attention(q, k, v, impl="cudnn", segment_ids=jnp.asarray(SEGMENTS), window=WINDOW)
+        return out.astype(jnp.float32).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+    windows = {str(e.primitive): e.params["sliding_window_length"]
+               for e in jaxpr.eqns if "dot_product_attention" in str(e.primitive)}
+    assert windows == {f"dot_product_attention_{d}_wrapper": WINDOW for d in ("fwd", "bwd")}
+
+
+# CHOICE OF IMPLEMENTATION -------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("platform, dtype, head_dim, want", [
     ("tpu", jnp.bfloat16, 64, "splash"),
     ("tpu", jnp.float32, 80, "splash"),
@@ -119,8 +195,6 @@ def test_splash_blocks_follow_the_sequence_length():
 def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
     """The real model, layers scanned and rematerialised, on a mesh: splash (in its shard_map, inside nnx.scan and
     nnx.remat) gives the loss and gradients of the plain formulation."""
-    import dataclasses
-
     import optax
     from flax import nnx
 

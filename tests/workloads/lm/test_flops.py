@@ -13,7 +13,7 @@ from flax import nnx
 
 from systolic import config as config_lib
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.flops import train_flops_per_token
+from systolic.workloads.lm.flops import matmul_params, train_flops_per_token
 from systolic.workloads.lm.model import Transformer
 
 
@@ -36,3 +36,14 @@ def test_formula_matches_xla_cost_analysis(family, extra):
     masked_half = batch * seq * 6 * cfg.layers * seq * cfg.heads * cfg.d_head
     assert xla_flops == pytest.approx(ours + masked_half, rel=0.05)
     assert xla_flops > ours  # the formula never inflates beyond what the hardware does
+
+
+def test_a_sliding_window_counts_only_the_keys_in_it():
+    """A query sees min(position + 1, W) keys: on average W - W^2 / (2T) of them (T/2 without a window)."""
+    from systolic.workloads.lm.config import ModelConfig
+
+    cfg = ModelConfig(d_model=64, layers=2, heads=4)
+    windowed = ModelConfig(d_model=64, layers=2, heads=4, sliding_window=64)
+    attention = lambda c, t: train_flops_per_token(c, 320, t) - 6 * matmul_params(c, 320)  # noqa: E731
+    assert attention(windowed, 64) == attention(cfg, 64) == 12 * 2 * 32 * 4 * 16  # a window >= T changes nothing
+    assert attention(windowed, 256) == 12 * 2 * (64 - 64**2 / 512) * 4 * 16  # 56 keys per query, not 128

@@ -1,6 +1,7 @@
 """Hugging Face conversion against transformers itself: tiny random Llama (grouped-query attention, a non-default
 RoPE theta) and GPT-2 models are imported, must give the same logits and greedy generations, are exported back
-and reloaded by `from_pretrained`; a fine-tune starts from an import and resumes from its own checkpoint."""
+and reloaded by `from_pretrained`; what the model does not compute is refused by name; a fine-tune starts from an
+import and resumes from its own checkpoint. The other open families: test_hf_families.py."""
 
 import dataclasses
 import json
@@ -137,7 +138,9 @@ def test_load_onto_mesh_of_8_devices(folders):
 @pytest.mark.parametrize("cfg", [
     ModelConfig(family="llama", vocab_size=96, d_model=32, layers=2, heads=4, kv_heads=2, head_dim=12, mlp_dim=48),
     ModelConfig(family="gpt2", vocab_size=96, d_model=32, layers=2, heads=4, max_seq_len=16, scan_layers=True),
-], ids=["llama-gqa-head_dim", "gpt2-scan"])
+    ModelConfig(family="llama", vocab_size=96, d_model=32, layers=2, heads=4, kv_heads=2, qkv_bias=True, qk_norm=True,
+                scan_layers=True),
+], ids=["llama-gqa-head_dim", "gpt2-scan", "llama-qkv_bias-qk_norm-scan"])
 def test_tensor_map_round_trips(cfg):
     """Our params -> HF tensors -> our params is the identity, and the shapes the map predicts are the real ones."""
     rng = np.random.default_rng(0)
@@ -160,17 +163,29 @@ def _write_broken(src: Path, dst: Path, family: str) -> None:
         tensors = load_file(dst / "model.safetensors")
         del tensors["model.layers.1.mlp.up_proj.weight"]
         save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    elif family == "mistral":
-        config.update(model_type="mistral", architectures=["MistralForCausalLM"])
-    elif family == "llama3-rope":
-        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    elif family == "gemma":
+        config.update(model_type="gemma", architectures=["GemmaForCausalLM"])
+    elif family in ("dynamic", "longrope"):
+        config["rope_parameters"] = {"rope_type": family, "rope_theta": 5e5, "factor": 8.0}
+    elif family == "partial-rotary":
+        config["rope_parameters"]["partial_rotary_factor"] = 0.5
+    elif family == "qwen3-attention-bias":
+        config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True)
+    elif family == "qwen2-some-sliding":
+        config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                      sliding_window=4, max_window_layers=1)
     (dst / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("broken, fragments", [
     ("missing", ["lacks 1 tensor", "model.layers.1.mlp.up_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"]),
-    ("mistral", ["'mistral'", "LlamaForCausalLM", "GPT2LMHeadModel"]),
-    ("llama3-rope", ["llama3", "plain RoPE"]),
+    ("gemma", ["'gemma'", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+               "GPT2LMHeadModel"]),
+    ("dynamic", ["rope_type = 'dynamic'", "default, linear, llama3, yarn"]),
+    ("longrope", ["rope_type = 'longrope'"]),
+    ("partial-rotary", ["partial_rotary_factor = 0.5"]),
+    ("qwen3-attention-bias", ["attention_bias = True"]),
+    ("qwen2-some-sliding", ["layer_types = ['full_attention', 'sliding_attention']", "sliding_attention on every layer"]),
 ])
 def test_bad_folders_are_user_errors(folders, tmp_path, capsys, broken, fragments):
     src = tmp_path / "src"

@@ -12,6 +12,11 @@ implementation: splash takes the ids (`SegmentIds`), the cpu formulation folds t
 xla and cudnn take a (B, 1, T, T) boolean mask, which jax hands cuDNN as an additive bias (cuDNN's training kernel
 with a bias needs an even sequence length: auto falls back to xla for an odd one).
 
+A sliding window W (`model.sliding_window`, Mistral's) also limits each query to itself and the W - 1 keys
+before it, in every implementation: splash's `LocalMask` (whose blocks outside the window are skipped), the cpu
+formulation's bias, and `jax.nn.dot_product_attention`'s `local_window_size=(W - 1, 0)`, which cuDNN runs as its
+sliding window of W.
+
 `model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
 platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
 error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
@@ -85,22 +90,25 @@ def _cudnn_takes(dtype: jnp.dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str,
-                     segment_ids: jax.Array | None = None) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, segment_ids: jax.Array | None = None,
+                     window: int = 0) -> jax.Array:
     """Causal grouped-query attention with `impl` (one of IMPLEMENTATIONS, see `choose`): q (B, T, H, hd), k and
     v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd).
-    With `segment_ids` (B, T) int32 a query attends only to keys of its own segment (packed documents)."""
+    With `segment_ids` (B, T) int32 a query attends only to keys of its own segment (packed documents); with
+    `window` W > 0 only to keys at most W - 1 positions before it."""
     if impl == "splash":
-        return splash_attention(q, k, v, segment_ids)
+        return splash_attention(q, k, v, segment_ids, window=window)
     if impl == "cpu":
-        return cpu.causal_attention(q, k, v, segment_ids)
+        return cpu.causal_attention(q, k, v, segment_ids, window=window)
     assert impl in ("cudnn", "xla"), impl
     # (B, 1, T, T), shared by the heads. is_causal stays on with it: cuDNN then skips the blocks above the diagonal.
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    local = (window - 1, 0) if window else None  # (left, right) keys around the query, the query excluded
     # jax's own XLA formulation adds float32 statistics to bfloat16 scores; that implicit promotion is its choice,
     # so it runs under standard promotion even where a caller (the tests) makes promotion strict.
     with jax.numpy_dtype_promotion("standard"):
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                            implementation=impl)
 
 
 def splash_block(seq_len: int) -> int:
@@ -115,14 +123,15 @@ def splash_block(seq_len: int) -> int:
     )
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+                     window: int = 0) -> jax.Array:
     """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU.
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
     rules: a Pallas kernel is opaque to XLA's SPMD partitioner, which would otherwise gather every operand onto
     each device. The sequence stays whole (no rule splits `seq`); the grouping is unchanged by the head split
     because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole groups."""
-    local = functools.partial(_splash_local, interpret=device_platform() != "tpu")
+    local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window)
     operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -138,11 +147,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, window: int) -> jax.Array:
     """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
     -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    kernel = _splash_kernel(H, T, interpret)
+    kernel = _splash_kernel(H, T, interpret, window)
     # The kernel does not scale the logits: pre-scale the queries.
     q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
@@ -157,11 +166,16 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
-def _splash_kernel(heads: int, seq_len: int, interpret: bool):
-    """A causal splash kernel for (heads, seq_len, hd) queries. Made on each trace: its block tables become
-    constants of that trace (the kernel's own cache keeps the NumPy mask processing, 0.7 s at 16k positions)."""
+def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int):
+    """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0. Made on each
+    trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
+    processing, 0.7 s at 16k positions)."""
     block = splash_block(seq_len)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * heads)
+    if window:  # keys in [q - (window - 1), q]: causal and local in one mask
+        one_head = splash.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+    else:
+        one_head = splash.CausalMask((seq_len, seq_len))
+    mask = splash.MultiHeadMask([one_head] * heads)
     return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)

@@ -12,8 +12,55 @@ from systolic.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequencies stretched for contexts longer than pre-training's, as Hugging Face's `rope_parameters`
+    compute them (`lm/rope.py`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1+) divides the
+    low frequencies by `factor`, keeps the high ones and blends in between; `yarn` blends per frequency between
+    the two by `beta_fast`/`beta_slow` and scales cos and sin by `attention_factor`."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_seq_len: int = 0  # llama3 and yarn: the pre-training context (HF original_max_position_embeddings)
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_seq_len / low_freq_factor are divided
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_seq_len / high_freq_factor are kept
+    beta_fast: float = 32.0  # yarn: rotations within original_max_seq_len above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: ... below which it is divided by factor
+    attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = YaRN's 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the blended band of dimensions outwards to whole dimensions
+
+    def validate(self) -> None:
+        positive = {"factor": self.factor, "low_freq_factor": self.low_freq_factor, "beta_fast": self.beta_fast,
+                    "beta_slow": self.beta_slow}
+        bad = [f"model.rope_scaling.{k}={v}" for k, v in positive.items() if not v > 0]
+        if self.attention_factor < 0:
+            bad.append(f"model.rope_scaling.attention_factor={self.attention_factor}")
+        if self.original_max_seq_len < 0:
+            bad.append(f"model.rope_scaling.original_max_seq_len={self.original_max_seq_len}")
+        if bad:
+            raise ConfigError(
+                f"{', '.join(bad)} out of range: factor, low_freq_factor, beta_fast and beta_slow must be greater "
+                "than 0, attention_factor (0: YaRN's default) and original_max_seq_len at least 0. Fix: take the values from "
+                "the model's Hugging Face rope_parameters, or keep the defaults."
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than low_freq_factor="
+                f"{self.low_freq_factor}: llama3 scaling blends the frequencies between the two bands, dividing by "
+                "their difference. Fix: e.g. model.rope_scaling.low_freq_factor=1 model.rope_scaling.high_freq_factor=4."
+            )
+        if self.type in ("llama3", "yarn") and self.original_max_seq_len <= 0:
+            raise ConfigError(
+                f"model.rope_scaling.type={self.type} needs model.rope_scaling.original_max_seq_len, the context the "
+                "model was pre-trained with (Hugging Face's original_max_position_embeddings), but it is 0. Fix: e.g. "
+                "model.rope_scaling.original_max_seq_len=8192."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it"."""
+    """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
+    family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1) switch
+    on what the open model families add to the block."""
 
     family: Literal["llama", "gpt2"] = "llama"
     vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
@@ -26,6 +73,10 @@ class ModelConfig:
     mlp_dim: int = 0  # 0: 4 * d_model for gpt2; SwiGLU's 8/3 * d_model rounded up to 64 for llama
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = RopeScalingConfig()
+    qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
+    qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
+    sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -87,6 +138,20 @@ class ModelConfig:
                 f"model.heads={self.heads} is not a multiple of model.kv_heads={self.n_kv_heads}; grouped-query "
                 "attention shares each key/value head between an equal number of query heads. Fix: pick kv_heads "
                 f"dividing heads, e.g. model.kv_heads={divisor_near(self.heads, self.n_kv_heads)}."
+            )
+        if self.sliding_window < 0:
+            raise ConfigError(
+                f"model.sliding_window={self.sliding_window} must be >= 0: 0 attends to every earlier position, W > 0 "
+                "to the query and the W - 1 positions before it. Fix: model.sliding_window=0, or the model's window."
+            )
+        llama_only = {"model.qkv_bias=true": self.qkv_bias, "model.qk_norm=true": self.qk_norm,
+                      f"model.rope_scaling.type={self.rope_scaling.type}": self.rope_scaling.type != "none"}
+        asked = [key for key, on in llama_only.items() if on]
+        if self.family == "gpt2" and asked:
+            raise ConfigError(
+                f"{', '.join(asked)} with model.family=gpt2: these switches change the llama block (rotary positions, "
+                "unbiased projections, RMSNorm); the GPT-2 block has learned positions and biases on every projection "
+                "already. Fix: model.family=llama, or leave them at their defaults (false, none)."
             )
         if self.family == "llama" and self.d_head % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")

@@ -43,9 +43,11 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     return y.reshape(*lead, *out)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+                     window: int = 0) -> jax.Array:
     """Causal grouped-query attention: q (B, T, H, hd), k and v (B, T, KV, hd) -> (B, T, H, hd); with
-    `segment_ids` (B, T) a query attends only to keys of its own segment.
+    `segment_ids` (B, T) a query attends only to keys of its own segment, with `window` W > 0 only to keys at most
+    W - 1 positions before it.
 
     Heads go in front before the dots, and a query group shares its key/value head by stacking the group's
     queries along the query axis, so both dots are plain batched matmuls over (B, KV) that XLA:CPU runs without
@@ -57,6 +59,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
     # -1e30 rather than -inf: exp underflows to exactly 0 and no inf - inf appears in the backward pass.
     causal = jnp.tril(jnp.ones((T, T), bool))  # (T, T)
+    if window:
+        causal = causal & jnp.triu(jnp.ones((T, T), bool), -(window - 1))  # query - key <= window - 1
     if segment_ids is None:
         bias = jnp.tile(jnp.where(causal, 0.0, -1e30).astype(q.dtype), (G, 1))  # (G*T, T)
     else:

@@ -5,7 +5,8 @@ embedding lookup, norms or biases):
     6 * N                         forward (2N) + backward (4N)
   + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
                                   token, halved because causal attention needs only the lower triangle, x 3 for
-                                  forward + backward.
+                                  forward + backward. With a sliding window W < T a query sees at most W keys:
+                                  the T/2 keys of an average query become W - W^2 / (2T).
 Rematerialisation is not counted: it is hardware work, not model work.
 """
 
@@ -22,5 +23,7 @@ def matmul_params(cfg: ModelConfig, vocab: int) -> int:
 
 
 def train_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int) -> float:
-    attention = 6 * cfg.layers * seq_len * cfg.heads * cfg.d_head
+    window = cfg.sliding_window
+    keys = window - window**2 / (2 * seq_len) if 0 < window < seq_len else seq_len / 2  # per query, on average
+    attention = 12 * cfg.layers * keys * cfg.heads * cfg.d_head
     return 6 * matmul_params(cfg, vocab) + attention

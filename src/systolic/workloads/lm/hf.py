@@ -1,4 +1,5 @@
-"""Hugging Face weights <-> lm run directories, for the Llama (incl. grouped-query attention) and GPT-2 families.
+"""Hugging Face weights <-> lm run directories, for Llama (incl. grouped-query attention and Llama 3.1+ RoPE
+scaling), Qwen2/2.5, Qwen3, Mistral and GPT-2 (`hf_config` lists what each brings).
 
 `systolic convert from-hf SRC RUN_DIR` reads a local folder (config.json + model.safetensors, or sharded
 model-*.safetensors + model.safetensors.index.json) one tensor at a time, places each parameter straight into
@@ -6,8 +7,8 @@ its sharded layout, and writes a run directory: config.yaml, tokenizer.json (whe
 tokens and chat template: `data.tokenizer.COMPANION_FILES`) and a parameters-only checkpoint at step 0, which
 `systolic generate` and `systolic train lm init.from=RUN_DIR` read.
 `systolic convert to-hf RUN_DIR OUT` writes the latest checkpoint back as a folder `from_pretrained` loads.
-Which tensor is which lives in `hf_tensors`, config.json in `hf_config`; tests/workloads/lm/test_hf.py checks
-logits and greedy generations against transformers.
+Which tensor is which lives in `hf_tensors`, config.json in `hf_config`; tests/workloads/lm/test_hf.py and
+test_hf_families.py check logits and greedy generations against transformers.
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ class Folder:
         if unknown:
             raise UserError(
                 f"{self.src} holds tensors that a {cfg.family} model as described by config.json does not have: "
-                f"{_some(unknown)}. They may belong to a variant systolic "
-                "does not convert (e.g. attention biases); importing without them would change the model. Fix: "
-                "pass a plain Llama or GPT-2 checkpoint."
+                f"{_some(unknown)}. They may belong to a variant systolic does not convert (e.g. biases that "
+                "config.json does not announce); importing without them would change the model. Fix: check that "
+                "config.json belongs to these weights, or pass a checkpoint of a supported architecture."
             )
         for name, group in group_by(expected, lambda p: p.hf).items():
             want = hf_shape(group, layer_shape(shapes[group[0].path], group[0].layer))

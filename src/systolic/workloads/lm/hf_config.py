@@ -1,7 +1,14 @@
-"""Hugging Face `config.json` (LlamaConfig, GPT2Config) <-> the lm workload's `ModelConfig`.
+"""Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
+SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral and GPT-2.
 
-Only what the systolic model computes is accepted: a setting that would change the math (RoPE scaling, biases
-in Llama, an exact-erf GELU in GPT-2) is an error here rather than a silently different model after import.
+The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
+(`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
+(`model.sliding_window`); RoPE scaling (`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or
+`rope_scaling` (4.x). Only what the systolic model computes is accepted: a setting that would change the math
+(dynamic or longrope RoPE, partial rotary embeddings, a sliding window on some layers only, an output-projection
+bias, an exact-erf GELU in GPT-2) is an error that names it rather than a silently different model after import.
+Export writes the architecture the switches call for: qk_norm -> Qwen3, qkv_bias -> Qwen2, a sliding window ->
+Mistral, else Llama.
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from systolic.errors import UserError
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.config import ModelConfig, RopeScalingConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
-
-
+# Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rope_type values that import (to model.rope_scaling.type)
 def read_config(src: Path) -> dict[str, Any]:
     path = Path(src) / "config.json"
     if not path.is_file():
@@ -32,61 +40,181 @@ def read_config(src: Path) -> dict[str, Any]:
 
 
 def model_config(hf: dict[str, Any], src: Path, *, scan_layers: bool = False) -> ModelConfig:
-    """Our ModelConfig for a Llama or GPT-2 config.json; the vocabulary is exactly HF's `vocab_size`."""
-    family = _family(hf, src)
+    """Our ModelConfig for a config.json of one of ARCHITECTURES; the vocabulary is exactly HF's `vocab_size`."""
+    model_type = _model_type(hf, src)
     try:
-        return _model_config(hf, src, family, scan_layers)
+        return _model_config(hf, src, model_type, scan_layers)
     except KeyError as e:
         raise UserError(
-            f"{src}/config.json has no {e.args[0]!r}, which a {ARCHITECTURES[family]} config needs. Fix: restore "
+            f"{src}/config.json has no {e.args[0]!r}, which a {ARCHITECTURES[model_type]} config needs. Fix: restore "
             "the file from the model's source (transformers' save_pretrained writes every key)."
         ) from None
 
 
-def _model_config(hf: dict[str, Any], src: Path, family: str, scan_layers: bool) -> ModelConfig:
+def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: bool) -> ModelConfig:
     vocab = int(hf["vocab_size"])
     # vocab_multiple divides vocab, so the padded vocabulary is vocab itself: no extra logit rows.
-    common = dict(family=family, vocab_size=vocab, vocab_multiple=math.gcd(vocab, 64), scan_layers=scan_layers)
-    if family == "llama":
-        _require(hf, src, {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False})
-        d, heads = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or d // heads
-        return ModelConfig(
-            **common, d_model=d, layers=hf["num_hidden_layers"], heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
-            mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], rope_theta=_rope_theta(hf, src),
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
+    common = dict(vocab_size=vocab, vocab_multiple=math.gcd(vocab, 64), scan_layers=scan_layers)
+    if model_type == "gpt2":
+        return _gpt2_config(hf, src, common)
+    # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
+    _require(hf, src, {"hidden_act": "silu", "mlp_bias": False, **({} if model_type == "qwen2" else {"attention_bias": False})})
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    theta, scaling = _rope(hf, src)
+    return ModelConfig(
+        **common, family="llama", d_model=d, layers=hf["num_hidden_layers"], heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
+        mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
+        rope_scaling=scaling, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+        sliding_window=_sliding_window(hf, src, model_type), norm_eps=hf["rms_norm_eps"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _gpt2_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> ModelConfig:
     _require(hf, src, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False})
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise _unsupported(src, "activation_function", hf["activation_function"], "gelu_new (GELU, tanh approximation)")
     d = hf["n_embd"]
     return ModelConfig(
-        **common, d_model=d, layers=hf["n_layer"], heads=hf["n_head"], mlp_dim=hf.get("n_inner") or 4 * d,
+        **common, family="gpt2", d_model=d, layers=hf["n_layer"], heads=hf["n_head"], mlp_dim=hf.get("n_inner") or 4 * d,
         max_seq_len=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
     )
 
 
+def _rope(hf: dict[str, Any], src: Path) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, scaling) as transformers 5 standardises them: `rope_scaling` (4.x) over `rope_parameters`,
+    the theta inside the dict over the top-level `rope_theta`."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise _unsupported(src, "per-layer-type rope_parameters", rope, "one set of RoPE parameters for every layer")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise _unsupported(src, "partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
+    if kind not in ROPE_TYPES:
+        raise _unsupported(src, "rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return theta, RopeScalingConfig()
+    if kind == "linear":
+        return theta, RopeScalingConfig(type="linear", factor=float(rope["factor"]))
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3 style), then the dict's, then the
+    # model's own context.
+    original = int(hf["original_max_position_embeddings"] if "original_max_position_embeddings" in hf else
+                   rope.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    if kind == "llama3":
+        return theta, RopeScalingConfig(type="llama3", factor=float(rope["factor"]), original_max_seq_len=original,
+                                        low_freq_factor=float(rope["low_freq_factor"]),
+                                        high_freq_factor=float(rope["high_freq_factor"]))
+    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return theta, RopeScalingConfig(
+        type="yarn", factor=factor, original_max_seq_len=original, beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1), attention_factor=float(attention_factor or 0.0),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> int:
+    """Mistral's window applies to every layer; Qwen's (with use_sliding_window) to the layers from
+    max_window_layers on, or as `layer_types` lists them: all or none of them import."""
+    if model_type == "mistral":
+        return int(hf.get("sliding_window") or 0)
+    if model_type not in ("qwen2", "qwen3"):
+        return 0  # transformers' Llama has no sliding window
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)]
+    sliding = types.count("sliding_attention")
+    if set(types) - {"full_attention", "sliding_attention"} or (window is not None and 0 < sliding < layers):
+        raise _unsupported(src, "layer_types", types, "full_attention on every layer, or sliding_attention on every "
+                           "layer: use_sliding_window with max_window_layers 0")
+    if window is None or sliding == 0:
+        return 0
+    return int(window)
+
+
 def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict[str, Any]:
     """config.json for `cfg` with `vocab` embedding rows; `eos_id` is the tokenizer's end-of-text id."""
     special = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
-    common = {"architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": vocab,
+    model_type = architecture(cfg)
+    common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": vocab,
               "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **special}
-    if cfg.family == "llama":
-        return {
-            **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
-            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
-            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": False, "mlp_bias": False,
-        }
-    if cfg.n_kv_heads != cfg.heads or cfg.d_head * cfg.heads != cfg.d_model:
+    if model_type == "gpt2":
+        return _gpt2_json(cfg, common)
+    rope = _rope_json(cfg)
+    out = {
+        **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+    }
+    if cfg.rope_scaling.type != "none":
+        out["rope_scaling"] = rope  # what transformers 4.x reads (with the top-level rope_theta); 5 reads either
+    if model_type == "llama":
+        return {**out, "attention_bias": False, "mlp_bias": False}
+    if model_type == "mistral":
+        return {**out, "sliding_window": cfg.sliding_window}
+    # Qwen: the window on every layer (max_window_layers 0) or on none.
+    window = cfg.sliding_window or None
+    out.update(use_sliding_window=window is not None, sliding_window=window,
+               max_window_layers=0 if window else cfg.layers,
+               layer_types=["sliding_attention" if window else "full_attention"] * cfg.layers)
+    return {**out, "attention_bias": False} if model_type == "qwen3" else out
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type that computes what `cfg` does."""
+    if cfg.family == "gpt2":
+        return "gpt2"
+    if cfg.qk_norm and cfg.qkv_bias:
         raise UserError(
-            f"This gpt2-family run has model.kv_heads={cfg.n_kv_heads} and head size {cfg.d_head} with "
-            f"model.heads={cfg.heads}, model.d_model={cfg.d_model}; Hugging Face's GPT-2 has neither grouped-query "
-            "attention nor a separate head size (kv_heads = heads, head size = d_model / heads). Fix: only runs "
-            "with those defaults can be exported as GPT2LMHeadModel."
+            "This run has both model.qk_norm and model.qkv_bias. Hugging Face's Qwen3 (q/k norms) has biases only "
+            "with attention_bias, which also puts one on the output projection, and Qwen2 (q/k/v biases) has no q/k "
+            "norms: no architecture computes this model. Fix: only runs with one of the two can be exported."
+        )
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window else "llama"
+
+
+def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
+    """`rope_parameters` without rope_theta, as transformers 5 reads it."""
+    s = cfg.rope_scaling
+    if s.type == "none":
+        return {"rope_type": "default"}
+    if s.type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.type == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
+    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+    return {**out, "attention_factor": s.attention_factor} if s.attention_factor else out
+
+
+def _gpt2_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
+    if cfg.n_kv_heads != cfg.heads or cfg.d_head * cfg.heads != cfg.d_model or cfg.sliding_window:
+        raise UserError(
+            f"This gpt2-family run has model.kv_heads={cfg.n_kv_heads}, head size {cfg.d_head} and "
+            f"model.sliding_window={cfg.sliding_window} with model.heads={cfg.heads}, model.d_model={cfg.d_model}; "
+            "Hugging Face's GPT-2 has neither grouped-query attention, a separate head size nor a sliding window "
+            "(kv_heads = heads, head size = d_model / heads, window 0). Fix: only runs with those defaults can be "
+            "exported as GPT2LMHeadModel."
         )
     return {
         **common, "n_embd": cfg.d_model, "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.d_mlp,
@@ -97,27 +225,17 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict[str, Any
     }
 
 
-def _family(hf: dict[str, Any], src: Path) -> str:
+def _model_type(hf: dict[str, Any], src: Path) -> str:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
-    family = model_type if model_type in ARCHITECTURES else None
-    if family is None or (architectures and ARCHITECTURES[family] not in architectures):
-        supported = ", ".join(f"{a} (model_type {f})" for f, a in ARCHITECTURES.items())
+    if model_type not in ARCHITECTURES or (architectures and ARCHITECTURES[model_type] not in architectures):
+        supported = ", ".join(f"{a} (model_type {t})" for t, a in ARCHITECTURES.items())
         raise UserError(
             f"{src}/config.json describes model_type {model_type!r} with architectures {architectures}, which "
-            f"systolic cannot convert. Supported: {supported}. Fix: pass a Llama or GPT-2 checkpoint; other "
-            "architectures need their own mapping in systolic.workloads.lm.hf."
+            f"systolic cannot convert. Supported: {supported}. Fix: pass a checkpoint of one of these; other "
+            "architectures need their own mapping in systolic.workloads.lm.hf_config and hf_tensors."
         )
-    return family
-
-
-def _rope_theta(hf: dict[str, Any], src: Path) -> float:
-    # transformers 5 writes `rope_parameters`; older configs `rope_theta` plus an optional `rope_scaling`.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise _unsupported(src, "rope scaling", rope, "plain RoPE (rope_type 'default', no rope_scaling)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return model_type
 
 
 def _require(hf: dict[str, Any], src: Path, expected: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""The tensor map between the lm model's parameters and Hugging Face's Llama and GPT-2 tensors.
+"""The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3 and
+Mistral, which name them alike and add q/k/v biases or q/k norms) and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -39,16 +40,19 @@ def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
     return Tensor(ours, hf, in_axes=None, **kw)
 
 
-def _llama(tied: bool) -> tuple[list[Tensor], list[Tensor], str]:
-    """(top-level tensors, per-layer tensors, per-layer name prefix) of LlamaForCausalLM."""
+def _llama(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
+    """(top-level tensors, per-layer tensors, per-layer name prefix) of LlamaForCausalLM, and of Qwen2ForCausalLM
+    (+ q/k/v biases), Qwen3ForCausalLM (+ q/k norms) and MistralForCausalLM."""
     top = [Tensor(("embed",), "model.embed_tokens.weight"), _vector(("final_norm", "scale"), "model.norm.weight")]
-    if not tied:
+    if not cfg.tie_embeddings:
         top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
     layer = [
         _vector(("attn_norm", "scale"), "input_layernorm.weight"),
         Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True),  # (H*hd, D) -> (D, H, hd)
         Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
         Tensor(("attn", "wv"), "self_attn.v_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
+        *([_vector(("attn", f"b{w}"), f"self_attn.{w}_proj.bias") for w in "qkv"] if cfg.qkv_bias else []),  # (N*hd,) -> (N, hd)
+        *([_vector(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"] if cfg.qk_norm else []),  # (hd,)
         Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
         _vector(("mlp_norm", "scale"), "post_attention_layernorm.weight"),
         Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
@@ -58,14 +62,14 @@ def _llama(tied: bool) -> tuple[list[Tensor], list[Tensor], str]:
     return top, layer, "model.layers.{i}."
 
 
-def _gpt2(tied: bool) -> tuple[list[Tensor], list[Tensor], str]:
+def _gpt2(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
     """(top-level tensors, per-layer tensors, per-layer name prefix) of GPT2LMHeadModel. Its Conv1D stores
     (in, out): no transposes. c_attn's output is q, k and v side by side, each (H, hd)."""
     top = [
         Tensor(("embed",), "transformer.wte.weight"), Tensor(("pos_embed",), "transformer.wpe.weight"),
         _vector(("final_norm", "scale"), "transformer.ln_f.weight"), _vector(("final_norm", "bias"), "transformer.ln_f.bias"),
     ]
-    if not tied:
+    if not cfg.tie_embeddings:
         top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
     layer = [
         _vector(("attn_norm", "scale"), "ln_1.weight"), _vector(("attn_norm", "bias"), "ln_1.bias"),
@@ -93,7 +97,7 @@ class Pair:
 
 def pairs(cfg: ModelConfig) -> list[Pair]:
     """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    top, layer, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg.tie_embeddings)
+    top, layer, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):
         for t in layer:

@@ -1,13 +1,16 @@
 """Decoder-only transformer (Llama or GPT-2 block) in Flax NNX, with a KV cache for decoding.
 
 Parameters are float32 and carry logical axis names (see `systolic.runtime.sharding`); the math runs in the
-compute dtype (`ModelConfig.dtype`). Names map to Hugging Face tensors (Llama | GPT-2), up to transposes and
-reshapes (HF Linear stores (out, in), GPT-2's Conv1D (in, out)); Norm.scale/bias are HF's weight/bias:
+compute dtype (`ModelConfig.dtype`). Names map to Hugging Face tensors (Llama, Qwen2, Qwen3, Mistral | GPT-2), up
+to transposes and reshapes (HF Linear stores (out, in), GPT-2's Conv1D (in, out)); Norm.scale/bias are HF's
+weight/bias:
 
     embed                   model.embed_tokens                  | wte
     pos_embed               -                                   | wpe
     blocks.attn_norm        input_layernorm                     | ln_1
     blocks.attn.wq, wk, wv  self_attn.{q,k,v}_proj (rotate-half) | attn.c_attn split in three (+ bq, bk, bv)
+    blocks.attn.bq, bk, bv  self_attn.{q,k,v}_proj.bias (qkv_bias) | (above)
+    blocks.attn.q_norm, k_norm  self_attn.{q,k}_norm (qk_norm)  | -
     blocks.attn.wo          self_attn.o_proj                    | attn.c_proj (+ bo)
     blocks.mlp_norm         post_attention_layernorm            | ln_2
     blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
@@ -32,6 +35,7 @@ from systolic.runtime.sharding import constrain
 from systolic.workloads.lm import attention
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.rope import apply_rope, rope_tables
 
 ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -67,12 +71,14 @@ class KVCache(NamedTuple):
 
 
 class Norm(nnx.Module):
-    """RMSNorm (llama) or LayerNorm with bias (gpt2), computed in float32."""
+    """RMSNorm (llama) or LayerNorm with bias (gpt2) over the last axis of size `size` (d_model by default; the
+    head size for qk_norm, a scale shared by all heads), computed in float32."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, size: int = 0, names: tuple[str | None, ...] = (None,)):
         self.eps = cfg.norm_eps
-        self.scale = _param(rngs.params(), (cfg.d_model,), (None,), None)
-        self.bias = _param(rngs.params(), (cfg.d_model,), (None,), 0) if cfg.family == "gpt2" else None
+        size = size or cfg.d_model
+        self.scale = _param(rngs.params(), (size,), names, None)
+        self.bias = _param(rngs.params(), (size,), names, 0) if cfg.family == "gpt2" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Squares of bf16 activations lose too much precision: normalise in float32.
@@ -85,44 +91,34 @@ class Norm(nnx.Module):
         return (h * self.scale[...] + self.bias[...]).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)  # (hd/2,)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
-    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, hd)
-    h = x.astype(jnp.float32)
-    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, hd/2) each
-    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, hd)
-    return (h * cos + rotated * sin).astype(x.dtype)
-
-
 class Attention(nnx.Module):
-    """Causal grouped-query attention: in training by `model.attention`'s implementation (`lm/attention.py`),
-    against a KV cache through `jax.nn.dot_product_attention` with an explicit mask."""
+    """Causal grouped-query attention, within `model.sliding_window` positions when set: in training by
+    `model.attention`'s implementation (`lm/attention.py`), against a KV cache through
+    `jax.nn.dot_product_attention` with an explicit mask. Qwen2's q/k/v biases (`qkv_bias`) and Qwen3's per-head
+    RMSNorm of q and k before RoPE (`qk_norm`) are switches of the llama block."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd, std = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
         self.attention_setting = cfg.attention
+        self.window = cfg.sliding_window
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         # GPT-2's residual-projection init: keeps the residual stream's variance independent of depth.
         self.wo = _param(rngs.params(), (h, hd, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.layers))
-        if cfg.family == "gpt2":
+        if cfg.family == "gpt2" or cfg.qkv_bias:
             self.bq = _param(rngs.params(), (h, hd), ("heads", "head_dim"), 0)
             self.bk = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
             self.bv = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
-            self.bo = _param(rngs.params(), (d,), (None,), 0)
         else:
-            self.bq = self.bk = self.bv = self.bo = None
+            self.bq = self.bk = self.bv = None
+        self.bo = _param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" else None
+        if cfg.qk_norm:
+            self.q_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
+            self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(self, x, rope, mask, start, kv, segment_ids=None):
         """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given) or
@@ -134,17 +130,20 @@ class Attention(nnx.Module):
         v = project(x, self.wv[...].astype(dt))  # (B, T, KV, hd)
         if self.bq is not None:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if kv is None:
             impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
                                     segments=segment_ids is not None)
-            out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids)  # (B, T, H, hd)
+            out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids,
+                                             window=self.window)  # (B, T, H, hd)
         else:
             assert segment_ids is None, "decoding attends over one document per row"
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
-            # use the explicit mask (key position <= query position) instead.
+            # use the explicit mask (key position <= query position, within the window) instead.
             ck = jax.lax.dynamic_update_slice(kv[0], k, (0, start, 0, 0))  # (B, S, KV, hd)
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
             out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
@@ -270,8 +269,8 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)  # (B or 1, T, D)
         x = constrain(x, ACT)
-        rope = rope_tables(positions, cfg.d_head, cfg.rope_theta) if cfg.family == "llama" else None
-        mask = None if cache is None else jnp.arange(cache.k.shape[2])[None, :] <= positions[0][:, None]  # (T, S)
+        rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
+        mask = None if cache is None else decode_mask(positions[0], cache.k.shape[2], cfg.sliding_window)  # (T, S)
         kv = None if cache is None else (cache.k, cache.v)
 
         def apply(block: Block, x, kv_layer):
@@ -301,6 +300,14 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.length + T)
         return logits, cache
+
+
+def decode_mask(positions: jax.Array, cache_len: int, window: int) -> jax.Array:
+    """(T, S) bool: query positions (T,) may read cache slots [0, S) at or before them and, with a sliding window
+    W > 0, after position - W (Hugging Face's convention: the query and the W - 1 positions before it)."""
+    keys = jnp.arange(cache_len)[None, :]  # (1, S)
+    mask = keys <= positions[:, None]  # (T, S)
+    return mask & (keys > positions[:, None] - window) if window else mask
 
 
 def make_model(cfg: ModelConfig, vocab: int, key_or_seed: jax.Array | int) -> Transformer:

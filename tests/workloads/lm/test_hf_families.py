@@ -1,0 +1,215 @@
+"""The open model families through `systolic convert` against transformers itself: Llama with llama3, linear and
+YaRN RoPE scaling, Qwen2 (q/k/v biases, tied embeddings; and with a sliding window on every layer), Qwen3 (q/k
+norms, a head size other than d_model / heads), Mistral (a sliding window shorter than the test sequence) and a
+SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head). Each tiny random model is imported
+and must give transformers' float32 logits and greedy generations, on one device and on a mesh of 8, and its
+export must load in `from_pretrained` with no missing or unexpected tensors and the same logits."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from systolic.config import MeshConfig
+from systolic.errors import UserError
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate, rules_for
+from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm import hf, hf_config
+from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.rope import inverse_frequencies
+from systolic.workloads.lm.sample import load_run
+from systolic.workloads.lm.train import model_graphdef, param_shardings
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices
+NEW = 8
+LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# case -> (architecture, its config's arguments, the mesh for the 8-device check)
+DEFAULT_MESH = MeshConfig(data=2, fsdp=2, tensor=2)
+CASES = {
+    # theta 1e4 over head size 16 puts the 8 frequencies' wavelengths (6.3 ... 2e4 positions) in all three bands of
+    # an original context of 32: kept (< 8), blended (8 ... 32) and divided by factor (> 32).
+    "llama3-rope": ("LlamaForCausalLM", dict(LLAMA, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}), DEFAULT_MESH),
+    "linear-rope": ("LlamaForCausalLM", dict(LLAMA, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), DEFAULT_MESH),
+    # The generations run past the original context of 16; attention_factor is YaRN's default, 0.1 ln 4 + 1.
+    "yarn-rope": ("LlamaForCausalLM", dict(LLAMA, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+        DEFAULT_MESH),
+    "qwen2": ("Qwen2ForCausalLM", dict(LLAMA, tie_word_embeddings=True), DEFAULT_MESH),
+    # Qwen's window, when on, covers the layers from max_window_layers on: from 0, all of them.
+    "qwen2-window": ("Qwen2ForCausalLM", dict(LLAMA, use_sliding_window=True, sliding_window=5, max_window_layers=0),
+                     DEFAULT_MESH),
+    "qwen3": ("Qwen3ForCausalLM", dict(LLAMA, head_dim=24), DEFAULT_MESH),
+    "mistral": ("MistralForCausalLM", dict(LLAMA, sliding_window=5), DEFAULT_MESH),
+    # 3 heads do not split over a tensor axis of 2: parameters over 8 fsdp devices instead.
+    "smollm": ("LlamaForCausalLM", dict(LLAMA, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                                        tie_word_embeddings=True), MeshConfig(data=1, fsdp=8, tensor=1)),
+}
+EXPECTED = {  # what the import switches on
+    "llama3-rope": dict(rope="llama3"), "linear-rope": dict(rope="linear"), "yarn-rope": dict(rope="yarn"),
+    "qwen2": dict(qkv_bias=True, tie_embeddings=True), "qwen2-window": dict(qkv_bias=True, sliding_window=5),
+    "qwen3": dict(qk_norm=True, head_dim=24),
+    "mistral": dict(sliding_window=5), "smollm": dict(tie_embeddings=True, kv_heads=1),
+}
+
+
+def make_hf_model(case: str):
+    """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
+    no near-ties), norm scales near 1 and biases near 0."""
+    architecture, kwargs, _ = CASES[case]
+    config_class = getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config_class(**kwargs, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    return model.eval()
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def hf_greedy(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
+                             max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return out[:, tokens.shape[1]:].numpy()
+
+
+def ours(cfg, params, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(logits, greedy continuation) of our model in float32, under whatever mesh is active."""
+    graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32"), VOCAB)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+    return np.asarray(logits), np.asarray(gen.generate(graphdef, params, tokens, max_new_tokens=NEW))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """case -> (transformers model, its saved folder, the imported run), made on first use."""
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(case: str):
+        if case not in made:
+            model = make_hf_model(case)
+            model.save_pretrained(root / case)
+            hf.import_run(root / case, root / f"{case}-run")
+            made[case] = (model, root / case, root / f"{case}-run")
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_matches_transformers(converted, case):
+    model, _, run_dir = converted(case)
+    run = load_run(run_dir, "test")
+    cfg = run.cfg.model
+    want = EXPECTED[case]
+    assert (cfg.rope_scaling.type, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window, cfg.tie_embeddings, cfg.d_head,
+            cfg.n_kv_heads) == (want.get("rope", "none"), want.get("qkv_bias", False), want.get("qk_norm", False),
+                                want.get("sliding_window", 0), want.get("tie_embeddings", False),
+                                want.get("head_dim", 16), want.get("kv_heads", 2))
+    # The rotation frequencies are transformers' to the last bit or two (torch's pow rounds a few differently).
+    inv_freq, scale = inverse_frequencies(cfg)
+    np.testing.assert_array_max_ulp(inv_freq, model.model.rotary_emb.inv_freq.numpy(), maxulp=1)
+    assert scale == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-12)
+
+    logits, greedy = ours(cfg, run.params, TOKENS)
+    ref = hf_logits(model, TOKENS)
+    print(f"{case}: logits max-abs-diff {np.abs(logits - ref).max():.2e} (max |logit| {np.abs(ref).max():.2f})")
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
+    assert len(np.unique(greedy)) > 3  # not a degenerate constant continuation
+    if cfg.sliding_window:  # the window is shorter than the sequence, so it matters
+        graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32", sliding_window=0), VOCAB)
+        unwindowed = nnx.merge(graphdef, run.params)(jnp.asarray(TOKENS, jnp.int32))
+        assert np.abs(np.asarray(unwindowed) - ref).max() > 0.1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_on_a_mesh_of_8_devices(converted, case):
+    """Stacked layers placed straight into an 8-device layout, run with the plain XLA attention (one device runs
+    the CPU formulation): the same logits and greedy generations."""
+    model, folder, _ = converted(case)
+    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
+                              attention="xla")
+    mesh_cfg = CASES[case][2]
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    rules = rules_for("default" if mesh_cfg.tensor > 1 else "fsdp", mesh)
+    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules))
+    assert params["blocks"]["attn"]["wq"].addressable_shards[0].data.shape[1] < cfg.d_model  # split, not copied
+    with activate(mesh, rules):
+        logits, greedy = ours(cfg, params, TOKENS)
+    ref = hf_logits(model, TOKENS)
+    print(f"{case} on 8 devices: logits max-abs-diff {np.abs(logits - ref).max():.2e}")
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_loads_in_transformers(converted, tmp_path, case):
+    model, _, run_dir = converted(case)
+    hf.export_run(run_dir, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == [CASES[case][0]]
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager", output_loading_info=True)
+    assert type(reloaded) is type(model)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    assert reloaded.config.rope_parameters["rope_type"] == model.config.rope_parameters["rope_type"]
+    assert getattr(reloaded.config, "sliding_window", None) == getattr(model.config, "sliding_window", None)
+    diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
+    print(f"{case}: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
+    assert diff == 0.0  # float32 in, float32 out: the weights and the math are the same
+
+
+def test_export_picks_the_architecture_that_computes_the_model():
+    base = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4)
+    picks = {switches: hf_config.architecture(dataclasses.replace(base, **dict(switches))) for switches in [
+        (), (("sliding_window", 8),), (("qkv_bias", True),), (("qkv_bias", True), ("sliding_window", 8)),
+        (("qk_norm", True),), (("qk_norm", True), ("sliding_window", 8))]}
+    assert list(picks.values()) == ["llama", "mistral", "qwen2", "qwen2", "qwen3", "qwen3"]
+    with pytest.raises(UserError, match="both model.qk_norm and model.qkv_bias"):
+        hf_config.hf_config(dataclasses.replace(base, qk_norm=True, qkv_bias=True), VOCAB, None)
+
+
+# config.json as transformers 4.x wrote them for the hub (shapes of Llama 3.2 1B, Qwen2.5 0.5B, Mistral 7B v0.1):
+# RoPE scaling under `rope_scaling` beside a top-level rope_theta, a Qwen window that is off.
+HUB_STYLE = {
+    "llama-3.2": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
+                      rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "qwen2.5": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, num_attention_heads=14,
+                    num_key_value_heads=2, rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False,
+                    sliding_window=32768, max_window_layers=21, tie_word_embeddings=True),
+    "mistral-v0.1": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=4096,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=10000.0, sliding_window=4096),
+}
+
+
+@pytest.mark.parametrize("name", HUB_STYLE)
+def test_hub_style_configs_import(name, tmp_path):
+    hub = dict(vocab_size=32000, intermediate_size=8192, num_hidden_layers=16, max_position_embeddings=131072,
+               rms_norm_eps=1e-5, hidden_act="silu", **HUB_STYLE[name])
+    cfg = hf_config.model_config(hub, tmp_path)
+    got = (cfg.rope_theta, cfg.rope_scaling.type, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_seq_len,
+           cfg.qkv_bias, cfg.sliding_window, cfg.tie_embeddings, cfg.n_kv_heads, cfg.d_head)
+    assert got == {"llama-3.2": (5e5, "llama3", 32.0, 8192, False, 0, True, 8, 64),
+                   "qwen2.5": (1e6, "none", 1.0, 0, True, 0, True, 2, 64),
+                   "mistral-v0.1": (1e4, "none", 1.0, 0, False, 4096, False, 8, 128)}[name]
