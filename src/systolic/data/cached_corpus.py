@@ -4,7 +4,7 @@ The cached tokens are the in-memory path's own (`corpus.read_documents`, `corpus
 `text.encode_documents`), written in the prepared layout (prepared.py) to `cache_root()/data/<key>`. The key
 hashes everything that decides them: each document's name and text as read, data.max_bytes, data.val_percent,
 the tokenizer's digest, the field read from .jsonl/.parquet rows and this format's version. A start with the same
-key opens the entry by memory map instead of tokenizing. The documents are still read at every start: hashing
+key opens the entry (read window by window) instead of tokenizing. The documents are still read at every start: hashing
 them is cheap next to tokenizing, and a key on mtimes would miss a same-second edit.
 
 Two processes of one host (`systolic launch`) that miss together both tokenize, each into its own temporary
@@ -103,7 +103,7 @@ def _write_entry(entry: Path, split: tuple[list[Document], list[Document]], *, t
 
 
 def _open_checked(entry: Path) -> tuple[PreparedDataset | None, str]:
-    """The entry opened by memory map, or None and what is wrong with it."""
+    """The entry opened, or None and what is wrong with it."""
     try:
         dataset = PreparedDataset.open(entry, verify=False)
     except UserError:

@@ -21,7 +21,7 @@ from systolic.data.prepared import ConcatTokens, ShardedTokens
 from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 
-Tokens = np.ndarray | ShardedTokens | ConcatTokens  # in memory, or memory-mapped from a prepared dataset
+Tokens = np.ndarray | ShardedTokens | ConcatTokens  # in memory, or read from a prepared dataset's shards
 
 
 def encode_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> np.ndarray:
@@ -42,7 +42,7 @@ def encode_with_lengths(docs: Sequence[Document], tokenizer: Tokenizer) -> tuple
 class TokenWindows:
     """Random access to the non-overlapping `seq_len + 1` token windows of `tokens` (a trailing partial one is dropped).
 
-    `tokens` is an array in memory or a prepared dataset's memory-mapped tokens."""
+    `tokens` is an array in memory or a prepared dataset's tokens (read from its shards)."""
 
     def __init__(self, tokens: Tokens, seq_len: int):
         self.tokens = tokens

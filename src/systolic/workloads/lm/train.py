@@ -33,7 +33,7 @@ from systolic.workloads.lm.model import Transformer, resolve_dtype
 
 @dataclasses.dataclass
 class Corpus:
-    train_tokens: text.Tokens  # memory-mapped: a prepared dataset, or a raw corpus's entry in the cache
+    train_tokens: text.Tokens  # read from shards: a prepared dataset, or a raw corpus's entry in the cache
     val_tokens: text.Tokens  # a mixture's: its sources' validation splits end to end
     val_bytes: int  # UTF-8 bytes of the validation text: the denominator of nats/byte
     num_docs: tuple[int, int]
@@ -43,8 +43,8 @@ class Corpus:
 
 
 def load_corpus(cfg: LMConfig) -> Corpus:
-    """A prepared dataset's folder (`systolic data prepare`) by memory map, else a raw corpus, tokenized on its first
-    use into the cache (cached_corpus.py) and memory-mapped from there."""
+    """A prepared dataset's folder (`systolic data prepare`), else a raw corpus, tokenized on its first
+    use into the cache (cached_corpus.py) and read from there."""
     if cfg.data.mixture_sources:
         return _load_mixture(cfg)
     if prepared.is_prepared(cfg.data.path):
