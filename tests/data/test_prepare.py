@@ -4,7 +4,11 @@ is one paragraph, exit 2, nothing written."""
 
 import gzip
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -308,11 +312,16 @@ def _source_tokens(run: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["tokens/json"], r["tokens/email"]) for r in records if r["split"] == "train"}
 
 
-def test_train_on_a_mixture_resumes_to_the_same_losses(two_prepared, tmp_path, capsys):
+def test_train_on_a_mixture_killed_then_resumed_gives_the_same_losses(two_prepared, tmp_path, capsys):
     mixture = f"data.mixture={two_prepared[0]}:0.7,{two_prepared[1]}:0.3"
     assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "whole")]) == 0
-    assert main([*TRAIN, mixture, "loop.stop_at_step=4", "--run-dir", str(tmp_path / "resumed")]) == 0
-    assert main([*TRAIN, mixture, "--run-dir", str(tmp_path / "resumed")]) == 0
+    # Killed (SIGKILL) while writing the step-6 checkpoint: the rerun resumes from step 3's, data position included.
+    killed = subprocess.run([sys.executable, "-m", "systolic", *TRAIN, mixture, "checkpoint.every_steps=3",
+                             "--run-dir", str(tmp_path / "resumed")], env=dict(os.environ, SYSTOLIC_FAULT=
+                            "kill_during_save:6"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+    assert main([*TRAIN, mixture, "checkpoint.every_steps=3", "--run-dir", str(tmp_path / "resumed")]) == 0
     whole = _losses(tmp_path / "whole")
     assert sorted(whole) == list(range(1, 11)) and _losses(tmp_path / "resumed") == whole
     # Tokens per source so far: every step's tokens counted once, split 7:3, the same after the resume.
