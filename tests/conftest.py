@@ -7,6 +7,9 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile-only TPU devices (tpu_aot tests) touch no chip; without this, two test processes that load libtpu at once
+# (pytest-xdist workers) fail on libtpu's /tmp/libtpu_lockfile. `engine.plan.devices_for` sets it for users.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Strict dtype promotion, as Equinox's tests run: mixing dtypes (a bf16 activation times an f32 weight, an int
 # index plus a float) is an error unless the code casts explicitly. The environment variable carries it into the
 # CLI subprocesses that the end-to-end tests start.
