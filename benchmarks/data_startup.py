@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/data_startup.py --small data/small --large data/large --rounds 3
 
 For each prepared folder (`systolic data prepare`), `--rounds` times, alternating which goes first: a fresh
-`systolic train lm` process (the default model, 3 steps, the folder's own tokenizer, the compile cache warmed by an
+`systolic train lm` process (the default model, 3 steps, the folder's own tokenizer or bytes, the compile cache warmed by an
 untimed first run) is timed from process start to the end of its first step (the "first step" line), and its peak
 RSS is read from wait4. Then the loader alone: `text.make_train_iterator` over each folder's memory-mapped
 training split, one process's share of a global batch, tokens per second over `--batches` batches.
@@ -25,7 +25,9 @@ STEPS = 3
 
 def start_up(folder: Path, run_dir: Path, extra: list[str]) -> tuple[float, float, float]:
     """(seconds to the end of the first step, peak RSS MB, steady tokens/s) of one `systolic train lm` process."""
-    cmd = [sys.executable, "-m", "systolic", "train", "lm", f"data.path={folder}", f"data.tokenizer={folder}",
+    tokenizer = json.loads((folder / "index.json").read_text())["tokenizer"]["file"]
+    cmd = [sys.executable, "-m", "systolic", "train", "lm", f"data.path={folder}",
+           f"data.tokenizer={folder if tokenizer else 'byte'}",
            f"train.steps={STEPS}", "train.eval_batches=1", "observe.log_every=1", "observe.plot=false",
            *extra, "--run-dir", str(run_dir)]
     start = time.perf_counter()
