@@ -118,6 +118,15 @@ def test_every_lm_key_acts(record_reads, tmp_path):
         overrides = [*TINY_LM, *(f"model.rope_scaling.{o}" for o in scaling)]
         cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
         assert inverse_frequencies(cfg.model)[0].shape == (cfg.model.d_head // 2,)
+    # LoRA's settings are read when the adapters are built (a LoRA run needs init.from: test_lora.py trains one).
+    from flax import nnx
+
+    from systolic.workloads.lm.model import Transformer
+
+    lora = ["model.lora.rank=4", "model.lora.alpha=16", "model.lora.targets=q,o"]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *lora]))
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0)))
+    assert model.blocks[0].attn.wo_lora.scale == 4.0 and model.blocks[0].attn.wv_lora is None
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

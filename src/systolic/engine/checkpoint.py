@@ -2,7 +2,9 @@
 
 Layout of `<run_dir>/checkpoints/<step>/`: `params`, `opt_state`, `train` (step, rng, extra) as array trees,
 `data` and `meta` as JSON, and `systolic-manifest.json`. Params are their own item so `generate` can restore
-them alone, without the optimizer state (3x the parameters' memory under Adam).
+them alone, without the optimizer state (3x the parameters' memory under Adam). The state's `frozen` parameters
+(a LoRA run's base weights) are not saved: a restored state carries `abstract.frozen` in their place, and the loop
+rebuilds them (engine/loop.py).
 
 Guarantees (tests in tests/engine/test_checkpoint.py and tests/engine/test_reliability.py):
 - Orbax writes a step into a temporary directory and renames it when complete, so a half-written step is never
@@ -195,7 +197,7 @@ class Checkpointer:
         out = self._restore_fitting(step, arrays, {**items, "data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()})
         train = out["train"]
         state = TrainState(step=train["step"], params=out["params"], opt_state=out.get("opt_state", abstract.opt_state),
-                           rng=train["rng"], extra=train.get("extra", {}))
+                           rng=train["rng"], extra=train.get("extra", {}), frozen=abstract.frozen)
         return state, out["data"], out["meta"]
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:

@@ -314,6 +314,10 @@ def _restore_or_init(task: Task, settings: LoopSettings, ckpt: Checkpointer,
     if found is None:
         return task.init_state(), None
     state, data_state, step = found
+    if jax.tree.leaves(state.frozen):
+        # Checkpoints leave frozen parameters out (a LoRA run's base weights): init_state rebuilds them, from the
+        # same source or seed; its fresh trainable parameters and optimizer state are dropped.
+        state = state.replace(frozen=task.init_state().frozen)
     if step > settings.steps:
         raise UserError(
             f"The checkpoint at {ckpt.directory}/{step} is at step {step}, past this run's last step "

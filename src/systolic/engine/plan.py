@@ -51,6 +51,8 @@ class StepProgram:
     item_unit: str
     model_flops_per_step: float | None  # the workload's formula (the MFU numerator); None: it has none, XLA's count
     dtype: str  # compute dtype: "bfloat16" or "float32"
+    trainable_params: int | None = None  # fewer than `params` when some are frozen (LoRA); None: all are trained
+    optimizer_bytes: int | None = None  # per device: the optimizer state's share of argument_bytes; None: not given
     kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
     kernel_note: str = ""  # which kernels, counted how
     notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
@@ -68,12 +70,14 @@ class Plan:
     mesh: str
     compile_s: float
     params: int
+    trainable_params: int | None  # None: every parameter is trained
     items_per_step: int
     item_unit: str
     # memory, per chip
     hbm_bytes: float
     fits: bool
     argument_bytes: int
+    optimizer_bytes: int | None  # the optimizer state's share of argument_bytes (None: the workload does not say)
     output_bytes: int | None
     alias_bytes: int | None
     temp_bytes: int | None
@@ -222,8 +226,9 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
               else f"on-demand list price as of {PRICES_DATED}: {chip.source}")
     common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology, slices=target.slices,
                   compiler=target.compiler, mesh=mesh, compile_s=compile_s, params=program.params,
-                  items_per_step=program.items_per_step, item_unit=program.item_unit, hbm_bytes=chip.hbm_bytes,
-                  argument_bytes=program.argument_bytes, model_flops_per_step=program.model_flops_per_step,
+                  trainable_params=program.trainable_params, items_per_step=program.items_per_step,
+                  item_unit=program.item_unit, hbm_bytes=chip.hbm_bytes, argument_bytes=program.argument_bytes,
+                  optimizer_bytes=program.optimizer_bytes, model_flops_per_step=program.model_flops_per_step,
                   peak_flops_per_chip=peak, price_per_chip_hour=price, price_source=source, train_items=train_items,
                   notes=program.notes)
     if compiled is None:
@@ -306,6 +311,12 @@ def gib_text(b: float) -> str:
     return f"{b:,.0f} B"
 
 
+def _count_text(n: int) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.3f} B"
+    return f"{n / 1e6:.3f} M" if n >= 1e5 else f"{n:,}"
+
+
 def ms_text(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s >= 1e-2 else f"{s * 1e3:.3g} ms"
 
@@ -323,16 +334,20 @@ def format_plan(plan: Plan) -> str:
         ("figures from", plan.compiler),
         ("mesh", plan.mesh),
         ("compile", f"{plan.compile_s:,.1f} s (once)"),
-        ("parameters", f"{plan.params / 1e9:.3f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.3f} M"),
+        ("parameters", _count_text(plan.params) + (f", {_count_text(plan.trainable_params)} of them trained (the "
+                                                   "rest frozen: no gradients, no optimizer state)"
+                                                   if plan.trainable_params not in (None, plan.params) else "")),
     ]
+    arguments = gib_text(plan.argument_bytes) + (f" (optimizer state {gib_text(plan.optimizer_bytes)})"
+                                                 if plan.optimizer_bytes is not None else "")
     if plan.out_of_memory:
         needs = f"needs {gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
-        rows += [("per chip: arguments", gib_text(plan.argument_bytes)),
+        rows += [("per chip: arguments", arguments),
                  ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
                  ("compiler said", plan.out_of_memory)]
     else:
         rows += [
-            ("per chip: arguments", gib_text(plan.argument_bytes)),
+            ("per chip: arguments", arguments),
             ("per chip: temporaries", gib_text(plan.temp_bytes or 0)),
             ("per chip: generated code", gib_text(plan.code_bytes or 0)),
             ("per chip: peak", f"{gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM -> "

@@ -15,13 +15,18 @@ import jax
 class TrainState:
     """`params` and `opt_state` may be nested (a GAN keeps two of each); `extra` holds workload state that is
     neither (environment states, BatchNorm statistics, an EMA of the weights). `rng` is raw uint32 key data so
-    Orbax stores it like any other array."""
+    Orbax stores it like any other array.
+
+    `frozen` holds parameters that the step reads but never trains (a LoRA run's base weights): they get no
+    gradients and no optimizer state, and checkpoints leave them out, so the workload's `init_state` must rebuild
+    them identically on every call (from a source run or a seed); a resumed run takes them from there."""
 
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 (2,)
     extra: Any = dataclasses.field(default_factory=dict)
+    frozen: Any = dataclasses.field(default_factory=dict)
 
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)

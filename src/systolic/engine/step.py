@@ -2,10 +2,13 @@
 guards and compiles every workload's step.
 
 A workload supplies `loss_fn(params, batch, key) -> (loss, metrics)`; this module knows nothing else about it.
+A state with frozen parameters (`TrainState.frozen`) passes them too, as `loss_fn(params, batch, key, frozen=...)`:
+gradients, clipping and the optimizer then cover `params` alone.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +54,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule:
     the batch's terms, exactly as without accumulation."""
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        # Frozen parameters are an argument, not a closed-over constant, and outside what is differentiated: no
+        # weight gradients are computed for them (only the activations' gradients flow through them).
+        loss = functools.partial(loss_fn, frozen=state.frozen) if jax.tree.leaves(state.frozen) else loss_fn
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
         rng, step_key = jax.random.split(state.rng)
         if grad_accum == 1:
             (loss, metrics), grads = grad_fn(state.params, batch, step_key)

@@ -30,6 +30,7 @@ _ACTIVATIONS: Rules = (
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
     ("layers", None),
+    ("lora_rank", None),  # LoRA adapters' inner axis: a few columns, kept whole; their other axes shard as the weight's
 )
 
 # Each rule set says what the mesh axes mean. Axes a set leaves unused must have size 1 (checked).

@@ -56,6 +56,56 @@ class RopeScalingConfig:
             )
 
 
+# LoRA target names -> the projection each adapts, per family (model.py builds the adapters; lora.py merges them).
+# GPT-2's c_fc/c_proj play the roles of Llama's up/down projections; it has no gate.
+LORA_TARGETS = {
+    "llama": {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+              "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")},
+    "gpt2": {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+             "up": ("mlp", "w_fc"), "down": ("mlp", "w_proj")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021): each targeted projection W gains y = x W + alpha / rank * (x A) B
+    with A (in, rank) and B (rank, out); only A and B are trained, the base weights stay frozen (lm/lora.py).
+    Defaults follow Hugging Face PEFT's `LoraConfig` for Llama: `lora_alpha=8` and `target_modules` q_proj, v_proj."""
+
+    rank: int = 0  # 0: off; PEFT's `r`
+    alpha: float = 8.0  # the adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)
+    # comma-separated projections among q, k, v, o, gate, up, down (gpt2: no gate), or "all"
+    targets: str = "q,v"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def target_names(self, family: str) -> tuple[str, ...]:
+        """The targets in LORA_TARGETS order; ConfigError for a name that `family` does not have."""
+        valid = LORA_TARGETS[family]
+        asked = [t.strip() for t in self.targets.split(",") if t.strip()]
+        if asked == ["all"]:
+            return tuple(valid)
+        unknown = [t for t in asked if t not in valid]
+        if unknown or not asked:
+            what = f"names {', '.join(unknown)}, which the {family} block does not have" if unknown else "names nothing"
+            raise ConfigError(
+                f"model.lora.targets={self.targets!r} {what}. Expected a comma-separated list of the {family} block's "
+                f"projections, {', '.join(valid)} (PEFT's q_proj, k_proj, ...; GPT-2's c_fc and mlp.c_proj are up and "
+                "down), or all. Fix: e.g. model.lora.targets=q,v (PEFT's default for Llama) or model.lora.targets=all."
+            )
+        return tuple(t for t in valid if t in asked)
+
+    def validate(self) -> None:
+        if self.rank < 0 or not self.alpha > 0:
+            raise ConfigError(
+                f"model.lora.rank={self.rank} and model.lora.alpha={self.alpha} out of range: rank must be >= 0 (0 = "
+                "no adapters) and alpha greater than 0 (the adapters are scaled by alpha / rank). Fix: e.g. "
+                "model.lora.rank=8 model.lora.alpha=16."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
@@ -74,6 +124,7 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = RopeScalingConfig()
+    lora: LoraConfig = LoraConfig()  # low-rank adapters: train those alone, on frozen weights (init.from)
     qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
     sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
@@ -153,6 +204,8 @@ class ModelConfig:
                 "unbiased projections, RMSNorm); the GPT-2 block has learned positions and biases on every projection "
                 "already. Fix: model.family=llama, or leave them at their defaults (false, none)."
             )
+        if self.lora.rank:
+            self.lora.target_names(self.family)  # a ConfigError naming the valid ones
         if self.family == "llama" and self.d_head % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
 

@@ -16,17 +16,25 @@ from systolic.data.tokenizer import find_chat_template, store_in_run, tokenizer_
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.plan import StepProgram
+from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
 from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.train import baseline_nats_per_byte, build_task
+from systolic.workloads.lm.train import baseline_nats_per_byte, build_task, model_params
 
 
 
 def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     init_from.check_not_imported(run_dir)
+    if cfg.model.lora.rank and not cfg.init.from_:
+        raise UserError(
+            f"model.lora.rank={cfg.model.lora.rank} trains low-rank adapters on frozen base weights, but init.from is "
+            "not set, so the base would be random and stay random. Expected init.from naming the run to adapt (an lm "
+            "run, or a `systolic convert from-hf` import). Fix: e.g. `systolic convert from-hf hf/base runs/base`, "
+            "then add init.from=runs/base; or set model.lora.rank=0 to train every weight."
+        )
     mesh = mesh_lib.make_mesh(cfg.mesh)
     # A run that resumes reads its own copy of the tokenizer; a fresh one stores a copy once its input checked out.
     spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=cfg.checkpoint.resume and has_checkpoints(run_dir))
@@ -36,8 +44,10 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         store_in_run(run_dir, spec)
     data = prepared.corpus
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
-    say(f"lm: {prepared.param_count / 1e6:.2f}M parameters ({cfg.model.family}, {cfg.model.layers} layers, "
-        f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices)")
+    trained = _trained(prepared.trainable_count, prepared.param_count, cfg)
+    say(f"lm: {prepared.param_count / 1e6:.2f}M parameters, {trained} ({cfg.model.family}, {cfg.model.layers} layers, "
+        f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} "
+        "devices)")
     chat = isinstance(data, ChatCorpus)
     if chat:
         say(f"data: {data.describe()}; run directory {run_dir}")
@@ -72,14 +82,24 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
         template = find_chat_template(cfg.data.tokenizer) if chat else None
         settings = f"temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}"
+        params = model_params(result.state)
         if template is not None:
-            reply = sample.chat_reply(prepared.graphdef, result.state.params, template, cfg.sample)
+            reply = sample.chat_reply(prepared.graphdef, params, template, cfg.sample)
             say(f"sample reply ({settings}) to {cfg.sample.prompt!r}:\n{reply}")
         else:
-            text = sample.sample_text(cfg, prepared.graphdef, result.state.params, cfg.sample)
+            text = sample.sample_text(cfg, prepared.graphdef, params, cfg.sample)
             say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
+
+
+def _trained(trainable: int, total: int, cfg: LMConfig) -> str:
+    """What the start-up line says is trained: every parameter, or the LoRA adapters alone."""
+    if trainable == total:
+        return "all trained"
+    lora = cfg.model.lora
+    return (f"{trainable:,} ({100 * trainable / total:.2g}%) trained: LoRA rank {lora.rank} on "
+            f"{','.join(lora.target_names(cfg.model.family))}, the rest frozen")
 
 
 @contextlib.contextmanager
@@ -116,8 +136,11 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
              "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
+    trainable = param_count(step.abstract.params)
     return StepProgram(
-        lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs), params=param_count(step.abstract.params),
+        lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs),
+        params=trainable + param_count(step.abstract.frozen), trainable_params=trainable,
+        optimizer_bytes=mesh_lib.bytes_per_device(step.abstract.opt_state),
         items_per_step=tokens, item_unit="tok",
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
         dtype=str(dtype),

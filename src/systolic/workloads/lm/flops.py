@@ -7,6 +7,8 @@ embedding lookup, norms or biases):
                                   token, halved because causal attention needs only the lower triangle, x 3 for
                                   forward + backward. With a sliding window W < T a query sees at most W keys:
                                   the T/2 keys of an average query become W - W^2 / (2T).
+With model.lora the frozen weights get no weight gradients: 4 * N for them (forward, and the gradient of their
+input), plus 6 * N_lora for the adapters' A and B.
 Rematerialisation is not counted: it is hardware work, not model work.
 """
 
@@ -22,8 +24,17 @@ def matmul_params(cfg: ModelConfig, vocab: int) -> int:
     return cfg.layers * (attention + mlp) + d * vocab
 
 
+def lora_params(cfg: ModelConfig) -> int:
+    """The adapters' parameters: rank * (fan_in + fan_out) for each targeted projection of each layer."""
+    d, m, q, kv = cfg.d_model, cfg.d_mlp, cfg.heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    sizes = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d, "gate": d + m, "up": d + m, "down": m + d}
+    return cfg.layers * cfg.lora.rank * sum(sizes[t] for t in cfg.lora.target_names(cfg.family)) if cfg.lora.rank else 0
+
+
 def train_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int) -> float:
     window = cfg.sliding_window
     keys = window - window**2 / (2 * seq_len) if 0 < window < seq_len else seq_len / 2  # per query, on average
     attention = 12 * cfg.layers * keys * cfg.heads * cfg.d_head
+    if cfg.lora.rank:
+        return 4 * matmul_params(cfg, vocab) + 6 * lora_params(cfg) + attention
     return 6 * matmul_params(cfg, vocab) + attention

@@ -1,23 +1,27 @@
 """`init.from=RUN_DIR`: a training run that starts from another lm run's parameters (fine-tuning).
 
 The source run's model section and tokenizer define the model, so they replace the recipe's; only settings
-that leave the parameters unchanged (`COMPUTE_ONLY`) may differ, and an explicit `model.*` override that
-contradicts the source is an error. The parameters are restored straight onto this run's shardings and the
-optimizer starts fresh. Once this run has a checkpoint it resumes from that (the loop restores before it
-initialises), and its saved config stands in for the source, which may then be gone.
+that leave the parameters unchanged (`COMPUTE_ONLY`) and this run's own adapters (`model.lora`) may differ, and an
+explicit `model.*` override that contradicts the source is an error. The parameters are restored straight onto
+this run's shardings and the optimizer starts fresh. Once this run has a checkpoint it resumes from that (the loop
+restores before it initialises), and its saved config stands in for the source, which may then be gone.
+
+A LoRA run (model.lora.rank > 0) is the exception: its checkpoints keep only the adapters and their optimizer
+state, so its base weights are read from init.from whenever it resumes or is opened (`run_params`), and the source
+must stay. A LoRA run as the source of another run gives its base with the adapters merged in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import optax
-from jax.sharding import Mesh
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic import config as config_lib
 from systolic.data.tokenizer import run_tokenizer
@@ -26,9 +30,12 @@ from systolic.engine.checkpoint import Checkpointer, has_checkpoints
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime.sharding import Rules, activate
+from systolic.workloads.lm import lora
 from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.model import Transformer
 
 COMPUTE_ONLY = ("dtype", "remat", "attention")  # model settings that do not change the parameters
+OWN = (*COMPUTE_ONLY, "lora")  # model settings of this run, not the source's: the adapters sit beside its weights
 
 
 def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:
@@ -43,7 +50,7 @@ def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConf
         base = source_config(Path(cfg.init.from_))
         tokenizer = run_tokenizer(Path(cfg.init.from_).absolute(), base.data.tokenizer)
     tree = config_lib.to_dict(cfg)
-    tree["model"] = {**config_lib.to_dict(base.model), **{k: tree["model"][k] for k in COMPUTE_ONLY}}
+    tree["model"] = {**config_lib.to_dict(base.model), **{k: tree["model"][k] for k in OWN}}
     if not any(o.startswith("data.tokenizer=") for o in overrides):
         tree["data"]["tokenizer"] = tokenizer
     resolved = config_lib.from_dict(LMConfig, tree)
@@ -53,7 +60,8 @@ def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConf
         raise ConfigError(
             f"init.from={cfg.init.from_} fixes the model to that run's, but the command line asks for "
             f"{'; '.join(conflicts)}. The parameters only fit the source's shapes. Fix: drop those model.* overrides "
-            f"(only {', '.join('model.' + k for k in COMPUTE_ONLY)} may differ), or leave init.from out to train from scratch."
+            f"(only {', '.join('model.' + k + ('.*' if k == 'lora' else '') for k in OWN)} may differ), or leave "
+            "init.from out to train from scratch."
         )
     return resolved
 
@@ -72,8 +80,8 @@ def source_config(source: Path) -> LMConfig:
 
 
 def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
-    """The newest intact checkpoint's parameters of the run `source`, restored onto the shardings of
-    `abstract_params` (ShapeDtypeStructs). Raises a UserError when they do not fit `model`."""
+    """The newest intact checkpoint's parameters of the run `source` (a LoRA run's merged with its base), restored
+    onto the shardings of `abstract_params` (ShapeDtypeStructs). Raises a UserError when they do not fit `model`."""
     src = source_config(source)
     conflicts = _differences(model, src.model)
     if conflicts:
@@ -87,22 +95,52 @@ def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
                 f"init.from={source} has {rows} embedding rows (its tokenizer's vocabulary, padded), this run {want}: "
                 "the two runs use different tokenizers. Fix: leave data.tokenizer out so the source's is used."
             )
+        return run_params(run, abstract_params)
+
+
+def run_params(run: finished.FinishedRun, abstract_params: Any) -> Any:
+    """The model parameters of the open lm run `run`, onto the shardings of `abstract_params` (the model's without
+    adapters). A LoRA run's checkpoint holds only its adapters: its base comes from its own init.from, and the
+    adapters are merged into it (W + alpha / r * A B), so what comes back is a plain model that computes the same."""
+    mcfg = run.cfg.model
+    if not mcfg.lora.rank:
         return run.restore_params(abstract_params)
+    check_lora_base(mcfg, run.cfg.init.from_, f"{run.run_dir} is a LoRA run")
+    base = load_params(Path(run.cfg.init.from_), lora.base_config(mcfg), abstract_params)
+    vocab = abstract_params["embed"].shape[0]
+    full = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(Transformer(mcfg, vocab, rngs=nnx.Rngs(0)), nnx.Param)))
+    # The adapters are small: replicated over the parameters' devices, merged into each weight where it lives.
+    first = jax.tree.leaves(abstract_params)[0].sharding
+    whole = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
+    adapters = run.restore_params(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                                               lora.split(full)[0]))
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+    merge = jax.jit(functools.partial(lora.merge, mcfg), out_shardings=shardings, donate_argnums=1)
+    return merge(adapters, base)
 
 
-def make_init_state(source: Path, model: ModelConfig, abstract: TrainState, shardings: TrainState,
-                    tx: optax.GradientTransformation, key: jax.Array, mesh: Mesh, rules: Rules) -> Callable[[], TrainState]:
-    """Task.init_state for a run that starts from `source`: its parameters, a fresh optimizer state, step 0."""
+def check_lora_base(model: ModelConfig, source: str, who: str) -> None:
+    """A LoRA run's base weights are its init.from's: a UserError that says so when that is not a run directory."""
+    if model.lora.rank and not (Path(source) / rundir.CONFIG_FILE).is_file():
+        raise UserError(
+            f"{who} (model.lora.rank={model.lora.rank}): its checkpoints keep only the adapters, and its base weights "
+            f"are those of init.from={source or '(unset)'}, which is not a run directory (any more). Fix: put the run "
+            "it was trained from back at that path, or give init.from the path where it is now (on the command line "
+            f"to resume, in the run's {rundir.CONFIG_FILE} to open it)."
+        )
 
-    def start(params: Any, key: jax.Array) -> TrainState:
-        _, rng = jax.random.split(key)  # the same rng as a random start with this seed
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
+def make_init_state(source: Path, model: ModelConfig, abstract_params: Any,
+                    start: Callable[[Any, jax.Array], TrainState], key: jax.Array, shardings: TrainState, mesh: Mesh,
+                    rules: Rules) -> Callable[[], TrainState]:
+    """Task.init_state for a run that starts from `source`: its parameters, restored onto `abstract_params` (the
+    base weights' with model.lora), made into the step-0 state (fresh optimizer) by `start(params, key)`."""
     # Donating the restored parameters lets the state reuse their memory instead of holding two copies.
     start = jax.jit(start, out_shardings=shardings, donate_argnums=0)
 
     def init_state() -> TrainState:
-        params = load_params(source, model, abstract.params)
+        check_lora_base(model, str(source), "This is a LoRA run")
+        params = load_params(source, lora.base_config(model), abstract_params)
         with activate(mesh, rules):
             return start(params, key)
 
@@ -130,5 +168,5 @@ def check_not_imported(run_dir: Path) -> None:
 def _differences(asked: ModelConfig, source: ModelConfig) -> list[str]:
     return [f"model.{f.name}={getattr(asked, f.name)!r} (source: {getattr(source, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)
-            if f.name not in COMPUTE_ONLY and getattr(asked, f.name) != getattr(source, f.name)]
+            if f.name not in OWN and getattr(asked, f.name) != getattr(source, f.name)]
 

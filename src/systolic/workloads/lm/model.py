@@ -18,6 +18,7 @@ weight/bias:
     lm_head                 lm_head (absent when tie_embeddings)
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
+With `model.lora` a targeted projection `w*` has a low-rank adapter `w*_lora` (a, b) beside it (lm/lora.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from systolic.runtime.sharding import constrain
 from systolic.workloads.lm import attention
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.lora import targeted_weights
 from systolic.workloads.lm.rope import apply_rope, rope_tables
 
 ACT = ("batch", "seq", "act_embed")
@@ -57,9 +59,48 @@ def _param(key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...]
         init = nnx.initializers.zeros
     else:
         init = nnx.initializers.normal(std)
+    return _param_from(init, key, shape, names)
+
+
+def _param_from(init, key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 parameter drawn by `init(key, shape, dtype)`, with logical axis names."""
     # Eager sharding needs a mesh; without one (unit tests, single CPU) keep only the names as metadata.
     eager = not jax.sharding.get_abstract_mesh().empty
     return nnx.Param(nnx.with_partitioning(init, names)(key, shape, jnp.float32), eager_sharding=eager)
+
+
+class Adapter(nnx.Module):
+    """LoRA's low-rank update of one projection (in_shape) -> (out_shape), per layer: scale * (x A) B with
+    A (*in, r) drawn as PEFT draws it and B (r, *out) zero, so a fresh adapter changes nothing (lm/lora.py)."""
+
+    def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], in_names: tuple[str | None, ...],
+                 out_names: tuple[str | None, ...], *, rank: int, scale: float, rngs: nnx.Rngs):
+        bound = 1 / math.sqrt(math.prod(in_shape))  # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), ...)
+        uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)  # noqa: E731
+        # `lora_rank` is replicated (runtime/sharding.py); the other axes shard as the adapted weight's do.
+        self.a = _param_from(uniform, rngs.params(), (*in_shape, rank), (*in_names, "lora_rank"))
+        self.b = _param_from(nnx.initializers.zeros, rngs.params(), (rank, *out_shape), ("lora_rank", *out_names))
+        self.contract = len(in_shape)
+        self.scale = scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x (..., *in) in the compute dtype -> (..., *out) in that dtype."""
+        h = project(x, self.a[...].astype(x.dtype), contract=self.contract)  # (..., r)
+        # Scaled after B, as PEFT does; a Python float is weakly typed, so the product keeps x's dtype.
+        return project(h, self.b[...].astype(x.dtype)) * self.scale  # (..., *out)
+
+
+def _adapter(cfg: ModelConfig, weight: str, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+             in_names: tuple[str | None, ...], out_names: tuple[str | None, ...], rngs: nnx.Rngs) -> Adapter | None:
+    """The adapter of our weight `weight` (e.g. "wq") when model.lora targets it, else None."""
+    if weight not in targeted_weights(cfg):
+        return None
+    return Adapter(in_shape, out_shape, in_names, out_names, rank=cfg.lora.rank, scale=cfg.lora.scale, rngs=rngs)
+
+
+def _adapted(x: jax.Array, y: jax.Array, adapter: Adapter | None) -> jax.Array:
+    """y = x W plus the adapter's update of it, if W has one. With B = 0 this adds exact zeros: y is unchanged."""
+    return y if adapter is None else y + adapter(x)
 
 
 class KVCache(NamedTuple):
@@ -119,15 +160,19 @@ class Attention(nnx.Module):
             self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
         else:
             self.q_norm = self.k_norm = None
+        self.wq_lora = _adapter(cfg, "wq", (d,), (h, hd), ("embed",), ("heads", "head_dim"), rngs)
+        self.wk_lora = _adapter(cfg, "wk", (d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), rngs)
+        self.wv_lora = _adapter(cfg, "wv", (d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), rngs)
+        self.wo_lora = _adapter(cfg, "wo", (h, hd), (d,), ("heads", "head_dim"), ("embed",), rngs)
 
     def __call__(self, x, rope, mask, start, kv, segment_ids=None):
         """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given) or
         this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`. Returns
         (y (B, T, D), updated kv or None)."""
         dt = self.dtype
-        q = project(x, self.wq[...].astype(dt))  # (B, T, H, hd)
-        k = project(x, self.wk[...].astype(dt))  # (B, T, KV, hd)
-        v = project(x, self.wv[...].astype(dt))  # (B, T, KV, hd)
+        q = _adapted(x, project(x, self.wq[...].astype(dt)), self.wq_lora)  # (B, T, H, hd)
+        k = _adapted(x, project(x, self.wk[...].astype(dt)), self.wk_lora)  # (B, T, KV, hd)
+        v = _adapted(x, project(x, self.wv[...].astype(dt)), self.wv_lora)  # (B, T, KV, hd)
         if self.bq is not None:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.q_norm is not None:
@@ -148,7 +193,7 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
             out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
-        y = project(out, self.wo[...].astype(dt), contract=2)  # (B, T, D)
+        y = _adapted(out, project(out, self.wo[...].astype(dt), contract=2), self.wo_lora)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
         return y, kv
@@ -171,17 +216,25 @@ class MLP(nnx.Module):
             self.b_fc = _param(rngs.params(), (m,), ("mlp",), 0)
             self.w_proj = _param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
             self.b_proj = _param(rngs.params(), (d,), (None,), 0)
+        # The up/gate projections (D -> M) and the down projection (M -> D) of either family, adapted or None.
+        up, down = ((d,), (m,), ("embed",), ("mlp",)), ((m,), (d,), ("mlp",), ("embed",))
+        self.w_gate_lora = _adapter(cfg, "w_gate", *up, rngs) if self.llama else None
+        self.w_up_lora = _adapter(cfg, "w_up", *up, rngs) if self.llama else None
+        self.w_down_lora = _adapter(cfg, "w_down", *down, rngs) if self.llama else None
+        self.w_fc_lora = None if self.llama else _adapter(cfg, "w_fc", *up, rngs)
+        self.w_proj_lora = None if self.llama else _adapter(cfg, "w_proj", *down, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         if self.llama:
-            gate = project(x, self.w_gate[...].astype(dt))  # (B, T, M)
-            up = project(x, self.w_up[...].astype(dt))  # (B, T, M)
+            gate = _adapted(x, project(x, self.w_gate[...].astype(dt)), self.w_gate_lora)  # (B, T, M)
+            up = _adapted(x, project(x, self.w_up[...].astype(dt)), self.w_up_lora)  # (B, T, M)
             h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-            return project(h, self.w_down[...].astype(dt))  # (B, T, D)
-        h = project(x, self.w_fc[...].astype(dt)) + self.b_fc[...].astype(dt)  # (B, T, M)
+            return _adapted(h, project(h, self.w_down[...].astype(dt)), self.w_down_lora)  # (B, T, D)
+        h = _adapted(x, project(x, self.w_fc[...].astype(dt)), self.w_fc_lora) + self.b_fc[...].astype(dt)  # (B, T, M)
         h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
-        return project(h, self.w_proj[...].astype(dt)) + self.b_proj[...].astype(dt)  # (B, T, D)
+        y = _adapted(h, project(h, self.w_proj[...].astype(dt)), self.w_proj_lora)  # (B, T, D)
+        return y + self.b_proj[...].astype(dt)
 
 
 class Block(nnx.Module):

@@ -127,14 +127,18 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
              devices: list[jax.Device] | None = None) -> LoadedRun:
     """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
     ("systolic export") names what the user ran in the errors. `sharded`: the parameters laid out over `devices`
-    (default: all) as `sharded_layout` chooses; otherwise on the first device."""
+    (default: all) as `sharded_layout` chooses; otherwise on the first device. A LoRA run comes back merged: its
+    base (from its init.from) with the adapters folded in, and `cfg.model.lora` off."""
+    from systolic.workloads.lm.init_from import run_params
+    from systolic.workloads.lm.lora import base_config
     from systolic.workloads.lm.train import model_graphdef, param_shardings
 
     with finished.open_run(run_dir, "lm", command) as run:
         cfg: LMConfig = run.cfg
         # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
         tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+        cfg = dataclasses.replace(cfg, model=base_config(cfg.model),
+                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
         vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
         graphdef = model_graphdef(cfg.model, vocab)
         abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
@@ -144,7 +148,7 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
             shardings = param_shardings(cfg.model, vocab, mesh, rules)
         else:
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
-        params = run.restore_params(with_shardings(abstract, shardings))
+        params = run_params(run, with_shardings(abstract, shardings))
     return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step, mesh=mesh, rules=rules,
                      layout=layout)
 

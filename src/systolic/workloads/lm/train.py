@@ -25,6 +25,7 @@ from systolic.errors import UserError
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
+from systolic.workloads.lm import lora
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
@@ -120,29 +121,56 @@ def param_shardings(mcfg: ModelConfig, vocab: int, mesh: Mesh, rules: Rules) -> 
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
 
 
+def init_params(mcfg: ModelConfig, vocab: int, key: jax.Array) -> dict[str, Any]:
+    """Freshly initialised parameters (pure dict), adapters included."""
+    return nnx.to_pure_dict(nnx.state(Transformer(mcfg, vocab, rngs=nnx.Rngs(params=key)), nnx.Param))
+
+
+def trainable_split(mcfg: ModelConfig, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trained, frozen) parts of a parameters' pure dict (or of a tree of its shardings): with model.lora the
+    adapters and the base weights, otherwise everything and nothing."""
+    return lora.split(tree) if mcfg.lora.rank else (tree, {})
+
+
 def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: optax.GradientTransformation):
-    """Returns (init_state jitted, abstract_state, state_shardings); the state is born sharded."""
+    """Returns (init_state jitted, abstract_state, state_shardings); the state is born sharded. With model.lora
+    the state's `params` are the adapters and its `frozen` the base weights, so the optimizer state exists for
+    the adapters alone."""
     replicated = NamedSharding(mesh, P())
-    p_shardings = param_shardings(cfg.model, vocab, mesh, rules)
+    p_shardings, f_shardings = trainable_split(cfg.model, param_shardings(cfg.model, vocab, mesh, rules))
+
+    def fresh_state(params: dict[str, Any], frozen: dict[str, Any], rng: jax.Array) -> TrainState:
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                          frozen=frozen)
 
     def make_state(key: jax.Array) -> TrainState:
         init_key, rng = jax.random.split(key)
-        model = Transformer(cfg.model, vocab, rngs=nnx.Rngs(params=init_key))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+        return fresh_state(*trainable_split(cfg.model, init_params(cfg.model, vocab, init_key)), rng)
 
     def shardings(abstract: TrainState) -> TrainState:
         opt_shardings = optax.tree_map_params(
             tx, lambda _, s: s, abstract.opt_state, p_shardings,
             transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
         )
-        return TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={})
+        return TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={},
+                          frozen=f_shardings)
+
+    def start_from(source_params: dict[str, Any], key: jax.Array) -> TrainState:
+        """The state of a run that starts from another run's parameters (the base, with model.lora)."""
+        init_key, rng = jax.random.split(key)  # the same rng as a random start with this seed
+        if not cfg.model.lora.rank:
+            return fresh_state(source_params, {}, rng)
+        # Fresh adapters drawn as make_state draws them; the random base weights beside them are dead code that
+        # XLA drops.
+        return fresh_state(lora.split(init_params(cfg.model, vocab, init_key))[0], source_params, rng)
 
     key = jax.random.PRNGKey(cfg.train.seed)
     state = make_sharded_state(make_state, (key,), shardings, lambda: activate(mesh, rules))
     init_state, abstract, shardings = state.init, state.abstract, state.shardings
     if cfg.init.from_:  # fine-tuning: another run's parameters instead of random ones
-        init_state = make_init_state(Path(cfg.init.from_), cfg.model, abstract, shardings, tx, key, mesh, rules)
+        source_params = abstract.frozen if cfg.model.lora.rank else abstract.params
+        init_state = make_init_state(Path(cfg.init.from_), cfg.model, source_params, start_from, key, shardings,
+                                     mesh, rules)
     return init_state, abstract, shardings
 
 
@@ -181,10 +209,16 @@ def loss_terms(batch: dict[str, jax.Array]) -> jax.Array:
     return batch["loss_mask"].sum().astype(jnp.float32)
 
 
+def model_params(state: TrainState) -> dict[str, Any]:
+    """The whole model's parameters of a train state: with model.lora its adapters put back beside the frozen base."""
+    return lora.combine(state.params, state.frozen)
+
+
 def make_loss_fn(graphdef: nnx.GraphDef):
-    def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, dict]:
+    def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
+                frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        ce = token_losses(nnx.merge(graphdef, params), batch)  # (B, T)
+        ce = token_losses(nnx.merge(graphdef, lora.combine(params, frozen or {})), batch)  # (B, T)
         if "loss_mask" not in batch:
             return ce.mean(), {}
         # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
@@ -214,7 +248,8 @@ def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_tok
     eval_step = make_eval_step(graphdef)
 
     def evaluate(state: TrainState) -> dict[str, float]:
-        sums = [eval_step(state.params, b) for b in eval_batches]
+        params = model_params(state)
+        sums = [eval_step(params, b) for b in eval_batches]
         total, count = jax.device_get((sum(s for s, _ in sums), sum(c for _, c in sums)))  # summed on device, one fetch
         nats_per_token = float(total) / float(count)
         if bytes_per_token is None:
@@ -237,6 +272,7 @@ class Prepared:
     vocab: int
     graphdef: nnx.GraphDef
     param_count: int
+    trainable_count: int  # the adapters' with model.lora, else param_count
 
 
 @dataclasses.dataclass
@@ -318,8 +354,9 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         step_metrics=(_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
                       if isinstance(data, Corpus) and data.mixture else None),
     )
-    param_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef, param_count=param_count)
+    trainable = lora.count(abstract.params)
+    return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,
+                    param_count=trainable + lora.count(abstract.frozen), trainable_count=trainable)
 
 
 def source_names(paths: list[str]) -> list[str]:
