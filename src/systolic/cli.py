@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _HANDLERS[args.command](args)
     except UserError as e:
-        print(textwrap.fill(f"error: {e}", width=110), file=sys.stderr)
+        # Paths and names stay whole (a hyphen is no place to break a path someone copies).
+        print(textwrap.fill(f"error: {e}", width=110, break_on_hyphens=False, break_long_words=False), file=sys.stderr)
         return e.exit_code
     except MemoryError:
         print("error: out of host memory. Fix: lower train.batch_size or the model size, or use more devices.",
