@@ -11,7 +11,6 @@ import numpy as np
 
 from systolic.engine import loop
 from systolic.engine.plan import StepProgram
-from systolic.observe.metrics import read_metrics
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
@@ -89,25 +88,15 @@ def draw(final: np.ndarray | None, sim: Simulation, cfg: SimConfig, run_dir: Pat
     if cfg.observe.plot:
         made.append(outputs.plot_diagnostics(run_dir, sim.plot_keys, run_dir / "diagnostics.png"))
     if sim.spectrum is not None:
-        times = {r["step"]: r["time"] for r in _sim_records(run_dir)}
+        times = {r["step"]: r["time"] for r in outputs.frame_records(run_dir)}
         made.append(outputs.plot_spectra(outputs.load_snapshots(run_dir, result.final_step, outputs.SPECTRA_DIR), times,
                                          run_dir / "spectrum.png"))
     if cfg.sim.equation == "navier_stokes_3d" and cfg.navier_stokes_3d.initial == "taylor_green":
-        time, energy, dissipation = _series(run_dir, "time", "energy", "dissipation")
-        made.append(taylor_green.plot_dissipation(time, energy, dissipation, run_dir / "dissipation.png",
-                                                  label=f"systolic {cfg.grid.n}^3, {cfg.sim.dtype}",
+        label = f"systolic {cfg.grid.n}^3, {cfg.sim.dtype}"
+        run = (label, *outputs.series(run_dir, "time", "energy", "dissipation"))
+        made.append(taylor_green.plot_dissipation([run], run_dir / "dissipation.png",
                                                   reference=taylor_green.is_reference_case(cfg)))
     return [p for p in made if p is not None]
-
-
-def _sim_records(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if r.get("split") == outputs.SPLIT and "time" in r]
-
-
-def _series(run_dir: Path, *keys: str) -> list[np.ndarray]:
-    """Each key's values over the frames, in frame order (the last record of a frame counts, after a resume)."""
-    by_step = {r["step"]: r for r in _sim_records(run_dir)}
-    return [np.array([by_step[s][k] for s in sorted(by_step)]) for k in keys]
 
 
 def _report_taylor_green(say, cfg: SimConfig, run_dir: Path) -> None:
@@ -115,7 +104,7 @@ def _report_taylor_green(say, cfg: SimConfig, run_dir: Path) -> None:
     metrics)."""
     if jax.process_index() != 0 or not taylor_green.is_reference_case(cfg):
         return
-    found = taylor_green.compare(*_series(run_dir, "time", "dissipation"))
+    found = taylor_green.compare(*outputs.series(run_dir, "time", "dissipation"))
     if found is None:
         say(f"dissipation peak: not reached yet (the rate still rises at the last frame; the reference peaks at "
             f"t = {taylor_green.reference_peak().time:.2f})")

@@ -108,9 +108,20 @@ def make_gif(frames: list[tuple[int, np.ndarray]], out: Path, *, cmap: str, symm
     return out
 
 
+def frame_records(run_dir: Path) -> list[dict]:
+    """The frames' rows of metrics.jsonl, as written (a resumed run may repeat a frame)."""
+    return [r for r in read_metrics(run_dir) if r.get("split") == SPLIT and "time" in r]
+
+
+def series(run_dir: Path, *keys: str) -> list[np.ndarray]:
+    """Each key's values over the frames, in frame order (the last row of a frame counts, after a resume)."""
+    by_step = {r["step"]: r for r in frame_records(run_dir)}
+    return [np.array([by_step[s][k] for s in sorted(by_step)]) for k in keys]
+
+
 def plot_diagnostics(run_dir: Path, keys: tuple[str, ...], out: Path) -> Path | None:
     """Each diagnostic (energy, enstrophy, ...) against simulated time, one panel each."""
-    records = [r for r in read_metrics(run_dir) if r.get("split") == SPLIT and "time" in r]
+    records = frame_records(run_dir)
     keys = tuple(k for k in keys if any(isinstance(r.get(k), (int, float)) for r in records))
     if not keys:
         return None

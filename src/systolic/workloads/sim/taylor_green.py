@@ -69,9 +69,12 @@ def compare(time: np.ndarray, dissipation: np.ndarray) -> dict[str, float] | Non
             "peak_time_error": mine.time / theirs.time - 1}
 
 
-def plot_dissipation(time: np.ndarray, energy: np.ndarray, dissipation: np.ndarray, out: Path, *, label: str,
-                     reference: bool) -> Path:
-    """Kinetic energy and dissipation rate against time, beside the published curves when `reference`."""
+Series = tuple[str, np.ndarray, np.ndarray, np.ndarray]  # label, time, energy, dissipation rate
+
+
+def plot_dissipation(runs: list[Series], out: Path, *, reference: bool) -> Path:
+    """Kinetic energy and dissipation rate against time for each run, beside the published curves when
+    `reference`."""
     from systolic.observe.plot import save_figure
     from systolic.workloads.sim.outputs import pyplot
 
@@ -79,10 +82,12 @@ def plot_dissipation(time: np.ndarray, energy: np.ndarray, dissipation: np.ndarr
     fig, (ax_e, ax_d) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True)
     if reference:
         ref = load_reference()
-        ax_e.plot(ref[:, 0], ref[:, 1], color="black", lw=1, label="512^3 spectral DNS (HiOCFD C3.5)")
-        ax_d.plot(ref[:, 0], ref[:, 2], color="black", lw=1, label="512^3 spectral DNS (HiOCFD C3.5)")
-    ax_e.plot(time, energy, color="C3", lw=1.5, label=label)
-    ax_d.plot(time, dissipation, color="C3", lw=1.5, label=label)
+        for ax, column in ((ax_e, 1), (ax_d, 2)):
+            ax.plot(ref[:, 0], ref[:, column], color="black", lw=1, label="512^3 spectral DNS (HiOCFD C3.5)")
+    for i, (label, time, energy, dissipation) in enumerate(runs):
+        colour = f"C{(i + 3) % 10}"
+        ax_e.plot(time, energy, color=colour, lw=1.5, label=label)
+        ax_d.plot(time, dissipation, color=colour, lw=1.5, label=label)
     ax_e.set_ylabel("kinetic energy")
     ax_d.set_ylabel("dissipation rate  2 nu Omega")
     ax_d.set_xlabel("t (V0 = L = 1)")
