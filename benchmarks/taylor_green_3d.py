@@ -4,7 +4,8 @@ as a table, and their curves in one figure.
     systolic simulate --recipe sim-taylor-green-3d grid.n=64 --run-dir runs/tgv64
     systolic simulate --recipe sim-taylor-green-3d --run-dir runs/tgv128            # 128^3
     systolic simulate --recipe sim-taylor-green-3d grid.n=192 sim.t_end=11 output.frames=110 --run-dir runs/tgv192
-    .venv/bin/python benchmarks/taylor_green_3d.py runs/tgv64 runs/tgv128 runs/tgv192 --out docs/images/taylor-green-3d.png
+    .venv/bin/python benchmarks/taylor_green_3d.py runs/tgv64 runs/tgv128 runs/tgv192 \
+        --out docs/images/taylor-green-3d.png
 """
 
 from __future__ import annotations

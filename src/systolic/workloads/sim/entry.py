@@ -155,7 +155,8 @@ def fit(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 def plan(cfg: SimConfig, devices: list) -> StepProgram:
     """One frame of `systolic simulate` (the solver's steps up to the next output time, the grid split in slabs
-    over the mesh, or in 3-D in pencils over its two axes) lowered from abstract inputs on a mesh of `devices`, for `systolic plan`."""
+    over the mesh, or in 3-D in pencils over its two axes) lowered from abstract inputs on a mesh of `devices`,
+    for `systolic plan`."""
     with precision(cfg):
         mesh = mesh_lib.make_mesh(cfg.mesh, devices)
         sim = make_simulation(cfg, mesh)

@@ -2,8 +2,8 @@
 plot of the diagnostics against simulated time; in 3-D also the energy spectrum E(k) of every frame.
 
 Snapshots are written as they are computed (`frames/000042.npy`, subsampled to `output.image_pixels`; spectra
-`spectra/000042.npy`), so a run that stops and resumes still has every frame for the GIF. Every file is written to a temporary name and
-renamed, so a crash never leaves a half-written picture.
+`spectra/000042.npy`), so a run that stops and resumes still has every frame for the GIF. Every file is written to
+a temporary name and renamed, so a crash never leaves a half-written picture.
 """
 
 from __future__ import annotations
