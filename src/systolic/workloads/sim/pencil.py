@@ -28,9 +28,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import GRID_RULES, Rules, logical_to_spec
 
-# Logical names of the grid's axes in each space; GRID_RULES maps the split ones to mesh axes.
-PHYSICAL_AXES = ("grid_rows", "grid_cols", None)  # (x, y, z)
-SPECTRAL_AXES = (None, "grid_rows", "grid_cols")  # (kx, ky, kz)
+# Logical names of the physical grid's axes (x, y, z); GRID_RULES maps the split ones to mesh axes. The spectral
+# layout puts the same mesh axes on (ky, kz).
+PHYSICAL_AXES = ("grid_rows", "grid_cols", None)
 
 
 def _mesh_axes(spec_entry) -> tuple[str, ...]:
