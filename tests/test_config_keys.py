@@ -16,7 +16,7 @@ import pytest
 from systolic import config as config_lib
 from systolic.cli import main
 from systolic.workloads import get
-from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_RL, TINY_SIM
+from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_RL, TINY_SIM, TINY_SIM3D
 
 BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq__", "__hash__", "__repr__", "_diff",
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
@@ -156,6 +156,7 @@ def test_every_sim_key_acts(record_reads, tmp_path):
     runs = [["simulate", *TINY_SIM, "navier_stokes.forcing=kolmogorov"],
             ["simulate", *TINY_SIM, "sim.equation=heat", "sim.t_end=0.01", "sim.dt=0.001"],
             ["simulate", *TINY_SIM, "sim.equation=gray_scott", "sim.t_end=2"],
+            ["simulate", *TINY_SIM3D],
             ["fit", "sim", "--recipe", "sim-viscosity-inverse", "grid.n=32", "fit.steps=2", "output.frames=2"]]
     for i, argv in enumerate(runs):
         assert main([*argv, *QUIET, "--run-dir", str(tmp_path / f"sim{i}")]) == 0, argv

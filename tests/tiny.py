@@ -49,3 +49,7 @@ def run_steps(task, n: int, *, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_R
             state, step_metrics = task.train_step(state, None if task.data is None else next(task.data))
             metrics.append(jax.device_get(step_metrics))
     return state, metrics
+
+# `systolic simulate` arguments for the 3-D solver: the Taylor-Green recipe on a 16^3 grid, two frames.
+TINY_SIM3D = ["--recipe", "sim-taylor-green-3d", "grid.n=16", "sim.t_end=0.4", "output.frames=2",
+              "output.image_pixels=16", "checkpoint.every_steps=2", "checkpoint.async_save=false", "-q"]

@@ -155,3 +155,14 @@ def test_packed_documents_plan_what_training_runs_with_splash_taking_the_segment
     concat, packed = plan_lm("v5e-4", mesh), plan_lm("v5e-4", mesh, "data.packing=documents")
     assert packed.fits and "attention runs as splash" in packed.notes[0]
     assert packed.argument_bytes - concat.argument_bytes == 2 * 8 * 256 * 4 // 2
+
+
+def test_sim_3d_plans_pencil_transposes_as_all_to_all_and_gathers_nothing():
+    """The 3-D solver's frame compiled by the TPU compiler on a 2x2 pencil mesh: the transposes are all-to-alls
+    (bytes counted), nothing is all-gathered, and a fixed step's loop is weighted by its trips."""
+    p = plan_workload("sim", "sim-taylor-green-3d", {"data": 2, "fsdp": 2},
+                      extra=("grid.n=32", "sim.dt=0.01", "output.frames=200"))
+    assert (p.fits, p.topology, p.model_flops_per_step) == (True, "v5e:2x2", None)
+    assert p.collectives["all-to-all"]["count"] > 0 and p.collectives["all-to-all"]["bytes"] > 0
+    assert p.collectives["all-gather"]["count"] == 0
+    assert p.xla_flops_per_step > 5 * p.xla_flops_raw, p.flops_note  # 10 solver steps a frame

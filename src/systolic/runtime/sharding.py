@@ -48,6 +48,10 @@ RULE_SETS: dict[str, Rules] = {
 }
 DEFAULT_RULES: Rules = RULE_SETS["default"]
 
+# The 3-D spectral grid of the sim workload (workloads/sim/pencil.py): x (and ky) split over `grid_rows`, y (and kz)
+# over `grid_cols`, so the mesh is a 2-D grid of pencils: mesh.data=2 mesh.fsdp=4 is 2 x 4, mesh.data=8 is a slab.
+GRID_RULES: Rules = (("grid_rows", "data"), ("grid_cols", ("fsdp", "tensor")))
+
 
 def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
     """The named rule set, checked against the mesh: an axis of size > 1 that the rules never use would

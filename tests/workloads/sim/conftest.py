@@ -8,7 +8,10 @@ from systolic.config import MeshConfig
 from systolic.runtime.mesh import make_mesh
 from systolic.workloads.sim.config import SimConfig
 
-LAYOUTS = {"1 device": (1, 1, 1), "data=8": (8, 1, 1), "2x2x2": (2, 2, 2)}
+# (data, fsdp, tensor). The 3-D solver's pencils are data x (fsdp * tensor): "data=8" is its 8x1 slab, "1x8" the
+# other slab, "2x2x2" 2 x 4 pencils over all three axes.
+LAYOUTS = {"1 device": (1, 1, 1), "data=8": (8, 1, 1), "2x2x2": (2, 2, 2), "2x2": (2, 2, 1), "2x4": (2, 4, 1),
+           "1x8": (1, 8, 1)}
 
 
 @pytest.fixture

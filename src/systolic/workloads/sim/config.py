@@ -17,7 +17,8 @@ from systolic.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class GridConfig:
-    """A periodic square of side `length` sampled at n x n points (spacing length / n)."""
+    """A periodic square (2-D equations) or cube (navier_stokes_3d) of side `length`, n points a side (spacing
+    length / n)."""
 
     n: int = 256
     length: float = 2 * math.pi
@@ -42,12 +43,12 @@ class SimSettings:
     """Which equation, how long, and how the time step is chosen.
 
     `dt` = 0 picks the step automatically: for Navier-Stokes from the advective CFL condition every step
-    (dt = cfl * dx / max(|u| + |v|)); for the finite-difference equations as `cfl` times the explicit Euler
+    (dt = cfl * dx / max(|u| + |v|), + |w| in 3-D); for the finite-difference equations as `cfl` times the explicit Euler
     diffusion limit dx^2 / (4 D). A fixed `dt` > 0 is rounded down so each frame is a whole number of steps;
     a fixed step is required for `systolic fit` (gradients cannot flow through a data-dependent step count).
     """
 
-    equation: Literal["navier_stokes", "gray_scott", "heat"] = "navier_stokes"
+    equation: Literal["navier_stokes", "navier_stokes_3d", "gray_scott", "heat"] = "navier_stokes"
     t_end: float = 10.0
     dt: float = 0.0
     cfl: float = 0.5
@@ -55,8 +56,12 @@ class SimSettings:
     seed: int = 0
 
     @property
-    def solver(self) -> Literal["spectral", "fd"]:
-        return "spectral" if self.equation == "navier_stokes" else "fd"
+    def solver(self) -> Literal["spectral", "spectral pencils", "fd"]:
+        return {"navier_stokes": "spectral", "navier_stokes_3d": "spectral pencils"}.get(self.equation, "fd")
+
+    @property
+    def dimensions(self) -> int:
+        return 3 if self.equation == "navier_stokes_3d" else 2
 
     def validate(self) -> None:
         if not self.t_end > 0 or self.dt < 0 or not 0 < self.cfl <= 1:
@@ -96,6 +101,32 @@ class NavierStokesConfig:
             raise ConfigError(
                 f"navier_stokes.initial_wavenumber={self.initial_wavenumber} and forcing_wavenumber="
                 f"{self.forcing_wavenumber} must be integers >= 1 (multiples of 2 pi / grid.length). Fix: e.g. 4."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class NavierStokes3DConfig:
+    """3-D incompressible flow in velocity form on the periodic cube: u_t + u . grad u = -grad p + viscosity lap u.
+
+    `initial`: `taylor_green` is u = V sin(kx) cos(ky) cos(kz), v = -V cos(kx) sin(ky) cos(kz), w = 0 with V =
+    `velocity`, k = `initial_wavenumber` (in units of 2 pi / length); with k = 1 on [0, 2 pi)^3 its Reynolds number is
+    V / (k viscosity): 1600 for the standard benchmark (viscosity 1/1600 = 0.000625). `abc` is the
+    Arnold-Beltrami-Childress flow with A = B = C = V at wavenumber k, an exact solution that decays as
+    exp(-viscosity k^2 t) without changing shape; the run then reports its error against that.
+    """
+
+    viscosity: float = 6.25e-4
+    initial: Literal["taylor_green", "abc"] = "taylor_green"
+    initial_wavenumber: int = 1
+    velocity: float = 1.0
+
+    def validate(self) -> None:
+        if self.viscosity < 0 or not self.velocity > 0 or self.initial_wavenumber < 1:
+            raise ConfigError(
+                f"navier_stokes_3d.viscosity={self.viscosity}, velocity={self.velocity}, initial_wavenumber="
+                f"{self.initial_wavenumber}: expected viscosity >= 0 (0 = inviscid), velocity > 0 and an integer "
+                "wavenumber >= 1 (a multiple of 2 pi / grid.length). Fix: e.g. navier_stokes_3d.viscosity=0.000625 "
+                "navier_stokes_3d.velocity=1 navier_stokes_3d.initial_wavenumber=1."
             )
 
 
@@ -177,6 +208,7 @@ class SimConfig:
     grid: GridConfig = GridConfig()
     sim: SimSettings = SimSettings()
     navier_stokes: NavierStokesConfig = NavierStokesConfig()
+    navier_stokes_3d: NavierStokes3DConfig = NavierStokes3DConfig()
     gray_scott: GrayScottConfig = GrayScottConfig()
     heat: HeatConfig = HeatConfig()
     output: OutputConfig = OutputConfig()
@@ -203,6 +235,13 @@ class SimConfig:
                         f"wavenumbers below n/3 = {n / 3:.1f}. Fix: lower it or raise grid.n above "
                         f"{3 * getattr(ns, name)}."
                     )
+        elif self.sim.equation == "navier_stokes_3d":
+            k = self.navier_stokes_3d.initial_wavenumber
+            if 3 * k >= n:
+                raise ConfigError(
+                    f"navier_stokes_3d.initial_wavenumber={k} is not resolved on grid.n={n}: dealiasing keeps "
+                    f"wavenumbers below n/3 = {n / 3:.1f}. Fix: lower it or raise grid.n above {3 * k}."
+                )
         elif self.sim.dt > 0:
             limit = self.grid.dx ** 2 / (4 * self.max_diffusivity)
             if self.sim.dt > limit:

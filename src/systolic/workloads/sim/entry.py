@@ -14,12 +14,12 @@ from systolic.engine.plan import StepProgram
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
-from systolic.workloads.sim import inverse, outputs
+from systolic.workloads.sim import inverse, outputs, taylor_green
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.solver import Simulation, make_simulation, precision, to_host
 
 
-_COLORMAPS = {"vorticity": "RdBu_r"}
+_COLORMAPS = {"vorticity": "RdBu_r", "vorticity magnitude": "inferno"}
 
 
 def simulate(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
@@ -28,7 +28,7 @@ def simulate(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResu
         mesh = mesh_lib.make_mesh(cfg.mesh)
         sim = make_simulation(cfg, mesh)
         step_text = f"dt {sim.dt:.4g} ({sim.steps_per_frame} steps a frame)" if sim.dt else f"CFL {cfg.sim.cfl} steps"
-        say(f"sim: {cfg.sim.equation} ({cfg.sim.solver}), grid {cfg.grid.n}^2, {cfg.sim.dtype}, "
+        say(f"sim: {cfg.sim.equation} ({cfg.sim.solver}), grid {cfg.grid.n}^{cfg.sim.dimensions}, {cfg.sim.dtype}, "
             f"t_end {cfg.sim.t_end:g} in {cfg.output.frames} frames, {step_text}; mesh {mesh_lib.describe(mesh)} "
             f"({jax.device_count()} {jax.default_backend()} devices); run directory {run_dir}")
         settings = loop.LoopSettings(steps=cfg.output.frames, eval_every=cfg.output.frames, loop=cfg.loop,
@@ -42,6 +42,8 @@ def simulate(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResu
         final = to_host(sim.picture(result.state)) if cfg.output.images else None  # a collective: all take part
         pictures = draw(final, sim, cfg, run_dir, result) if jax.process_index() == 0 else []
     _report(say, result, pictures)
+    if cfg.sim.equation == "navier_stokes_3d" and cfg.navier_stokes_3d.initial == "taylor_green":
+        _report_taylor_green(say, cfg, run_dir)
     return result
 
 
@@ -49,6 +51,9 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
     """A simulation as the engine loop's task: one loop step is one frame; each frame writes a snapshot."""
 
     def snapshot(frame: int, state) -> None:
+        spectrum = to_host(sim.spectrum(state)) if sim.spectrum is not None else None  # replicated: no gather
+        if spectrum is not None and jax.process_index() == 0:
+            outputs.save_spectrum(run_dir, frame, spectrum)
         if not cfg.output.images:
             return
         field = to_host(sim.picture(state))  # every process takes part in the gather; one writes
@@ -68,19 +73,45 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
 
 def draw(final: np.ndarray | None, sim: Simulation, cfg: SimConfig, run_dir: Path,
          result: loop.RunResult) -> list[Path]:
-    """final.png (the field `final`) and animation.gif with output.images; diagnostics.png with observe.plot."""
+    """final.png (the field `final`) and animation.gif with output.images; diagnostics.png with observe.plot, and
+    in 3-D spectrum.png (E(k) over the run) and, for Taylor-Green, dissipation.png (against the reference at
+    Re = 1600)."""
     cmap = cfg.output.colormap or _COLORMAPS.get(sim.picture_name, "viridis")
     symmetric = sim.picture_name == "vorticity"
     t = result.last_metrics.get("time", 0.0)
     made = []
     if final is not None:
         made += [outputs.draw_field(final, run_dir / "final.png", title=f"{sim.picture_name}, t = {t:.4g}", cmap=cmap,
-                                    symmetric=symmetric, length=cfg.grid.length),
+                                    symmetric=symmetric, length=cfg.grid.length, axes=sim.picture_axes),
                  outputs.make_gif(outputs.load_snapshots(run_dir, result.final_step), run_dir / "animation.gif",
                                   cmap=cmap, symmetric=symmetric)]
     if cfg.observe.plot:
         made.append(outputs.plot_diagnostics(run_dir, sim.plot_keys, run_dir / "diagnostics.png"))
+    if sim.spectrum is not None:
+        times = {r["step"]: r["time"] for r in outputs.frame_records(run_dir)}
+        made.append(outputs.plot_spectra(outputs.load_snapshots(run_dir, result.final_step, outputs.SPECTRA_DIR), times,
+                                         run_dir / "spectrum.png"))
+    if cfg.sim.equation == "navier_stokes_3d" and cfg.navier_stokes_3d.initial == "taylor_green":
+        label = f"systolic {cfg.grid.n}^3, {cfg.sim.dtype}"
+        run = (label, *outputs.series(run_dir, "time", "energy", "dissipation"))
+        made.append(taylor_green.plot_dissipation([run], run_dir / "dissipation.png",
+                                                  reference=taylor_green.is_reference_case(cfg)))
     return [p for p in made if p is not None]
+
+
+def _report_taylor_green(say, cfg: SimConfig, run_dir: Path) -> None:
+    """The dissipation peak against the 512^3 reference, for the Re = 1600 case (on process 0, which has the
+    metrics)."""
+    if jax.process_index() != 0 or not taylor_green.is_reference_case(cfg):
+        return
+    found = taylor_green.compare(*outputs.series(run_dir, "time", "dissipation"))
+    if found is None:
+        say(f"dissipation peak: not reached yet (the rate still rises at the last frame; the reference peaks at "
+            f"t = {taylor_green.reference_peak().time:.2f})")
+        return
+    say(f"dissipation peak {found['peak']:.5g} at t = {found['peak_time']:.3f} on {cfg.grid.n}^3; reference (512^3 "
+        f"spectral DNS) {found['reference_peak']:.5g} at t = {found['reference_peak_time']:.3f}: height "
+        f"{100 * found['peak_error']:+.2f}%, time {100 * found['peak_time_error']:+.2f}%")
 
 
 def _report(say, result: loop.RunResult, pictures: list[Path]) -> None:
@@ -124,7 +155,8 @@ def fit(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 def plan(cfg: SimConfig, devices: list) -> StepProgram:
     """One frame of `systolic simulate` (the solver's steps up to the next output time, the grid split in slabs
-    over the mesh) lowered from abstract inputs on a mesh of `devices`, for `systolic plan`."""
+    over the mesh, or in 3-D in pencils over its two axes) lowered from abstract inputs on a mesh of `devices`,
+    for `systolic plan`."""
     with precision(cfg):
         mesh = mesh_lib.make_mesh(cfg.mesh, devices)
         sim = make_simulation(cfg, mesh)
@@ -135,7 +167,7 @@ def plan(cfg: SimConfig, devices: list) -> StepProgram:
         params=sum(math.prod(x.shape) for x in jax.tree.leaves(sim.abstract_state.params)),
         items_per_step=sim.steps_per_frame if fixed else 1, item_unit="steps" if fixed else "frames",
         model_flops_per_step=None, dtype=cfg.sim.dtype,
-        notes=(f"one step is a frame of {cfg.sim.equation} on a {cfg.grid.n}^2 grid"
+        notes=(f"one step is a frame of {cfg.sim.equation} on a {cfg.grid.n}^{cfg.sim.dimensions} grid"
                + (f" ({sim.steps_per_frame} solver steps)" if fixed else " (adaptive steps: the loop's trip count "
                   "is data-dependent, so XLA's count has its body once)")
                + "; 'parameters' counts the grid's values; no FLOP formula for the sim workload: the MFU is taken "

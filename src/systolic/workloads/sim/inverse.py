@@ -34,10 +34,11 @@ from systolic.workloads.sim.solver import fixed_steps, make_forcing, make_initia
 def check_fit_config(cfg: SimConfig) -> None:
     if cfg.sim.equation != "navier_stokes" or cfg.sim.dt <= 0:
         raise ConfigError(
-            f"`systolic fit sim` differentiates the Navier-Stokes solver with a fixed time step, but the config has "
-            f"sim.equation={cfg.sim.equation} and sim.dt={cfg.sim.dt}. Reverse-mode gradients cannot pass through "
-            "the adaptive (CFL) step's data-dependent loop. Fix: sim.equation=navier_stokes and a fixed step, e.g. "
-            "sim.dt=0.01, or start from --recipe sim-viscosity-inverse."
+            f"`systolic fit sim` differentiates the 2-D Navier-Stokes solver with a fixed time step, but the config "
+            f"has sim.equation={cfg.sim.equation} and sim.dt={cfg.sim.dt}. The fit is written for the 2-D vorticity "
+            "snapshots (the 3-D solver is differentiable, but no fit uses it), and reverse-mode gradients cannot pass "
+            "through the adaptive (CFL) step's data-dependent loop. Fix: sim.equation=navier_stokes and a fixed "
+            "step, e.g. sim.dt=0.01, or start from --recipe sim-viscosity-inverse."
         )
 
 

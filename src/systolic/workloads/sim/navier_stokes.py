@@ -4,7 +4,8 @@
 
 The state is the vorticity's Fourier transform `w_hat` in the slab's spectral layout (kx full, ky split; see
 `slab.py`). The stiff linear part L = -nu k^2 - alpha is integrated exactly by an integrating factor; the
-nonlinear term and forcing by classical RK4 on the transformed variable (Lawson's IFRK4, fourth order). The
+nonlinear term and forcing by classical RK4 on the transformed variable (Lawson's IFRK4, fourth order;
+`time_stepping.py`). The
 nonlinear term is evaluated in physical space and dealiased by the 2/3 rule: with every |k| >= n/3 zeroed,
 the aliases of a quadratic product land only on zeroed modes, so the scheme is the exact Galerkin truncation
 and conserves energy and enstrophy when nu = alpha = 0 (up to the RK4 error).
@@ -27,8 +28,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from systolic.workloads.sim import time_stepping
 from systolic.workloads.sim.slab import Slab
 
 Forcing = Callable[[jax.Array], jax.Array]  # time -> forcing's w_hat (same layout as the state)
@@ -85,27 +86,6 @@ def nonlinear(w_hat: jax.Array, spec: Spectrum, slab: Slab) -> tuple[jax.Array, 
     return -slab.forward(advection) * spec.dealias.astype(c), speed
 
 
-def ifrk4_step(w_hat: jax.Array, t: jax.Array, dt: jax.Array, rhs: Callable, decay_half: jax.Array,
-               first_stage: jax.Array | None = None) -> jax.Array:
-    """One Lawson RK4 step of w_t = L w + N(w, t), with decay_half = exp(L dt / 2) (exact for the linear part).
-
-    `rhs(w_hat, t)` returns N; `first_stage` is N(w_hat, t) when the caller already has it. decay_half and dt
-    are real: each real coefficient is formed in real arithmetic, then cast to the field's complex dtype.
-    """
-
-    def as_complex(real: jax.Array) -> jax.Array:
-        return real.astype(w_hat.dtype)
-
-    # Each coefficient (e * e three times) is its own expression, as before the casts were explicit: sharing one
-    # would change the order in which the backward pass sums their cotangents, and so the gradient's last bit.
-    e = decay_half
-    a = rhs(w_hat, t) if first_stage is None else first_stage
-    b = rhs(as_complex(e) * (w_hat + as_complex(0.5 * dt) * a), t + 0.5 * dt)
-    c = rhs(as_complex(e) * w_hat + as_complex(0.5 * dt) * b, t + 0.5 * dt)
-    d = rhs(as_complex(e * e) * w_hat + as_complex(dt * e) * c, t + dt)
-    return as_complex(e * e) * w_hat + as_complex(dt / 6) * (as_complex(e * e) * a + as_complex(2 * e) * (b + c) + d)
-
-
 def make_rhs(spec: Spectrum, slab: Slab, forcing: Forcing | None) -> Callable[[jax.Array, jax.Array], jax.Array]:
     def rhs(w_hat: jax.Array, t: jax.Array) -> jax.Array:
         n_hat, _ = nonlinear(w_hat, spec, slab)
@@ -117,22 +97,10 @@ def make_rhs(spec: Spectrum, slab: Slab, forcing: Forcing | None) -> Callable[[j
 def integrate_fixed(w_hat: jax.Array, t: jax.Array, dt: jax.Array, steps: int, *, spec: Spectrum, slab: Slab,
                     viscosity: jax.Array | float, drag: jax.Array | float = 0.0,
                     forcing: Forcing | None = None, remat: bool = False) -> tuple[jax.Array, jax.Array]:
-    """`steps` IFRK4 steps of size dt as one `lax.scan`; reverse-mode differentiable.
-
-    With `remat`, each step is a `jax.checkpoint`: the backward pass stores one w_hat per step and recomputes
-    the four stages, so memory grows with the step count by one field, not by the ~20 FFT intermediates.
-    """
-    rhs = make_rhs(spec, slab, forcing)
+    """`steps` IFRK4 steps of size dt as one `lax.scan`; reverse-mode differentiable (time_stepping.py)."""
     decay_half = jnp.exp(linear_rate(spec, viscosity, drag) * (0.5 * dt))
-
-    def step(carry, _):
-        w, time = carry
-        return (ifrk4_step(w, time, dt, rhs, decay_half), time + dt), None
-
-    if remat:
-        step = jax.checkpoint(step)
-    (w_hat, t), _ = lax.scan(step, (w_hat, t), length=steps)
-    return w_hat, t
+    return time_stepping.integrate_fixed(w_hat, t, dt, steps, rhs=make_rhs(spec, slab, forcing), decay_half=decay_half,
+                                         remat=remat)
 
 
 def integrate_cfl(w_hat: jax.Array, t: jax.Array, t_stop: jax.Array, *, cfl: float, dx: float, dt_max: float,
@@ -140,26 +108,14 @@ def integrate_cfl(w_hat: jax.Array, t: jax.Array, t_stop: jax.Array, *, cfl: flo
                   forcing: Forcing | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Adaptive steps dt = cfl dx / max(|u| + |v|) (capped at dt_max), the last one shortened to land exactly
     on t_stop. Returns (w_hat, t_stop, number of steps). Not reverse-differentiable (a while loop)."""
-    lin = linear_rate(spec, viscosity, drag)
-    rhs = make_rhs(spec, slab, forcing)
 
-    def body(carry):
-        w, time, count, _ = carry
+    def first_stage(w, time):
         n_hat, speed = nonlinear(w, spec, slab)
-        first = n_hat + (forcing(time) * spec.dealias.astype(w.dtype) if forcing is not None else 0)
-        # Every device must take the same step: reduce the speed over the whole grid.
-        speed = slab.pmax(speed)
-        dt = jnp.minimum(cfl * dx / jnp.maximum(speed, 1e-30), dt_max).astype(time.dtype)
-        remaining = t_stop - time
-        # Also absorbs a sliver left by rounding. A blown-up field (NaN speed, so NaN dt) ends the frame too: a
-        # NaN compares false, and the loop would never reach t_stop; the engine's guard then halts the run.
-        last = (dt >= remaining * (1 - 1e-9)) | ~jnp.isfinite(dt)
-        dt = jnp.where(last, remaining, dt)
-        w = ifrk4_step(w, time, dt, rhs, jnp.exp(lin * (0.5 * dt)), first_stage=first)
-        return w, jnp.where(last, t_stop, time + dt), count + 1, last
+        return n_hat + (forcing(time) * spec.dealias.astype(w.dtype) if forcing is not None else 0), speed
 
-    w_hat, t, count, _ = lax.while_loop(lambda c: ~c[3], body, (w_hat, t, jnp.zeros((), jnp.int32), t >= t_stop))
-    return w_hat, t, count
+    return time_stepping.integrate_cfl(w_hat, t, t_stop, rhs=make_rhs(spec, slab, forcing), first_stage=first_stage,
+                                       rate=linear_rate(spec, viscosity, drag), pmax=slab.pmax, cfl=cfl, dx=dx,
+                                       dt_max=dt_max)
 
 
 # DIAGNOSTICS --------------------------------------------------------------------------------------------------

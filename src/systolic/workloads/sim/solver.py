@@ -38,11 +38,13 @@ class Simulation:
     initial_state: Callable[[], TrainState]  # compiled; the state is born sharded
     frame_step: Callable[[TrainState, None], tuple[TrainState, dict[str, jax.Array]]]  # jitted, guarded, donating
     measure: Callable[[TrainState], dict[str, jax.Array]]  # the diagnostics of a state (frame 0)
-    picture: Callable[[TrainState], jax.Array]  # the physical field to draw, (n, n), sharded
+    picture: Callable[[TrainState], jax.Array]  # the physical field to draw, (n, n), sharded (3-D: a plane)
     picture_name: str
     plot_keys: tuple[str, ...]  # diagnostics worth a time-series plot
     dt: float  # the fixed step, or 0 when chosen by the CFL condition
     steps_per_frame: int  # 0 when adaptive
+    picture_axes: tuple[str, str] = ("x", "y")  # what the picture's rows and columns run along
+    spectrum: Callable[[TrainState], jax.Array] | None = None  # the energy spectrum E(k) of a state, if any
 
 
 @contextlib.contextmanager
@@ -74,12 +76,16 @@ def fixed_steps(cfg: SimConfig, dt: float) -> tuple[int, float]:
 
 
 def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
+    if cfg.sim.equation == "navier_stokes_3d":
+        from systolic.workloads.sim.solver_3d import make_turbulence  # it builds on this module's helpers
+
+        return make_turbulence(cfg, mesh)
     if cfg.sim.solver == "spectral":
         return _navier_stokes(cfg, mesh)
     return _finite_difference(cfg, mesh)
 
 
-def _jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh, cfg: SimConfig) -> Callable:
+def jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh, cfg: SimConfig) -> Callable:
     def frame_step(state: TrainState, batch: None) -> tuple[TrainState, dict[str, jax.Array]]:
         del batch  # the equation makes its own data
         fields, metrics = advance(state.params, state.extra["time"], state.step + 1)
@@ -90,13 +96,13 @@ def _jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh, cfg: S
     return jit_step(frame_step, state_shardings=shardings, batch_sharding=None, mesh=mesh, loop=cfg.loop, check=None)
 
 
-def _state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> TrainState:
+def state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> TrainState:
     replicated = NamedSharding(mesh, P())
     return TrainState(step=replicated, params=field_shardings, opt_state={"none": replicated}, rng=replicated,
                       extra={"time": replicated})
 
 
-def _new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
+def new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
     # The engine's Checkpointer saves `opt_state` as its own Orbax item and Orbax rejects an empty one ("Found
     # empty item"), so a simulation, which has no optimizer, stores a placeholder.
     no_optimizer = {"none": jnp.zeros((), jnp.int32)}
@@ -190,15 +196,15 @@ def _navier_stokes(cfg: SimConfig, mesh: Mesh) -> Simulation:
 
     init_key, rng = jax.random.split(jax.random.PRNGKey(cfg.sim.seed))
     initial_w = make_initial_vorticity(cfg, mesh, slab, init_key)
-    shardings = _state_shardings(mesh, {"w_hat": NamedSharding(mesh, slab.spectral_spec)})
+    shardings = state_shardings(mesh, {"w_hat": NamedSharding(mesh, slab.spectral_spec)})
 
     def init() -> TrainState:
-        return _new_state({"w_hat": initial_w()}, rng, dtype)
+        return new_state({"w_hat": initial_w()}, rng, dtype)
 
     state = make_sharded_state(init, (), lambda _: shardings)
     return Simulation(
         equation="navier_stokes", mesh=mesh, abstract_state=state.abstract, initial_state=state.init,
-        frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
+        frame_step=jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: to_physical(s.params["w_hat"])),
         picture_name="vorticity", plot_keys=("energy", "enstrophy") + (("error",) if exact else ()),
@@ -304,16 +310,16 @@ def _finite_difference(cfg: SimConfig, mesh: Mesh) -> Simulation:
     field_spec = {k: blocks.spec for k in names}
     advance = jax.shard_map(advance_body, mesh=mesh, in_specs=(field_spec, P(), P()), out_specs=(field_spec, P()))
     measure_map = jax.shard_map(diagnostics, mesh=mesh, in_specs=(field_spec, P()), out_specs=P())
-    shardings = _state_shardings(mesh, {k: NamedSharding(mesh, blocks.spec) for k in names})
+    shardings = state_shardings(mesh, {k: NamedSharding(mesh, blocks.spec) for k in names})
 
     def init() -> TrainState:
-        return _new_state(initial_fields(), rng, dtype)
+        return new_state(initial_fields(), rng, dtype)
 
     shown = names[-1]
     state = make_sharded_state(init, (), lambda _: shardings)
     return Simulation(
         equation=cfg.sim.equation, mesh=mesh, abstract_state=state.abstract, initial_state=state.init,
-        frame_step=_jit_frame_step(advance, shardings, mesh, cfg),
+        frame_step=jit_frame_step(advance, shardings, mesh, cfg),
         measure=jax.jit(lambda s: measure_map(s.params, s.extra["time"])),
         picture=jax.jit(lambda s: s.params[shown]),
         picture_name=picture_name, plot_keys=plot_keys, dt=dt, steps_per_frame=steps,
