@@ -118,7 +118,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
              "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs), params=param_count(step.abstract.params),
-        items_per_step=tokens, item_unit="tok",
+        items_per_step=tokens, item_unit="tokens",
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
         dtype=str(dtype),
         kernel_flops=attention_flops if impl == "splash" else 0.0,
