@@ -43,16 +43,13 @@ def start_up(folder: Path, run_dir: Path, extra: list[str]) -> tuple[float, floa
     if status or first is None:
         sys.exit(f"failed (status {status}): {' '.join(cmd)}\n{''.join(out)}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return first, usage.ru_maxrss / 1024, _tokens_per_s(rows, out)
+    return first, usage.ru_maxrss / 1024, _tokens_per_s(rows)
 
 
-def _tokens_per_s(rows: list[dict], out: list[str]) -> float:
-    for line in reversed(out):  # the progress line's tok/s (steady state: the first step is excluded)
-        if "tok/s" in line:
-            for word, nxt in zip(line.split(), line.split()[1:]):
-                if nxt.startswith("tok/s"):
-                    return float(word.replace(",", ""))
-    return float("nan")
+def _tokens_per_s(rows: list[dict]) -> float:
+    """The last logged window's tokens/s (the loop's steady-state rate: the compiling first step is excluded)."""
+    rates = [r["tokens_per_s"] for r in rows if r.get("split") == "train" and "tokens_per_s" in r]
+    return rates[-1] if rates else float("nan")
 
 
 def loader_tokens_per_s(folder: Path, seq_len: int, global_batch: int, processes: int, batches: int) -> float:

@@ -53,7 +53,7 @@ def _args(argv=None) -> argparse.Namespace:
 def systolic_worker(a: argparse.Namespace):
     from systolic.runtime import cpu_tuning
 
-    cpu_tuning.apply_at_start(stepping=True)  # as `systolic train` and `systolic bench` do, before jax starts
+    cpu_tuning.apply_at_start(workload="lm", stepping=True)  # as `systolic train lm` does, before jax starts
     import jax
     import numpy as np
 

@@ -123,8 +123,8 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from systolic.runtime import cpu_tuning
 
-    # systolic's XLA:CPU flags, as the figures in docs/benchmarks.md were measured (without the allocator setting).
-    cpu_tuning.apply_at_start(stepping=False)
+    # systolic's XLA:CPU choices for rl, as `systolic train rl` makes them (without the allocator setting).
+    cpu_tuning.apply_at_start(workload="rl", stepping=False)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at start; python {sys.version.split()[0]}")
     s = run_systolic(args)

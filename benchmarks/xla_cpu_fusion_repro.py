@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     depths = [int(d) for d in a.depths.split(",")]
     # systolic's XLA:CPU flags, as its training runs compile; before jax creates its backend (the print below).
-    cpu_tuning.apply_at_start(stepping=False)
+    cpu_tuning.apply_at_start(workload="lm", stepping=False)
     print(f"jax {jax.__version__}, {jax.default_backend()}; x ({a.rows}, {a.width}); one gradient of the stack")
     print(f"{'depth':>5} {'barrier':>8} {'largest fusion':>15} {'all fusions':>12} {'grad ms':>9} {'ms/layer':>9}")
     hlo = ""

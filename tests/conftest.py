@@ -26,9 +26,10 @@ atexit.register(shutil.rmtree, os.environ["SYSTOLIC_CACHE"], ignore_errors=True)
 
 from systolic.runtime import cpu_tuning  # noqa: E402
 
-# The XLA:CPU flags the CLI sets (inherited by the CLI subprocesses), so tests compile what users run. Not the
-# allocator setting: it slows compilation, which is most of a test's time.
-cpu_tuning.apply_at_start(stepping=False)
+# The XLA:CPU flags the CLI sets for lm, so the lm tests (most of them) compile what users run; one process cannot
+# have each workload's. The CLI subprocesses inherit them as a user's XLA_FLAGS, which win over the CLI's choice.
+# Not the allocator setting: it slows compilation, which is most of a test's time.
+cpu_tuning.apply_at_start(workload="lm", stepping=False)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     from systolic.runtime import cpu_tuning
 
     # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
-    cpu_tuning.apply_at_start(stepping=args.command in _STEPPING_COMMANDS)
+    cpu_tuning.apply_at_start(workload=_workload_of(args), stepping=args.command in _STEPPING_COMMANDS)
     if args.command not in ("launch", "tokenizer", "data"):  # none of them compiles anything
         from systolic.runtime import compile_cache
 
@@ -213,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+# Commands that run one workload without naming it on the command line.
+_IMPLIED_WORKLOAD = {"simulate": "sim", "generate": "lm", "export": "lm", "convert": "lm"}
+
+
+def _workload_of(args: argparse.Namespace) -> str | None:
+    """The workload a command runs, known before JAX starts (for its XLA:CPU flags); None for the commands that
+    run none (info, data, tokenizer, launch: a launched process reads its own)."""
+    return _IMPLIED_WORKLOAD.get(args.command, getattr(args, "workload", None))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -29,11 +29,27 @@ def test_settings_follow_the_environment():
 
 
 @pytest.mark.skipif(not metadata.version("jaxlib").startswith(cpu_tuning.VERIFIED_JAXLIB), reason="unverified jaxlib")
-def test_start_adds_the_xla_flags_unless_switched_off(monkeypatch):
+def test_start_adds_the_xla_flags_for_the_workloads_they_help_unless_switched_off(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     off = CpuTuning.from_env({"SYSTOLIC_XLA_CPU_FLAGS": "off"})
-    assert cpu_tuning.apply_at_start(stepping=False, tuning=off) == (False, False)
+    helped = sorted(cpu_tuning.XNN_DOT_WORKLOADS)[0]
+    assert cpu_tuning.apply_at_start(workload=helped, stepping=False, tuning=off) == (False, False)
+    # rl ran at 0.75x with them (docs/benchmarks.md); a command that runs no workload gets none.
+    for workload in ("rl", None):
+        assert cpu_tuning.apply_at_start(workload=workload, stepping=False, tuning=CpuTuning()) == (False, False)
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
-    assert cpu_tuning.apply_at_start(stepping=False, tuning=CpuTuning()) == (True, False)
+    assert cpu_tuning.apply_at_start(workload=helped, stepping=False, tuning=CpuTuning()) == (True, False)
     assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", *cpu_tuning.XNN_DOT_FLAGS]
-    assert cpu_tuning.apply_at_start(stepping=False, tuning=CpuTuning()).xla_flags is False  # already there
+    # Already there (a user's XLA_FLAGS mention them): left as they are.
+    assert cpu_tuning.apply_at_start(workload=helped, stepping=False, tuning=CpuTuning()).xla_flags is False
+
+
+@pytest.mark.parametrize("argv, workload", [
+    (["train", "rl"], "rl"), (["train", "lm"], "lm"), (["simulate"], "sim"), (["fit", "sim"], "sim"),
+    (["bench", "lm"], "lm"), (["generate", "runs/x"], "lm"), (["eval", "rl", "runs/x"], "rl"), (["info"], None),
+])
+def test_the_cli_knows_each_command_s_workload_before_jax_starts(argv, workload):
+    from systolic import cli
+
+    args, _ = cli._parser().parse_known_args(argv)
+    assert cli._workload_of(args) == workload

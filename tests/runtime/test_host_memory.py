@@ -15,7 +15,7 @@ from systolic.runtime.cpu_tuning import CpuTuning
 _PROBE = textwrap.dedent("""
     import resource, jax, jax.numpy as jnp
     from systolic.runtime import cpu_tuning
-    print(cpu_tuning.apply_at_start(stepping=True).malloc)
+    print(cpu_tuning.apply_at_start(workload=None, stepping=True).malloc)
     f = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.cos(x)[::-1])
     x = jnp.ones((4096, 4096))  # 64 MiB: glibc would mmap a block this size afresh on every call
     for _ in range(60):

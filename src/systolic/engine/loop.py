@@ -58,7 +58,7 @@ class Task:
     evaluate: Callable[[TrainState], dict[str, float]] | None = None
     items_per_step: int = 0  # e.g. tokens per optimizer step, for throughput
     items_metric: str = ""  # instead: a metric that counts each step's items (a simulation's adaptive time steps)
-    item_unit: str = "items"
+    item_unit: str = "items"  # plural, as in "tokens/s"; the throughput metric is named from it (`throughput_key`)
     flops_per_step: float | None = None
     peak_flops: float | None = None  # all devices together
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # stored with every checkpoint; a resume must match
@@ -72,6 +72,11 @@ class Task:
     # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
     # each train row: no state to checkpoint, so a resumed run writes the same values.
     step_metrics: Callable[[int], dict[str, float]] | None = None
+
+    @property
+    def throughput_key(self) -> str:
+        """The train rows' throughput metric: `tokens_per_s`, `env_steps_per_s`, `images_per_s`, `steps_per_s`."""
+        return self.item_unit.replace(" ", "_") + "_per_s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,21 +212,27 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                 # Every step up to a checkpoint is on disk before the checkpoint is: a crash can then lose only
                 # metrics of steps that the resumed run redoes.
                 if regular_log or save_now:
-                    fetched = jax.device_get([m for _, m in pending])
+                    fetched = jax.device_get([m for _, m in pending])  # waits for the window's last step
+                    # Windows tile the time: this one ends here and the next starts here, so the host's writing
+                    # and logging below count in the next window's rate.
+                    t_fetched = time.perf_counter()
+                    elapsed = t_fetched - t_mark
                     window_items = 0.0
                     for (s, _), values in zip(pending, fetched):
                         guard.check_step(s, values)
                         last = _floats({k: v for k, v in values.items() if k not in VERDICT_KEYS})
                         if task.step_metrics is not None:
                             last |= task.step_metrics(s)
-                        writer.write(s, task.split, last | ({"skipped_total": guard.skipped} if guard.skipped else {}))
                         items = last[task.items_metric] if task.items_metric else task.items_per_step
                         items_done += items
                         if s > step_mark:  # since the clock last started: not the compiling step
                             window_items += items
+                        # The window's rate goes into its last row; a window of only the compiling step has none.
+                        if s == step and step > step_mark and elapsed > 0:
+                            last[task.throughput_key] = window_items / elapsed
+                        writer.write(s, task.split, last | ({"skipped_total": guard.skipped} if guard.skipped else {}))
                     pending.clear()
                     writer.flush()
-                    elapsed = time.perf_counter() - t_mark
                     stats: dict[str, float | str] = {k: last[k] for k in task.progress_keys if k in last}
                     if step > step_mark and elapsed > 0:
                         timed_items, timed_s = timed_items + window_items, timed_s + elapsed
@@ -231,7 +242,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
                     if guard.skipped:
                         stats["skipped"] = f"{guard.skipped}"
                     progress.update(step, stats)
-                    t_mark, step_mark = time.perf_counter(), step
+                    t_mark, step_mark = t_fetched, step
                 if task.evaluate is not None and (step % settings.eval_every == 0 or step == total):
                     with _floating_point_errors(step):
                         eval_metrics = task.evaluate(state)

@@ -1,9 +1,11 @@
 """Every CPU-only choice systolic makes, read once from the environment, and the one call that applies them.
 
-- `xla_flags`: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`). They are
+- `xla_flags`: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`), for the workloads
+  that measured faster with them (`XNN_DOT_WORKLOADS`; the rl workload ran at 0.75x with them). They are
   experimental XLA flags and an unknown flag aborts XLA at start-up, so they are added only for jaxlib versions
-  where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them, and never when
-  SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU programs are unaffected.
+  where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
+  XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
+  programs are unaffected, so the choice is per workload and needs no platform check.
 - `flatten`, `attention`, `barrier`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
 - `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps.
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
@@ -27,6 +29,9 @@ from typing import Any, NamedTuple
 VERIFIED_JAXLIB = ("0.10.",)
 XNN_DOT_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimental_xnn_fusion_type=dot")
 FLAGS_ENV = "SYSTOLIC_XLA_CPU_FLAGS"
+# The workloads whose steps run faster with XNN_DOT_FLAGS on this project's CPU, each measured with and without them
+# (benchmarks/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
+XNN_DOT_WORKLOADS = frozenset({"lm"})
 TWEAKS_ENV = "SYSTOLIC_CPU_TWEAKS"
 
 
@@ -62,18 +67,19 @@ class Applied(NamedTuple):
     malloc: bool  # the host allocator setting was made
 
 
-def apply_at_start(*, stepping: bool, tuning: CpuTuning | None = None) -> Applied:
-    """Adds the XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`), sets the host
-    allocator, each where allowed (module docstring). Call before JAX creates its backend: XLA reads XLA_FLAGS
-    once, and a thread keeps the malloc arena it started with."""
+def apply_at_start(*, workload: str | None, stepping: bool, tuning: CpuTuning | None = None) -> Applied:
+    """Adds `workload`'s XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`), sets the
+    host allocator, each where allowed (module docstring). `workload` None (a command that runs no workload): no
+    flags. Call before JAX creates its backend: XLA reads XLA_FLAGS once, and a thread keeps the malloc arena it
+    started with."""
     from systolic.runtime import host_memory  # here: host_memory imports this module
 
     tuning = tuning or settings()
-    return Applied(xla_flags=_add_xla_flags(tuning), malloc=stepping and host_memory.apply(tuning))
+    return Applied(xla_flags=_add_xla_flags(tuning, workload), malloc=stepping and host_memory.apply(tuning))
 
 
-def _add_xla_flags(tuning: CpuTuning) -> bool:
-    if not tuning.xla_flags:
+def _add_xla_flags(tuning: CpuTuning, workload: str | None) -> bool:
+    if not tuning.xla_flags or workload not in XNN_DOT_WORKLOADS:
         return False
     try:
         version = metadata.version("jaxlib")

@@ -66,7 +66,9 @@ def loop_run(prepared, cfg, run_dir: Path, steps: int, stop_at: int = 0) -> loop
 
 
 def train_records(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    """The train rows without their throughput (a measurement of time, the one value a resume does not repeat)."""
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    return [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rows]
 
 
 def test_resume_continues_the_same_learning_curve(tiny_rl, tmp_path):

@@ -72,7 +72,7 @@ def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
         data=DeviceStream(iterator, batch_shard, cfg.train.batch_size), check=CHECKED, evaluate=evaluate,
         nonfinite_advice=("lower optim.lr, gan.d_lr_scale or optim.clip_norm, then rerun the same command to "
                           "resume; or set loop.nonfinite=skip to drop such steps and go on"),
-        items_per_step=cfg.train.batch_size, item_unit="img",
+        items_per_step=cfg.train.batch_size, item_unit="images",
         meta={"workload": "gan", "channels": images.channels, "image_size": cfg.image.size},
     )
     return Prepared(task=task, mesh=mesh, rules=rules, images=images, nets=nets,

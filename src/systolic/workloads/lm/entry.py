@@ -141,7 +141,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs),
         params=trainable + param_count(step.abstract.frozen), trainable_params=trainable,
         optimizer_bytes=mesh_lib.bytes_per_device(step.abstract.opt_state),
-        items_per_step=tokens, item_unit="tok",
+        items_per_step=tokens, item_unit="tokens",
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
         dtype=str(dtype),
         kernel_flops=attention_flops if impl == "splash" else 0.0,

@@ -347,7 +347,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         check=CHECKED,
         evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
         items_per_step=tokens_per_step,
-        item_unit="tok",
+        item_unit="tokens",
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": vocab},
