@@ -31,20 +31,23 @@ _ACTIVATIONS: Rules = (
     ("head_dim", None),
     ("layers", None),
     ("lora_rank", None),  # LoRA adapters' inner axis: a few columns, kept whole; their other axes shard as the weight's
+    ("experts", None),  # MoE expert weights' leading axis
 )
 
 # Each rule set says what the mesh axes mean. Axes a set leaves unused must have size 1 (checked).
 RULE_SETS: dict[str, Rules] = {
     # FSDP x tensor parallel: the 3-D default.
     "default": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
-                               ("vocab", "tensor")),
+                               ("vocab", "tensor"), ("expert_mlp", "tensor")),
     # Pure data parallel: parameters replicated; fsdp acts as a second data axis.
-    "dp": _ACTIVATIONS + (("embed", None), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    "dp": _ACTIVATIONS + (("embed", None), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None),
+                          ("expert_mlp", None)),
     # ZeRO-3: parameters and optimizer state split over fsdp, no tensor parallelism.
-    "fsdp": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    "fsdp": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None),
+                            ("expert_mlp", None)),
     # Megatron tensor parallelism (column/row split of attention and MLP), data parallel over data x fsdp.
     "tp": _ACTIVATIONS + (("embed", None), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
-                          ("vocab", "tensor")),
+                          ("vocab", "tensor"), ("expert_mlp", "tensor")),
 }
 DEFAULT_RULES: Rules = RULE_SETS["default"]
 
