@@ -18,6 +18,7 @@ from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.plan import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
 from systolic.workloads.lm import init_from, sample
@@ -149,8 +150,32 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}"
-               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",),
+               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",
+               *_moe_notes(cfg, mesh)),
     )
+
+
+def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
+    """What `systolic plan` should say about a mixture of experts: what the formula counts, and what the all-to-all
+    bytes and XLA's FLOPs mean for the chosen dispatch (workloads/lm/moe.py)."""
+    moe = cfg.model.moe
+    if not moe.experts:
+        return ()
+    n = mesh.shape["expert"]
+    notes = [f"MoE: {moe.top_k} of {moe.experts} experts per token in {len(cfg.model.moe_layers)} of "
+             f"{cfg.model.layers} layers; the formula counts the active experts only"]
+    if moe.capacity_factor:
+        notes.append(f"capacity dispatch (factor {moe.capacity_factor:g}): XLA's count includes the one-hot "
+                     "dispatch and combine einsums and the empty slots")
+        return tuple(notes)
+    if n > 1:
+        slots = n * min(moe.top_k, moe.experts // n) / moe.top_k
+        notes.append(f"dropless over mesh.expert={n}: the all-to-all sends fixed slots sized for the worst case, "
+                     f"{slots:g}x the rows routed (XLA:CPU has no ragged all-to-all): an upper bound on the traffic")
+    if compile_platform() != "tpu":  # GPU targets compile with XLA:CPU on this host too
+        notes.append(f"XLA:CPU computes ragged_dot as one matmul per expert over all rows: its count holds "
+                     f"{moe.experts}x the experts' FLOPs")
+    return tuple(notes)
 
 
 def param_count(params) -> int:
