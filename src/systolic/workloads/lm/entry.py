@@ -47,8 +47,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
     trained = _trained(prepared.trainable_count, prepared.param_count, cfg)
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters, {trained} ({cfg.model.family}, {cfg.model.layers} layers, "
-        f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} "
-        "devices)")
+        f"d_model {cfg.model.d_model}{_moe_text(cfg, prepared.vocab)}) on mesh {mesh_lib.describe(mesh)} "
+        f"({jax.device_count()} {jax.default_backend()} devices)")
     chat = isinstance(data, ChatCorpus)
     if chat:
         say(f"data: {data.describe()}; run directory {run_dir}")
@@ -92,6 +92,17 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
+
+
+def _moe_text(cfg: LMConfig, vocab: int) -> str:
+    """The start-up line's MoE part: experts and the matmul weights one token is multiplied by (what FLOPs count)."""
+    from systolic.workloads.lm.flops import matmul_params
+
+    m = cfg.model
+    if not m.moe.experts:
+        return ""
+    return (f", {m.moe.top_k} of {m.moe.experts} experts in {len(m.moe_layers)} layers, "
+            f"{matmul_params(m, vocab) / 1e6:.2f}M matmul weights active per token")
 
 
 def _trained(trainable: int, total: int, cfg: LMConfig) -> str:
