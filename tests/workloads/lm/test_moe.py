@@ -193,3 +193,24 @@ def test_training_lowers_the_loss_and_reports_the_router(tiny_lm, extra):
     assert float(m["loss"]) == pytest.approx(float(m["moe/ce"]) + w.aux_loss_weight * float(m["moe/aux_loss"])
                                              + w.z_loss_weight * float(m["moe/z_loss"]), rel=1e-6)
     assert 1.0 <= float(m["moe/load_max_over_mean"]) <= 4.0 and 0.0 <= float(m["moe/load_min_over_mean"]) <= 1.0
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 20, 3], [0, 0, 0, 0], [32, 0, 0, 0]])
+def test_cpu_tiled_grouped_matmul_equals_ragged_dot(sizes):
+    """lm/cpu.py's tiles (XLA:CPU's ragged_dot computes every group over every row) against ragged_dot, with empty
+    groups and rows past the groups, forward and backward."""
+    from systolic.workloads.lm import cpu
+
+    group_sizes = jnp.array(sizes, jnp.int32)
+    x = jax.random.normal(jax.random.PRNGKey(0), (32, 16), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 8), jnp.float32)
+
+    def tiled(x, w):
+        tiles = cpu.tile_layout(group_sizes, x.shape[0])
+        return cpu.from_tiles(cpu.tiled_matmul(cpu.to_tiles(x, tiles), w, tiles), tiles)
+
+    ragged = lambda x, w: jax.lax.ragged_dot(x, w, group_sizes)  # noqa: E731
+    np.testing.assert_allclose(tiled(x, w), ragged(x, w), atol=1e-5)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
+    for a, b in zip(jax.grad(loss(tiled), (0, 1))(x, w), jax.grad(loss(ragged), (0, 1))(x, w), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -6,8 +6,9 @@ probabilities renormalised to sum to 1 when `norm_topk_prob` (softmax over the t
 The token's output is the weighted sum of its k experts' SwiGLU outputs.
 
 - Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
-  grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul: it computes every
-  group over all rows, E times the work (docs/benchmarks.md, benchmarks/moe.py); GPU and TPU have kernels.
+  grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
+  group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/cpu.py,
+  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py).
 - Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
   C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
   dropped (the token keeps its other experts and the residual). One-hot einsums move tokens into (E, C) slots and
@@ -34,6 +35,7 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec as P
 
 from systolic.runtime.sharding import logical_to_spec
+from systolic.workloads.lm import cpu
 
 
 class Routing(NamedTuple):
@@ -101,7 +103,13 @@ class Experts(NamedTuple):
 
 
 def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Array:
-    """xs (R, D) sorted by expert, group_sizes (E,) -> (R, D); rows past sum(group_sizes) come out zero."""
+    """xs (R, D) sorted by expert, group_sizes (E,) -> (R, D); rows past sum(group_sizes) come out zero. On CPU
+    the grouped matmul is lm/cpu.py's tiled one: XLA:CPU computes ragged_dot as E matmuls over all rows."""
+    if cpu.cpu_tweak("grouped"):  # the rows stay in tiles through the three matmuls
+        tiles = cpu.tile_layout(group_sizes, xs.shape[0])
+        xt = cpu.to_tiles(xs, tiles)  # (tiles, t, D)
+        h = jax.nn.silu(cpu.tiled_matmul(xt, w.w_gate, tiles)) * cpu.tiled_matmul(xt, w.w_up, tiles)  # (tiles, t, M)
+        return cpu.from_tiles(cpu.tiled_matmul(h, w.w_down, tiles), tiles)  # (R, D)
     gate = jax.lax.ragged_dot(xs, w.w_gate, group_sizes)  # (R, M)
     up = jax.lax.ragged_dot(xs, w.w_up, group_sizes)  # (R, M)
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.w_down, group_sizes)  # (R, D)
