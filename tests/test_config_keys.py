@@ -16,7 +16,7 @@ import pytest
 from systolic import config as config_lib
 from systolic.cli import main
 from systolic.workloads import get
-from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_RL, TINY_SIM, TINY_SIM3D
+from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_MOE, TINY_RL, TINY_SIM, TINY_SIM3D
 
 BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq__", "__hash__", "__repr__", "_diff",
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
@@ -127,6 +127,17 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *lora]))
     model = nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0)))
     assert model.blocks[0].attn.wo_lora.scale == 4.0 and model.blocks[0].attn.wv_lora is None
+    # MoE's settings are read when its layers are built and its loss is traced (tests/workloads/lm/test_moe.py
+    # trains MoE models).
+    from systolic.workloads.lm.train import init_params, make_loss_fn, model_graphdef
+
+    moe = ["model.moe.shared_experts=1", "model.moe.shared_gate=true", "model.moe.first=1", "model.moe.every=1",
+           "model.moe.capacity_factor=1", "model.moe.norm_topk_prob=false"]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_MOE, *moe]))
+    params = jax.eval_shape(lambda: init_params(cfg.model, 64, jax.random.PRNGKey(0)))
+    batch = {k: jax.ShapeDtypeStruct((2, 16), jax.numpy.int32) for k in ("inputs", "targets")}
+    loss, metrics = jax.eval_shape(make_loss_fn(model_graphdef(cfg.model, 64), cfg.model.moe), params, batch, None)
+    assert "moe/dropped" in metrics
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

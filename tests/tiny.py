@@ -16,6 +16,9 @@ TINY_LM = [
     "model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.max_seq_len=32",
     "data.seq_len=16", "train.batch_size=8", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=10",
 ]
+# TINY_LM's MLPs as mixtures of 4 experts of width 32, 2 per token (Mixtral's routing): tests/workloads/lm/test_moe.py.
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.mlp_dim=32"]
+TINY_MOE = [*TINY_LM, *MOE]
 # What a CLI run of TINY_LM adds: a slice of the default corpus (the standard library) and no sampling, TensorBoard
 # or plots. A test of one of those turns it back on after this list.
 LM_CLI_QUIET = ["data.max_bytes=300000", "data.val_percent=30", "sample.max_new_tokens=0", "observe.tensorboard=false",

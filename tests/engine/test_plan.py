@@ -42,3 +42,21 @@ def test_plan_1b_without_allocating_and_memory_falls_with_fsdp():
     p4, _ = plan("fsdp=4")
     # Parameters and optimizer state are split over fsdp: twice the devices, about half the bytes each.
     assert p8["argument_bytes"] == pytest.approx(p4["argument_bytes"] / 2, rel=0.05)
+
+
+def test_plan_reports_the_all_to_all_of_expert_parallelism():
+    """A tiny mixture of 8 experts on fsdp=2 x expert=4 for 8 GPUs: the plan counts the dispatch/combine all-to-all
+    and says what the formula and the dropless slots count."""
+    from tiny import TINY_MOE
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUMPY_DTYPE_PROMOTION")}
+    proc = subprocess.run([sys.executable, "-m", "systolic", "plan", "lm", *TINY_MOE, "model.moe.experts=8",
+                           "--target", "h100", "--mesh", "fsdp=2,expert=4", "--json"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert p["mesh"] == "data=1 x fsdp=2 x expert=4 x tensor=1" and p["chips"] == 8
+    a2a = p["collectives"]["all-to-all"]
+    assert a2a["count"] >= 8 and a2a["wire_bytes"] == pytest.approx(a2a["bytes"] * 3 / 4)  # a ring over 4
+    notes = " ".join(p["notes"])
+    assert "2 of 8 experts per token" in notes and "fixed slots sized for the worst case, 4x the rows routed" in notes

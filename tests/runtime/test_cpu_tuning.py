@@ -24,8 +24,9 @@ def test_importing_systolic_leaves_xla_flags_alone():
 def test_settings_follow_the_environment():
     assert CpuTuning.from_env({}) == CpuTuning()
     assert CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": "none", "SYSTOLIC_XLA_CPU_FLAGS": "off"}) == CpuTuning(
-        xla_flags=False, flatten=False, attention=False, barrier=False, malloc=False)
-    assert CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": " flatten, malloc "}) == CpuTuning(attention=False, barrier=False)
+        xla_flags=False, flatten=False, attention=False, barrier=False, grouped=False, malloc=False)
+    assert CpuTuning.from_env({"SYSTOLIC_CPU_TWEAKS": " flatten, malloc "}) == CpuTuning(attention=False, barrier=False,
+                                                                                       grouped=False)
 
 
 @pytest.mark.skipif(not metadata.version("jaxlib").startswith(cpu_tuning.VERIFIED_JAXLIB), reason="unverified jaxlib")

@@ -7,9 +7,11 @@ from systolic.runtime import mesh as mesh_lib
 
 
 def test_rest_axis_takes_remaining_devices():
-    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, expert=4), 8) == (2, 1, 4, 1)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert mesh_lib.describe(mesh) == "data=2 x fsdp=2 x tensor=2"  # the expert axis is named when split
     assert len(jax.devices()) == 8
 
 
@@ -24,6 +26,11 @@ def test_batch_must_divide_data_axes():
     mesh_lib.check_batch(16, 2, mesh)
     with pytest.raises(ConfigError, match="multiple of 8, e.g. train.batch_size=16"):
         mesh_lib.check_batch(12, 1, mesh)
+    # The expert axis holds different examples too (outside the MoE layers it is data parallel).
+    mesh = mesh_lib.make_mesh(MeshConfig(data=2, expert=4))
+    assert mesh_lib.data_parallel_size(mesh) == 8 and mesh_lib.describe(mesh) == "data=2 x fsdp=1 x expert=4 x tensor=1"
+    with pytest.raises(ConfigError, match="8 data-parallel devices of mesh data=2 x fsdp=1 x expert=4"):
+        mesh_lib.check_batch(4, 1, mesh)
 
 
 def test_slices_need_devices_that_span_them():

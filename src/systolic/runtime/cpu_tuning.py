@@ -6,7 +6,7 @@
   where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
   XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
   programs are unaffected, so the choice is per workload and needs no platform check.
-- `flatten`, `attention`, `barrier`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
+- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
 - `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps.
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
   where LLVM's optimisation costs more compile time than it saves.
@@ -43,6 +43,7 @@ class CpuTuning:
     flatten: bool = True
     attention: bool = True
     barrier: bool = True
+    grouped: bool = True
     malloc: bool = True
 
     @classmethod
@@ -52,7 +53,7 @@ class CpuTuning:
         names = {s.strip() for s in tweaks.split(",")}
         on = lambda name: tweaks == "all" or name in names  # noqa: E731
         return cls(xla_flags=flags_on, flatten=on("flatten"), attention=on("attention"), barrier=on("barrier"),
-                   malloc=on("malloc"))
+                   grouped=on("grouped"), malloc=on("malloc"))
 
 
 @functools.cache

@@ -1,4 +1,8 @@
-"""The device mesh: (data, fsdp, tensor) axes sized from the config, checked against the devices that exist."""
+"""The device mesh: (data, fsdp, expert, tensor) axes sized from the config, checked against the devices that exist.
+
+`expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
+the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
+work on the expert ranks."""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from systolic.config import MeshConfig
 from systolic.errors import ConfigError
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are the most frequent
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes that hold different examples
 
 
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """Axis sizes with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
+    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % fixed:
@@ -28,7 +33,8 @@ def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
 
 def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
     return ConfigError(
-        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.tensor={cfg.tensor} does not fit the "
+        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} mesh.tensor={cfg.tensor} does "
+        f"not fit the "
         f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
         f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
         f"sizes whose product is {n_devices}."
@@ -38,7 +44,7 @@ def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError.
 
-    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x tensor
+    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x expert x tensor
     over its own ICI links and the data axis runs across slices, so the one collective that crosses the slower
     data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`). Devices
     without a slice index (CPU, GPU) take each process as a slice."""
@@ -58,14 +64,14 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"multiple of it (e.g. mesh.data={granules} or -1), or mesh.slices=1."
         )
     per_slice = (shape[0] // cfg.slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1), devices,
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1), devices,
                                                 process_is_granule=by_process)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading axis split over every data-parallel axis, the rest replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def local_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
@@ -89,7 +95,7 @@ def bytes_per_device(tree) -> int:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
@@ -101,10 +107,12 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
         raise ConfigError(
             f"train.batch_size={global_batch} (grad_accum={grad_accum}, so {micro} examples per micro-step) cannot be "
             f"split evenly over the {dp} data-parallel devices of mesh data={mesh.shape['data']} x "
-            f"fsdp={mesh.shape['fsdp']} ({jax.device_count()} devices in all). Fix: use a batch size that is a "
-            f"multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or change mesh.data/mesh.fsdp."
+            f"fsdp={mesh.shape['fsdp']} x expert={mesh.shape['expert']} ({jax.device_count()} devices in all). Fix: "
+            f"use a batch size that is a multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or change "
+            "mesh.data/mesh.fsdp/mesh.expert."
         )
 
 
 def describe(mesh: Mesh) -> str:
-    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    """"data=4 x fsdp=2 x tensor=1": the expert axis is named only when it is split (only MoE models split it)."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name != "expert" or size > 1)

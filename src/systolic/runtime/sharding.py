@@ -1,11 +1,14 @@
 """Logical axis names -> mesh axes: the one table that decides how every array is split.
 
 Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
-maps each name to the mesh axes `data`, `fsdp` and `tensor`; change the table, not the layers, to change the
-parallelism layout. A name mapped to None is replicated.
+maps each name to the mesh axes `data`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to change
+the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
-- `batch` over (data, fsdp): every device holds different examples (data parallel; FSDP is data parallel too).
+- `batch` over (data, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
+  too, and so is the expert axis outside the MoE layers).
+- `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
+  layer sends tokens to them with an all-to-all (workloads/lm/moe.py). Every rule set has expert parallelism.
 - parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
   before use and reduce-scatters the gradient.
 - `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
@@ -25,26 +28,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVATIONS: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("seq", None),
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
     ("layers", None),
     ("lora_rank", None),  # LoRA adapters' inner axis: a few columns, kept whole; their other axes shard as the weight's
+    ("experts", "expert"),  # MoE expert weights' leading axis: expert parallelism
 )
 
 # Each rule set says what the mesh axes mean. Axes a set leaves unused must have size 1 (checked).
 RULE_SETS: dict[str, Rules] = {
     # FSDP x tensor parallel: the 3-D default.
     "default": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
-                               ("vocab", "tensor")),
+                               ("vocab", "tensor"), ("expert_mlp", "tensor")),
     # Pure data parallel: parameters replicated; fsdp acts as a second data axis.
-    "dp": _ACTIVATIONS + (("embed", None), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    "dp": _ACTIVATIONS + (("embed", None), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None),
+                          ("expert_mlp", None)),
     # ZeRO-3: parameters and optimizer state split over fsdp, no tensor parallelism.
-    "fsdp": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None)),
+    "fsdp": _ACTIVATIONS + (("embed", "fsdp"), ("mlp", None), ("heads", None), ("kv_heads", None), ("vocab", None),
+                            ("expert_mlp", None)),
     # Megatron tensor parallelism (column/row split of attention and MLP), data parallel over data x fsdp.
     "tp": _ACTIVATIONS + (("embed", None), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),
-                          ("vocab", "tensor")),
+                          ("vocab", "tensor"), ("expert_mlp", "tensor")),
 }
 DEFAULT_RULES: Rules = RULE_SETS["default"]
 
@@ -66,7 +72,8 @@ def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
             raise ConfigError(
                 f"sharding.rules={name} does not use the mesh axis {idle[0]} (size {mesh.shape[idle[0]]}), so those "
                 f"devices would only repeat each other's work. Fix: set mesh.{idle[0]}=1 (giving its devices to "
-                "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp)."
+                "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp; "
+                "all use expert)."
             )
     return rules
 
@@ -101,7 +108,7 @@ def check_divisible(shapes: dict[str, tuple[int, ...]], specs: dict[str, P], mes
                     f"{path} has size {size} in dimension {dim}, which is split over mesh axis "
                     f"{' x '.join(axes)} = {parts} devices, but {size} is not divisible by {parts}. Fix: change the "
                     f"mesh ({', '.join(f'mesh.{a}' for a in axes)}) to a divisor of {size}, or the model size "
-                    "(e.g. model.heads / model.kv_heads / model.d_model) to a multiple of it."
+                    "(e.g. model.heads / model.kv_heads / model.d_model / model.moe.experts) to a multiple of it."
                 )
 
 

@@ -47,3 +47,35 @@ def test_a_sliding_window_counts_only_the_keys_in_it():
     attention = lambda c, t: train_flops_per_token(c, 320, t) - 6 * matmul_params(c, 320)  # noqa: E731
     assert attention(windowed, 64) == attention(cfg, 64) == 12 * 2 * 32 * 4 * 16  # a window >= T changes nothing
     assert attention(windowed, 256) == 12 * 2 * (64 - 64**2 / 512) * 4 * 16  # 56 keys per query, not 128
+
+
+def test_moe_counts_the_active_experts():
+    """A mixture of 4 experts, 2 per token, plus a shared expert, in one of two layers, against XLA's count. XLA:CPU
+    computes ragged_dot as one matmul per expert over all rows (jax's lowering there: no grouped-matmul kernel), so
+    its count holds each expert matmul E times: expected = formula + masked attention half + (E - 1) x the routed
+    experts' active FLOPs."""
+    from systolic.workloads.lm.flops import moe_active_params
+
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
+        "model.d_model=128", "model.layers=2", "model.heads=4", "model.max_seq_len=128", "data.seq_len=128",
+        "model.moe.experts=4", "model.moe.top_k=2", "model.moe.mlp_dim=256", "model.moe.shared_experts=1",
+        "model.moe.every=2", "model.dtype=float32"])).model
+    vocab, batch, seq = 320, 4, 128
+    graphdef, params = nnx.split(Transformer(cfg, vocab, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss(params, tokens):
+        logits = nnx.merge(graphdef, params)(tokens)  # (B, T, V)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    tokens = jnp.zeros((batch, seq), jnp.int32)
+    analysis = jax.jit(jax.grad(loss)).lower(nnx.to_pure_dict(params), tokens).compile().cost_analysis()
+    xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    ours = batch * seq * train_flops_per_token(cfg, vocab, seq)
+    masked_half = batch * seq * 6 * cfg.layers * seq * cfg.heads * cfg.d_head
+    routed = 6 * batch * seq * cfg.moe.top_k * 3 * cfg.d_model * cfg.d_expert  # one MoE layer's active experts
+    assert xla_flops == pytest.approx(ours + masked_half + (cfg.moe.experts - 1) * routed, rel=0.05)
+    # Active, not total: 2 of 4 routed experts, the shared one, the router (128 x 4).
+    assert moe_active_params(cfg) == 128 * 4 + 2 * 3 * 128 * 256 + 3 * 128 * 256
+    dense_layer = 3 * 128 * cfg.d_mlp
+    attention = 4 * 128 * 128
+    assert matmul_params(cfg, vocab) == 2 * attention + dense_layer + moe_active_params(cfg) + 128 * vocab

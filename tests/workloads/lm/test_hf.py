@@ -25,7 +25,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.lm import generate as gen
 from systolic.workloads.lm import hf, hf_config, hf_tensors, init_from
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
 from systolic.workloads.lm.sample import generate_from_run, load_run
 from systolic.workloads.lm.train import build_task, model_graphdef, param_shardings
 
@@ -140,7 +140,11 @@ def test_load_onto_mesh_of_8_devices(folders):
     ModelConfig(family="gpt2", vocab_size=96, d_model=32, layers=2, heads=4, max_seq_len=16, scan_layers=True),
     ModelConfig(family="llama", vocab_size=96, d_model=32, layers=2, heads=4, kv_heads=2, qkv_bias=True, qk_norm=True,
                 scan_layers=True),
-], ids=["llama-gqa-head_dim", "gpt2-scan", "llama-qkv_bias-qk_norm-scan"])
+    ModelConfig(family="llama", vocab_size=96, d_model=32, layers=2, heads=4, scan_layers=True,
+                moe=MoeConfig(experts=4, mlp_dim=16)),  # Mixtral, experts stacked on layers
+    ModelConfig(family="llama", vocab_size=96, d_model=32, layers=3, heads=4, qkv_bias=True,
+                moe=MoeConfig(experts=4, mlp_dim=16, shared_experts=2, shared_gate=True, first=1)),  # Qwen2-MoE
+], ids=["llama-gqa-head_dim", "gpt2-scan", "llama-qkv_bias-qk_norm-scan", "mixtral-scan", "qwen2-moe-dense-first"])
 def test_tensor_map_round_trips(cfg):
     """Our params -> HF tensors -> our params is the identity, and the shapes the map predicts are the real ones."""
     rng = np.random.default_rng(0)
@@ -150,7 +154,7 @@ def test_tensor_map_round_trips(cfg):
     flat = {tuple(k.key for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     assert {p.path for p in hf_tensors.pairs(cfg)} == set(flat)
     for p in hf_tensors.pairs(cfg):
-        want = flat[p.path] if p.layer is None else flat[p.path][p.layer]
+        want = flat[p.path][p.index]
         np.testing.assert_array_equal(hf_tensors.to_ours(p.tensor, exported[p.hf][1], want.shape), want)
 
 

@@ -1,9 +1,12 @@
 """The open model families through `systolic convert` against transformers itself: Llama with llama3, linear and
 YaRN RoPE scaling, Qwen2 (q/k/v biases, tied embeddings; and with a sliding window on every layer), Qwen3 (q/k
 norms, a head size other than d_model / heads), Mistral (a sliding window shorter than the test sequence) and a
-SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head). Each tiny random model is imported
+SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head), and the mixtures of experts Mixtral
+(with a sliding window), Qwen3-MoE (renormalised top-k weights) and Qwen2-MoE (raw top-k probabilities, q/k/v
+biases, a gated shared expert). Each tiny random model is imported
 and must give transformers' float32 logits and greedy generations, on one device and on a mesh of 8, and its
-export must load in `from_pretrained` with no missing or unexpected tensors and the same logits."""
+export must load in `from_pretrained` with no missing or unexpected tensors and the same logits. The MoE models' 8-device
+mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/moe.py)."""
 
 import dataclasses
 import json
@@ -35,6 +38,7 @@ LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 # case -> (architecture, its config's arguments, the mesh for the 8-device check)
 DEFAULT_MESH = MeshConfig(data=2, fsdp=2, tensor=2)
+MOE_MESH = MeshConfig(data=1, fsdp=2, tensor=1, expert=4)
 CASES = {
     # theta 1e4 over head size 16 puts the 8 frequencies' wavelengths (6.3 ... 2e4 positions) in all three bands of
     # an original context of 32: kept (< 8), blended (8 ... 32) and divided by factor (> 32).
@@ -56,12 +60,23 @@ CASES = {
     # 3 heads do not split over a tensor axis of 2: parameters over 8 fsdp devices instead.
     "smollm": ("LlamaForCausalLM", dict(LLAMA, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
                                         tie_word_embeddings=True), MeshConfig(data=1, fsdp=8, tensor=1)),
+    # Mixtures of 4 experts, 2 per token: the experts over mesh.expert=4, the rest over fsdp=2.
+    "mixtral": ("MixtralForCausalLM", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                           sliding_window=5), MOE_MESH),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True), MOE_MESH),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=64), MOE_MESH),
 }
 EXPECTED = {  # what the import switches on
     "llama3-rope": dict(rope="llama3"), "linear-rope": dict(rope="linear"), "yarn-rope": dict(rope="yarn"),
     "qwen2": dict(qkv_bias=True, tie_embeddings=True), "qwen2-window": dict(qkv_bias=True, sliding_window=5),
     "qwen3": dict(qk_norm=True, head_dim=24),
     "mistral": dict(sliding_window=5), "smollm": dict(tie_embeddings=True, kv_heads=1),
+    # model.moe: (experts, top_k, mlp_dim, shared_experts, shared_gate, norm_topk_prob)
+    "mixtral": dict(sliding_window=5, moe=(4, 2, 32, 0, False, True)),
+    "qwen3-moe": dict(qk_norm=True, moe=(4, 2, 32, 0, False, True)),
+    "qwen2-moe": dict(qkv_bias=True, moe=(4, 2, 32, 2, True, False)),
 }
 
 
@@ -84,9 +99,11 @@ def hf_logits(model, tokens) -> np.ndarray:
 
 
 def hf_greedy(model, tokens) -> np.ndarray:
+    """NEW greedy tokens per row; the end-of-text id is an ordinary token here (ours does not stop at it either),
+    where min_new_tokens would forbid it."""
     with torch.no_grad():
         out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                             max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[:, tokens.shape[1]:].numpy()
 
 
@@ -124,6 +141,9 @@ def test_import_matches_transformers(converted, case):
             cfg.n_kv_heads) == (want.get("rope", "none"), want.get("qkv_bias", False), want.get("qk_norm", False),
                                 want.get("sliding_window", 0), want.get("tie_embeddings", False),
                                 want.get("head_dim", 16), want.get("kv_heads", 2))
+    moe = cfg.moe
+    assert (moe.experts, moe.top_k, moe.mlp_dim, moe.shared_experts, moe.shared_gate, moe.norm_topk_prob) == want.get(
+        "moe", (0, 2, 0, 0, False, True))
     # The rotation frequencies are transformers' to the last bit or two (torch's pow rounds a few differently).
     inv_freq, scale = inverse_frequencies(cfg)
     np.testing.assert_array_max_ulp(inv_freq, model.model.rotary_emb.inv_freq.numpy(), maxulp=1)
@@ -200,6 +220,11 @@ HUB_STYLE = {
                     sliding_window=32768, max_window_layers=21, tie_word_embeddings=True),
     "mistral-v0.1": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=4096,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=10000.0, sliding_window=4096),
+    # Qwen1.5-MoE-A2.7B's MoE settings, with a dense first layer and MoE in every second layer after it.
+    "qwen1.5-moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=2048,
+                        num_attention_heads=16, num_key_value_heads=16, rope_theta=1000000.0, num_experts=60,
+                        num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                        decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=False, router_aux_loss_coef=0.001),
 }
 
 
@@ -212,4 +237,29 @@ def test_hub_style_configs_import(name, tmp_path):
            cfg.qkv_bias, cfg.sliding_window, cfg.tie_embeddings, cfg.n_kv_heads, cfg.d_head)
     assert got == {"llama-3.2": (5e5, "llama3", 32.0, 8192, False, 0, True, 8, 64),
                    "qwen2.5": (1e6, "none", 1.0, 0, True, 0, True, 2, 64),
-                   "mistral-v0.1": (1e4, "none", 1.0, 0, False, 4096, False, 8, 128)}[name]
+                   "mistral-v0.1": (1e4, "none", 1.0, 0, False, 4096, False, 8, 128),
+                   "qwen1.5-moe": (1e6, "none", 1.0, 0, True, 0, False, 16, 128)}[name]
+    if name == "qwen1.5-moe":  # 4 shared experts of 1408 (5632 wide); layers 1, 3, 5, ... are MoE
+        assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.shared_experts, cfg.moe.first, cfg.moe.every) == (60, 4, 4, 1, 2)
+        assert cfg.moe_layers == tuple(range(1, 16, 2)) and cfg.moe.aux_loss_weight == pytest.approx(0.004)
+
+
+def test_moe_configs_that_do_not_import_or_export(tmp_path):
+    """Dense layers anywhere but first, and a shared expert that is no whole number of experts, are not ours to
+    compute; a MoE run that no architecture computes does not export."""
+    hub = dict(model_type="qwen2_moe", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    with pytest.raises(UserError, match=r"mlp_only_layers / num_experts = \(\[1\], 4\)"):
+        hf_config.model_config({**hub, "mlp_only_layers": [1]}, tmp_path)
+    with pytest.raises(UserError, match=r"shared_expert_intermediate_size = 48.*a positive multiple"):
+        hf_config.model_config({**hub, "shared_expert_intermediate_size": 48}, tmp_path)
+    cfg = hf_config.model_config(hub, tmp_path)
+    with pytest.raises(UserError, match=r"matches no Hugging Face architecture: Qwen3-MoE has q/k norms"):
+        hf_config.architecture(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_gate=False)))
+    plain = dataclasses.replace(cfg, qkv_bias=False, moe=dataclasses.replace(cfg.moe, shared_experts=0,
+                                                                              shared_gate=False))
+    assert hf_config.architecture(dataclasses.replace(plain, moe=dataclasses.replace(plain.moe, norm_topk_prob=True))) \
+        == "mixtral"
+    with pytest.raises(UserError, match=r"Mixtral .* renormalises the top-k weights in every layer"):
+        hf_config.architecture(plain)  # Qwen2-MoE's raw probabilities, but no biases or shared expert

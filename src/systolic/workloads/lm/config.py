@@ -107,6 +107,56 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (lm/moe.py): in the layers it selects, the dense SwiGLU MLP becomes `experts` SwiGLU
+    experts of width `mlp_dim`, of which a float32 router picks `top_k` per token and mixes their outputs by the
+    router's probabilities (renormalised over the top k with `norm_topk_prob`, as Mixtral does and Qwen3-MoE's
+    `norm_topk_prob` switches), plus optional always-on shared experts (Qwen2-MoE, DeepSeek). Training adds the
+    Switch Transformer's load-balancing loss and ST-MoE's router z-loss, by their weights. Routing is dropless
+    (tokens sorted by expert, a grouped matmul) unless `capacity_factor` > 0 (each expert takes at most
+    capacity_factor * tokens * top_k / experts tokens of a sequence, the rest are dropped: a dense one-hot dispatch)."""
+
+    experts: int = 0  # routed experts per MoE layer; 0: no MoE layers (every layer has the dense MLP)
+    top_k: int = 2  # experts each token is sent to
+    mlp_dim: int = 0  # each expert's SwiGLU width; 0: model.mlp_dim (its derived value)
+    shared_experts: int = 0  # always-on experts beside the routed ones, as one SwiGLU MLP shared_experts * mlp_dim wide
+    shared_gate: bool = False  # Qwen2-MoE: the shared experts' output scaled by sigmoid(x . w), one w per layer
+    norm_topk_prob: bool = True  # weights = the top k probabilities divided by their sum (false: the probabilities)
+    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 and i >= first (HF decoder_sparse_step)
+    first: int = 0  # the layers before this one keep the dense MLP (DeepSeek's first_k_dense_replace)
+    aux_loss_weight: float = 0.01  # the load-balancing loss E * sum_e f_e P_e (1.0 when balanced) in the loss
+    z_loss_weight: float = 0.001  # the router z-loss mean(logsumexp(logits)^2) in the loss
+    capacity_factor: float = 0.0  # 0: dropless; > 0: dense dispatch with this much capacity per expert and sequence
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.first and (layer + 1) % self.every == 0
+
+    def validate(self) -> None:
+        if self.experts < 0 or self.mlp_dim < 0 or self.shared_experts < 0 or self.first < 0 or self.every < 1:
+            raise ConfigError(
+                f"model.moe.experts={self.experts}, mlp_dim={self.mlp_dim}, shared_experts={self.shared_experts}, "
+                f"first={self.first} and every={self.every} out of range: every must be >= 1, the others >= 0 "
+                "(experts 0: no MoE layers; mlp_dim 0: model.mlp_dim). Fix: e.g. model.moe.experts=8 model.moe.every=1."
+            )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} with model.moe.experts={self.experts}: each token goes to top_k distinct "
+                f"experts, so 1 <= top_k <= experts. Fix: e.g. model.moe.top_k={min(2, self.experts)}."
+            )
+        if self.aux_loss_weight < 0 or self.z_loss_weight < 0 or self.capacity_factor < 0:
+            raise ConfigError(
+                f"model.moe.aux_loss_weight={self.aux_loss_weight}, z_loss_weight={self.z_loss_weight} and "
+                f"capacity_factor={self.capacity_factor} must be >= 0 (0: no load-balancing loss, no z-loss, dropless "
+                "routing). Fix: e.g. model.moe.aux_loss_weight=0.01 model.moe.z_loss_weight=0.001."
+            )
+        if self.shared_gate and not self.shared_experts:
+            raise ConfigError(
+                "model.moe.shared_gate=true gates the shared experts' output, but model.moe.shared_experts=0. Fix: "
+                "model.moe.shared_experts=1 (Qwen2-MoE has one shared expert), or model.moe.shared_gate=false."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
     family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1) switch
@@ -125,6 +175,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = RopeScalingConfig()
     lora: LoraConfig = LoraConfig()  # low-rank adapters: train those alone, on frozen weights (init.from)
+    moe: MoeConfig = MoeConfig()  # mixture-of-experts MLPs in some or all layers (llama family)
     qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
     sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
@@ -144,6 +195,16 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.head_dim or self.d_model // self.heads
+
+    @property
+    def d_expert(self) -> int:
+        """Each expert's MLP width (model.moe.mlp_dim, else the dense MLP's)."""
+        return self.moe.mlp_dim or self.d_mlp
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none without model.moe.experts)."""
+        return tuple(i for i in range(self.layers) if self.moe.is_moe_layer(i))
 
     @property
     def d_mlp(self) -> int:
@@ -206,8 +267,38 @@ class ModelConfig:
             )
         if self.lora.rank:
             self.lora.target_names(self.family)  # a ConfigError naming the valid ones
+        if self.moe.experts:
+            self._check_moe()
         if self.family == "llama" and self.d_head % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
+
+
+    def _check_moe(self) -> None:
+        moe = self.moe
+        if self.family != "llama":
+            raise ConfigError(
+                f"model.moe.experts={moe.experts} with model.family={self.family}: the experts are SwiGLU MLPs of the "
+                "llama block (Mixtral, Qwen-MoE, DeepSeek). Fix: model.family=llama, or model.moe.experts=0."
+            )
+        if not self.moe_layers:
+            raise ConfigError(
+                f"model.moe.experts={moe.experts} but no layer is a MoE layer: with model.moe.first={moe.first} and "
+                f"model.moe.every={moe.every}, none of the model.layers={self.layers} layers qualifies (layer i when "
+                f"(i + 1) % every == 0 and i >= first). Fix: e.g. model.moe.first=0 model.moe.every=1."
+            )
+        if self.scan_layers and len(self.moe_layers) != self.layers:
+            raise ConfigError(
+                f"model.scan_layers=true stacks identical layers, but model.moe.first={moe.first} and "
+                f"model.moe.every={moe.every} make {len(self.moe_layers)} of the {self.layers} layers MoE and the rest "
+                "dense. Fix: model.scan_layers=false, or MoE in every layer (model.moe.first=0 model.moe.every=1)."
+            )
+        mlp_targets = {"gate", "up", "down"} & set(self.lora.target_names(self.family)) if self.lora.rank else set()
+        if mlp_targets:
+            raise ConfigError(
+                f"model.lora.targets={self.lora.targets!r} adapts MLP projections ({', '.join(sorted(mlp_targets))}), "
+                "but this model's MLPs are mixtures of experts, which have no LoRA adapters. Fix: adapt the attention "
+                "only, e.g. model.lora.targets=q,k,v,o."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

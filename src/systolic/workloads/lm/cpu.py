@@ -9,6 +9,9 @@ rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_
   queries, an additive causal bias instead of `where(mask, s, -inf)`, and a hand-written backward.
 - `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
   pass stops copying the residual gradient's elementwise chain into every consumer (work growing with depth^2).
+- `tile_layout` (MoE experts): XLA:CPU has no grouped matmul; it computes `jax.lax.ragged_dot` as one matmul
+  per group over all rows, G times the work. Here each group's rows are padded to whole tiles, so every tile
+  belongs to one group, and the tiles multiply their group's matrix in one batched matmul (`tiled_matmul`).
 
 `SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations,
 read once into `runtime/cpu_tuning.settings()`.
@@ -17,6 +20,7 @@ read once into `runtime/cpu_tuning.settings()`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 from systolic.runtime import cpu_tuning
 from systolic.runtime.platform import compile_platform
 
-REWRITES = ("flatten", "attention", "barrier")
+REWRITES = ("flatten", "attention", "barrier", "grouped")
 
 
 def cpu_tweak(name: str) -> bool:
@@ -123,3 +127,44 @@ def _barrier_bwd(_, g: jax.Array):
 
 
 gradient_barrier.defvjp(_barrier_fwd, _barrier_bwd)
+
+
+class Tiles(NamedTuple):
+    """Where rows sorted by group go when each group is padded to whole tiles of `size` rows (`tile_layout`)."""
+
+    dest: jax.Array  # (R,) each row's place among the tiles' rows; rows past the groups: out of range
+    group: jax.Array  # (tiles,) each tile's group
+    size: int
+
+
+def tile_layout(group_sizes: jax.Array, rows: int) -> Tiles:
+    """The tiling of `rows` rows sorted into len(group_sizes) groups: each group padded to whole tiles (at most
+    G * (t - 1) padding rows in all), so every tile belongs to one group."""
+    g = group_sizes.shape[0]
+    t = min(64, max(8, 1 << max(0, (rows // (2 * g)).bit_length() - 1)))  # a power of two near half a group, in [8, 64]
+    tiles = -(-(rows + g * (t - 1)) // t)  # enough for any group sizes
+    padded = -(-group_sizes // t) * t  # (G,) each group's rows rounded up to whole tiles
+    start, padded_start = jnp.cumsum(group_sizes) - group_sizes, jnp.cumsum(padded) - padded  # (G,) each
+    row = jnp.arange(rows)
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right"), g - 1)  # (R,)
+    dest = jnp.where(row < jnp.sum(group_sizes), padded_start[group] + row - start[group], tiles * t)  # (R,)
+    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * t, side="right"), g - 1)
+    return Tiles(dest, tile_group, t)
+
+
+def to_tiles(x: jax.Array, tiles: Tiles) -> jax.Array:
+    """x (R, K) sorted by group -> (tiles, t, K), padding rows zero."""
+    n = tiles.group.shape[0]
+    return jnp.zeros((n * tiles.size, x.shape[-1]), x.dtype).at[tiles.dest].set(x, mode="drop").reshape(n, tiles.size, -1)
+
+
+def from_tiles(y: jax.Array, tiles: Tiles) -> jax.Array:
+    """(tiles, t, N) -> (R, N) in the rows' order, rows past the groups zero."""
+    return y.reshape(-1, y.shape[-1]).at[tiles.dest].get(mode="fill", fill_value=0)
+
+
+def tiled_matmul(x: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
+    """x (tiles, t, K) @ its tiles' groups' matrices of w (G, K, N) -> (tiles, t, N): one batched matmul. The
+    gathered matrices are materialised (an optimisation barrier): fused into the dot, the gather made XLA:CPU run
+    it as a slow loop (about 1.7x the time of the whole SwiGLU, measured with benchmarks/moe.py's sizes)."""
+    return jnp.einsum("ntk,nkm->ntm", x, jax.lax.optimization_barrier(w[tiles.group]))

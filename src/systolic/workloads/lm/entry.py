@@ -18,6 +18,7 @@ from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.plan import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
 from systolic.workloads.lm import init_from, sample
@@ -46,8 +47,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
     trained = _trained(prepared.trainable_count, prepared.param_count, cfg)
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters, {trained} ({cfg.model.family}, {cfg.model.layers} layers, "
-        f"d_model {cfg.model.d_model}) on mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} "
-        "devices)")
+        f"d_model {cfg.model.d_model}{_moe_text(cfg, prepared.vocab)}) on mesh {mesh_lib.describe(mesh)} "
+        f"({jax.device_count()} {jax.default_backend()} devices)")
     chat = isinstance(data, ChatCorpus)
     if chat:
         say(f"data: {data.describe()}; run directory {run_dir}")
@@ -91,6 +92,17 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
+
+
+def _moe_text(cfg: LMConfig, vocab: int) -> str:
+    """The start-up line's MoE part: experts and the matmul weights one token is multiplied by (what FLOPs count)."""
+    from systolic.workloads.lm.flops import matmul_params
+
+    m = cfg.model
+    if not m.moe.experts:
+        return ""
+    return (f", {m.moe.top_k} of {m.moe.experts} experts in {len(m.moe_layers)} layers, "
+            f"{matmul_params(m, vocab) / 1e6:.2f}M matmul weights active per token")
 
 
 def _trained(trainable: int, total: int, cfg: LMConfig) -> str:
@@ -149,8 +161,32 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}"
-               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",),
+               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",
+               *_moe_notes(cfg, mesh)),
     )
+
+
+def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
+    """What `systolic plan` should say about a mixture of experts: what the formula counts, and what the all-to-all
+    bytes and XLA's FLOPs mean for the chosen dispatch (workloads/lm/moe.py)."""
+    moe = cfg.model.moe
+    if not moe.experts:
+        return ()
+    n = mesh.shape["expert"]
+    notes = [f"MoE: {moe.top_k} of {moe.experts} experts per token in {len(cfg.model.moe_layers)} of "
+             f"{cfg.model.layers} layers; the formula counts the active experts only"]
+    if moe.capacity_factor:
+        notes.append(f"capacity dispatch (factor {moe.capacity_factor:g}): XLA's count includes the one-hot "
+                     "dispatch and combine einsums and the empty slots")
+        return tuple(notes)
+    if n > 1:
+        slots = n * min(moe.top_k, moe.experts // n) / moe.top_k
+        notes.append(f"dropless over mesh.expert={n}: the all-to-all sends fixed slots sized for the worst case, "
+                     f"{slots:g}x the rows routed (XLA:CPU has no ragged all-to-all): an upper bound on the traffic")
+    if compile_platform() != "tpu":  # GPU targets compile with XLA:CPU on this host too
+        notes.append(f"XLA:CPU computes ragged_dot as one matmul per expert over all rows: its count holds "
+                     f"{moe.experts}x the experts' FLOPs")
+    return tuple(notes)
 
 
 def param_count(params) -> int:

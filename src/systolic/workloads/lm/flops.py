@@ -7,6 +7,10 @@ embedding lookup, norms or biases):
                                   token, halved because causal attention needs only the lower triangle, x 3 for
                                   forward + backward. With a sliding window W < T a query sees at most W keys:
                                   the T/2 keys of an average query become W - W^2 / (2T).
+With model.moe, N counts a MoE layer's active weights, those one token is multiplied by: the router (D x E), its
+top_k experts and the shared experts, not the other E - top_k experts (MFU is of the work the model needs; a
+capacity dispatch's empty slots and one-hot einsums, or XLA:CPU's ragged_dot computing every expert over every row,
+are hardware work, as rematerialisation is).
 With model.lora the frozen weights get no weight gradients: 4 * N for them (forward, and the gradient of their
 input), plus 6 * N_lora for the adapters' A and B.
 Rematerialisation is not counted: it is hardware work, not model work.
@@ -18,10 +22,19 @@ from systolic.workloads.lm.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig, vocab: int) -> int:
+    """Matmul weights a token is multiplied by (active ones only in MoE layers)."""
     d, hd = cfg.d_model, cfg.d_head
     attention = d * cfg.heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.heads * hd * d
     mlp = (3 if cfg.family == "llama" else 2) * d * cfg.d_mlp
-    return cfg.layers * (attention + mlp) + d * vocab
+    moe_layers = len(cfg.moe_layers)
+    return cfg.layers * attention + (cfg.layers - moe_layers) * mlp + moe_layers * moe_active_params(cfg) + d * vocab
+
+
+def moe_active_params(cfg: ModelConfig) -> int:
+    """One MoE layer's matmul weights per token: router, top_k SwiGLU experts, shared experts and their gate."""
+    moe, d = cfg.moe, cfg.d_model
+    shared = 3 * d * moe.shared_experts * cfg.d_expert + (d if moe.shared_gate else 0)
+    return d * moe.experts + moe.top_k * 3 * d * cfg.d_expert + shared
 
 
 def lora_params(cfg: ModelConfig) -> int:

@@ -40,7 +40,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import rules_for
 from systolic.workloads.lm import hf_config
 from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
-from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, layer_shape, pairs, to_hf, to_ours
+from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model import Transformer
 from systolic.workloads.lm.sample import load_run
 from systolic.workloads.lm.train import param_shardings
@@ -123,7 +123,7 @@ class Folder:
                 "config.json belongs to these weights, or pass a checkpoint of a supported architecture."
             )
         for name, group in group_by(expected, lambda p: p.hf).items():
-            want = hf_shape(group, layer_shape(shapes[group[0].path], group[0].layer))
+            want = hf_shape(group, part_shape(shapes[group[0].path], group[0]))
             if self.shapes[stored[name]] != want:
                 raise UserError(
                     f"{self.src}: tensor {stored[name]} has shape {self.shapes[stored[name]]}, but config.json implies "
@@ -148,11 +148,11 @@ def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
     for key_path, sharding in flat:
         path = tuple(k.key for k in key_path)
         group = groups[path]
-        shape = layer_shape(shapes[path], group[0].layer)
-        layers = [to_ours(p.tensor, folder.read(stored[p.hf]), shape) for p in group]
-        host = np.stack(layers) if group[0].layer is not None else layers[0]  # (L, ...) when stacked
+        host = np.empty(shapes[path], np.float32)  # (L, E, ...) of stacked experts: one HF tensor per (layer, expert)
+        for p in group:
+            host[p.index] = to_ours(p.tensor, folder.read(stored[p.hf]), part_shape(shapes[path], p))
         leaves.append(jax.make_array_from_callback(host.shape, sharding, lambda index, host=host: host[index]))
-        del host, layers
+        del host
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -173,13 +173,13 @@ def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
 
     def part(p: Pair) -> np.ndarray:
         x = at(p.path)
-        return to_hf(p.tensor, np.asarray(x if p.layer is None else x[p.layer]))
+        return to_hf(p.tensor, np.asarray(x[p.index]))
 
     out = []
     for name, group in group_by(pairs(cfg), lambda p: p.hf).items():
         group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn: q, k, v in this order
         make = (lambda group=group: np.ascontiguousarray(np.concatenate([part(p) for p in group], axis=-1)))
-        out.append((name, hf_shape(group, layer_shape(at(group[0].path).shape, group[0].layer)), make))
+        out.append((name, hf_shape(group, part_shape(at(group[0].path).shape, group[0])), make))
     return out
 
 

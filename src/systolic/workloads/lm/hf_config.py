@@ -1,5 +1,6 @@
 """Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
-SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral and GPT-2.
+SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE (model.moe), and GPT-2.
 
 The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
@@ -8,7 +9,10 @@ The four Llama-like architectures are one systolic family, `llama`, with switche
 (dynamic or longrope RoPE, partial rotary embeddings, a sliding window on some layers only, an output-projection
 bias, an exact-erf GELU in GPT-2) is an error that names it rather than a silently different model after import.
 Export writes the architecture the switches call for: qk_norm -> Qwen3, qkv_bias -> Qwen2, a sliding window ->
-Mistral, else Llama.
+Mistral, else Llama; with model.moe: qk_norm -> Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else
+Mixtral. The MoE families' routing: Mixtral renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE
+says so in `norm_topk_prob`; their load-balancing loss counts each expert's share of tokens (summing to top_k),
+ours its share of assignments (summing to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from systolic.errors import UserError
-from systolic.workloads.lm.config import ModelConfig, RopeScalingConfig
+from systolic.workloads.lm.config import ModelConfig, MoeConfig, RopeScalingConfig
+from systolic.workloads.lm.hf_tensors import hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rope_type values that import (to model.rope_scaling.type)
 def read_config(src: Path) -> dict[str, Any]:
     path = Path(src) / "config.json"
@@ -58,7 +66,8 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
     if model_type == "gpt2":
         return _gpt2_config(hf, src, common)
     # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
-    _require(hf, src, {"hidden_act": "silu", "mlp_bias": False, **({} if model_type == "qwen2" else {"attention_bias": False})})
+    _require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
+                       **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     theta, scaling = _rope(hf, src)
@@ -66,10 +75,37 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
         **common, family="llama", d_model=d, layers=hf["num_hidden_layers"], heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
         mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
-        rope_scaling=scaling, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-        sliding_window=_sliding_window(hf, src, model_type), norm_eps=hf["rms_norm_eps"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=scaling, qkv_bias=model_type in QWEN2_BIASES and bool(hf.get("qkv_bias", True)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=_sliding_window(hf, src, model_type),
+        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=_moe(hf, src, model_type) if model_type in MOE_TYPES else MoeConfig(),
     )
+
+
+def _moe(hf: dict[str, Any], src: Path, model_type: str) -> MoeConfig:
+    """model.moe of a Mixtral or Qwen-MoE config.json."""
+    top_k = int(hf["num_experts_per_tok"])
+    aux = float(hf.get("router_aux_loss_coef", 0.001)) * top_k  # HF's shares sum to top_k, ours to 1
+    if model_type == "mixtral":
+        _require(hf, src, {"router_jitter_noise": 0.0})
+        return MoeConfig(experts=int(hf["num_local_experts"]), top_k=top_k, mlp_dim=int(hf["intermediate_size"]),
+                         norm_topk_prob=True, aux_loss_weight=aux)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))) or not experts:
+        raise _unsupported(src, "mlp_only_layers / num_experts", (dense, experts), "the dense layers first "
+                           "(mlp_only_layers = [0, 1, ..., n - 1]) and num_experts > 0")
+    width = int(hf["moe_intermediate_size"])
+    shared, shared_gate = 0, False
+    if model_type == "qwen2_moe":
+        size = int(hf["shared_expert_intermediate_size"])
+        if not size or size % width:
+            raise _unsupported(src, "shared_expert_intermediate_size", size, f"a positive multiple of "
+                               f"moe_intermediate_size ({width}): model.moe.shared_experts of that width")
+        shared, shared_gate = size // width, True
+    return MoeConfig(experts=experts, top_k=top_k, mlp_dim=width, shared_experts=shared, shared_gate=shared_gate,
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), every=int(hf.get("decoder_sparse_step", 1)),
+                     first=len(dense), aux_loss_weight=aux)
 
 
 def _gpt2_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> ModelConfig:
@@ -128,9 +164,11 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> int:
     """Mistral's window applies to every layer; Qwen's (with use_sliding_window) to the layers from
     max_window_layers on, or as `layer_types` lists them: all or none of them import."""
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return int(hf.get("sliding_window") or 0)
-    if model_type not in ("qwen2", "qwen3"):
+    if model_type == "qwen3_moe":  # one switch for every layer
+        return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window", False) else 0
+    if model_type not in ("qwen2", "qwen3", "qwen2_moe"):
         return 0  # transformers' Llama has no sliding window
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
     layers = hf["num_hidden_layers"]
@@ -163,16 +201,34 @@ def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict[str, Any
     }
     if cfg.rope_scaling.type != "none":
         out["rope_scaling"] = rope  # what transformers 4.x reads (with the top-level rope_theta); 5 reads either
+    if model_type in MOE_TYPES:
+        out.update(_moe_json(cfg, model_type))
     if model_type == "llama":
         return {**out, "attention_bias": False, "mlp_bias": False}
-    if model_type == "mistral":
-        return {**out, "sliding_window": cfg.sliding_window}
-    # Qwen: the window on every layer (max_window_layers 0) or on none.
+    if model_type in ("mistral", "mixtral"):
+        return {**out, "sliding_window": cfg.sliding_window or None}
     window = cfg.sliding_window or None
+    if model_type == "qwen3_moe":
+        return {**out, "attention_bias": False, "use_sliding_window": window is not None, "sliding_window": window}
+    # Qwen2, Qwen3, Qwen2-MoE: the window on every layer (max_window_layers 0) or on none.
     out.update(use_sliding_window=window is not None, sliding_window=window,
                max_window_layers=0 if window else cfg.layers,
                layer_types=["sliding_attention" if window else "full_attention"] * cfg.layers)
     return {**out, "attention_bias": False} if model_type == "qwen3" else out
+
+
+def _moe_json(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    moe = cfg.moe
+    common = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k}
+    if model_type == "mixtral":  # every layer MoE, intermediate_size the experts' width
+        return {**common, "num_local_experts": moe.experts, "intermediate_size": cfg.d_expert,
+                "router_jitter_noise": 0.0}
+    out = {**common, "num_experts": moe.experts, "moe_intermediate_size": cfg.d_expert, "intermediate_size": cfg.d_mlp,
+           "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": moe.every,
+           "mlp_only_layers": list(range(moe.first))}
+    if model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=moe.shared_experts * cfg.d_expert, qkv_bias=True)
+    return out
 
 
 def architecture(cfg: ModelConfig) -> str:
@@ -185,11 +241,36 @@ def architecture(cfg: ModelConfig) -> str:
             "with attention_bias, which also puts one on the output projection, and Qwen2 (q/k/v biases) has no q/k "
             "norms: no architecture computes this model. Fix: only runs with one of the two can be exported."
         )
+    if cfg.moe.experts:
+        return _moe_architecture(cfg)
     if cfg.qk_norm:
         return "qwen3"
     if cfg.qkv_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window else "llama"
+
+
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Mixtral, Qwen2-MoE or Qwen3-MoE, whichever computes this mixture of experts; a UserError naming what does
+    not fit any of them."""
+    moe = cfg.moe
+    if hf_mixtral(cfg):
+        if moe.norm_topk_prob and moe.every == 1 and moe.first == 0:
+            return "mixtral"
+        problem = "Mixtral (no q/k norms, biases or shared experts) renormalises the top-k weights in every layer"
+    elif cfg.qk_norm and not moe.shared_experts:
+        return "qwen3_moe"
+    elif cfg.qkv_bias and moe.shared_experts and moe.shared_gate:
+        return "qwen2_moe"
+    else:
+        problem = ("Qwen3-MoE has q/k norms and no shared experts; Qwen2-MoE has q/k/v biases and a gated shared "
+                   "expert")
+    raise UserError(
+        f"This MoE run (model.qk_norm={cfg.qk_norm}, model.qkv_bias={cfg.qkv_bias}, model.moe.shared_experts="
+        f"{moe.shared_experts}, shared_gate={moe.shared_gate}, norm_topk_prob={moe.norm_topk_prob}, every={moe.every}, "
+        f"first={moe.first}, model.sliding_window={cfg.sliding_window}) matches no Hugging Face architecture: "
+        f"{problem}. Fix: only runs that one of Mixtral, Qwen2-MoE and Qwen3-MoE computes can be exported."
+    )
 
 
 def _rope_json(cfg: ModelConfig) -> dict[str, Any]:

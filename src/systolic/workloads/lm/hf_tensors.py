@@ -1,5 +1,7 @@
 """The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3 and
-Mistral, which name them alike and add q/k/v biases or q/k norms) and GPT-2.
+Mistral, which name them alike and add q/k/v biases or q/k norms), the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors, one slice of our stacked (E, ...)
+weights), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -34,19 +36,21 @@ class Tensor:
     transpose: bool = False
     in_axes: int | None = 1
     part: tuple[int, int] = (0, 1)
+    per_expert: bool = False  # one HF tensor per expert ("{j}" in `hf`): expert j's slice of our (E, ...) weight
 
 
 def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
     return Tensor(ours, hf, in_axes=None, **kw)
 
 
-def _llama(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
-    """(top-level tensors, per-layer tensors, per-layer name prefix) of LlamaForCausalLM, and of Qwen2ForCausalLM
-    (+ q/k/v biases), Qwen3ForCausalLM (+ q/k norms) and MistralForCausalLM."""
+def _llama(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
+    """(top-level tensors, each layer's tensors, per-layer name prefix) of LlamaForCausalLM, and of Qwen2ForCausalLM
+    (+ q/k/v biases), Qwen3ForCausalLM (+ q/k norms), MistralForCausalLM, and with model.moe of MixtralForCausalLM,
+    Qwen2MoeForCausalLM (+ a gated shared expert) and Qwen3MoeForCausalLM in their MoE layers."""
     top = [Tensor(("embed",), "model.embed_tokens.weight"), _vector(("final_norm", "scale"), "model.norm.weight")]
     if not cfg.tie_embeddings:
         top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
-    layer = [
+    attention = [
         _vector(("attn_norm", "scale"), "input_layernorm.weight"),
         Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True),  # (H*hd, D) -> (D, H, hd)
         Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
@@ -55,14 +59,40 @@ def _llama(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
         *([_vector(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"] if cfg.qk_norm else []),  # (hd,)
         Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
         _vector(("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+    ]
+    dense = [
         Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
         Tensor(("mlp", "w_up"), "mlp.up_proj.weight", transpose=True),  # (M, D) -> (D, M)
         Tensor(("mlp", "w_down"), "mlp.down_proj.weight", transpose=True),  # (D, M) -> (M, D)
     ]
-    return top, layer, "model.layers.{i}."
+    moe = _moe_tensors(cfg) if cfg.moe.experts else []
+    return top, lambda i: attention + (moe if cfg.moe.is_moe_layer(i) else dense), "model.layers.{i}."
 
 
-def _gpt2(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
+def _moe_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """A MoE layer's MLP tensors: Mixtral's block_sparse_moe (w1 gate, w3 up, w2 down), else Qwen-MoE's mlp."""
+    expert = lambda ours, hf: Tensor(("mlp", ours), hf, transpose=True, per_expert=True)  # noqa: E731
+    if hf_mixtral(cfg):
+        return [Tensor(("mlp", "router"), "block_sparse_moe.gate.weight", transpose=True),  # (E, D) -> (D, E)
+                expert("w_gate", "block_sparse_moe.experts.{j}.w1.weight"),  # (M, D) -> (D, M) of (E, D, M)
+                expert("w_up", "block_sparse_moe.experts.{j}.w3.weight"),  # (M, D) -> (D, M) of (E, D, M)
+                expert("w_down", "block_sparse_moe.experts.{j}.w2.weight")]  # (D, M) -> (M, D) of (E, M, D)
+    out = [Tensor(("mlp", "router"), "mlp.gate.weight", transpose=True),  # (E, D) -> (D, E)
+           *(expert(f"w_{w}", f"mlp.experts.{{j}}.{w}_proj.weight") for w in ("gate", "up", "down"))]
+    if cfg.moe.shared_experts:  # (S*M, D) -> (D, S*M), down (D, S*M) -> (S*M, D)
+        out += [Tensor(("mlp", "shared", f"w_{w}"), f"mlp.shared_expert.{w}_proj.weight", transpose=True)
+                for w in ("gate", "up", "down")]
+    if cfg.moe.shared_gate:
+        out.append(Tensor(("mlp", "shared_gate"), "mlp.shared_expert_gate.weight", transpose=True))  # (1, D) -> (D, 1)
+    return out
+
+
+def hf_mixtral(cfg: ModelConfig) -> bool:
+    """Whether a MoE model is Mixtral's kind (hf_config.architecture says which; Qwen-MoE otherwise)."""
+    return not (cfg.qk_norm or cfg.qkv_bias or cfg.moe.shared_experts)
+
+
+def _gpt2(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
     """(top-level tensors, per-layer tensors, per-layer name prefix) of GPT2LMHeadModel. Its Conv1D stores
     (in, out): no transposes. c_attn's output is q, k and v side by side, each (H, hd)."""
     top = [
@@ -81,28 +111,38 @@ def _gpt2(cfg: ModelConfig) -> tuple[list[Tensor], list[Tensor], str]:
         Tensor(("mlp", "w_fc"), "mlp.c_fc.weight"), _vector(("mlp", "b_fc"), "mlp.c_fc.bias"),  # (D, M), (M,)
         Tensor(("mlp", "w_proj"), "mlp.c_proj.weight"), _vector(("mlp", "b_proj"), "mlp.c_proj.bias"),  # (M, D), (D,)
     ]
-    return top, layer, "transformer.h.{i}."
+    return top, lambda i: layer, "transformer.h.{i}."
 
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
     """`hf` (a full HF tensor name) holds `tensor` of our parameter at `path`; `layer` indexes the leading axis
-    of a stacked (scan_layers) parameter, None otherwise."""
+    of a stacked (scan_layers) parameter, `expert` the experts axis after it, each None when absent."""
 
     hf: str
     path: KeyPath
     layer: int | None
     tensor: Tensor
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Where the HF tensor sits in our parameter: (), (layer,), (expert,) or (layer, expert)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def pairs(cfg: ModelConfig) -> list[Pair]:
     """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    top, layer, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg)
+    top, layer_tensors, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):
-        for t in layer:
+        for t in layer_tensors(i):
             path = ("blocks", *t.ours) if cfg.scan_layers else ("blocks", i, *t.ours)
-            out.append(Pair(prefix.format(i=i) + t.hf, path, i if cfg.scan_layers else None, t))
+            layer = i if cfg.scan_layers else None
+            if t.per_expert:
+                out += [Pair(prefix.format(i=i) + t.hf.format(j=j), path, layer, t, j) for j in range(cfg.moe.experts)]
+            else:
+                out.append(Pair(prefix.format(i=i) + t.hf, path, layer, t))
     return out
 
 
@@ -139,6 +179,7 @@ def group_by(items: list[Pair], key: Callable[[Pair], Any]) -> dict[Any, list[Pa
     return groups
 
 
-def layer_shape(shape: tuple[int, ...], layer: int | None) -> tuple[int, ...]:
-    """One layer's shape of a parameter of `shape` (without the leading `layers` axis when stacked)."""
-    return shape[1:] if layer is not None else shape
+def part_shape(shape: tuple[int, ...], pair: Pair) -> tuple[int, ...]:
+    """The shape of `pair`'s part of a parameter of `shape`: without the leading `layers` axis when stacked and the
+    experts axis of a per-expert tensor."""
+    return shape[len(pair.index):]

@@ -14,6 +14,7 @@ weight/bias:
     blocks.attn.wo          self_attn.o_proj                    | attn.c_proj (+ bo)
     blocks.mlp_norm         post_attention_layernorm            | ln_2
     blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
+    blocks.mlp (model.moe)  router, experts stacked (E, ...) w_gate, w_up, w_down, shared, shared_gate (hf_tensors.py)
     final_norm              model.norm                          | ln_f
     lm_head                 lm_head (absent when tie_embeddings)
 
@@ -34,6 +35,7 @@ from systolic.errors import UserError
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm import attention
+from systolic.workloads.lm import moe as moe_lib
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.lora import targeted_weights
@@ -200,10 +202,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU (llama) or GELU-tanh with biases (gpt2)."""
+    """SwiGLU (llama) or GELU-tanh with biases (gpt2); `width` overrides model.mlp_dim (MoE's shared experts)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, m, std = cfg.d_model, cfg.d_mlp, cfg.init_std
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int = 0):
+        d, m, std = cfg.d_model, width or cfg.d_mlp, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
         self.llama = cfg.family == "llama"
         out_std = std / math.sqrt(2 * cfg.layers)
@@ -237,22 +239,58 @@ class MLP(nnx.Module):
         return y + self.b_proj[...].astype(dt)
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class MoE(nnx.Module):
+    """A mixture of SwiGLU experts (model.moe, lm/moe.py): a float32 router picks top_k of `experts` per token;
+    optional shared experts (one MLP of shared_experts * the expert width) see every token, scaled by a sigmoid
+    gate with `shared_gate` (Qwen2-MoE). Expert weights carry the logical `experts` axis (split over the `expert`
+    mesh axis) and `expert_mlp` (their hidden axis)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        moe, d, e, m, std = cfg.moe, cfg.d_model, cfg.moe.experts, cfg.d_expert, cfg.init_std
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.top_k, self.norm_topk_prob, self.capacity_factor = moe.top_k, moe.norm_topk_prob, moe.capacity_factor
+        self.router = _param(rngs.params(), (d, e), ("embed", None), std)
+        self.w_gate = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
+        self.w_up = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
+        self.w_down = _param(rngs.params(), (e, m, d), ("experts", "expert_mlp", "embed"), std / math.sqrt(2 * cfg.layers))
+        self.shared = MLP(cfg, rngs=rngs, width=moe.shared_experts * m) if moe.shared_experts else None
+        self.shared_gate = _param(rngs.params(), (d, 1), ("embed", None), std) if moe.shared_gate else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_lib.MoeStats]:
+        """x (B, T, D) -> (y (B, T, D), this layer's stats)."""
+        b, t, d = x.shape
+        dt = self.dtype
+        routing = moe_lib.route(x.reshape(b * t, d), self.router[...], self.top_k, self.norm_topk_prob)
+        w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+        y, dropped = moe_lib.experts_forward(x, routing, w, self.capacity_factor)  # (B, T, D)
+        if self.shared is not None:
+            shared = self.shared(x)  # (B, T, D)
+            if self.shared_gate is not None:
+                gate = jax.nn.sigmoid(project(x, self.shared_gate[...].astype(dt)))  # (B, T, 1)
+                shared = shared * gate
+            y = y + shared
+        return y, moe_lib.router_stats(routing, dropped)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of experts with `moe`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = Norm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, rope, mask, start, kv, segment_ids=None):
+        """Returns (x, kv, the MoE layer's stats or None)."""
         if kv is None and cpu_tweak("barrier"):
             x = gradient_barrier(x)
         y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv, segment_ids)
         x = constrain(x + y, ACT)
-        x = constrain(x + self.mlp(self.mlp_norm(x)), ACT)
-        return x, kv
+        y = self.mlp(self.mlp_norm(x))
+        y, stats = y if isinstance(self.mlp, MoE) else (y, None)
+        x = constrain(x + y, ACT)
+        return x, kv, stats
 
 
 class Transformer(nnx.Module):
@@ -272,11 +310,11 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=rngs)
+                return Block(cfg, rngs=rngs, moe=bool(cfg.moe_layers))  # all MoE or none (ModelConfig checks)
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.moe.is_moe_layer(i)) for i in range(cfg.layers)])
         self.final_norm = Norm(cfg, rngs=rngs)
         if cfg.tie_embeddings:
             self.lm_head = None
@@ -290,13 +328,21 @@ class Transformer(nnx.Module):
         Documents packed into a row (`data.packing=documents`) pass `segment_ids` (B, T), so a token attends only
         to earlier tokens of its own segment, and `positions` (B, T), each token's position in its document (for
         the rotary or learned position embedding); by default one document per row at positions 0..T-1."""
-        logits, _ = self._forward(tokens, None, segment_ids, positions)
+        logits, _, _ = self._forward(tokens, None, segment_ids, positions)
         return logits
+
+    def with_moe_stats(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                       positions: jax.Array | None = None) -> tuple[jax.Array, moe_lib.MoeStats | None]:
+        """As `__call__`, plus the MoE layers' stats stacked on a leading axis (None for a dense model): what
+        training adds to the loss and reports."""
+        logits, _, stats = self._forward(tokens, None, segment_ids, positions)
+        return logits, stats
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Runs tokens (B, T) at positions cache.length + [0, T) against the cache (prefill: T = prompt length,
         a step: T = 1). Returns logits float32 (B, T, vocab) and the cache with their keys/values appended."""
-        return self._forward(tokens, cache)
+        logits, cache, _ = self._forward(tokens, cache)
+        return logits, cache
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to `max_len` positions."""
@@ -332,16 +378,18 @@ class Transformer(nnx.Module):
         if cfg.remat != "none":
             apply = nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
         if cfg.scan_layers:
-            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0, 0),
                              transform_metadata={nnx.PARTITION_NAME: "layers"})
-            x, kv = apply(self.blocks, x, kv)
+            x, kv, stats = apply(self.blocks, x, kv)  # stats stacked (L, ...) or None
         else:
-            new_kv = []
+            new_kv, layer_stats = [], []
             for i, block in enumerate(self.blocks):
-                x, kv_i = apply(block, x, None if kv is None else (kv[0][i], kv[1][i]))
+                x, kv_i, stats_i = apply(block, x, None if kv is None else (kv[0][i], kv[1][i]))
                 new_kv.append(kv_i)
+                layer_stats += [] if stats_i is None else [stats_i]
             if kv is not None:
                 kv = (jnp.stack([k for k, _ in new_kv]), jnp.stack([v for _, v in new_kv]))  # (L, B, S, KV, hd)
+            stats = jax.tree.map(lambda *s: jnp.stack(s), *layer_stats) if layer_stats else None  # (L_moe, ...)
 
         x = self.final_norm(x)
         # float32 accumulation: logits feed a softmax over the whole vocabulary.
@@ -352,7 +400,7 @@ class Transformer(nnx.Module):
         logits = constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.length + T)
-        return logits, cache
+        return logits, cache, stats
 
 
 def decode_mask(positions: jax.Array, cache_len: int, window: int) -> jax.Array:

@@ -26,7 +26,8 @@ from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm import lora
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm import moe as moe_lib
+from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
@@ -214,17 +215,28 @@ def model_params(state: TrainState) -> dict[str, Any]:
     return lora.combine(state.params, state.frozen)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef):
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig):
+    """The training loss: the mean cross-entropy, plus with model.moe the MoE layers' load-balancing loss and
+    router z-loss (averaged over the layers) by their weights; their values and the experts' load in the metrics."""
+
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        ce = token_losses(nnx.merge(graphdef, lora.combine(params, frozen or {})), batch)  # (B, T)
+        model = nnx.merge(graphdef, lora.combine(params, frozen or {}))
+        logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                                             positions=batch.get("positions"))  # (B, T, V) float32
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
         if "loss_mask" not in batch:
-            return ce.mean(), {}
-        # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
-        # Under jit the sums run over the global batch, so every device divides by the same count.
-        mask = batch["loss_mask"].astype(jnp.float32)  # (B, T)
-        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), {}
+            loss = ce.mean()
+        else:
+            # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in
+            # it. Under jit the sums run over the global batch, so every device divides by the same count.
+            mask = batch["loss_mask"].astype(jnp.float32)  # (B, T)
+            loss = (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        if stats is None:
+            return loss, {}
+        router = moe.aux_loss_weight * jnp.mean(stats.aux_loss) + moe.z_loss_weight * jnp.mean(stats.z_loss)
+        return loss + router, {"moe/ce": loss, **moe_lib.metrics(stats, capacity=moe.capacity_factor > 0)}
 
     return loss_fn
 
@@ -296,7 +308,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps),
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe), tx, make_schedule(cfg.optim, cfg.train.steps),
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,

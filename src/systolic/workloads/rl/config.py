@@ -147,11 +147,11 @@ class RLConfig:
                 f"choose sizes whose product is a multiple of {self.ppo.num_minibatches}, or set "
                 f"ppo.num_minibatches={divisor_near(batch, self.ppo.num_minibatches)}."
             )
-        if self.mesh.tensor != 1:
+        if self.mesh.tensor != 1 or self.mesh.expert != 1:
             raise ConfigError(
-                f"mesh.tensor={self.mesh.tensor}: the rl workload splits seeds or environments over the "
-                "data-parallel axes (data, fsdp) only; its networks are too small to split. Fix: mesh.tensor=1 "
-                "(e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1)."
+                f"mesh.tensor={self.mesh.tensor} and mesh.expert={self.mesh.expert}: the rl workload splits seeds or "
+                "environments over the data-parallel axes (data, fsdp) only; its networks are too small to split "
+                "and have no experts. Fix: mesh.tensor=1 mesh.expert=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
             )
 
 

@@ -1,0 +1,277 @@
+"""Mixture-of-experts MLP math (model.moe): the float32 router, its auxiliary losses, and the two dispatches,
+each also expert-parallel over the `expert` mesh axis.
+
+Routing (Mixtral, Qwen-MoE): softmax over the router's float32 logits, the top k experts per token, their
+probabilities renormalised to sum to 1 when `norm_topk_prob` (softmax over the top-k logits, as Mixtral does).
+The token's output is the weighted sum of its k experts' SwiGLU outputs.
+
+- Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
+  grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
+  group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/cpu.py,
+  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py).
+- Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
+  C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
+  dropped (the token keeps its other experts and the residual). One-hot einsums move tokens into (E, C) slots and
+  back: dense matmuls, no sort.
+
+Expert parallelism (`experts_forward`): the dispatch runs inside `shard_map` over the mesh, each device on its own
+rows of the batch (split over data, fsdp and expert: outside the MoE layers the expert axis is one more data axis,
+as in MaxText) with the experts split over `expert`. Dropless sends each device's rows to the devices holding
+their experts with one `all_to_all` in fixed slots (XLA:CPU has no ragged all-to-all), sized for the worst case so
+that nothing is dropped: N * min(k, E / n) rows per destination. Capacity sends its (E, C) slots, E split over
+the devices. A second all-to-all brings the results back. Expert weights enter gathered over fsdp (ZeRO-3: each
+device gathers only its own experts) and stay split over `tensor` along their hidden axis (partial sums added
+with a psum).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.sharding import PartitionSpec as P
+
+from systolic.runtime.sharding import logical_to_spec
+from systolic.workloads.lm import cpu
+
+
+class Routing(NamedTuple):
+    """The router's choice for N tokens among E experts."""
+
+    experts: jax.Array  # (N, k) int32, distinct per token, best first
+    weights: jax.Array  # (N, k) float32, the mixing weights of those experts
+    logits: jax.Array  # (N, E) float32
+
+
+class MoeStats(NamedTuple):
+    """What a MoE layer reports (a model's: the MoE layers' stacked along a leading axis)."""
+
+    aux_loss: jax.Array  # () float32: E * sum_e f_e P_e, 1.0 for a balanced router (Switch Transformer eq. 4)
+    z_loss: jax.Array  # () float32: mean over tokens of logsumexp(logits)^2 (ST-MoE)
+    load: jax.Array  # (E,) float32: each expert's share f_e of the N*k assignments (sums to 1)
+    dropped: jax.Array  # () float32: the share of assignments over capacity (0 when dropless)
+
+
+def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
+    """x (N, D) any dtype, w_router (D, E) float32 -> the routing, computed in float32 at full precision: the
+    softmax and the top-k choice are sensitive to bf16 rounding of the logits."""
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router, precision=jax.lax.Precision.HIGHEST)  # (N, E)
+    probs = jax.nn.softmax(logits, axis=-1)  # (N, E)
+    top, experts = jax.lax.top_k(probs, top_k)  # (N, k) each
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), top, logits)
+
+
+def router_stats(r: Routing, dropped: jax.Array) -> MoeStats:
+    """The load-balancing loss, the z-loss and the per-expert load of a routing over all its tokens (the global
+    batch under jit, so the figures do not depend on the mesh)."""
+    n, k = r.experts.shape
+    e = r.logits.shape[-1]
+    load = jnp.sum(jax.nn.one_hot(r.experts, e, dtype=jnp.float32), axis=(0, 1)) / (n * k)  # (E,) f_e, no gradient
+    importance = jnp.mean(jax.nn.softmax(r.logits, axis=-1), axis=0)  # (E,) P_e: the gradient flows through this
+    aux = e * jnp.sum(load * importance)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
+    return MoeStats(aux, z, load, dropped.astype(jnp.float32))
+
+
+def metrics(stats: MoeStats, capacity: bool) -> dict[str, jax.Array]:
+    """Train metrics of a model's stacked stats (L_moe layers): the losses averaged over the MoE layers, and the
+    busiest and idlest expert's load over the mean load (1.0 = balanced) in the worst layer."""
+    load = stats.load  # (L, E)
+    e = load.shape[-1]
+    out = {"moe/aux_loss": jnp.mean(stats.aux_loss), "moe/z_loss": jnp.mean(stats.z_loss),
+           "moe/load_max_over_mean": jnp.max(e * jnp.max(load, axis=-1)),
+           "moe/load_min_over_mean": jnp.min(e * jnp.min(load, axis=-1))}
+    if capacity:
+        out["moe/dropped"] = jnp.mean(stats.dropped)
+    return out
+
+
+# THE EXPERTS' MATH ON ONE DEVICE ------------------------------------------------------------------------------
+
+
+class Experts(NamedTuple):
+    """SwiGLU experts' weights in the compute dtype: the local ones inside shard_map."""
+
+    w_gate: jax.Array  # (E, D, M)
+    w_up: jax.Array  # (E, D, M)
+    w_down: jax.Array  # (E, M, D)
+
+
+def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Array:
+    """xs (R, D) sorted by expert, group_sizes (E,) -> (R, D); rows past sum(group_sizes) come out zero. On CPU
+    the grouped matmul is lm/cpu.py's tiled one: XLA:CPU computes ragged_dot as E matmuls over all rows."""
+    if cpu.cpu_tweak("grouped"):  # the rows stay in tiles through the three matmuls
+        tiles = cpu.tile_layout(group_sizes, xs.shape[0])
+        xt = cpu.to_tiles(xs, tiles)  # (tiles, t, D)
+        h = jax.nn.silu(cpu.tiled_matmul(xt, w.w_gate, tiles)) * cpu.tiled_matmul(xt, w.w_up, tiles)  # (tiles, t, M)
+        return cpu.from_tiles(cpu.tiled_matmul(h, w.w_down, tiles), tiles)  # (R, D)
+    gate = jax.lax.ragged_dot(xs, w.w_gate, group_sizes)  # (R, M)
+    up = jax.lax.ragged_dot(xs, w.w_up, group_sizes)  # (R, M)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.w_down, group_sizes)  # (R, D)
+
+
+def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """y (N, k, D) each assignment's expert output, weights (N, k) float32 -> (N, D), summed in float32."""
+    out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype), preferred_element_type=jnp.float32)
+    return out.astype(y.dtype)
+
+
+def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts) -> jax.Array:
+    """x (N, D), experts and weights (N, k) -> (N, D): every assignment computed, sorted by expert and grouped."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)  # (N*k,)
+    order = jnp.argsort(flat, stable=True)  # (N*k,) assignments grouped by expert
+    xs = jnp.take(x, order // k, axis=0)  # (N*k, D)
+    group_sizes = jnp.bincount(flat, length=w.w_gate.shape[0]).astype(jnp.int32)  # (E,)
+    ys = _grouped_swiglu(xs, group_sizes, w)  # (N*k, D) in sorted order
+    y = jnp.zeros_like(ys).at[order].set(ys)  # (N*k, D) back in assignment order
+    return _combine(y.reshape(n, k, -1), weights)
+
+
+def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float) -> int:
+    """Slots per expert and sequence: capacity_factor times an even share of the sequence's assignments."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / experts))
+
+
+def dispatch_masks(experts: jax.Array, weights: jax.Array, num_experts: int, slots: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """experts, weights (G, S, k) for G sequences of S tokens -> (dispatch (G, S, E, C) 0/1, combine (G, S, E, C)
+    float32, kept (G, S, k) bool). Each expert's slots are filled by every token's first choice in token order, then
+    the second choices, and so on (GShard, Switch): a token's best expert is the last to drop it."""
+    g, s, k = experts.shape
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # (G, S, k, E)
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)  # (G, k*S, E) first choices first
+    queue = jnp.cumsum(by_choice, axis=1) - 1  # (G, k*S, E) place in each expert's queue
+    position = jnp.sum(queue * by_choice, axis=-1).reshape(g, k, s).transpose(0, 2, 1)  # (G, S, k)
+    kept = position < slots  # (G, S, k)
+    expert_hot = onehot.astype(jnp.float32) * kept[..., None].astype(jnp.float32)  # (G, S, k, E)
+    slot_hot = jax.nn.one_hot(position, slots, dtype=jnp.float32)  # (G, S, k, C); past C: all zeros
+    dispatch = jnp.einsum("gske,gskc->gsec", expert_hot, slot_hot)  # (G, S, E, C)
+    combine = jnp.einsum("gske,gskc,gsk->gsec", expert_hot, slot_hot, weights)  # (G, S, E, C)
+    return dispatch, combine, kept
+
+
+def _slots_swiglu(xe: jax.Array, w: Experts) -> jax.Array:
+    """xe (G, E, C, D) each expert's slots -> (G, E, C, D): batched dense matmuls, one per expert."""
+    gate = jnp.einsum("gecd,edm->gecm", xe, w.w_gate)  # (G, E, C, M)
+    up = jnp.einsum("gecd,edm->gecm", xe, w.w_up)  # (G, E, C, M)
+    return jnp.einsum("gecm,emd->gecd", jax.nn.silu(gate) * up, w.w_down)  # (G, E, C, D)
+
+
+def capacity_dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, capacity_factor: float,
+                      *, expert_axis: str | None = None, mlp_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """x (G, S, D), experts and weights (G, S, k) -> (y (G, S, D), dropped assignments (G, S, k) as 0/1 float32).
+    With `expert_axis` (inside shard_map) w holds this device's E/n experts; the slots of all E go out and come
+    back with an all-to-all."""
+    g, s, k = experts.shape
+    n = jax.lax.axis_size(expert_axis) if expert_axis else 1
+    num_experts = w.w_gate.shape[0] * n
+    dispatch, combine, kept = dispatch_masks(experts, weights, num_experts, capacity(s, k, num_experts, capacity_factor))
+    dt = x.dtype
+    xe = jnp.einsum("gsd,gsec->gecd", x, dispatch.astype(dt))  # (G, E, C, D)
+    if expert_axis:
+        # (G, E, C, D) -> (n*G, E/n, C, D): every device's slots of my experts.
+        xe = jax.lax.all_to_all(xe, expert_axis, split_axis=1, concat_axis=0, tiled=True)
+    ye = _slots_swiglu(xe, w)
+    if mlp_axis:
+        ye = jax.lax.psum(ye, mlp_axis)  # the expert hidden axis is split over mlp_axis: add the partial sums
+    if expert_axis:
+        ye = jax.lax.all_to_all(ye, expert_axis, split_axis=0, concat_axis=1, tiled=True)  # (G, E, C, D)
+    y = jnp.einsum("gecd,gsec->gsd", ye, combine.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    return y, 1.0 - kept.astype(jnp.float32)
+
+
+def dropless_expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, expert_axis: str,
+                             mlp_axis: str | None) -> jax.Array:
+    """`dropless` inside shard_map with this device's E/n experts in w: x (N, D), experts and weights (N, k) ->
+    (N, D). Rows travel to their experts' devices and back in fixed slots of S = N * min(k, E/n) rows per device
+    pair (a token sends at most min(k, E/n) of its assignments to one device: no slot can overflow)."""
+    n_tokens, k = experts.shape
+    n = jax.lax.axis_size(expert_axis)
+    local = w.w_gate.shape[0]  # E/n experts here
+    rows = n_tokens * min(k, local)  # S
+    flat = experts.reshape(-1)  # (A,), A = N*k
+    order = jnp.argsort(flat, stable=True)  # (A,)
+    sorted_experts = flat[order]  # (A,)
+    dest = sorted_experts // local  # (A,) the device holding each assignment's expert
+    counts = jnp.bincount(dest, length=n)  # (n,)
+    slot = jnp.arange(flat.shape[0]) - (jnp.cumsum(counts) - counts)[dest]  # (A,) row within dest's slots
+
+    # DISPATCH: my rows for device j in send[j]; empty rows carry the expert id `local`, past every group.
+    send = jnp.zeros((n, rows, x.shape[-1]), x.dtype).at[dest, slot].set(jnp.take(x, order // k, axis=0))  # (n, S, D)
+    send_ids = jnp.full((n, rows), local, jnp.int32).at[dest, slot].set(sorted_experts % local)  # (n, S)
+    recv = jax.lax.all_to_all(send, expert_axis, 0, 0).reshape(n * rows, -1)  # (n*S, D) rows from every device
+    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0).reshape(-1)  # (n*S,)
+
+    # MY EXPERTS: the received rows grouped by local expert, empty rows last (ragged_dot leaves them zero).
+    by_expert = jnp.argsort(recv_ids, stable=True)  # (n*S,)
+    group_sizes = jnp.bincount(recv_ids, length=local).astype(jnp.int32)  # (E/n,); the id `local` is not counted
+    ys = _grouped_swiglu(jnp.take(recv, by_expert, axis=0), group_sizes, w)  # (n*S, D)
+    if mlp_axis:
+        ys = jax.lax.psum(ys, mlp_axis)  # the expert hidden axis is split over mlp_axis: add the partial sums
+    back = jnp.zeros_like(ys).at[by_expert].set(ys).reshape(n, rows, -1)  # (n, S, D) in the senders' slots
+
+    # COMBINE: the results return to the devices that sent the rows, then to assignment order.
+    done = jax.lax.all_to_all(back, expert_axis, 0, 0)  # (n, S, D): done[j] = device j's results for my rows
+    y = jnp.zeros((flat.shape[0], x.shape[-1]), x.dtype).at[order].set(done[dest, slot])  # (A, D)
+    return _combine(y.reshape(n_tokens, k, -1), weights)
+
+
+# ON THE MESH --------------------------------------------------------------------------------------------------
+
+
+def experts_forward(x: jax.Array, r: Routing, w: Experts, capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+    """x (B, T, D) and its routing (rows of B*T tokens) -> (the experts' weighted output (B, T, D), the share of
+    assignments dropped () float32).
+
+    Under a mesh (`runtime.sharding.activate`) the work runs in shard_map, each device on its own rows: sorting the
+    global batch would gather it onto every device. Without a mesh (unit tests), or when the batch does not split
+    over the batch axes (decoding a few rows), XLA places the plain computation itself."""
+    b, t, d = x.shape
+    k = r.experts.shape[-1]
+    experts, weights = r.experts.reshape(b, t, k), r.weights.reshape(b, t, k)
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = spmd.get_logical_axis_rules()
+    batch_axes = logical_to_spec(("batch",), rules)[0] if rules and not mesh.empty else None
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    shards = math.prod(mesh.shape[a] for a in batch_axes) if batch_axes else 1
+    if not batch_axes or b % shards:
+        return _local(x, experts, weights, w, capacity_factor, None, None)
+    expert_axis, mlp_axis = logical_to_spec(("experts", "expert_mlp"), rules)
+    assert expert_axis is None or expert_axis in batch_axes, "the expert axis must split the batch too"
+    ep = expert_axis if expert_axis and mesh.shape[expert_axis] > 1 else None
+    tp = mlp_axis  # psum'd even at size 1: the weights' spec names the axis, so the output varies over it
+    rows = P(batch_axes)
+    up, down = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)  # gathered over embed's fsdp
+
+    def local(x, experts, weights, w_gate, w_up, w_down):
+        y, dropped = _local(x, experts, weights, Experts(w_gate, w_up, w_down), capacity_factor, ep, tp)
+        return y, jax.lax.pmean(dropped, batch_axes)
+
+    y, dropped = jax.shard_map(local, in_specs=(rows, rows, rows, up, up, down), out_specs=(rows, P()))(
+        x, experts, weights, *w)
+    return y, dropped
+
+
+def _local(x, experts, weights, w: Experts, capacity_factor: float, expert_axis, mlp_axis):
+    """One device's rows: x (b, T, D), experts and weights (b, T, k) -> (y (b, T, D), dropped share ())."""
+    b, t, d = x.shape
+    if capacity_factor:
+        y, dropped = capacity_dispatch(x, experts, weights, w, capacity_factor, expert_axis=expert_axis,
+                                       mlp_axis=mlp_axis)
+        return y, jnp.mean(dropped)
+    def flat(a):  # (b, T, ...) -> (b*T, ...)
+        return a.reshape(b * t, *a.shape[2:])
+
+    if expert_axis:
+        y = dropless_expert_parallel(flat(x), flat(experts), flat(weights), w, expert_axis, mlp_axis)
+    else:
+        y = dropless(flat(x), flat(experts), flat(weights), w)
+        if mlp_axis:
+            y = jax.lax.psum(y, mlp_axis)
+    return y.reshape(b, t, d), jnp.zeros((), jnp.float32)
