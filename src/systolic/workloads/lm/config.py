@@ -211,6 +211,19 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LMOptimConfig(OptimConfig):
+    """The engine's AdamW settings plus what only the lm uses: the output-logit z-loss."""
+
+    z_loss: float = 0.0  # weight on the mean log(Z)^2 of the output softmax (PaLM uses 1e-4); 0 = off
+
+    def validate(self) -> None:
+        super().validate()
+        if self.z_loss < 0:
+            raise ConfigError(f"optim.z_loss={self.z_loss} must be >= 0: it weighs a penalty added to the loss (0 = "
+                              "off). Fix: e.g. optim.z_loss=1e-4, PaLM's weight.")
+
+
+@dataclasses.dataclass(frozen=True)
 class LMTrainConfig(TrainConfig):
     """The `train` section: the engine's run length and batch, plus gradient accumulation and the validation size."""
 
@@ -349,7 +362,7 @@ class LMConfig:
     data: DataConfig = DataConfig()
     train: LMTrainConfig = LMTrainConfig()
     loop: LoopConfig = LoopConfig()
-    optim: OptimConfig = OptimConfig()
+    optim: LMOptimConfig = LMOptimConfig()
     mesh: MeshConfig = MeshConfig()
     sharding: ShardingConfig = ShardingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

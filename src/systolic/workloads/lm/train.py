@@ -199,8 +199,33 @@ def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.Shap
 
 def token_losses(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     """Each target's cross-entropy (B, T) float32."""
-    logits = batch_logits(model, batch)  # (B, T, V) float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
+    return cross_entropy_and_log_z(batch_logits(model, batch), batch["targets"])[0]
+
+
+def cross_entropy_and_log_z(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits (B, T, V) float32, targets (B, T) int32 -> (cross-entropy (B, T), log Z (B, T)), where log Z is the
+    log of the softmax's normaliser, logsumexp over the vocabulary: the cross-entropy's own first term, so log Z
+    costs nothing extra (this is what optax.softmax_cross_entropy_with_integer_labels computes)."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+    return log_z - target_logits, log_z
+
+
+def objective(ce: jax.Array, log_z: jax.Array, mask: jax.Array | None, z_loss: float) -> tuple[jax.Array, dict]:
+    """The training loss from per-target cross-entropies and log Z, each (B, T) float32: their mean over the targets
+    to learn (all, or where `mask` (B, T) float32 is 1), plus `z_loss` times the mean of log(Z)^2 (PaLM's auxiliary
+    loss: it keeps the softmax normaliser near 1, so logits cannot drift upwards together where bfloat16 loses
+    precision). Returns (loss, metrics): `log_z`, the mean log Z (watched for drift whatever the weight), and with
+    z_loss > 0 `z_loss`, the weighted term included in the loss."""
+
+    def mean(x):  # under jit the sums run over the global batch, so every device divides by the same count
+        return x.mean() if mask is None else (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    loss, metrics = mean(ce), {"log_z": mean(log_z)}
+    if z_loss:
+        metrics["z_loss"] = z_loss * mean(jnp.square(log_z))
+        loss = loss + metrics["z_loss"]
+    return loss, metrics
 
 
 def loss_terms(batch: dict[str, jax.Array]) -> jax.Array:
@@ -214,17 +239,16 @@ def model_params(state: TrainState) -> dict[str, Any]:
     return lora.combine(state.params, state.frozen)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef):
+def make_loss_fn(graphdef: nnx.GraphDef, z_loss: float):
+    """The lm's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)` for the engine's step (`objective`)."""
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        ce = token_losses(nnx.merge(graphdef, lora.combine(params, frozen or {})), batch)  # (B, T)
-        if "loss_mask" not in batch:
-            return ce.mean(), {}
+        logits = batch_logits(nnx.merge(graphdef, lora.combine(params, frozen or {})), batch)  # (B, T, V) float32
+        ce, log_z = cross_entropy_and_log_z(logits, batch["targets"])  # (B, T) each
         # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
-        # Under jit the sums run over the global batch, so every device divides by the same count.
-        mask = batch["loss_mask"].astype(jnp.float32)  # (B, T)
-        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), {}
+        mask = batch["loss_mask"].astype(jnp.float32) if "loss_mask" in batch else None  # (B, T)
+        return objective(ce, log_z, mask, z_loss)
 
     return loss_fn
 
@@ -296,7 +320,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef), tx, make_schedule(cfg.optim, cfg.train.steps),
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.optim.z_loss), tx, make_schedule(cfg.optim, cfg.train.steps),
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
