@@ -18,8 +18,8 @@ from systolic.data import cached_corpus, packed, prepared, sft, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
-from systolic.engine.optim import make_optimizer, make_schedule
-from systolic.engine.state import TrainState, make_sharded_state
+from systolic.engine.optim import make_schedule
+from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import UserError
 from systolic.observe.flops import peak_flops
@@ -30,6 +30,7 @@ from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
+from systolic.workloads.lm.optimizer import make_lm_optimizer
 
 
 @dataclasses.dataclass
@@ -148,10 +149,7 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
         return fresh_state(*trainable_split(cfg.model, init_params(cfg.model, vocab, init_key)), rng)
 
     def shardings(abstract: TrainState) -> TrainState:
-        opt_shardings = optax.tree_map_params(
-            tx, lambda _, s: s, abstract.opt_state, p_shardings,
-            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
+        opt_shardings = optimizer_shardings(abstract.opt_state, p_shardings, replicated)
         return TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={},
                           frozen=f_shardings)
 
@@ -317,7 +315,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_lm_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
     step_fn = make_train_step(make_loss_fn(graphdef, cfg.optim.z_loss), tx, make_schedule(cfg.optim, cfg.train.steps),
