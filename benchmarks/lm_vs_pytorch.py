@@ -57,18 +57,18 @@ def systolic_worker(a: argparse.Namespace):
     import jax
     import numpy as np
 
-    from systolic.config import MeshConfig, OptimConfig, TrainConfig
+    from systolic.config import MeshConfig
     from systolic.runtime import mesh as mesh_lib
     from systolic.runtime.sharding import activate
-    from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
+    from systolic.workloads.lm.config import DataConfig, LMConfig, LMOptimConfig, LMTrainConfig, ModelConfig
     from systolic.workloads.lm.train import build_step
 
     cfg = LMConfig(
         model=ModelConfig(family="gpt2", d_model=a.d_model, layers=a.layers, heads=a.heads, max_seq_len=a.seq,
                           tie_embeddings=True, dtype="float32"),
         data=DataConfig(seq_len=a.seq),
-        train=TrainConfig(batch_size=a.batch, steps=1000),
-        optim=OptimConfig(lr=3e-4, warmup_steps=0),
+        train=LMTrainConfig(batch_size=a.batch, steps=1000),
+        optim=LMOptimConfig(lr=3e-4, warmup_steps=0),
         mesh=MeshConfig(),
     )
     mesh = mesh_lib.make_mesh(cfg.mesh)

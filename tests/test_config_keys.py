@@ -136,8 +136,13 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_MOE, *moe]))
     params = jax.eval_shape(lambda: init_params(cfg.model, 64, jax.random.PRNGKey(0)))
     batch = {k: jax.ShapeDtypeStruct((2, 16), jax.numpy.int32) for k in ("inputs", "targets")}
-    loss, metrics = jax.eval_shape(make_loss_fn(model_graphdef(cfg.model, 64), cfg.model.moe), params, batch, None)
+    loss, metrics = jax.eval_shape(make_loss_fn(model_graphdef(cfg.model, 64), cfg.model.moe, 0.0), params, batch, None)
     assert "moe/dropped" in metrics
+    # Muon's settings are read when its optimizer is built (its training: tests/workloads/lm/test_muon.py).
+    from systolic.workloads.lm.optimizer import make_lm_optimizer
+
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, "optim.name=muon"]))
+    make_lm_optimizer(cfg.optim, cfg.train.steps)
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

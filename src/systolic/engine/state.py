@@ -59,3 +59,17 @@ def make_sharded_state(make_state: Callable[..., TrainState], args: tuple[Any, .
             return compile_once(jitted, *args)(*args)
 
     return ShardedState(init=init, abstract=with_shardings(shapes, target), shardings=target)
+
+
+def optimizer_shardings(opt_state: Any, param_shardings: Any, default: Any) -> Any:
+    """The shardings of an optimizer state: each leaf laid out as the parameter it belongs to, the one whose whole
+    key path ends the leaf's (Adam's `...mu['blocks'][0]['attn']['wq']` is `params['blocks'][0]['attn']['wq']`'s),
+    `default` for the rest (step counts, coefficients). Unlike `optax.tree_map_params` this sees through
+    `optax.partition`'s masked states, whose trees hold placeholders where the other partition's parameters are."""
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)[0]}
+
+    def leaf_sharding(path, _):
+        return next((by_path[tuple(path[i:])] for i in range(len(path)) if tuple(path[i:]) in by_path), default)
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, opt_state)

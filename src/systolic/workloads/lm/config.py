@@ -302,6 +302,32 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LMOptimConfig(OptimConfig):
+    """The engine's AdamW settings plus what only the lm uses: Muon for the blocks' weight matrices, and the
+    output-logit z-loss. With `name: muon` the blocks' projections (attention q, k, v, o and the MLP's) take Muon
+    steps (engine/muon.py) at a peak rate `muon_lr`, on the same warmup and cosine schedule; the embeddings, the
+    output layer, norms and biases keep AdamW at `lr`. Weight decay shrinks every matrix by lr * weight_decay a step,
+    AdamW's rate, whichever optimizer moves it (lm/optimizer.py)."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02  # Keller Jordan's Muon default
+    muon_momentum: float = 0.95  # Nesterov momentum of the Muon matrices
+    z_loss: float = 0.0  # weight on the mean log(Z)^2 of the output softmax (PaLM uses 1e-4); 0 = off
+
+    def validate(self) -> None:
+        super().validate()
+        if self.z_loss < 0:
+            raise ConfigError(f"optim.z_loss={self.z_loss} must be >= 0: it weighs a penalty added to the loss (0 = "
+                              "off). Fix: e.g. optim.z_loss=1e-4, PaLM's weight.")
+        if not self.muon_lr > 0 or not 0 <= self.muon_momentum < 1:
+            raise ConfigError(
+                f"optim.muon_lr={self.muon_lr} and optim.muon_momentum={self.muon_momentum} out of range: the rate "
+                "must be greater than 0 and the momentum in [0, 1). Fix: e.g. optim.muon_lr=0.02 "
+                "optim.muon_momentum=0.95 (Keller Jordan's defaults)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class LMTrainConfig(TrainConfig):
     """The `train` section: the engine's run length and batch, plus gradient accumulation and the validation size."""
 
@@ -440,7 +466,7 @@ class LMConfig:
     data: DataConfig = DataConfig()
     train: LMTrainConfig = LMTrainConfig()
     loop: LoopConfig = LoopConfig()
-    optim: OptimConfig = OptimConfig()
+    optim: LMOptimConfig = LMOptimConfig()
     mesh: MeshConfig = MeshConfig()
     sharding: ShardingConfig = ShardingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -449,6 +475,12 @@ class LMConfig:
     init: InitConfig = InitConfig()
 
     def validate(self) -> None:
+        if self.optim.name == "muon" and self.model.lora.rank:
+            raise ConfigError(
+                f"optim.name=muon with model.lora.rank={self.model.lora.rank}: a LoRA run trains only the low-rank "
+                "adapters, which take AdamW, so Muon would move nothing. Fix: optim.name=adamw for LoRA, or drop "
+                "model.lora to train the whole model with Muon."
+            )
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}; the "

@@ -18,8 +18,8 @@ from systolic.data import cached_corpus, packed, prepared, sft, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
-from systolic.engine.optim import make_optimizer, make_schedule
-from systolic.engine.state import TrainState, make_sharded_state
+from systolic.engine.optim import make_schedule
+from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import UserError
 from systolic.observe.flops import peak_flops
@@ -31,6 +31,7 @@ from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
+from systolic.workloads.lm.optimizer import make_lm_optimizer
 
 
 @dataclasses.dataclass
@@ -149,10 +150,7 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
         return fresh_state(*trainable_split(cfg.model, init_params(cfg.model, vocab, init_key)), rng)
 
     def shardings(abstract: TrainState) -> TrainState:
-        opt_shardings = optax.tree_map_params(
-            tx, lambda _, s: s, abstract.opt_state, p_shardings,
-            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
+        opt_shardings = optimizer_shardings(abstract.opt_state, p_shardings, replicated)
         return TrainState(step=replicated, params=p_shardings, opt_state=opt_shardings, rng=replicated, extra={},
                           frozen=f_shardings)
 
@@ -200,8 +198,33 @@ def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.Shap
 
 def token_losses(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
     """Each target's cross-entropy (B, T) float32."""
-    logits = batch_logits(model, batch)  # (B, T, V) float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
+    return cross_entropy_and_log_z(batch_logits(model, batch), batch["targets"])[0]
+
+
+def cross_entropy_and_log_z(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits (B, T, V) float32, targets (B, T) int32 -> (cross-entropy (B, T), log Z (B, T)), where log Z is the
+    log of the softmax's normaliser, logsumexp over the vocabulary: the cross-entropy's own first term, so log Z
+    costs nothing extra (this is what optax.softmax_cross_entropy_with_integer_labels computes)."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+    return log_z - target_logits, log_z
+
+
+def objective(ce: jax.Array, log_z: jax.Array, mask: jax.Array | None, z_loss: float) -> tuple[jax.Array, dict]:
+    """The training loss from per-target cross-entropies and log Z, each (B, T) float32: their mean over the targets
+    to learn (all, or where `mask` (B, T) float32 is 1), plus `z_loss` times the mean of log(Z)^2 (PaLM's auxiliary
+    loss: it keeps the softmax normaliser near 1, so logits cannot drift upwards together where bfloat16 loses
+    precision). Returns (loss, metrics): `log_z`, the mean log Z (watched for drift whatever the weight), and with
+    z_loss > 0 `z_loss`, the weighted term included in the loss."""
+
+    def mean(x):  # under jit the sums run over the global batch, so every device divides by the same count
+        return x.mean() if mask is None else (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    loss, metrics = mean(ce), {"log_z": mean(log_z)}
+    if z_loss:
+        metrics["z_loss"] = z_loss * mean(jnp.square(log_z))
+        loss = loss + metrics["z_loss"]
+    return loss, metrics
 
 
 def loss_terms(batch: dict[str, jax.Array]) -> jax.Array:
@@ -215,9 +238,10 @@ def model_params(state: TrainState) -> dict[str, Any]:
     return lora.combine(state.params, state.frozen)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig):
-    """The training loss: the mean cross-entropy, plus with model.moe the MoE layers' load-balancing loss and
-    router z-loss (averaged over the layers) by their weights; their values and the experts' load in the metrics."""
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float):
+    """The lm's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)` for the engine's step: `objective`'s
+    cross-entropy (and z-loss), plus with model.moe the MoE layers' load-balancing loss and router z-loss (averaged
+    over the layers) by their weights; their values and the experts' load in the metrics."""
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
@@ -225,18 +249,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig):
         model = nnx.merge(graphdef, lora.combine(params, frozen or {}))
         logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch.get("segment_ids"),
                                              positions=batch.get("positions"))  # (B, T, V) float32
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, T)
-        if "loss_mask" not in batch:
-            loss = ce.mean()
-        else:
-            # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in
-            # it. Under jit the sums run over the global batch, so every device divides by the same count.
-            mask = batch["loss_mask"].astype(jnp.float32)  # (B, T)
-            loss = (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        ce, log_z = cross_entropy_and_log_z(logits, batch["targets"])  # (B, T) each
+        # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
+        mask = batch["loss_mask"].astype(jnp.float32) if "loss_mask" in batch else None  # (B, T)
+        loss, metrics = objective(ce, log_z, mask, z_loss)
         if stats is None:
-            return loss, {}
+            return loss, metrics
         router = moe.aux_loss_weight * jnp.mean(stats.aux_loss) + moe.z_loss_weight * jnp.mean(stats.z_loss)
-        return loss + router, {"moe/ce": loss, **moe_lib.metrics(stats, capacity=moe.capacity_factor > 0)}
+        return loss + router, {**metrics, "moe/ce": loss, **moe_lib.metrics(stats, capacity=moe.capacity_factor > 0)}
 
     return loss_fn
 
@@ -305,10 +325,11 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_lm_optimizer(cfg.optim, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe), tx, make_schedule(cfg.optim, cfg.train.steps),
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss), tx,
+                              make_schedule(cfg.optim, cfg.train.steps),
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,

@@ -1,0 +1,40 @@
+"""The lm's optimizer: AdamW (`optim.name=adamw`), or Muon for the hidden matrices and AdamW for the rest
+(`optim.name=muon`), each parameter sorted by its role (lm/parametrization.py).
+
+Muon's step on a matrix is muon_lr * (orthogonalised momentum) * shape factor, plus AdamW's decoupled decay
+lr * weight_decay * W, so switching optimizers leaves the regularisation as it was. Both follow one schedule
+shape: Muon's rate is AdamW's times muon_lr / lr at every step (warmup, cosine decay).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from systolic.engine import muon
+from systolic.engine.optim import decay_mask, make_optimizer, make_schedule, standard_promotion
+from systolic.workloads.lm.config import LMOptimConfig
+from systolic.workloads.lm.parametrization import muon_dims, roles
+
+
+def make_lm_optimizer(cfg: LMOptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clipping of the global gradient norm, then the optimizer that `cfg.name` names."""
+    if cfg.name == "adamw":
+        return make_optimizer(cfg, total_steps)
+    schedule = make_schedule(cfg, total_steps)
+    muon_step = optax.chain(
+        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="keller"),
+        optax.scale(cfg.muon_lr / cfg.lr),  # then the decay, then both times -lr(t): see the module docstring
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(schedule),
+    )
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return standard_promotion(optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.partition({"muon": muon_step, "adamw": adamw}, _labels),
+    ))
+
+
+def _labels(params):
+    """"muon" for the hidden matrices, "adamw" for the rest."""
+    return jax.tree.map(lambda r: "muon" if r == "hidden" else "adamw", roles(params))
