@@ -195,7 +195,7 @@ def test_bad_folders_are_user_errors(folders, tmp_path, capsys, broken, fragment
     src = tmp_path / "src"
     _write_broken(folders["llama"][1], src, broken)
     assert cli.main(["convert", "from-hf", str(src), str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.replace("\n", " ")
     assert err.startswith("error:") and "Traceback" not in err
     for fragment in fragments:
         assert fragment in " ".join(err.split()), err  # the message is wrapped at 110 columns
