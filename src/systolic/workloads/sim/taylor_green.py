@@ -84,8 +84,9 @@ def plot_dissipation(runs: list[Series], out: Path, *, reference: bool) -> Path:
         ref = load_reference()
         for ax, column in ((ax_e, 1), (ax_d, 2)):
             ax.plot(ref[:, 0], ref[:, column], color="black", lw=1, label="512^3 spectral DNS (HiOCFD C3.5)")
+    colours = ("C3", "C0", "C2", "C1", "C4", "C5")  # kept apart from the reference's black
     for i, (label, time, energy, dissipation) in enumerate(runs):
-        colour = f"C{(i + 3) % 10}"
+        colour = colours[i % len(colours)]
         ax_e.plot(time, energy, color=colour, lw=1.5, label=label)
         ax_d.plot(time, dissipation, color=colour, lw=1.5, label=label)
     ax_e.set_ylabel("kinetic energy")
