@@ -49,13 +49,18 @@ def test_a_sliding_window_counts_only_the_keys_in_it():
     assert attention(windowed, 256) == 12 * 2 * (64 - 64**2 / 512) * 4 * 16  # 56 keys per query, not 128
 
 
-def test_moe_counts_the_active_experts():
-    """A mixture of 4 experts, 2 per token, plus a shared expert, in one of two layers, against XLA's count. XLA:CPU
-    computes ragged_dot as one matmul per expert over all rows (jax's lowering there: no grouped-matmul kernel), so
-    its count holds each expert matmul E times: expected = formula + masked attention half + (E - 1) x the routed
-    experts' active FLOPs."""
+@pytest.mark.parametrize("tiles", [True, False], ids=["cpu-tiles", "ragged_dot"])
+def test_moe_counts_the_active_experts(tiles, monkeypatch):
+    """A mixture of 4 experts, 2 per token, plus a shared expert, in one of two layers, against XLA's count. XLA
+    computes more than the active experts, by a known amount: on CPU the tiled grouped matmul (lm/cpu.py) pads each
+    expert's rows to whole tiles and computes every tile, and XLA:CPU's own ragged_dot (the CPU rewrite off) computes
+    one matmul per expert over all rows, E times the work. Expected: formula + masked attention half + the routed
+    experts' active FLOPs x (rows computed / rows routed - 1)."""
+    from systolic.runtime import cpu_tuning
+    from systolic.workloads.lm import cpu
     from systolic.workloads.lm.flops import moe_active_params
 
+    monkeypatch.setattr(cpu_tuning, "settings", lambda: cpu_tuning.CpuTuning(grouped=tiles))
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
         "model.d_model=128", "model.layers=2", "model.heads=4", "model.max_seq_len=128", "data.seq_len=128",
         "model.moe.experts=4", "model.moe.top_k=2", "model.moe.mlp_dim=256", "model.moe.shared_experts=1",
@@ -72,8 +77,11 @@ def test_moe_counts_the_active_experts():
     xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
     ours = batch * seq * train_flops_per_token(cfg, vocab, seq)
     masked_half = batch * seq * 6 * cfg.layers * seq * cfg.heads * cfg.d_head
-    routed = 6 * batch * seq * cfg.moe.top_k * 3 * cfg.d_model * cfg.d_expert  # one MoE layer's active experts
-    assert xla_flops == pytest.approx(ours + masked_half + (cfg.moe.experts - 1) * routed, rel=0.05)
+    rows = batch * seq * cfg.moe.top_k  # routed rows of the MoE layer
+    routed = 6 * rows * 3 * cfg.d_model * cfg.d_expert  # their active FLOPs, forward + backward
+    layout = cpu.tile_layout(jnp.zeros(cfg.moe.experts, jnp.int32), rows)
+    computed = layout.group.shape[0] * layout.size if tiles else cfg.moe.experts * rows
+    assert xla_flops == pytest.approx(ours + masked_half + (computed / rows - 1) * routed, rel=0.05)
     # Active, not total: 2 of 4 routed experts, the shared one, the router (128 x 4).
     assert moe_active_params(cfg) == 128 * 4 + 2 * 3 * 128 * 256 + 3 * 128 * 256
     dense_layer = 3 * 128 * cfg.d_mlp
