@@ -2,7 +2,9 @@
 
 Each workload declares its config once as nested frozen dataclasses (common sections live here). Loading checks
 every key against the schema, coerces and checks types, then calls each section's `validate()`, so a bad value
-fails before any device work with an error that names the key, the value and what is allowed.
+fails before any device work with an error that names the key, the value and what is allowed. A section typed
+`Section | None` is optional: absent from a config (and from its config.yaml) unless given, for settings that
+exist only with some choice (rl's `ppo` and `pqn` sections, one per `algo`).
 """
 
 from __future__ import annotations
