@@ -16,7 +16,7 @@ import pytest
 from systolic import config as config_lib
 from systolic.cli import main
 from systolic.workloads import get
-from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_MOE, TINY_RL, TINY_SIM, TINY_SIM3D
+from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_MOE, TINY_PQN, TINY_RL, TINY_SIM, TINY_SIM3D
 
 BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq__", "__hash__", "__repr__", "_diff",
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
@@ -42,8 +42,8 @@ def schema_keys(schema: type, prefix: str = "") -> dict[str, tuple[type, str]]:
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         key = prefix + config_lib.config_key(f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.update(schema_keys(hints[f.name], key + "."))
+        if (section := config_lib.section_type(hints[f.name])) is not None:  # optional sections too (rl's ppo, pqn)
+            out.update(schema_keys(section, key + "."))
         else:
             out[key] = (schema, f.name)
     return out
@@ -53,8 +53,8 @@ def config_classes(schema: type) -> set[type]:
     hints = typing.get_type_hints(schema)
     found = {schema}
     for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(hints[f.name]):
-            found |= config_classes(hints[f.name])
+        if (section := config_lib.section_type(hints[f.name])) is not None:
+            found |= config_classes(section)
     return found
 
 
@@ -155,6 +155,9 @@ def test_every_gan_key_acts(record_reads, tmp_path):
 def test_every_rl_key_acts(record_reads, tmp_path):
     seen = record_reads(get("rl").config)
     assert main(["train", "rl", *TINY_RL, *QUIET, "--run-dir", str(tmp_path / "rl")]) == 0
+    # The other algorithm, from its recipe (the default one is PPO's), whose section replaces PPO's.
+    pqn = ["train", "rl", "--recipe", "rl-cartpole-pqn", *TINY_PQN, *QUIET, "--run-dir", str(tmp_path / "pqn")]
+    assert main(pqn) == 0
     # A continuous-action policy (Pendulum) reads what a discrete one does not: its initial log standard deviation.
     from systolic.workloads.rl.config import RLConfig
     from systolic.workloads.rl.envs import Env

@@ -34,6 +34,9 @@ TINY_RL = [
     "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40", "ppo.update_epochs=2",
     "ppo.num_minibatches=2", "ppo.anneal_lr=false", "checkpoint.every_steps=2", "observe.log_every=1",
 ]
+# The same run shape with PQN: its section replaces PPO's (a config has only the chosen algorithm's).
+TINY_PQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
+    "algo=pqn", "pqn.update_epochs=2", "pqn.num_minibatches=2", "pqn.anneal_lr=false", "pqn.lr=1e-3"]
 
 # `systolic simulate` arguments: the turbulence recipe on a 32^2 grid.
 TINY_SIM = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",

@@ -2,7 +2,9 @@
 
 Each workload declares its config once as nested frozen dataclasses (common sections live here). Loading checks
 every key against the schema, coerces and checks types, then calls each section's `validate()`, so a bad value
-fails before any device work with an error that names the key, the value and what is allowed.
+fails before any device work with an error that names the key, the value and what is allowed. A section typed
+`Section | None` is optional: absent from a config (and from its config.yaml) unless given, for settings that
+exist only with some choice (rl's `ppo` and `pqn` sections, one per `algo`).
 """
 
 from __future__ import annotations
@@ -327,14 +329,25 @@ def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
             continue
         kind = hints[f.name]
         value = tree[key]
-        if dataclasses.is_dataclass(kind):
-            kwargs[f.name] = from_dict(kind, value, f"{prefix}{key}.")
+        if (section := section_type(kind)) is not None:
+            kwargs[f.name] = None if value is None else from_dict(section, value, f"{prefix}{key}.")
         else:
             kwargs[f.name] = _coerce(value, kind, f"{prefix}{key}")
     obj = schema(**kwargs)
     if hasattr(obj, "validate"):
         obj.validate()
     return obj
+
+
+def section_type(kind: Any) -> type | None:
+    """The dataclass of a section field: `Section`, or `Section | None` for an optional section (one that exists
+    only in some configs, e.g. the settings of the algorithm a run chose); None for a plain key."""
+    if dataclasses.is_dataclass(kind):
+        return kind
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        sections = [a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)]
+        return sections[0] if sections else None
+    return None
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
@@ -397,8 +410,11 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The plain-data form of a config, as written to `<run_dir>/config.yaml`."""
     out = {}
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), config_key(f.name)
+        if value is None and section_type(hints[f.name]) is not None:
+            continue  # an optional section this config does not have: no key for it at all
         if dataclasses.is_dataclass(value):
             out[key] = to_dict(value)
         elif isinstance(value, tuple):

@@ -54,6 +54,7 @@ def test_train_resume_and_eval(tiny_rl, tmp_path, capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "rl", "ppo.num_minibatches=7"], "cannot be split into ppo.num_minibatches=7"),
     (["train", "rl", "rl.num_sedes=8"], "Did you mean 'rl.num_seeds'"),
+    (["train", "rl", "algo=pqn"], "has a 'ppo' section but algo=pqn"),  # rl-cartpole is a PPO recipe
     (["train", "rl", "env.name=Pong"], "is not an environment the rl workload can build"),
     (["train", "rl", "--recipe", "lm-tiny"], "is for the 'lm' workload, not 'rl'"),
     (["eval", "rl", "/nonexistent/run"], "not a systolic run directory"),
@@ -75,13 +76,15 @@ def test_eval_of_a_run_without_checkpoint(tmp_path, capsys, tiny_rl):
     assert "has no complete checkpoint" in capsys.readouterr().err.replace("\n", " ")
 
 
-@pytest.mark.parametrize("recipe, env, seeds", [("rl-cartpole", "CartPole-v1", 8), ("rl-pendulum", "Pendulum-v1", 4)])
-def test_bundled_recipes_load(recipe, env, seeds):
+@pytest.mark.parametrize("recipe, algo, env, seeds", [("rl-cartpole", "ppo", "CartPole-v1", 8),
+                                                      ("rl-pendulum", "ppo", "Pendulum-v1", 4),
+                                                      ("rl-cartpole-pqn", "pqn", "CartPole-v1", 8)])
+def test_bundled_recipes_load(recipe, algo, env, seeds):
     from systolic import config as config_lib
     from systolic.workloads import get
 
     rl = get("rl")
     cfg, name = config_lib.load(rl.config, recipe, [], rl.default_recipe)
-    assert (name, cfg.env.name, cfg.rl.num_seeds) == (recipe, env, seeds)
+    assert (name, cfg.algo, cfg.env.name, cfg.rl.num_seeds) == (recipe, algo, env, seeds)
     assert cfg.rl.num_updates * cfg.rl.env_steps_per_update >= cfg.rl.total_env_steps
     assert rl.default_recipe == "rl-cartpole"

@@ -1,8 +1,10 @@
-"""The `rl` workload's config: environment, network, PPO and run-shape sections plus the engine's common ones.
+"""The `rl` workload's config: environment, network, algorithm and run-shape sections plus the engine's common ones.
 
-One loop step of the engine is one *chunk*: `rl.updates_per_chunk` PPO updates compiled into one program, each
-update collecting `rl.num_steps` steps from each of `rl.num_envs` environments, for each of `rl.num_seeds`
-independent seeds at once. Derived counts (updates, chunks, environment steps) are properties.
+`algo` picks the algorithm, PPO or PQN; only the chosen one's section (`ppo` or `pqn`) exists in a config, so a
+PPO run has no PQN key and the reverse. One loop step of the engine is one *chunk*: `rl.updates_per_chunk`
+updates compiled into one program, each update collecting `rl.num_steps` steps from each of `rl.num_envs`
+environments, for each of `rl.num_seeds` independent seeds at once. Derived counts (updates, chunks, environment
+steps) are properties.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class EnvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
-    """The `model` section: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
-    Gaussian with a learned, state-independent log standard deviation. Named `model` because the engine refuses
-    to resume a run directory whose `model` changed (its checkpoints would not fit)."""
+    """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
+    Gaussian with a learned, state-independent log standard deviation. PQN: one Q-network MLP with a LayerNorm
+    after every hidden layer (purejaxql's). Named `model` because the engine refuses to resume a run directory
+    whose `model` changed (its checkpoints would not fit)."""
 
     hidden: int = 64
     layers: int = 2
@@ -86,6 +89,38 @@ class PPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PQNConfig:
+    """Parallel Q-learning (PQN, purejaxql's `pqn_gymnax.py`): epsilon-greedy rollouts from every environment, Q(lambda)
+    targets, minibatch epochs of RAdam on the squared TD error; no replay buffer, no target network. Discrete
+    actions only."""
+
+    lr: float = 1e-4
+    anneal_lr: bool = True  # linear decay to 0 over the whole run
+    max_grad_norm: float = 10.0
+    gamma: float = 0.99
+    q_lambda: float = 0.95  # lambda of the Q(lambda) targets: 0 is one-step Q-learning, 1 the Monte Carlo return
+    update_epochs: int = 4
+    num_minibatches: int = 16
+    eps_start: float = 1.0  # epsilon-greedy exploration: the chance of a uniformly random action...
+    eps_finish: float = 0.05  # ...falls linearly to this...
+    eps_decay: float = 0.2  # ...over this fraction of the run's updates, then stays
+    reward_scale: float = 1.0  # rewards are multiplied by this before the targets (returns reported unscaled)
+
+    def validate(self) -> None:
+        for name in ("lr", "max_grad_norm", "reward_scale", "eps_decay"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"pqn.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
+                                  f"value, e.g. pqn.{name}={_default(PQNConfig, name)}.")
+        for name in ("gamma", "q_lambda", "eps_start", "eps_finish"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"pqn.{name}={getattr(self, name)} is outside [0, 1]. Fix: e.g. "
+                                  f"pqn.{name}={_default(PQNConfig, name)}.")
+        if self.update_epochs <= 0 or self.num_minibatches <= 0:
+            raise ConfigError(f"pqn.update_epochs={self.update_epochs} and pqn.num_minibatches={self.num_minibatches} "
+                              "must both be greater than 0. Fix: e.g. pqn.update_epochs=4 pqn.num_minibatches=16.")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How much experience, in what shape: seeds x environments x rollout steps, chunked for the engine's loop."""
 
@@ -129,23 +164,44 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     workload: Literal["rl"] = "rl"
+    algo: Literal["ppo", "pqn"] = "ppo"
     env: EnvConfig = EnvConfig()
     model: NetworkConfig = NetworkConfig()
-    ppo: PPOConfig = PPOConfig()
+    ppo: PPOConfig | None = None  # exists (with its defaults if the recipe has none) only when algo=ppo
+    pqn: PQNConfig | None = None  # exists only when algo=pqn
     rl: RunConfig = RunConfig()
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
 
+    def __post_init__(self) -> None:
+        # The chosen algorithm's section, with its defaults when the recipe leaves it out (the config is frozen).
+        if self.algo == "ppo" and self.ppo is None:
+            object.__setattr__(self, "ppo", PPOConfig())
+        if self.algo == "pqn" and self.pqn is None:
+            object.__setattr__(self, "pqn", PQNConfig())
+
+    @property
+    def num_minibatches(self) -> int:
+        return self.ppo.num_minibatches if self.algo == "ppo" else self.pqn.num_minibatches
+
     def validate(self) -> None:
+        other = "pqn" if self.algo == "ppo" else "ppo"
+        if getattr(self, other) is not None:
+            raise ConfigError(
+                f"The config has a '{other}' section but algo={self.algo}, so those settings would not act. Expected: "
+                f"only the section of the chosen algorithm. Fix: start from a recipe of the algorithm you want (PPO: "
+                f"--recipe rl-cartpole; PQN: --recipe rl-cartpole-pqn), or drop the {other}.* settings."
+            )
         batch = self.rl.env_steps_per_update
-        if batch % self.ppo.num_minibatches:
+        if batch % self.num_minibatches:
+            key = f"{self.algo}.num_minibatches"
             raise ConfigError(
                 f"rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps} = {batch} transitions per "
-                f"update cannot be split into ppo.num_minibatches={self.ppo.num_minibatches} equal minibatches. Fix: "
-                f"choose sizes whose product is a multiple of {self.ppo.num_minibatches}, or set "
-                f"ppo.num_minibatches={divisor_near(batch, self.ppo.num_minibatches)}."
+                f"update cannot be split into {key}={self.num_minibatches} equal minibatches. Fix: choose sizes "
+                f"whose product is a multiple of {self.num_minibatches}, or set "
+                f"{key}={divisor_near(batch, self.num_minibatches)}."
             )
         if self.mesh.tensor != 1 or self.mesh.expert != 1:
             raise ConfigError(

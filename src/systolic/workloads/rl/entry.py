@@ -20,13 +20,13 @@ from systolic.workloads.rl.plot import plot_returns
 from systolic.workloads.rl.train import build_task
 
 
-
 def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prepared = build_task(cfg, mesh)
     run, spec = cfg.rl, prepared.env.spec
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
-    say(f"rl: PPO on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions), {run.num_seeds} seeds x "
+    algo = cfg.algo.upper()
+    say(f"rl: {algo} on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions), {run.num_seeds} seeds x "
         f"{run.num_envs} environments, {run.num_updates} updates of {run.env_steps_per_update} steps = "
         f"{run.num_updates * run.env_steps_per_update:,} environment steps per seed, in {run.num_chunks} chunks of "
         f"{run.updates_per_chunk} updates")
@@ -52,7 +52,7 @@ def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         say(f"throughput: {result.items_per_s:,.0f} environment steps/s (all seeds); first chunk (compile + run) "
             f"{result.compile_s:.1f} s; wall time {result.wall_s:.1f} s")
     if jax.process_index() == 0 and cfg.observe.plot:
-        path = plot_returns(run_dir, run.num_seeds, run.env_steps_per_chunk, title=f"PPO on {spec.name}")
+        path = plot_returns(run_dir, run.num_seeds, run.env_steps_per_chunk, title=f"{algo} on {spec.name}")
         if path is not None:
             say(f"return curves: {path}")
     return result
@@ -73,7 +73,7 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
 
 
 def plan(cfg: RLConfig, devices: list) -> StepProgram:
-    """One chunk step (`rl.updates_per_chunk` PPO updates of every seed: rollouts, GAE, minibatch epochs) lowered
+    """One chunk step (`rl.updates_per_chunk` updates of every seed: rollouts, targets, minibatch epochs) lowered
     from abstract inputs on a mesh of `devices`, for `systolic plan`."""
     from systolic.workloads.rl.envs import Env
     from systolic.workloads.rl.train import choose_layout, make_state_fns
@@ -89,9 +89,9 @@ def plan(cfg: RLConfig, devices: list) -> StepProgram:
         params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)) // run.num_seeds,
         items_per_step=run.num_seeds * run.env_steps_per_chunk, item_unit="env_steps", model_flops_per_step=None,
         dtype="float32",
-        notes=(f"one step is a chunk of {run.updates_per_chunk} PPO updates x {run.num_seeds} seeds, split by "
-               f"{layout} over the data axes; parameters are per seed; no FLOP formula for the rl workload: the MFU "
-               "is taken from XLA's count",))
+        notes=(f"one step is a chunk of {run.updates_per_chunk} {cfg.algo.upper()} updates x {run.num_seeds} seeds, "
+               f"split by {layout} over the data axes; parameters are per seed; no FLOP formula for the rl workload: "
+               "the MFU is taken from XLA's count",))
 
 
 WORKLOAD = Workload(name="rl", config=RLConfig, default_recipe="rl-cartpole",

@@ -11,7 +11,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from systolic.config import MeshConfig
@@ -20,10 +19,10 @@ from systolic.engine.state import TrainState
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads.rl import policy, ppo, render
+from systolic.workloads.rl import render
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import SOLVED_AT, Env
-from systolic.workloads.rl.train import make_seed_evaluator, make_state_fns
+from systolic.workloads.rl.train import algorithm_for, make_seed_evaluator, make_state_fns
 
 # gymnax name -> Gymnasium id of the same environment (same observations, actions, rewards and time limit).
 GYMNASIUM_IDS = {name: name for name in ("CartPole-v1", "Pendulum-v1", "Acrobot-v1", "MountainCar-v0",
@@ -51,19 +50,8 @@ def restore_run(run_dir: Path) -> RestoredRun:
 
 
 def make_act(cfg: RLConfig, env: Env):
-    """Jitted `(params, obs_stats, obs (S, B, *obs_shape)) -> deterministic actions (S, B, ...)`."""
-    spec = env.spec
-    graphdef = policy.make_graphdef(spec, cfg.model)
-    maybe_normalize = ppo.normalize_obs if cfg.ppo.normalize_obs else (lambda stats, obs: obs)
-
-    def act_one(params, obs_stats, obs):
-        dist, _ = policy.apply(graphdef, params, maybe_normalize(obs_stats, obs), len(spec.obs_shape))
-        action = dist.mode()
-        if not spec.discrete:
-            action = jnp.clip(action, jnp.asarray(spec.action_low), jnp.asarray(spec.action_high))
-        return action
-
-    return jax.jit(jax.vmap(act_one))
+    """Jitted `(params, seed_extra, obs (S, B, *obs_shape)) -> deterministic actions (S, B, ...)`."""
+    return jax.jit(jax.vmap(algorithm_for(cfg, env).make_act(cfg, env)))
 
 
 def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
@@ -88,9 +76,9 @@ def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
     returns = np.zeros((num_seeds, episodes))
     alive = np.ones((num_seeds, episodes), bool)
     act = make_act(run.cfg, run.env)
-    params, obs_stats = run.state.params, run.state.extra["seeds"]["obs_stats"]
+    params, seed_extra = run.state.params, run.state.extra["seeds"]
     while alive.any():
-        actions = np.asarray(act(params, obs_stats, obs))  # (S, E) or (S, E, D)
+        actions = np.asarray(act(params, seed_extra, obs))  # (S, E) or (S, E, D)
         for s, e in zip(*np.nonzero(alive)):
             action = int(actions[s, e]) if spec.discrete else actions[s, e].astype(np.float32)
             next_obs, reward, terminated, truncated, _ = envs[s][e].step(action)
@@ -105,7 +93,7 @@ def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
 
 def gymnax_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
     evaluate_seeds = make_seed_evaluator(run.cfg, run.env, episodes)
-    returns, _ = evaluate_seeds(run.state.params, run.state.extra["seeds"]["obs_stats"], jax.random.PRNGKey(seed))
+    returns, _ = evaluate_seeds(run.state.params, run.state.extra["seeds"], jax.random.PRNGKey(seed))
     return np.asarray(returns)
 
 
@@ -114,14 +102,14 @@ def episode_observations(run: RestoredRun, seed_index: int, key: jax.Array) -> n
     env, spec = run.env, run.env.spec
     act = make_act(run.cfg, env)
     params = jax.tree.map(lambda x: x[seed_index:seed_index + 1], run.state.params)
-    obs_stats = jax.tree.map(lambda x: x[seed_index:seed_index + 1], run.state.extra["seeds"]["obs_stats"])
+    seed_extra = jax.tree.map(lambda x: x[seed_index:seed_index + 1], run.state.extra["seeds"])
     reset_key, key = jax.random.split(key)
     obs, env_state = env.reset(reset_key)
     step = jax.jit(env.step)
     frames = [np.asarray(obs)]
     for _ in range(spec.max_episode_steps):
         key, step_key = jax.random.split(key)
-        action = act(params, obs_stats, obs[None, None])[0, 0]
+        action = act(params, seed_extra, obs[None, None])[0, 0]
         out = step(step_key, env_state, action, (obs, env_state))  # the episode ends at its first end
         if bool(out.terminated | out.truncated):
             frames.append(np.asarray(out.final_obs))

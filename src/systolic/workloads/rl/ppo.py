@@ -1,9 +1,9 @@
 """PPO as pure functions: GAE, the clipped loss, observation normalisation, and one seed's chunk of updates.
 
 `make_seed_fns` returns `init(key) -> SeedState` and `chunk(SeedState, key) -> (SeedState, ChunkMetrics)` for a
-single seed; `train.py` vmaps them over seeds and jits them. A chunk is `updates_per_chunk` PPO updates in one
-`lax.scan`, each update a `lax.scan` over rollout steps followed by epochs x minibatches of Adam steps, so a whole
-chunk is one XLA program that never returns to Python.
+single seed; `train.py` vmaps them over seeds and jits them (`ALGORITHM` declares them, algorithm.py). A chunk is
+`updates_per_chunk` PPO updates in one `lax.scan`, each update a `lax.scan` over rollout steps followed by epochs x
+minibatches of Adam steps, so a whole chunk is one XLA program that never returns to Python.
 
 Bootstrapping: an episode that *terminated* has no future (the target is the last reward); one that was
 *truncated* by the time limit does, so its last target bootstraps from the value of the pre-reset observation
@@ -20,6 +20,7 @@ import optax
 
 from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import policy
+from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
 
@@ -282,35 +283,28 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     return init, chunk
 
 
-def make_episode_fn(cfg: RLConfig, env: Env, episodes: int):
-    """`run(params, obs_stats, key) -> (returns (E,), lengths (E,))`: one seed's deterministic policy (argmax /
-    Gaussian mean) for `episodes` full episodes in parallel, each cut at the environment's time limit."""
+def make_act(cfg: RLConfig, env: Env):
+    """`act(params, seed_extra, obs (..., *obs_shape)) -> action (...)`: the deterministic policy (argmax, or the
+    Gaussian mean clipped to the action bounds), on observations normalised with the seed's statistics."""
     spec = env.spec
     graphdef = policy.make_graphdef(spec, cfg.model)
-    n_obs_axes = len(spec.obs_shape)
     maybe_normalize = normalize_obs if cfg.ppo.normalize_obs else (lambda stats, obs: obs)
 
-    def run(params: Any, obs_stats: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        reset_key, key = jax.random.split(key)
-        obs, env_state = jax.vmap(env.reset)(jax.random.split(reset_key, episodes))
+    def act(params: Any, seed_extra: dict[str, Any], obs: jax.Array) -> jax.Array:
+        dist, _ = policy.apply(graphdef, params, maybe_normalize(seed_extra["obs_stats"], obs), len(spec.obs_shape))
+        action = dist.mode()
+        if not spec.discrete:
+            action = jnp.clip(action, jnp.asarray(spec.action_low), jnp.asarray(spec.action_high))
+        return action
 
-        def body(carry, step_keys):
-            obs, env_state, total, length, alive = carry
-            dist, _ = policy.apply(graphdef, params, maybe_normalize(obs_stats, obs), n_obs_axes)
-            action = dist.mode()
-            if not spec.discrete:
-                action = jnp.clip(action, jnp.asarray(spec.action_low), jnp.asarray(spec.action_high))
-            # Each episode counts until its first end; what follows is ignored, so no reset is needed.
-            step = jax.vmap(env.step)(step_keys, env_state, action, (obs, env_state))
-            total = total + jnp.where(alive, step.reward, 0.0)
-            length = length + alive.astype(jnp.int32)
-            alive = alive & ~(step.terminated | step.truncated)
-            return (step.obs, step.state, total, length, alive), None
+    return act
 
-        init = (obs, env_state, jnp.zeros((episodes,)), jnp.zeros((episodes,), jnp.int32),
-                jnp.ones((episodes,), bool))
-        step_keys = jax.random.split(key, (spec.max_episode_steps, episodes))  # (T, E, 2)
-        (_, _, total, length, _), _ = jax.lax.scan(body, init, step_keys)
-        return total, length
 
-    return run
+ALGORITHM = Algorithm(
+    name="PPO", make_optimizer=make_optimizer, make_seed_fns=make_seed_fns, make_act=make_act, seed_state=SeedState,
+    metric_names=("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "episode_return",
+                  "episode_length"),
+    per_seed_metrics=("episode_return", "episode_length", "loss", "entropy"),
+    nonfinite_advice="lower ppo.lr or ppo.max_grad_norm, or set ppo.normalize_obs=true, then rerun the same command "
+                     "to resume; or set loop.nonfinite=skip to drop such steps and go on",
+)

@@ -1,10 +1,12 @@
-"""The `rl` workload's `Task`: PPO seeds vmapped into one train state, sharded over the mesh, chunked for the loop.
+"""The rl workload's `Task`: an algorithm's seeds vmapped into one train state, sharded over the mesh, chunked
+for the loop.
 
-One engine loop step = one chunk of `rl.updates_per_chunk` PPO updates for every seed (see ppo.py). Layout of the
-`TrainState` (S seeds, N environments per seed):
+One engine loop step = one chunk of `rl.updates_per_chunk` updates of the algorithm (`algo`: PPO or PQN,
+algorithm.py) for every seed. Layout of the `TrainState` (S seeds, N environments per seed):
 - `params`, `opt_state`: each leaf with a leading seed axis (S, ...).
 - `extra["envs"]`: environment states, current observations, running episode returns/lengths, (S, N, ...).
-- `extra["seeds"]`: observation statistics and the latest episode return/length per seed, (S, ...).
+- `extra["seeds"]`: the rest of each seed's state (PPO: observation statistics; both: the latest episode
+  return/length; PQN: its update count), (S, ...).
 - `rng`: the run's key; each chunk splits off a chunk key and folds in the seed index, so seed i's stream does
   not depend on how many seeds run beside it.
 
@@ -16,6 +18,7 @@ gradients of each minibatch across devices.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +31,14 @@ from systolic.engine.state import TrainState, make_sharded_state
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.cpu_tuning import cpu_compiler_options
-from systolic.workloads.rl import ppo
+from systolic.workloads.rl import algorithm as algorithm_lib
+from systolic.workloads.rl.algorithm import ENV_FIELDS, Algorithm
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.episodes import make_episode_fn
 
 DATA_AXES = ("data", "fsdp")  # the mesh axes that carry independent experience
-METRIC_NAMES = ("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "episode_return",
-                "episode_length")
-CHECKED = ("loss",)  # the PPO loss of every seed's chunk (mean); the guard also checks every parameter
-PER_SEED_METRICS = ("episode_return", "episode_length", "loss", "entropy")
+CHECKED = ("loss",)  # every seed's chunk loss (mean; PQN: the TD loss); the guard also checks every parameter
 
 
 def choose_layout(cfg: RLConfig, mesh: Mesh) -> str:
@@ -68,20 +70,15 @@ def state_shardings(abstract: TrainState, mesh: Mesh, layout: str) -> TrainState
                              "seeds": jax.tree.map(seed_leaf, abstract.extra["seeds"])})
 
 
-def to_train_state(step: jax.Array, rng: jax.Array, seeds: ppo.SeedState) -> TrainState:
-    return TrainState(step=step, params=seeds.params, opt_state=seeds.opt_state, rng=rng, extra={
-        "envs": {"env_state": seeds.env_state, "obs": seeds.obs, "episode_return": seeds.episode_return,
-                 "episode_length": seeds.episode_length},
-        "seeds": {"obs_stats": seeds.obs_stats, "last_return": seeds.last_return, "last_length": seeds.last_length},
-    })
+def to_train_state(step: jax.Array, rng: jax.Array, seeds: NamedTuple) -> TrainState:
+    fields = seeds._asdict()
+    params, opt_state = fields.pop("params"), fields.pop("opt_state")
+    envs = {name: fields.pop(name) for name in ENV_FIELDS}
+    return TrainState(step=step, params=params, opt_state=opt_state, rng=rng, extra={"envs": envs, "seeds": fields})
 
 
-def from_train_state(state: TrainState) -> ppo.SeedState:
-    envs, seeds = state.extra["envs"], state.extra["seeds"]
-    return ppo.SeedState(params=state.params, opt_state=state.opt_state, env_state=envs["env_state"],
-                         obs=envs["obs"], episode_return=envs["episode_return"],
-                         episode_length=envs["episode_length"], obs_stats=seeds["obs_stats"],
-                         last_return=seeds["last_return"], last_length=seeds["last_length"])
+def from_train_state(state: TrainState, seed_state: type) -> Any:
+    return seed_state(params=state.params, opt_state=state.opt_state, **state.extra["envs"], **state.extra["seeds"])
 
 
 def seed_keys(key: jax.Array, num_seeds: int) -> jax.Array:
@@ -96,10 +93,22 @@ class Prepared:
     layout: str  # "seeds" or "envs": what is split over the data-parallel devices
 
 
+def algorithm_for(cfg: RLConfig, env: Env) -> Algorithm:
+    """The algorithm `algo` chose, checked against the environment."""
+    if cfg.algo == "pqn" and not env.spec.discrete:
+        raise ConfigError(
+            f"algo=pqn on {env.spec.name}: PQN learns a Q-value per action, so it needs discrete actions, and "
+            f"{env.spec.name}'s are continuous. Fix: train it with PPO (--recipe rl-pendulum), or pick a discrete "
+            "environment (CartPole-v1, Acrobot-v1, Breakout-MinAtar, ...)."
+        )
+    return algorithm_lib.get(cfg.algo)
+
+
 def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     """Returns (init_state, chunk_step, abstract_state, shardings); `chunk_step(state, None)` is jitted."""
-    tx = ppo.make_optimizer(cfg)
-    init_seed, chunk_seed = ppo.make_seed_fns(cfg, env, tx)
+    algo = algorithm_for(cfg, env)
+    tx = algo.make_optimizer(cfg)
+    init_seed, chunk_seed = algo.make_seed_fns(cfg, env, tx)
     num_seeds = cfg.rl.num_seeds
 
     def make_state(key: jax.Array) -> TrainState:
@@ -113,8 +122,9 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     def chunk_step(state: TrainState, batch: None) -> tuple[TrainState, dict[str, jax.Array]]:
         del batch  # the environments make the data
         rng, chunk_key = jax.random.split(state.rng)
-        seeds, metrics = jax.vmap(chunk_seed)(from_train_state(state), seed_keys(chunk_key, num_seeds))
-        return to_train_state(state.step + 1, rng, seeds), flatten_metrics(metrics)
+        seeds, metrics = jax.vmap(chunk_seed)(from_train_state(state, algo.seed_state),
+                                              seed_keys(chunk_key, num_seeds))
+        return to_train_state(state.step + 1, rng, seeds), flatten_metrics(algo, metrics)
 
     state = make_sharded_state(make_state, (jax.random.PRNGKey(cfg.rl.seed),),
                                lambda abstract: state_shardings(abstract, mesh, layout))
@@ -124,13 +134,13 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     return state.init, step, state.abstract, shardings
 
 
-def flatten_metrics(metrics: ppo.ChunkMetrics) -> dict[str, jax.Array]:
+def flatten_metrics(algo: Algorithm, metrics: NamedTuple) -> dict[str, jax.Array]:
     """Per-seed (S,) metrics -> scalars the loop logs: the mean over seeds under each name, the worst seed's
     return, and `<name>/seed<i>` for the per-seed curves."""
-    out = {name: getattr(metrics, name).mean() for name in METRIC_NAMES}
+    out = {name: getattr(metrics, name).mean() for name in algo.metric_names}
     out["episode_return_min"] = metrics.episode_return.min()
     out["episodes"] = metrics.episodes.sum()
-    for name in PER_SEED_METRICS:
+    for name in algo.per_seed_metrics:
         values = getattr(metrics, name)
         for i in range(values.shape[0]):
             out[f"{name}/seed{i}"] = values[i]
@@ -138,12 +148,13 @@ def flatten_metrics(metrics: ppo.ChunkMetrics) -> dict[str, jax.Array]:
 
 
 def make_seed_evaluator(cfg: RLConfig, env: Env, episodes: int):
-    """Jitted `(params, obs_stats, key) -> (returns, lengths)`, each (S, E): every seed's deterministic policy."""
-    run = ppo.make_episode_fn(cfg, env, episodes)
+    """Jitted `(params, seed_extra, key) -> (returns, lengths)`, each (S, E): every seed's deterministic policy;
+    `seed_extra` is the train state's `extra["seeds"]`."""
+    run = make_episode_fn(env, algorithm_for(cfg, env).make_act(cfg, env), episodes)
 
     @jax.jit(compiler_options=cpu_compiler_options(1))
-    def evaluate_seeds(params, obs_stats, key):
-        return jax.vmap(run, in_axes=(0, 0, None))(params, obs_stats, key)
+    def evaluate_seeds(params, seed_extra, key):
+        return jax.vmap(run, in_axes=(0, 0, None))(params, seed_extra, key)
 
     return evaluate_seeds
 
@@ -166,7 +177,7 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
 
     def evaluate(state: TrainState) -> dict[str, float]:
         # The same episodes (same key) at every evaluation, so curves compare policies, not luck.
-        returns, lengths = jax.device_get(evaluate_seeds(state.params, state.extra["seeds"]["obs_stats"], eval_key))
+        returns, lengths = jax.device_get(evaluate_seeds(state.params, state.extra["seeds"], eval_key))
         return eval_summary(np.asarray(returns), np.asarray(lengths))
 
     run = cfg.rl
@@ -180,9 +191,8 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
         items_per_step=run.num_seeds * run.env_steps_per_chunk,
         item_unit="env_steps",
         check=CHECKED,
-        nonfinite_advice="lower ppo.lr or ppo.max_grad_norm, or set ppo.normalize_obs=true, then rerun the same "
-                         "command to resume; or set loop.nonfinite=skip to drop such steps and go on",
-        meta={"workload": "rl", "env": cfg.env.name},
+        nonfinite_advice=algorithm_for(cfg, env).nonfinite_advice,
+        meta={"workload": "rl", "env": cfg.env.name, "algo": cfg.algo},
     )
     return Prepared(task=task, env=env, layout=layout)
 

@@ -1,0 +1,39 @@
+"""Evaluation episodes: one seed's deterministic policy for whole episodes in parallel, in one jitted scan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from systolic.workloads.rl.envs import Env
+
+
+def make_episode_fn(env: Env, act: Callable[[Any, Any, jax.Array], jax.Array], episodes: int):
+    """`run(params, seed_extra, key) -> (returns (E,), lengths (E,))`: `act` (an algorithm's deterministic policy,
+    algorithm.py) for `episodes` full episodes in parallel, each cut at the environment's time limit."""
+    spec = env.spec
+
+    def run(params: Any, seed_extra: Any, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        reset_key, key = jax.random.split(key)
+        obs, env_state = jax.vmap(env.reset)(jax.random.split(reset_key, episodes))
+
+        def body(carry, step_keys):
+            obs, env_state, total, length, alive = carry
+            action = act(params, seed_extra, obs)
+            # Each episode counts until its first end; what follows is ignored, so no reset is needed.
+            step = jax.vmap(env.step)(step_keys, env_state, action, (obs, env_state))
+            total = total + jnp.where(alive, step.reward, 0.0)
+            length = length + alive.astype(jnp.int32)
+            alive = alive & ~(step.terminated | step.truncated)
+            return (step.obs, step.state, total, length, alive), None
+
+        init = (obs, env_state, jnp.zeros((episodes,)), jnp.zeros((episodes,), jnp.int32),
+                jnp.ones((episodes,), bool))
+        step_keys = jax.random.split(key, (spec.max_episode_steps, episodes))  # (T, E, 2)
+        (_, _, total, length, _), _ = jax.lax.scan(body, init, step_keys)
+        return total, length
+
+    return run

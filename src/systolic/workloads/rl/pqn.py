@@ -1,0 +1,269 @@
+"""PQN (parallel Q-learning, Gallici et al. 2024; purejaxql's `pqn_gymnax.py`) as pure functions of one seed.
+
+Each update: an epsilon-greedy rollout of `rl.num_steps` steps from each of `rl.num_envs` environments, Q(lambda)
+targets computed backwards over it, then `pqn.update_epochs` passes of shuffled minibatches of RAdam steps on the
+squared TD error. No replay buffer and no target network: the many parallel environments decorrelate the data
+and the LayerNorm after every hidden layer keeps the bootstrapped regression stable (the paper's argument).
+
+Bootstrapping, as PPO's (ppo.py): a *terminated* episode's last target is its reward; a *truncated* one (the time
+limit) bootstraps from max_a Q of the observation the step really led to (`EnvStep.final_obs`), and the lambda
+recursion stops at both. purejaxql's gymnax of the time reported one `done` for both, so its targets treat a
+time limit as a terminal state; these do not.
+
+`make_seed_fns` returns `init(key) -> SeedState` and `chunk(SeedState, key) -> (SeedState, ChunkMetrics)`;
+train.py vmaps them over seeds and jits them (`ALGORITHM` declares them, algorithm.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from systolic.engine.optim import standard_promotion, standard_promotion_schedule
+from systolic.workloads.rl.algorithm import Algorithm
+from systolic.workloads.rl.config import NetworkConfig, RLConfig
+from systolic.workloads.rl.envs import Env, EnvSpec
+
+# Q(LAMBDA) TARGETS --------------------------------------------------------------------------------------------
+
+
+def lambda_returns(rewards: jax.Array, next_q: jax.Array, terminated: jax.Array, done: jax.Array, *, gamma: float,
+                   lam: float) -> jax.Array:
+    """Q(lambda) targets over a rollout, time on axis 0 (Peng's Q(lambda), as PQN computes them).
+
+    Args:
+      rewards: (T, ...) reward r_t of each step.
+      next_q: (T, ...) max_a Q(s'_t, a) of the state s'_t the step really led to (the pre-reset observation where
+        an episode ended).
+      terminated: (T, ...) the episode hit a terminal state at step t: nothing to bootstrap from.
+      done: (T, ...) the episode ended at step t (terminated or truncated): the return does not look past it.
+    Returns:
+      (T, ...) targets G_t = r_t + gamma * (1 - terminated_t) * B_t, where B_t = next_q_t at the last step of the
+      rollout or of an episode, else (1 - lam) * next_q_t + lam * G_{t+1}.
+    """
+    not_terminal = 1.0 - terminated.astype(jnp.float32)
+
+    def backward(next_return, step):
+        reward, q, carry_on, ended = step
+        blend = jnp.where(ended, q, (1.0 - lam) * q + lam * next_return)
+        target = reward + gamma * carry_on * blend
+        return target, target
+
+    # Seeded with next_q of the last step, so the last step's blend is next_q itself (nothing beyond the rollout).
+    _, targets = jax.lax.scan(backward, next_q[-1], (rewards, next_q, not_terminal, done), reverse=True)
+    return targets
+
+
+# THE Q-NETWORK ------------------------------------------------------------------------------------------------
+
+
+class QNetwork(nnx.Module):
+    """An MLP with a LayerNorm after every hidden layer, one Q-value per action (purejaxql's `QNetwork` with
+    norm_type=layer_norm; Flax's default initialisers, as there)."""
+
+    def __init__(self, spec: EnvSpec, cfg: NetworkConfig, *, rngs: nnx.Rngs):
+        sizes = [spec.obs_size] + [cfg.hidden] * cfg.layers
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.norms = nnx.List([nnx.LayerNorm(cfg.hidden, rngs=rngs) for _ in range(cfg.layers)])
+        self.head = nnx.Linear(cfg.hidden, spec.action_dim, rngs=rngs)
+        self.activation = jnp.tanh if cfg.activation == "tanh" else jax.nn.relu
+
+    def __call__(self, obs: jax.Array, n_obs_axes: int) -> jax.Array:
+        """obs (..., *obs_shape) -> Q-values (..., A)."""
+        x = obs.reshape(*obs.shape[:obs.ndim - n_obs_axes], -1)  # (..., obs_size)
+        for layer, norm in zip(self.layers, self.norms):
+            x = self.activation(norm(layer(x)))
+        return self.head(x)
+
+
+def make_graphdef(spec: EnvSpec, cfg: NetworkConfig) -> nnx.GraphDef:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: QNetwork(spec, cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return graphdef
+
+
+def init_params(spec: EnvSpec, cfg: NetworkConfig, *, key: jax.Array) -> dict[str, Any]:
+    """Fresh parameters as a pure dict (what the train state and the checkpoints hold)."""
+    return nnx.to_pure_dict(nnx.state(QNetwork(spec, cfg, rngs=nnx.Rngs(params=key)), nnx.Param))
+
+
+# ONE SEED ---------------------------------------------------------------------------------------------------
+
+
+class SeedState(NamedTuple):
+    """Everything one seed carries from update to update (train.py stores it in a TrainState)."""
+
+    params: Any
+    opt_state: Any
+    env_state: dict[str, jax.Array]  # (N, ...)
+    obs: jax.Array  # (N, *obs_shape) observation to act on next
+    episode_return: jax.Array  # (N,) undiscounted, unscaled return of the running episode
+    episode_length: jax.Array  # (N,) int32
+    last_return: jax.Array  # () mean return of the latest chunk with a finished episode
+    last_length: jax.Array  # ()
+    updates: jax.Array  # () int32 updates done: the exploration schedule's clock
+
+
+class Transition(NamedTuple):  # each (T, N, ...) after the rollout scan
+    obs: jax.Array
+    action: jax.Array
+    q_taken: jax.Array  # Q(s, a) of the action taken, as the acting network saw it
+    reward: jax.Array  # scaled by pqn.reward_scale
+    terminated: jax.Array
+    done: jax.Array
+    final_obs: jax.Array  # the observation the step led to, before any reset
+    finished_return: jax.Array  # episode return where an episode ended at this step, else 0
+    finished_length: jax.Array
+
+
+class ChunkMetrics(NamedTuple):  # per seed, scalars
+    loss: jax.Array  # the TD loss 0.5 (Q(s, a) - G)^2, mean over the chunk's minibatches
+    q_value: jax.Array  # mean Q(s, a) of the actions taken in the chunk's rollouts
+    epsilon: jax.Array  # the exploration rate of the chunk's last update
+    episode_return: jax.Array  # mean over the episodes that finished in this chunk (else the previous value)
+    episode_length: jax.Array
+    episodes: jax.Array  # how many finished
+
+
+def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
+    """RAdam with global-norm clipping, as purejaxql; the learning rate decays linearly to 0 over all steps."""
+    pqn = cfg.pqn
+    if pqn.anneal_lr:
+        steps = cfg.rl.num_updates * pqn.update_epochs * pqn.num_minibatches
+        lr = optax.linear_schedule(pqn.lr, 0.0, steps)
+    else:
+        lr = pqn.lr
+    return standard_promotion(optax.chain(optax.clip_by_global_norm(pqn.max_grad_norm), optax.radam(lr)))
+
+
+def make_epsilon(cfg: RLConfig) -> optax.Schedule:
+    """Update count -> exploration rate: linear from eps_start to eps_finish over eps_decay of the run's updates."""
+    pqn = cfg.pqn
+    decay_updates = max(1, round(pqn.eps_decay * cfg.rl.num_updates))
+    return standard_promotion_schedule(optax.linear_schedule(pqn.eps_start, pqn.eps_finish, decay_updates))
+
+
+def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
+    """Returns (init, chunk) for one seed: `init(key) -> SeedState`, `chunk(SeedState, key) -> (SeedState,
+    ChunkMetrics)`."""
+    spec, pqn, run = env.spec, cfg.pqn, cfg.rl
+    graphdef = make_graphdef(spec, cfg.model)
+    n_obs_axes = len(spec.obs_shape)
+    n_envs, n_steps = run.num_envs, run.num_steps
+    batch_size = n_envs * n_steps
+    minibatch_size = batch_size // pqn.num_minibatches
+    epsilon = make_epsilon(cfg)
+
+    def q_values(params: Any, obs: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(obs, n_obs_axes)
+
+    def init(key: jax.Array) -> SeedState:
+        net_key, env_key = jax.random.split(key)
+        params = init_params(spec, cfg.model, key=net_key)
+        obs, env_state = jax.vmap(env.reset)(jax.random.split(env_key, n_envs))
+        zero = jnp.zeros((), jnp.float32)
+        return SeedState(params=params, opt_state=tx.init(params), env_state=env_state, obs=obs,
+                         episode_return=jnp.zeros((n_envs,), jnp.float32),
+                         episode_length=jnp.zeros((n_envs,), jnp.int32), last_return=zero, last_length=zero,
+                         updates=jnp.zeros((), jnp.int32))
+
+    def rollout_step(carry: SeedState, randomness) -> tuple[SeedState, Transition]:
+        env_keys, resets, explore, random_action, eps = randomness  # (N, 2), reset states, (N,), (N,), ()
+        q = q_values(carry.params, carry.obs)  # (N, A)
+        action = jnp.where(explore < eps, random_action, jnp.argmax(q, axis=-1).astype(jnp.int32))  # (N,)
+        step = jax.vmap(env.step)(env_keys, carry.env_state, action, resets)
+        done = step.terminated | step.truncated
+        episode_return = carry.episode_return + step.reward
+        episode_length = carry.episode_length + 1
+        transition = Transition(
+            obs=carry.obs, action=action, q_taken=jnp.take_along_axis(q, action[:, None], axis=-1)[:, 0],
+            reward=step.reward * pqn.reward_scale, terminated=step.terminated, done=done, final_obs=step.final_obs,
+            finished_return=jnp.where(done, episode_return, 0.0),
+            finished_length=jnp.where(done, episode_length, 0).astype(jnp.float32),
+        )
+        carry = carry._replace(env_state=step.state, obs=step.obs,
+                               episode_return=jnp.where(done, 0.0, episode_return),
+                               episode_length=jnp.where(done, 0, episode_length))
+        return carry, transition
+
+    def loss_fn(params: Any, minibatch: dict[str, jax.Array]) -> jax.Array:
+        q = q_values(params, minibatch["obs"])  # (B, A)
+        q_taken = jnp.take_along_axis(q, minibatch["action"][:, None], axis=-1)[:, 0]  # (B,)
+        return 0.5 * jnp.square(q_taken - minibatch["target"]).mean()
+
+    def radam_step(carry, minibatch):
+        params, opt_state = carry
+        loss, grads = jax.value_and_grad(loss_fn)(params, minibatch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    def update(carry: SeedState, key: jax.Array) -> tuple[SeedState, tuple]:
+        step_key, reset_key, explore_key, action_key, epoch_key = jax.random.split(key, 5)
+        eps = epsilon(carry.updates)
+        # COLLECT TRAJECTORIES. All of the rollout's randomness is drawn here, in bulk (see envs.py for why).
+        randomness = (jax.random.split(step_key, (n_steps, n_envs)),  # (T, N, 2)
+                      jax.vmap(jax.vmap(env.reset))(jax.random.split(reset_key, (n_steps, n_envs))),  # (T, N, ...)
+                      jax.random.uniform(explore_key, (n_steps, n_envs)),  # (T, N)
+                      jax.random.randint(action_key, (n_steps, n_envs), 0, spec.action_dim, jnp.int32),  # (T, N)
+                      jnp.broadcast_to(eps, (n_steps,)))
+        carry, traj = jax.lax.scan(rollout_step, carry, randomness)  # traj: (T, N, ...)
+        # Q(LAMBDA) TARGETS: max_a Q of the state each step really led to, in one batched pass. The parameters did
+        # not change during the rollout, so these are the values the acting network saw (purejaxql reuses those).
+        next_q = q_values(carry.params, traj.final_obs).max(axis=-1)  # (T, N)
+        targets = lambda_returns(traj.reward, next_q, traj.terminated, traj.done, gamma=pqn.gamma, lam=pqn.q_lambda)
+        # UPDATE NETWORK
+        batch = {"obs": traj.obs, "action": traj.action, "target": targets}
+        flat = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), batch)  # (T*N, ...)
+
+        def epoch(params_and_opt, order):
+            # A fresh shuffle of the whole rollout each epoch, cut into equal minibatches.
+            minibatches = jax.tree.map(
+                lambda x: x[order].reshape(pqn.num_minibatches, minibatch_size, *x.shape[1:]), flat)  # (M, B/M, ...)
+            return jax.lax.scan(radam_step, params_and_opt, minibatches)
+
+        orders = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(
+            jax.random.split(epoch_key, pqn.update_epochs))  # (epochs, T*N)
+        (params, opt_state), losses = jax.lax.scan(epoch, (carry.params, carry.opt_state), orders)
+        carry = carry._replace(params=params, opt_state=opt_state, updates=carry.updates + 1)
+        return carry, (losses.mean(), traj.q_taken.mean(), eps, traj.finished_return.sum(),
+                       traj.finished_length.sum(), traj.done.sum())
+
+    def chunk(state: SeedState, key: jax.Array) -> tuple[SeedState, ChunkMetrics]:
+        state, (losses, q_taken, eps, return_sum, length_sum, episodes) = jax.lax.scan(
+            update, state, jax.random.split(key, run.updates_per_chunk))
+        n = episodes.sum()
+        finished = n > 0
+        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
+        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
+        state = state._replace(last_return=mean_return, last_length=mean_length)
+        metrics = ChunkMetrics(loss=losses.mean(), q_value=q_taken.mean(), epsilon=eps[-1],
+                               episode_return=mean_return, episode_length=mean_length, episodes=n)
+        return state, metrics
+
+    return init, chunk
+
+
+def make_act(cfg: RLConfig, env: Env):
+    """`act(params, seed_extra, obs (..., *obs_shape)) -> action (...)`: the greedy policy, argmax_a Q."""
+    spec = env.spec
+    graphdef = make_graphdef(spec, cfg.model)
+
+    def act(params: Any, seed_extra: dict[str, Any], obs: jax.Array) -> jax.Array:
+        del seed_extra  # PQN's policy is its Q-network alone
+        q = nnx.merge(graphdef, params)(obs, len(spec.obs_shape))
+        return jnp.argmax(q, axis=-1).astype(jnp.int32)
+
+    return act
+
+
+ALGORITHM = Algorithm(
+    name="PQN", make_optimizer=make_optimizer, make_seed_fns=make_seed_fns, make_act=make_act, seed_state=SeedState,
+    metric_names=("loss", "q_value", "epsilon", "episode_return", "episode_length"),
+    per_seed_metrics=("episode_return", "episode_length", "loss", "q_value"),
+    nonfinite_advice="lower pqn.lr or pqn.max_grad_norm, or scale the rewards down (pqn.reward_scale), then rerun "
+                     "the same command to resume; or set loop.nonfinite=skip to drop such steps and go on",
+)
