@@ -138,11 +138,14 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     batch = {k: jax.ShapeDtypeStruct((2, 16), jax.numpy.int32) for k in ("inputs", "targets")}
     loss, metrics = jax.eval_shape(make_loss_fn(model_graphdef(cfg.model, 64), cfg.model.moe, 0.0), params, batch, None)
     assert "moe/dropped" in metrics
-    # Muon's settings are read when its optimizer is built (its training: tests/workloads/lm/test_muon.py).
+    # Muon's settings are read when its optimizer is built, muP's base width when a muP model is (their training:
+    # tests/workloads/lm/test_muon.py, test_mup.py).
     from systolic.workloads.lm.optimizer import make_lm_optimizer
 
-    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, "optim.name=muon"]))
-    make_lm_optimizer(cfg.optim, cfg.train.steps)
+    overrides = [*TINY_LM, "optim.name=muon", "model.parametrization=mup", "model.mup_base_width=16"]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+    make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    assert nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0))).logit_scale == 0.5
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

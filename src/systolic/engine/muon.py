@@ -11,7 +11,7 @@ bias-corrects its Nesterov momentum, Keller Jordan's does not), but it runs the 
 parameter is sharded, and GSPMD then all-gathers the whole matrix (and all-reduces its products) in each of the
 five steps. Here each matrix is gathered once and the iteration runs whole on every device (`_orthogonalize_whole`):
 one all-gather of the hidden matrices per step, no all-reduce, and the iteration's FLOPs repeated on every device
-(docs/engine.md, "Muon", has the HLO counts and the costs).
+(docs/optimizers.md, "Muon on a mesh", has the HLO counts and the costs).
 
 Weights with more than two axes are read as matrices by `Dims` (which axes are fan-in, which fan-out, counted from
 the end; any axis before them, such as scan_layers' `layers`, is a batch of separate matrices).

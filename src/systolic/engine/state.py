@@ -67,7 +67,8 @@ def optimizer_shardings(opt_state: Any, param_shardings: Any, default: Any) -> A
     `default` for the rest (step counts, coefficients). Unlike `optax.tree_map_params` this sees through
     `optax.partition`'s masked states, whose trees hold placeholders where the other partition's parameters are."""
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)[0]
+    by_path = {tuple(path): s for path, s in flat}
 
     def leaf_sharding(path, _):
         return next((by_path[tuple(path[i:])] for i in range(len(path)) if tuple(path[i:]) in by_path), default)

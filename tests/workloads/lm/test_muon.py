@@ -68,7 +68,7 @@ def test_sharded_muon_gathers_each_matrix_once(tiny_lm):
     """On fsdp=4, tensor=2, the Muon step's collectives are AdamW's plus all-gathers of about the hidden matrices'
     bytes (each gathered once for the Newton-Schulz iteration; measured 1.33x, as some matrices gather in two
     stages), and no more all-reduces. (Optax's Muon, run on the sharded momentum, added all-gathers of 6.0x those
-    bytes and all-reduces besides: docs/engine.md.)"""
+    bytes and all-reduces besides: docs/optimizers.md.)"""
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
     adamw, _ = collectives(tiny_lm.make_cfg(), mesh)
     ours, step = collectives(tiny_lm.make_cfg(*MUON), mesh)

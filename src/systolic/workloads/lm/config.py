@@ -187,6 +187,16 @@ class ModelConfig:
     # training attention: auto = splash on TPU, cuDNN on GPU, lm/cpu.py on CPU (see workloads/lm/attention.py)
     attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
     scan_layers: bool = False
+    # muP (Yang et al., Tensor Programs V): initialisation, per-layer learning rates, output multiplier and attention
+    # scale that make the best learning rate independent of d_model (lm/parametrization.py). The model equals the
+    # standard one at d_model = mup_base_width: tune there, then widen.
+    parametrization: Literal["standard", "mup"] = "standard"
+    mup_base_width: int = 256
+
+    @property
+    def width_mult(self) -> float:
+        """muP's width multiplier d_model / mup_base_width; 1 under the standard parametrization."""
+        return self.d_model / self.mup_base_width if self.parametrization == "mup" else 1.0
 
     @property
     def n_kv_heads(self) -> int:
@@ -225,7 +235,7 @@ class ModelConfig:
         return -(-vocab // self.vocab_multiple) * self.vocab_multiple
 
     def validate(self) -> None:
-        for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len"):
+        for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
         for name in ("vocab_size", "kv_heads", "head_dim", "mlp_dim"):

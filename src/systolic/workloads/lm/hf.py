@@ -38,7 +38,7 @@ from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import rules_for
-from systolic.workloads.lm import hf_config
+from systolic.workloads.lm import hf_config, parametrization
 from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
 from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model import Transformer
@@ -272,7 +272,7 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     run = load_run(Path(run_dir), "systolic convert to-hf")
     tokenizer = make_tokenizer(run.cfg.data.tokenizer)  # the run's own copy, or "byte"
     hf = hf_config.hf_config(run.cfg.model, run.vocab, tokenizer.eot_id)
-    params = jax.device_get(run.params)
+    params = parametrization.to_standard(run.cfg.model, jax.device_get(run.params))  # muP's multipliers folded in
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

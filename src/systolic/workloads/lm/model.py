@@ -39,6 +39,7 @@ from systolic.workloads.lm import moe as moe_lib
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.lora import targeted_weights
+from systolic.workloads.lm.parametrization import attention_correction, hidden_init_scale, output_multiplier
 from systolic.workloads.lm.rope import apply_rope, rope_tables
 
 ACT = ("batch", "seq", "act_embed")
@@ -141,10 +142,12 @@ class Attention(nnx.Module):
     RMSNorm of q and k before RoPE (`qk_norm`) are switches of the llama block."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, h, kv, hd, std = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head, cfg.init_std
+        d, h, kv, hd = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head
+        std = cfg.init_std * hidden_init_scale(cfg)  # muP: variance 1/fan_in (1 under the standard parametrization)
         self.dtype = resolve_dtype(cfg.dtype)
         self.attention_setting = cfg.attention
         self.window = cfg.sliding_window
+        self.q_scale = attention_correction(cfg)  # muP's 1/d_head attention (1 under the standard parametrization)
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
@@ -181,6 +184,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.q_scale != 1:
+            # Every implementation scales the logits by 1/sqrt(hd); scaling q instead of the logits reaches all.
+            q = q * self.q_scale
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if kv is None:
             impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
@@ -205,7 +211,7 @@ class MLP(nnx.Module):
     """SwiGLU (llama) or GELU-tanh with biases (gpt2); `width` overrides model.mlp_dim (MoE's shared experts)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int = 0):
-        d, m, std = cfg.d_model, width or cfg.d_mlp, cfg.init_std
+        d, m, std = cfg.d_model, width or cfg.d_mlp, cfg.init_std * hidden_init_scale(cfg)  # muP: variance 1/fan_in
         self.dtype = resolve_dtype(cfg.dtype)
         self.llama = cfg.family == "llama"
         out_std = std / math.sqrt(2 * cfg.layers)
@@ -300,6 +306,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.vocab = vocab
         self.dtype = resolve_dtype(cfg.dtype)
+        self.logit_scale = output_multiplier(cfg)
         self.embed = _param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         if cfg.family == "gpt2":
             self.pos_embed = _param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
@@ -351,7 +358,7 @@ class Transformer(nnx.Module):
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 
     def _forward(self, tokens, cache, segment_ids=None, positions=None):
-        cfg, dt = self.cfg, self.dtype
+        cfg = self.cfg
         T = tokens.shape[1]
         if T > cfg.max_seq_len:
             raise UserError(
@@ -361,13 +368,7 @@ class Transformer(nnx.Module):
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         if positions is None:
             positions = (start + jnp.arange(T, dtype=jnp.int32))[None]  # (1, T): every row alike
-        # Gather the fsdp-split columns first: a lookup into a table split on both axes makes the SPMD
-        # partitioner fall back to replicating it ("involuntary full rematerialization").
-        table = constrain(self.embed[...], ("vocab", None))  # (V, D)
-        x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
-        if self.pos_embed is not None:
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dt)  # (B or 1, T, D)
-        x = constrain(x, ACT)
+        x = self.embed_tokens(tokens, positions)  # (B, T, D)
         rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
         mask = None if cache is None else decode_mask(positions[0], cache.k.shape[2], cfg.sliding_window)  # (T, S)
         kv = None if cache is None else (cache.k, cache.v)
@@ -391,16 +392,34 @@ class Transformer(nnx.Module):
                 kv = (jnp.stack([k for k, _ in new_kv]), jnp.stack([v for _, v in new_kv]))  # (L, B, S, KV, hd)
             stats = jax.tree.map(lambda *s: jnp.stack(s), *layer_stats) if layer_stats else None  # (L_moe, ...)
 
-        x = self.final_norm(x)
-        # float32 accumulation: logits feed a softmax over the whole vocabulary.
-        if self.lm_head is None:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
+        logits = self.readout(x)  # (B, T, V)
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.length + T)
         return logits, cache, stats
+
+    def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """tokens (B, T) at positions (B or 1, T) -> the residual stream's input (B, T, D) in the compute dtype."""
+        # Gather the fsdp-split columns first: a lookup into a table split on both axes makes the SPMD
+        # partitioner fall back to replicating it ("involuntary full rematerialization").
+        table = constrain(self.embed[...], ("vocab", None))  # (V, D)
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # (B, T, D)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)  # (B or 1, T, D)
+        return constrain(x, ACT)
+
+    def readout(self, x: jax.Array) -> jax.Array:
+        """The last block's output (B, T, D) -> logits float32 (B, T, V)."""
+        x = self.final_norm(x)
+        # float32 accumulation: logits feed a softmax over the whole vocabulary.
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        if self.logit_scale != 1:
+            logits = logits * self.logit_scale  # muP's readout multiplier 1/m
+        return constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
 
 
 def decode_mask(positions: jax.Array, cache_len: int, window: int) -> jax.Array:

@@ -1,5 +1,6 @@
 """The lm's optimizer: AdamW (`optim.name=adamw`), or Muon for the hidden matrices and AdamW for the rest
-(`optim.name=muon`), each parameter sorted by its role (lm/parametrization.py).
+(`optim.name=muon`), each parameter sorted by its role (lm/parametrization.py); under muP, AdamW's per-layer
+learning rates.
 
 Muon's step on a matrix is muon_lr * (orthogonalised momentum) * shape factor, plus AdamW's decoupled decay
 lr * weight_decay * W, so switching optimizers leaves the regularisation as it was. Both follow one schedule
@@ -13,22 +14,31 @@ import optax
 
 from systolic.engine import muon
 from systolic.engine.optim import decay_mask, make_optimizer, make_schedule, standard_promotion
-from systolic.workloads.lm.config import LMOptimConfig
-from systolic.workloads.lm.parametrization import muon_dims, roles
+from systolic.workloads.lm.config import LMOptimConfig, ModelConfig
+from systolic.workloads.lm.parametrization import adam_lr_multiplier, muon_dims, roles
 
 
-def make_lm_optimizer(cfg: LMOptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clipping of the global gradient norm, then the optimizer that `cfg.name` names."""
-    if cfg.name == "adamw":
-        return make_optimizer(cfg, total_steps)
+def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clipping of the global gradient norm, then the optimizer that `cfg.name` names, for `model`'s
+    parametrization."""
+    mup = model.parametrization == "mup"
+    if cfg.name == "adamw" and not mup:
+        return make_optimizer(cfg, total_steps)  # the engine's, as sim uses it (and as older lm runs saved it)
     schedule = make_schedule(cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    if cfg.name == "adamw":
+        # muP: lr / m for the hidden weights. The whole update (decay included, as the mup package's MuAdamW
+        # scales its parameter groups' lr) is scaled: AdamW's update is linear in its learning rate.
+        return standard_promotion(optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw,
+                                              scale_per_parameter(lambda path: adam_lr_multiplier(path, model))))
     muon_step = optax.chain(
-        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="keller"),
+        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="spectral" if mup else "keller"),
         optax.scale(cfg.muon_lr / cfg.lr),  # then the decay, then both times -lr(t): see the module docstring
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    # Under muP the parameters AdamW keeps beside Muon (embeddings, output layer, norms, biases) keep their
+    # learning rate: no multipliers.
     return standard_promotion(optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.partition({"muon": muon_step, "adamw": adamw}, _labels),
@@ -38,3 +48,13 @@ def make_lm_optimizer(cfg: LMOptimConfig, total_steps: int) -> optax.GradientTra
 def _labels(params):
     """"muon" for the hidden matrices, "adamw" for the rest."""
     return jax.tree.map(lambda r: "muon" if r == "hidden" else "adamw", roles(params))
+
+
+def scale_per_parameter(factor) -> optax.GradientTransformation:
+    """Multiplies each parameter's update by `factor(key path)`, a Python float."""
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(lambda path, u: u * factor(path), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)

@@ -325,7 +325,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
-    tx = make_lm_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
     step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss), tx,
