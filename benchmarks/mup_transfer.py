@@ -63,7 +63,7 @@ def sweep(parametrization: str, width: int, lrs: list[float], steps: int) -> dic
     train = text.make_train_iterator(corpus.train_tokens, seq_len=32, global_batch=8, seed=0)
     evals = text.make_eval_batches(corpus.val_tokens, seq_len=32, batch=8, num_batches=16)
     graphdef = model_graphdef(cfg.model, vocab)
-    loss_fn = make_loss_fn(graphdef, 0.0)
+    loss_fn = make_loss_fn(graphdef, cfg.model.moe, 0.0)
     tx = make_lm_optimizer(cfg.optim, cfg.model, steps)  # peak rate 1: see the module docstring
     rates = jnp.asarray(lrs, jnp.float32)  # (R,)
     key = jax.random.PRNGKey(0)

@@ -53,7 +53,7 @@ def coordinates(mcfg: ModelConfig, ocfg: LMOptimConfig, width: int) -> dict[str,
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     tx = make_lm_optimizer(ocfg, mcfg, total_steps=STEPS)
-    loss_fn = make_loss_fn(graphdef, 0.0)
+    loss_fn = make_loss_fn(graphdef, mcfg.moe, 0.0)
 
     @jax.jit
     def step(params, opt_state):
