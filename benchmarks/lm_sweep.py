@@ -14,7 +14,7 @@ def start_jax() -> None:
     """The XLA:CPU settings that `systolic train` applies, before jax starts (import this module first)."""
     from systolic.runtime import cpu_tuning
 
-    cpu_tuning.apply_at_start(stepping=True)
+    cpu_tuning.apply_at_start(workload="lm", stepping=True)
 
 
 def train_curve(recipe: str, overrides: list[str], *, eval_every: int) -> dict:
