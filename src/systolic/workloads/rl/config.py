@@ -35,15 +35,20 @@ class EnvConfig:
 class NetworkConfig:
     """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
     Gaussian with a learned, state-independent log standard deviation. PQN: one Q-network MLP with a LayerNorm
-    after every hidden layer (purejaxql's). Named `model` because the engine refuses to resume a run directory
+    after every hidden layer (purejaxql's), optionally after a convolution for image observations (qnetwork.py).
+    Named `model` because the engine refuses to resume a run directory
     whose `model` changed (its checkpoints would not fit)."""
 
     hidden: int = 64
     layers: int = 2
     activation: Literal["tanh", "relu"] = "tanh"
     init_log_std: float = 0.0
+    conv_channels: int = 0  # Q-networks on images (MinAtar): a 3x3 convolution of this many filters first; 0 = none
 
     def validate(self) -> None:
+        if self.conv_channels < 0:
+            raise ConfigError(f"model.conv_channels={self.conv_channels} must be >= 0 (0: no convolution). Fix: e.g. "
+                              "model.conv_channels=16 for MinAtar, 0 for flat observations.")
         if self.hidden <= 0 or self.layers <= 0:
             raise ConfigError(
                 f"model.hidden={self.hidden} and model.layers={self.layers} must both be greater than 0. Fix: "
@@ -187,6 +192,12 @@ class RLConfig:
         return self.ppo.num_minibatches if self.algo == "ppo" else self.pqn.num_minibatches
 
     def validate(self) -> None:
+        if self.algo == "ppo" and self.model.conv_channels:
+            raise ConfigError(
+                f"model.conv_channels={self.model.conv_channels} with algo=ppo: PPO's actor and critic are MLPs on the "
+                "flattened observation; only the Q-networks (algo=pqn) have a convolution. Fix: model.conv_channels=0, "
+                "or train image environments with PQN (--recipe rl-breakout-pqn)."
+            )
         other = "pqn" if self.algo == "ppo" else "ppo"
         if getattr(self, other) is not None:
             raise ConfigError(
