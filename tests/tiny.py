@@ -37,8 +37,8 @@ TINY_RL = [
 # The same run shape with PQN: its section replaces PPO's (a config has only the chosen algorithm's).
 TINY_PQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
     "algo=pqn", "pqn.update_epochs=2", "pqn.num_minibatches=2", "pqn.anneal_lr=false", "pqn.lr=1e-3"]
-# And with DQN: a 192-transition replay buffer (it wraps in the 4th update of 64 steps), learning from the 2nd update (128 env
-# steps), the target network copied every 2 updates (128 env steps).
+# And with DQN: a 192-transition replay buffer (it wraps in the 4th update of 64 steps), learning from the 2nd
+# update (128 env steps), the target network copied every 2 updates (128 env steps).
 TINY_DQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
     "algo=dqn", "dqn.buffer_size=192", "dqn.batch_size=16", "dqn.learning_starts=128", "dqn.target_update_every=128",
     "dqn.lr=1e-3"]

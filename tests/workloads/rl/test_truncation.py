@@ -65,7 +65,8 @@ class ConstantReward(environment.Environment):
 
 for _ending in ("terminated", "truncated"):
     if f"ConstantReward-{_ending}" not in gymnax.registered_envs:
-        gymnax.register(f"ConstantReward-{_ending}", lambda terminates=_ending == "terminated": ConstantReward(terminates))
+        gymnax.register(f"ConstantReward-{_ending}",
+                        lambda terminates=_ending == "terminated": ConstantReward(terminates))
 
 # Each algorithm's tiny config with one-step targets, gamma 0.5 and enough updates for the one value to settle
 # (the learning rate decays to 0, so the end is not a noisy step).

@@ -1,10 +1,10 @@
 """The `rl` workload's config: environment, network, algorithm and run-shape sections plus the engine's common ones.
 
 `algo` picks the algorithm, PPO, PQN or DQN; only the chosen one's section (`ppo`, `pqn` or `dqn`) exists in a
-config, so a PPO run has no PQN or DQN key, and so on. One loop step of the engine is one *chunk*: `rl.updates_per_chunk`
-updates compiled into one program, each update collecting `rl.num_steps` steps from each of `rl.num_envs`
-environments, for each of `rl.num_seeds` independent seeds at once. Derived counts (updates, chunks, environment
-steps) are properties.
+config, so a PPO run has no PQN or DQN key, and so on. One loop step of the engine is one *chunk*:
+`rl.updates_per_chunk` updates compiled into one program, each update collecting `rl.num_steps` steps from each of
+`rl.num_envs` environments, for each of `rl.num_seeds` independent seeds at once. Derived counts (updates, chunks,
+environment steps) are properties.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class NetworkConfig:
     layers: int = 2
     activation: Literal["tanh", "relu"] = "tanh"
     init_log_std: float = 0.0
-    conv_channels: int = 0  # Q-networks on images (MinAtar): a 3x3 convolution of this many filters first; 0 = none
+    conv_channels: int = 0  # Q-networks on images (MinAtar): first a 3x3 convolution of this many filters; 0: none
 
     def validate(self) -> None:
         if self.conv_channels < 0:
@@ -233,8 +233,8 @@ class RLConfig:
         if self.algo == "ppo" and self.model.conv_channels:
             raise ConfigError(
                 f"model.conv_channels={self.model.conv_channels} with algo=ppo: PPO's actor and critic are MLPs on the "
-                "flattened observation; only the Q-networks (algo=pqn, algo=dqn) have a convolution. Fix: model.conv_channels=0, "
-                "or train image environments with PQN (--recipe rl-breakout-pqn)."
+                "flattened observation; only the Q-networks (algo=pqn, algo=dqn) have a convolution. Fix: "
+                "model.conv_channels=0, or train image environments with PQN (--recipe rl-breakout-pqn)."
             )
         for other in ALGORITHMS:
             if other != self.algo and getattr(self, other) is not None:
@@ -251,7 +251,8 @@ class RLConfig:
             raise ConfigError(
                 f"dqn.buffer_size={self.dqn.buffer_size} is smaller than the {batch} transitions one update adds "
                 f"(rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps}), so an update would "
-                f"overwrite its own transitions. Fix: dqn.buffer_size >= {batch}, e.g. dqn.buffer_size={max(batch, 10_000)}."
+                f"overwrite its own transitions. Fix: dqn.buffer_size >= {batch}, e.g. "
+                f"dqn.buffer_size={max(batch, 10_000)}."
             )
         if self.mesh.tensor != 1 or self.mesh.expert != 1:
             raise ConfigError(
