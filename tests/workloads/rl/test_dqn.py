@@ -88,6 +88,16 @@ def test_sharded_run_matches_single_device_and_the_buffer_fills(tiny_rl):
     assert prepared.task.train_step._cache_size() == 1
 
 
+def test_one_seed_split_by_environments_matches_single_device(tiny_rl):
+    """One seed on 2 devices: the environments are split and every device holds the whole replay buffer."""
+    _, _, history1 = run_chunks(tiny_dqn("rl.num_seeds=1"), tiny_rl.mesh(1), 2)
+    prepared, state, history = run_chunks(tiny_dqn("rl.num_seeds=1"), tiny_rl.mesh(2), 2)
+    assert prepared.layout == "envs" and state.extra["seeds"]["buffer"].size.tolist() == [192]
+    for got, want in zip(history, history1):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-4, atol=1e-5, err_msg=key)
+
+
 def test_learning_starts_and_the_target_network_is_a_periodic_copy(tiny_rl):
     """learning_starts=128: the first update (64 steps) only collects. Copies every 128 steps land at the end of each
     2-update chunk, so the target equals the online network then; every 192 steps, the first copy is at update 3."""
