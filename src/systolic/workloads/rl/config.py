@@ -34,10 +34,10 @@ class EnvConfig:
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
     """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
-    Gaussian with a learned, state-independent log standard deviation. PQN: one Q-network MLP with a LayerNorm
-    after every hidden layer (purejaxql's), optionally after a convolution for image observations (qnetwork.py).
-    Named `model` because the engine refuses to resume a run directory
-    whose `model` changed (its checkpoints would not fit)."""
+    Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
+    LayerNorm after every hidden layer (purejaxql's), after a convolution for image observations when
+    `conv_channels` > 0 (qnetwork.py). Named `model` because the engine refuses to resume a run directory whose
+    `model` changed (its checkpoints would not fit)."""
 
     hidden: int = 64
     layers: int = 2
@@ -168,7 +168,7 @@ class RunConfig:
     num_envs: int = 4  # environments per seed
     num_steps: int = 128  # rollout length per update
     total_env_steps: int = 500_000  # per seed; rounded up to whole chunks
-    updates_per_chunk: int = 16  # PPO updates per compiled loop step (one metrics row, one checkpoint unit)
+    updates_per_chunk: int = 16  # updates per compiled loop step (one metrics row, one checkpoint unit)
     eval_every: int = 0  # chunks between evaluations; 0 = only at the end
     eval_episodes: int = 16  # per seed, deterministic policy
     seed: int = 0
