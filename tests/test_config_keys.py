@@ -16,7 +16,7 @@ import pytest
 from systolic import config as config_lib
 from systolic.cli import main
 from systolic.workloads import get
-from tiny import LM_CLI_QUIET, TINY_GAN, TINY_LM, TINY_MOE, TINY_PQN, TINY_RL, TINY_SIM, TINY_SIM3D
+from tiny import LM_CLI_QUIET, TINY_DQN, TINY_GAN, TINY_LM, TINY_MOE, TINY_PQN, TINY_RL, TINY_SIM, TINY_SIM3D
 
 BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq__", "__hash__", "__repr__", "_diff",
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
@@ -158,9 +158,10 @@ def test_every_gan_key_acts(record_reads, tmp_path):
 def test_every_rl_key_acts(record_reads, tmp_path):
     seen = record_reads(get("rl").config)
     assert main(["train", "rl", *TINY_RL, *QUIET, "--run-dir", str(tmp_path / "rl")]) == 0
-    # The other algorithm, from its recipe (the default one is PPO's), whose section replaces PPO's.
-    pqn = ["train", "rl", "--recipe", "rl-cartpole-pqn", *TINY_PQN, *QUIET, "--run-dir", str(tmp_path / "pqn")]
-    assert main(pqn) == 0
+    # The other algorithms, from their recipes (the default one is PPO's), whose sections replace PPO's.
+    for algo, tiny in (("pqn", TINY_PQN), ("dqn", TINY_DQN)):
+        argv = ["train", "rl", "--recipe", f"rl-cartpole-{algo}", *tiny, *QUIET, "--run-dir", str(tmp_path / algo)]
+        assert main(argv) == 0, algo
     # A continuous-action policy (Pendulum) reads what a discrete one does not: its initial log standard deviation.
     from systolic.workloads.rl.config import RLConfig
     from systolic.workloads.rl.envs import Env

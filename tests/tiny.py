@@ -37,6 +37,11 @@ TINY_RL = [
 # The same run shape with PQN: its section replaces PPO's (a config has only the chosen algorithm's).
 TINY_PQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
     "algo=pqn", "pqn.update_epochs=2", "pqn.num_minibatches=2", "pqn.anneal_lr=false", "pqn.lr=1e-3"]
+# And with DQN: a 192-transition replay buffer (it wraps in the 4th update of 64 steps), learning from the 2nd
+# update (128 env steps), the target network copied every 2 updates (128 env steps).
+TINY_DQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
+    "algo=dqn", "dqn.buffer_size=192", "dqn.batch_size=16", "dqn.learning_starts=128", "dqn.target_update_every=128",
+    "dqn.lr=1e-3"]
 
 # `systolic simulate` arguments: the turbulence recipe on a 32^2 grid.
 TINY_SIM = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",

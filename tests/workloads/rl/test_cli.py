@@ -53,6 +53,7 @@ def test_train_resume_and_eval(tiny_rl, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "rl", "ppo.num_minibatches=7"], "cannot be split into ppo.num_minibatches=7"),
+    (["train", "rl", "model.conv_channels=16"], "only the Q-networks (algo=pqn, algo=dqn) have a convolution"),
     (["train", "rl", "rl.num_sedes=8"], "Did you mean 'rl.num_seeds'"),
     (["train", "rl", "algo=pqn"], "has a 'ppo' section but algo=pqn"),  # rl-cartpole is a PPO recipe
     (["train", "rl", "env.name=Pong"], "is not an environment the rl workload can build"),
@@ -78,7 +79,9 @@ def test_eval_of_a_run_without_checkpoint(tmp_path, capsys, tiny_rl):
 
 @pytest.mark.parametrize("recipe, algo, env, seeds", [("rl-cartpole", "ppo", "CartPole-v1", 8),
                                                       ("rl-pendulum", "ppo", "Pendulum-v1", 4),
-                                                      ("rl-cartpole-pqn", "pqn", "CartPole-v1", 8)])
+                                                      ("rl-cartpole-pqn", "pqn", "CartPole-v1", 8),
+                                                      ("rl-breakout-pqn", "pqn", "Breakout-MinAtar", 2),
+                                                      ("rl-cartpole-dqn", "dqn", "CartPole-v1", 8)])
 def test_bundled_recipes_load(recipe, algo, env, seeds):
     from systolic import config as config_lib
     from systolic.workloads import get

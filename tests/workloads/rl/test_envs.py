@@ -79,3 +79,13 @@ def test_gymnax_cartpole_follows_gymnasium_dynamics():
         ref_obs, ref_reward, ref_terminated, _, _ = reference.step(actions[t])
         np.testing.assert_allclose(np.asarray(s.final_obs), ref_obs, rtol=1e-4, atol=1e-5)
         assert float(s.reward) == ref_reward and bool(s.terminated) == ref_terminated
+
+
+@pytest.mark.parametrize("name, channels, actions", [("Breakout-MinAtar", 4, 3), ("SpaceInvaders-MinAtar", 6, 4),
+                                                     ("Asterix-MinAtar", 4, 5), ("Freeway-MinAtar", 7, 3)])
+def test_minatar_games_build_and_step(name, channels, actions):
+    """gymnax's MinAtar suite behind the adapter: 10 x 10 binary images, a few discrete actions."""
+    env = Env(EnvConfig(name=name))
+    assert (env.spec.obs_shape, env.spec.discrete, env.spec.action_dim) == ((10, 10, channels), True, actions)
+    (obs, first), = run(env, [jnp.int32(0)])
+    assert set(np.unique(np.asarray(obs))) <= {0.0, 1.0} and first.obs.dtype == jnp.float32

@@ -16,7 +16,7 @@ from systolic.config import LoopConfig
 from systolic.engine import loop
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
-from systolic.workloads.rl import pqn
+from systolic.workloads.rl import pqn, qnetwork
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
 from systolic.workloads.rl.train import build_task
@@ -96,10 +96,36 @@ def test_truncation_bootstraps_and_termination_does_not(ending, expected_last_ta
 def test_q_network_normalises_every_hidden_layer():
     cfg = tiny_pqn()
     spec = Env(cfg.env).spec
-    params = pqn.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
+    params = qnetwork.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
     assert set(params) == {"layers", "norms", "head"} and len(params["norms"]) == cfg.model.layers
     actions = pqn.make_act(cfg, Env(cfg.env))(params, {}, jnp.ones((3, *spec.obs_shape)))
     assert actions.shape == (3,) and actions.dtype == jnp.int32
+
+
+def test_conv_q_network_matches_a_numpy_forward_pass():
+    """MinAtar's Q-network (purejaxql's CNN): 3x3 VALID convolution, LayerNorm over channels, relu, flatten, then the
+    LayerNorm MLP, against the same computation written out in NumPy from the parameters."""
+    cfg = tiny_pqn("env.name=Breakout-MinAtar", "model.conv_channels=4", "model.layers=1", "model.activation=relu")
+    spec = Env(cfg.env).spec
+    params = qnetwork.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
+    kernel = np.asarray(params["conv"]["kernel"])
+    assert kernel.shape == (3, 3, 4, 4)  # (kh, kw, C in, C out)
+    obs = (np.random.default_rng(0).random((2, 5, 10, 10, 4)) < 0.2).astype(np.float32)  # (S, B, H, W, C)
+    got = np.asarray(qnetwork.q_values(qnetwork.make_graphdef(spec, cfg.model), params, jnp.asarray(obs)))
+
+    def layer_norm(x, p):
+        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + 1e-6) * np.asarray(p["scale"]) + np.asarray(p["bias"])
+
+    x = obs.reshape(-1, 10, 10, 4)
+    patches = np.stack([x[:, i:i + 8, j:j + 8] for i in range(3) for j in range(3)], axis=3)  # (B, 8, 8, 9, C)
+    conv = np.einsum("bhwkc,kcd->bhwd", patches, kernel.reshape(9, 4, 4)) + np.asarray(params["conv"]["bias"])
+    h = np.maximum(layer_norm(conv, params["conv_norm"]), 0).reshape(len(x), -1)  # (B, 8 * 8 * 4)
+    dense = params["layers"][0]
+    h = np.maximum(layer_norm(h @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"]), params["norms"][0]), 0)
+    want = h @ np.asarray(params["head"]["kernel"]) + np.asarray(params["head"]["bias"])
+    np.testing.assert_allclose(got.reshape(-1, 3), want, rtol=1e-4, atol=1e-4)
+    assert got.shape == (2, 5, 3)
 
 
 def test_epsilon_decays_linearly_then_stays():
@@ -169,6 +195,7 @@ def test_stop_and_resume_is_bit_exact(tiny_rl, tmp_path):
     (["env.name=Pendulum-v1"], "needs discrete actions"),
     (["ppo.lr=0.1"], "has a 'ppo' section but algo=pqn"),
     (["pqn.q_lambda=1.5"], "pqn.q_lambda=1.5 is outside [0, 1]"),
+    (["model.conv_channels=8"], "the convolution needs images (height, width, channels)"),  # CartPole's are flat
 ])
 def test_config_errors_say_what_to_fix(tiny_rl, overrides, fragment):
     with pytest.raises(ConfigError, match="Fix") as info:

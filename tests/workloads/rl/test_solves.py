@@ -1,5 +1,5 @@
-"""The acceptance runs (slow: minutes on a 2-core CPU): the bundled recipes (PPO and PQN) really solve their
-environments, and a CartPole policy trained by systolic also scores >= 475 in Gymnasium's own CartPole-v1."""
+"""The acceptance runs (slow: minutes on a 2-core CPU): the bundled recipes (PPO, PQN, DQN) really solve or learn
+their environments, and a CartPole policy trained by systolic also scores >= 475 in Gymnasium's own CartPole-v1."""
 
 import json
 import subprocess
@@ -49,3 +49,13 @@ def test_pqn_recipe_solves_cartpole_every_seed(tmp_path):
     final = train("rl-cartpole-pqn", tmp_path / "pqn")
     per_seed = [final[f"return/seed{i}"] for i in range(8)]
     assert min(per_seed) >= 475, per_seed
+
+
+@pytest.mark.slow
+def test_dqn_recipe_learns_cartpole(tmp_path):
+    """DQN with its replay buffer on the device: a mean over seeds of at least 400 and half the seeds at the 475
+    target (measured: mean 480.1, 7 of 8 seeds at >= 475, the worst at 363.9); DQN's seeds spread more than PPO's
+    or PQN's, so the bar is lower."""
+    final = train("rl-cartpole-dqn", tmp_path / "dqn")
+    per_seed = [final[f"return/seed{i}"] for i in range(8)]
+    assert final["return"] >= 400 and sorted(per_seed)[4] >= 475, per_seed

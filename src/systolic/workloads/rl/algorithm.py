@@ -7,7 +7,7 @@ An algorithm is pure functions of one seed, which train.py vmaps over seeds and 
   `metric_names`, `episode_return`, `episode_length` and `episodes`;
 - `make_act(cfg, env) -> act(params, seed_extra, obs) -> action`: the deterministic policy (argmax, Gaussian mean)
   that evaluation runs, `seed_extra` being what the seed carries besides its parameters (PPO: observation
-  statistics).
+  statistics; DQN: its target network and replay buffer, which acting ignores).
 Every SeedState has `params`, `opt_state` and the per-environment fields `ENV_FIELDS`; its other fields are
 per-seed values (train.py stores the three groups in the TrainState).
 """
@@ -34,7 +34,7 @@ class Algorithm:
     nonfinite_advice: str
 
 
-_MODULES = {"ppo": "systolic.workloads.rl.ppo", "pqn": "systolic.workloads.rl.pqn"}
+_MODULES = {"ppo": "systolic.workloads.rl.ppo", "pqn": "systolic.workloads.rl.pqn", "dqn": "systolic.workloads.rl.dqn"}
 
 
 def get(name: str) -> Algorithm:

@@ -1,10 +1,10 @@
 """The `rl` workload's config: environment, network, algorithm and run-shape sections plus the engine's common ones.
 
-`algo` picks the algorithm, PPO or PQN; only the chosen one's section (`ppo` or `pqn`) exists in a config, so a
-PPO run has no PQN key and the reverse. One loop step of the engine is one *chunk*: `rl.updates_per_chunk`
-updates compiled into one program, each update collecting `rl.num_steps` steps from each of `rl.num_envs`
-environments, for each of `rl.num_seeds` independent seeds at once. Derived counts (updates, chunks, environment
-steps) are properties.
+`algo` picks the algorithm, PPO, PQN or DQN; only the chosen one's section (`ppo`, `pqn` or `dqn`) exists in a
+config, so a PPO run has no PQN or DQN key, and so on. One loop step of the engine is one *chunk*:
+`rl.updates_per_chunk` updates compiled into one program, each update collecting `rl.num_steps` steps from each of
+`rl.num_envs` environments, for each of `rl.num_seeds` independent seeds at once. Derived counts (updates, chunks,
+environment steps) are properties.
 """
 
 from __future__ import annotations
@@ -34,16 +34,21 @@ class EnvConfig:
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
     """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
-    Gaussian with a learned, state-independent log standard deviation. PQN: one Q-network MLP with a LayerNorm
-    after every hidden layer (purejaxql's). Named `model` because the engine refuses to resume a run directory
-    whose `model` changed (its checkpoints would not fit)."""
+    Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
+    LayerNorm after every hidden layer (purejaxql's), after a convolution for image observations when
+    `conv_channels` > 0 (qnetwork.py). Named `model` because the engine refuses to resume a run directory whose
+    `model` changed (its checkpoints would not fit)."""
 
     hidden: int = 64
     layers: int = 2
     activation: Literal["tanh", "relu"] = "tanh"
     init_log_std: float = 0.0
+    conv_channels: int = 0  # Q-networks on images (MinAtar): first a 3x3 convolution of this many filters; 0: none
 
     def validate(self) -> None:
+        if self.conv_channels < 0:
+            raise ConfigError(f"model.conv_channels={self.conv_channels} must be >= 0 (0: no convolution). Fix: e.g. "
+                              "model.conv_channels=16 for MinAtar, 0 for flat observations.")
         if self.hidden <= 0 or self.layers <= 0:
             raise ConfigError(
                 f"model.hidden={self.hidden} and model.layers={self.layers} must both be greater than 0. Fix: "
@@ -121,6 +126,41 @@ class PQNConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DQNConfig:
+    """DQN (Mnih et al. 2015, as purejaxrl's `dqn.py`): epsilon-greedy steps go into a uniform replay buffer held on
+    the device (replay.py); each update takes `gradient_steps` Adam steps on minibatches sampled from it, with
+    one-step targets from a target network copied from the online one every `target_update_every` environment steps.
+    Discrete actions only."""
+
+    lr: float = 2.5e-4
+    anneal_lr: bool = False  # linear decay to 0 over the whole run
+    max_grad_norm: float = 10.0
+    gamma: float = 0.99
+    buffer_size: int = 10_000  # transitions per seed; the oldest are overwritten once full
+    batch_size: int = 128  # transitions sampled per gradient step
+    gradient_steps: int = 1  # per update (each update adds rl.num_envs x rl.num_steps transitions)
+    learning_starts: int = 10_000  # environment steps per seed before the first gradient step
+    target_update_every: int = 500  # environment steps per seed between copies into the target network
+    eps_start: float = 1.0  # epsilon-greedy exploration: the chance of a uniformly random action...
+    eps_finish: float = 0.05  # ...falls linearly to this...
+    eps_decay: float = 0.5  # ...over this fraction of the run's updates, then stays
+
+    def validate(self) -> None:
+        for name in ("lr", "max_grad_norm", "eps_decay", "buffer_size", "batch_size", "gradient_steps",
+                     "target_update_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"dqn.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
+                                  f"value, e.g. dqn.{name}={_default(DQNConfig, name)}.")
+        for name in ("gamma", "eps_start", "eps_finish"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"dqn.{name}={getattr(self, name)} is outside [0, 1]. Fix: e.g. "
+                                  f"dqn.{name}={_default(DQNConfig, name)}.")
+        if self.learning_starts < 0:
+            raise ConfigError(f"dqn.learning_starts={self.learning_starts} must be >= 0 (0: learn from the first "
+                              "update). Fix: e.g. dqn.learning_starts=10000.")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How much experience, in what shape: seeds x environments x rollout steps, chunked for the engine's loop."""
 
@@ -128,7 +168,7 @@ class RunConfig:
     num_envs: int = 4  # environments per seed
     num_steps: int = 128  # rollout length per update
     total_env_steps: int = 500_000  # per seed; rounded up to whole chunks
-    updates_per_chunk: int = 16  # PPO updates per compiled loop step (one metrics row, one checkpoint unit)
+    updates_per_chunk: int = 16  # updates per compiled loop step (one metrics row, one checkpoint unit)
     eval_every: int = 0  # chunks between evaluations; 0 = only at the end
     eval_episodes: int = 16  # per seed, deterministic policy
     seed: int = 0
@@ -161,14 +201,19 @@ class RunConfig:
                               "e.g. rl.eval_every=10.")
 
 
+# Each algorithm (the `algo` values) and its CartPole recipe, named in errors.
+ALGORITHMS = {"ppo": "rl-cartpole", "pqn": "rl-cartpole-pqn", "dqn": "rl-cartpole-dqn"}
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     workload: Literal["rl"] = "rl"
-    algo: Literal["ppo", "pqn"] = "ppo"
+    algo: Literal["ppo", "pqn", "dqn"] = "ppo"
     env: EnvConfig = EnvConfig()
     model: NetworkConfig = NetworkConfig()
     ppo: PPOConfig | None = None  # exists (with its defaults if the recipe has none) only when algo=ppo
     pqn: PQNConfig | None = None  # exists only when algo=pqn
+    dqn: DQNConfig | None = None  # exists only when algo=dqn
     rl: RunConfig = RunConfig()
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig = MeshConfig()
@@ -181,33 +226,48 @@ class RLConfig:
             object.__setattr__(self, "ppo", PPOConfig())
         if self.algo == "pqn" and self.pqn is None:
             object.__setattr__(self, "pqn", PQNConfig())
-
-    @property
-    def num_minibatches(self) -> int:
-        return self.ppo.num_minibatches if self.algo == "ppo" else self.pqn.num_minibatches
+        if self.algo == "dqn" and self.dqn is None:
+            object.__setattr__(self, "dqn", DQNConfig())
 
     def validate(self) -> None:
-        other = "pqn" if self.algo == "ppo" else "ppo"
-        if getattr(self, other) is not None:
+        if self.algo == "ppo" and self.model.conv_channels:
             raise ConfigError(
-                f"The config has a '{other}' section but algo={self.algo}, so those settings would not act. Expected: "
-                f"only the section of the chosen algorithm. Fix: start from a recipe of the algorithm you want (PPO: "
-                f"--recipe rl-cartpole; PQN: --recipe rl-cartpole-pqn), or drop the {other}.* settings."
+                f"model.conv_channels={self.model.conv_channels} with algo=ppo: PPO's actor and critic are MLPs on the "
+                "flattened observation; only the Q-networks (algo=pqn, algo=dqn) have a convolution. Fix: "
+                "model.conv_channels=0, or train image environments with PQN (--recipe rl-breakout-pqn)."
             )
+        for other in ALGORITHMS:
+            if other != self.algo and getattr(self, other) is not None:
+                raise ConfigError(
+                    f"The config has a '{other}' section but algo={self.algo}, so those settings would not act. "
+                    f"Expected: only the section of the chosen algorithm. Fix: start from a recipe of the algorithm "
+                    f"you want ({', '.join(f'{a.upper()}: --recipe {r}' for a, r in ALGORITHMS.items())}), or drop "
+                    f"the {other}.* settings."
+                )
         batch = self.rl.env_steps_per_update
-        if batch % self.num_minibatches:
-            key = f"{self.algo}.num_minibatches"
+        if self.algo in ("ppo", "pqn"):
+            self._check_minibatches(batch, getattr(self, self.algo).num_minibatches)
+        if self.algo == "dqn" and self.dqn.buffer_size < batch:
             raise ConfigError(
-                f"rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps} = {batch} transitions per "
-                f"update cannot be split into {key}={self.num_minibatches} equal minibatches. Fix: choose sizes "
-                f"whose product is a multiple of {self.num_minibatches}, or set "
-                f"{key}={divisor_near(batch, self.num_minibatches)}."
+                f"dqn.buffer_size={self.dqn.buffer_size} is smaller than the {batch} transitions one update adds "
+                f"(rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps}), so an update would "
+                f"overwrite its own transitions. Fix: dqn.buffer_size >= {batch}, e.g. "
+                f"dqn.buffer_size={max(batch, 10_000)}."
             )
         if self.mesh.tensor != 1 or self.mesh.expert != 1:
             raise ConfigError(
                 f"mesh.tensor={self.mesh.tensor} and mesh.expert={self.mesh.expert}: the rl workload splits seeds or "
                 "environments over the data-parallel axes (data, fsdp) only; its networks are too small to split "
                 "and have no experts. Fix: mesh.tensor=1 mesh.expert=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
+            )
+
+    def _check_minibatches(self, batch: int, num_minibatches: int) -> None:
+        if batch % num_minibatches:
+            key = f"{self.algo}.num_minibatches"
+            raise ConfigError(
+                f"rl.num_envs x rl.num_steps = {self.rl.num_envs} x {self.rl.num_steps} = {batch} transitions per "
+                f"update cannot be split into {key}={num_minibatches} equal minibatches. Fix: choose sizes whose "
+                f"product is a multiple of {num_minibatches}, or set {key}={divisor_near(batch, num_minibatches)}."
             )
 
 

@@ -21,12 +21,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from systolic.engine.optim import standard_promotion, standard_promotion_schedule
+from systolic.workloads.rl import qnetwork
 from systolic.workloads.rl.algorithm import Algorithm
-from systolic.workloads.rl.config import NetworkConfig, RLConfig
-from systolic.workloads.rl.envs import Env, EnvSpec
+from systolic.workloads.rl.config import RLConfig
+from systolic.workloads.rl.envs import Env
 
 # Q(LAMBDA) TARGETS --------------------------------------------------------------------------------------------
 
@@ -56,38 +56,6 @@ def lambda_returns(rewards: jax.Array, next_q: jax.Array, terminated: jax.Array,
     # Seeded with next_q of the last step, so the last step's blend is next_q itself (nothing beyond the rollout).
     _, targets = jax.lax.scan(backward, next_q[-1], (rewards, next_q, not_terminal, done), reverse=True)
     return targets
-
-
-# THE Q-NETWORK ------------------------------------------------------------------------------------------------
-
-
-class QNetwork(nnx.Module):
-    """An MLP with a LayerNorm after every hidden layer, one Q-value per action (purejaxql's `QNetwork` with
-    norm_type=layer_norm; Flax's default initialisers, as there)."""
-
-    def __init__(self, spec: EnvSpec, cfg: NetworkConfig, *, rngs: nnx.Rngs):
-        sizes = [spec.obs_size] + [cfg.hidden] * cfg.layers
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
-        self.norms = nnx.List([nnx.LayerNorm(cfg.hidden, rngs=rngs) for _ in range(cfg.layers)])
-        self.head = nnx.Linear(cfg.hidden, spec.action_dim, rngs=rngs)
-        self.activation = jnp.tanh if cfg.activation == "tanh" else jax.nn.relu
-
-    def __call__(self, obs: jax.Array, n_obs_axes: int) -> jax.Array:
-        """obs (..., *obs_shape) -> Q-values (..., A)."""
-        x = obs.reshape(*obs.shape[:obs.ndim - n_obs_axes], -1)  # (..., obs_size)
-        for layer, norm in zip(self.layers, self.norms):
-            x = self.activation(norm(layer(x)))
-        return self.head(x)
-
-
-def make_graphdef(spec: EnvSpec, cfg: NetworkConfig) -> nnx.GraphDef:
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: QNetwork(spec, cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    return graphdef
-
-
-def init_params(spec: EnvSpec, cfg: NetworkConfig, *, key: jax.Array) -> dict[str, Any]:
-    """Fresh parameters as a pure dict (what the train state and the checkpoints hold)."""
-    return nnx.to_pure_dict(nnx.state(QNetwork(spec, cfg, rngs=nnx.Rngs(params=key)), nnx.Param))
 
 
 # ONE SEED ---------------------------------------------------------------------------------------------------
@@ -150,19 +118,18 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     """Returns (init, chunk) for one seed: `init(key) -> SeedState`, `chunk(SeedState, key) -> (SeedState,
     ChunkMetrics)`."""
     spec, pqn, run = env.spec, cfg.pqn, cfg.rl
-    graphdef = make_graphdef(spec, cfg.model)
-    n_obs_axes = len(spec.obs_shape)
+    graphdef = qnetwork.make_graphdef(spec, cfg.model)
     n_envs, n_steps = run.num_envs, run.num_steps
     batch_size = n_envs * n_steps
     minibatch_size = batch_size // pqn.num_minibatches
     epsilon = make_epsilon(cfg)
 
     def q_values(params: Any, obs: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params)(obs, n_obs_axes)
+        return qnetwork.q_values(graphdef, params, obs)
 
     def init(key: jax.Array) -> SeedState:
         net_key, env_key = jax.random.split(key)
-        params = init_params(spec, cfg.model, key=net_key)
+        params = qnetwork.init_params(spec, cfg.model, key=net_key)
         obs, env_state = jax.vmap(env.reset)(jax.random.split(env_key, n_envs))
         zero = jnp.zeros((), jnp.float32)
         return SeedState(params=params, opt_state=tx.init(params), env_state=env_state, obs=obs,
@@ -249,12 +216,11 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
 
 def make_act(cfg: RLConfig, env: Env):
     """`act(params, seed_extra, obs (..., *obs_shape)) -> action (...)`: the greedy policy, argmax_a Q."""
-    spec = env.spec
-    graphdef = make_graphdef(spec, cfg.model)
+    graphdef = qnetwork.make_graphdef(env.spec, cfg.model)
 
     def act(params: Any, seed_extra: dict[str, Any], obs: jax.Array) -> jax.Array:
         del seed_extra  # PQN's policy is its Q-network alone
-        q = nnx.merge(graphdef, params)(obs, len(spec.obs_shape))
+        q = qnetwork.q_values(graphdef, params, obs)
         return jnp.argmax(q, axis=-1).astype(jnp.int32)
 
     return act

@@ -1,12 +1,12 @@
 """The rl workload's `Task`: an algorithm's seeds vmapped into one train state, sharded over the mesh, chunked
 for the loop.
 
-One engine loop step = one chunk of `rl.updates_per_chunk` updates of the algorithm (`algo`: PPO or PQN,
+One engine loop step = one chunk of `rl.updates_per_chunk` updates of the algorithm (`algo`: PPO, PQN or DQN,
 algorithm.py) for every seed. Layout of the `TrainState` (S seeds, N environments per seed):
 - `params`, `opt_state`: each leaf with a leading seed axis (S, ...).
 - `extra["envs"]`: environment states, current observations, running episode returns/lengths, (S, N, ...).
-- `extra["seeds"]`: the rest of each seed's state (PPO: observation statistics; both: the latest episode
-  return/length; PQN: its update count), (S, ...).
+- `extra["seeds"]`: the rest of each seed's state (PPO: observation statistics; all: the latest episode
+  return/length; PQN and DQN: the update count; DQN: its target network and replay buffer), (S, ...).
 - `rng`: the run's key; each chunk splits off a chunk key and folds in the seed index, so seed i's stream does
   not depend on how many seeds run beside it.
 
@@ -38,7 +38,7 @@ from systolic.workloads.rl.envs import Env
 from systolic.workloads.rl.episodes import make_episode_fn
 
 DATA_AXES = ("data", "fsdp")  # the mesh axes that carry independent experience
-CHECKED = ("loss",)  # every seed's chunk loss (mean; PQN: the TD loss); the guard also checks every parameter
+CHECKED = ("loss",)  # every seed's chunk loss (mean; PQN, DQN: the TD loss); the guard also checks every parameter
 
 
 def choose_layout(cfg: RLConfig, mesh: Mesh) -> str:
@@ -95,9 +95,10 @@ class Prepared:
 
 def algorithm_for(cfg: RLConfig, env: Env) -> Algorithm:
     """The algorithm `algo` chose, checked against the environment."""
-    if cfg.algo == "pqn" and not env.spec.discrete:
+    if cfg.algo in ("pqn", "dqn") and not env.spec.discrete:
         raise ConfigError(
-            f"algo=pqn on {env.spec.name}: PQN learns a Q-value per action, so it needs discrete actions, and "
+            f"algo={cfg.algo} on {env.spec.name}: {cfg.algo.upper()} learns a Q-value per action, so it needs "
+            f"discrete actions, and "
             f"{env.spec.name}'s are continuous. Fix: train it with PPO (--recipe rl-pendulum), or pick a discrete "
             "environment (CartPole-v1, Acrobot-v1, Breakout-MinAtar, ...)."
         )
