@@ -82,3 +82,82 @@ def test_random_bad_input_never_tracebacks_or_damages(existing_run, tmp_path_fac
     assert snapshot(existing_run) == before, "a failed command changed an existing run directory"
     if not reuse:
         assert not run_dir.exists(), "a failed command left a new run directory behind"
+
+
+# FOCUSED CASES (issue 24): each names the input and the start of the paragraph the user must see ----------------
+
+
+def refused(argv: list[str], *fragments: str) -> str:
+    code, err = call(argv)
+    assert code == 2, f"exit {code}: {err}"
+    assert "Traceback" not in err and err.startswith("error: "), err
+    flat = " ".join(err.split())
+    for fragment in fragments:
+        assert fragment in flat, flat
+    return flat
+
+
+@pytest.mark.parametrize("override", [
+    "optim.lr=nan", "optim.eps=.inf", "optim.clip_norm=-inf", "optim.weight_decay=inf", "model.init_std=nan",
+    "model.rope_theta=1e999", "sample.temperature=nan", "optim.lr=1.0e+400", "model.moe.aux_loss_weight=NaN"])
+def test_non_finite_floats_are_refused_by_name(override, tmp_path):
+    key = override.split("=")[0]
+    refused(["train", "lm", *BASE, override, "--run-dir", str(tmp_path / "run")], f"{key}=", "is not a finite number")
+
+
+@pytest.mark.parametrize("command, override", [
+    (["simulate"], "navier_stokes.viscosity=nan"), (["simulate"], "sim.t_end=inf"), (["fit", "sim"], "fit.noise=nan"),
+    (["train", "rl"], "ppo.lr=nan"), (["train", "gan"], "optim.lr=inf")])
+def test_non_finite_floats_are_refused_in_every_workload(command, override, tmp_path):
+    refused([*command, override, "--run-dir", str(tmp_path / "run"), "-q"], "is not a finite number")
+
+
+@pytest.mark.parametrize("command, key", [
+    (["train", "lm", *BASE], "train.seed"), (["train", "lm", *BASE], "sample.seed"), (["train", "gan"], "train.seed"),
+    (["train", "rl"], "rl.seed"), (["simulate"], "sim.seed")])
+@pytest.mark.parametrize("seed", [2**32, 2**63, 2**64, -1])
+def test_seeds_out_of_range_are_refused(command, key, seed, tmp_path):
+    refused([*command, f"{key}={seed}", "--run-dir", str(tmp_path / "run"), "-q"], f"{key}={seed}")
+
+
+def test_seed_options_of_finished_run_commands_are_bounded(tmp_path):
+    for argv in (["sample", "gan", str(tmp_path), "--seed", str(2**64)], ["eval", "rl", str(tmp_path), "--seed", "-5"]):
+        refused(argv, "--seed=", "is not a usable seed")
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("workload: lm\ntrain:\n  steps: 5\n  batch_size: 8\n  steps: 7\n")
+    refused(["train", "lm", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run")],
+            "the key 'steps' appears twice", "lines 3 and 5")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("a: &x [1, 2]\nb: *x\n", "uses a YAML alias"),
+    ("a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n", "alias"),
+    ("train:\n  <<: {steps: 3}\n", "merge key"),
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nests more than"),
+    ("{" * 100000, "nests more than"),
+    ("x: 1\n" + "#" * (2 << 20) + "\n", "bytes; a config file is expected to be under"),
+    ("x: \x00\n", "NUL byte"),
+    ("- 1\n- 2\n", "not a mapping of config sections"),
+    ("train: {steps: [", "Could not parse"),
+])
+def test_hostile_recipe_files_are_refused_fast(text, fragment, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    refused(["train", "lm", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run")], fragment)
+
+
+def test_recipe_that_is_a_device_is_refused(tmp_path):
+    refused(["train", "lm", "--recipe", "/dev/zero.yaml"], "/dev/zero.yaml does not exist")
+    fifo = tmp_path / "pipe.yaml"
+    import os
+
+    os.mkfifo(fifo)
+    refused(["train", "lm", "--recipe", str(fifo)], "does not exist")
+
+
+def test_duplicate_mesh_axis_is_refused():
+    refused(["plan", "lm", "--recipe", "lm-tiny", "--target", "h100", "--mesh", "data=2,data=4"],
+            "sets the data axis twice")

@@ -333,11 +333,16 @@ def _mesh_overrides(spec: str) -> list[str]:
     if not spec:
         return []
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    given: dict[str, str] = {}
     for item in filter(None, spec.split(",")):
         axis, _, size = item.partition("=")
         if axis not in sizes or not size.isdigit() or int(size) < 1:
             raise UserError(f"--mesh {spec!r}: expected comma-separated AXIS=SIZE with AXIS one of data, fsdp, expert, tensor "
                             "and SIZE a positive integer, e.g. --mesh fsdp=64 or --mesh data=2,fsdp=4.")
+        if axis in given:
+            raise UserError(f"--mesh {spec!r} sets the {axis} axis twice ({axis}={given[axis]} and {axis}={size}); a mesh "
+                            f"has one size per axis. Fix: keep one, e.g. --mesh {axis}={size}.")
+        given[axis] = size
         sizes[axis] = int(size)
     return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
 
@@ -388,9 +393,10 @@ def _plan(args: argparse.Namespace) -> int:
         mesh_overrides.append(f"mesh.slices={args.slices}")
     cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides],
                                   workload.default_recipe, args.workload)
-    if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
+    if (args.tokens is not None and not 0 < args.tokens < math.inf
+            or args.price_per_chip_hour is not None and not 0 <= args.price_per_chip_hour < math.inf):
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
-                        "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")
+                        "positive, finite number of items (e.g. --tokens 20e9) and a finite price >= 0 (e.g. 1.2).")
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
     mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items() if axis != "expert" or size > 1) + (
         "" if args.mesh else " (the recipe's)")

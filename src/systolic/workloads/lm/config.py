@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
-                             TrainConfig, divisor_near)
+                             TrainConfig, check_seed, divisor_near)
 from systolic.errors import ConfigError
 
 
@@ -461,11 +461,17 @@ class SampleConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        check_seed("sample.seed", self.seed)
+        if "\x00" in self.prompt:
+            raise ConfigError(
+                f"sample.prompt (--prompt) holds a NUL byte at character {self.prompt.index(chr(0))}; a prompt is text, "
+                "and tokenizers and terminals stop or fail at NUL. Fix: remove it from the prompt."
+            )
+        if not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"sample settings out of range (max_new_tokens={self.max_new_tokens}, temperature={self.temperature}, "
                 f"top_k={self.top_k}, top_p={self.top_p}). Expected max_new_tokens >= 0, temperature >= 0 (0 = greedy), "
-                "top_k >= 0 (0 = off), 0 < top_p <= 1."
+                "top_k >= 0 (0 = off), 0 < top_p <= 1. Fix: e.g. --temperature 0.8 --top-p 1."
             )
 
 
