@@ -6,6 +6,7 @@ import hashlib
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -161,3 +162,128 @@ def test_recipe_that_is_a_device_is_refused(tmp_path):
 def test_duplicate_mesh_axis_is_refused():
     refused(["plan", "lm", "--recipe", "lm-tiny", "--target", "h100", "--mesh", "data=2,data=4"],
             "sets the data axis twice")
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["train", "lm", *BASE, "model.d_model=10000000", "model.heads=4"], ["Training this lm", "needs at least", "model.d_model"]),
+    (["train", "lm", *BASE, "model.moe.experts=1000000", "model.moe.top_k=2", "model.d_model=512", "model.heads=8"],
+     ["model.moe.experts=1000000", "cannot fit"]),
+    (["train", "lm", *BASE, "model.layers=100000"], ["model.layers=100000 is more than 1024 layers"]),
+    (["simulate", "grid.n=100000000", "-q"], ["grid.n=100000000", "needs at least", "lower grid.n"]),
+    (["simulate", "--recipe", "sim-taylor-green-3d", "grid.n=100000", "-q"], ["in 3 dimensions", "cannot fit"]),
+    (["fit", "sim", "--recipe", "sim-viscosity-inverse", "grid.n=1000000", "-q"], ["grid.n=1000000", "cannot fit"]),
+])
+def test_sizes_past_memory_are_refused_before_tracing(argv, fragments, tmp_path):
+    import time
+
+    start = time.perf_counter()
+    refused([*argv, "--run-dir", str(tmp_path / "run")], *fragments)
+    assert time.perf_counter() - start < 20, "the size check must come before tracing"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--target", "h100", "--mesh", "fsdp=100000"], "asks for 100,000 devices"),
+    (["--target", "h100", "--mesh", "data=3000,tensor=3000"], "asks for 9,000,000 devices"),
+    (["--target", "h100", "--mesh", "fsdp=8", "model.d_model=1000000", "model.heads=4"], "8 x NVIDIA H100"),
+])
+def test_plan_refuses_absurd_meshes_and_models_fast(args, fragment):
+    import time
+
+    start = time.perf_counter()
+    refused(["plan", "lm", "--recipe", "lm-tiny", *args], fragment)
+    assert time.perf_counter() - start < 20
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from tiny_files import write_hf_folder
+
+    return write_hf_folder(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+def broken_copy(src: Path, dst: Path, change) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    change(dst)
+    return dst
+
+
+def edit_config(**changes):
+    import json
+
+    def change(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+    return change
+
+
+def write(name: str, data: bytes | str):
+    def change(folder: Path) -> None:
+        (folder / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return change
+
+
+def test_tiny_hf_folder_converts(hf_folder, tmp_path):
+    code, err = call(["convert", "from-hf", str(hf_folder), str(tmp_path / "run")])
+    assert code == 0, err
+
+
+def _header(header: dict, data: bytes = b"") -> bytes:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (write("config.json", "[1, 2]"), ["config.json holds a JSON array, not an object"]),
+    (write("config.json", "{"), ["config.json: it is not valid JSON"]),
+    (write("config.json", "[" * 100000), ["config.json"]),
+    (write("config.json", '{"model_type": ["llama"]}'), ["model_type ['llama']"]),
+    (edit_config(hidden_size="32"), ["hidden_size = '32'; expected a positive integer"]),
+    (edit_config(num_attention_heads=0), ["num_attention_heads = 0; expected a positive integer"]),
+    (edit_config(num_hidden_layers=100000), ["num_hidden_layers = 100000", "at most 1024 layers"]),
+    (edit_config(hidden_size=10**7, intermediate_size=10**7), ["needs at least", "cannot fit"]),
+    (edit_config(rms_norm_eps=None, rope_theta="fast"), ["rope_theta = 'fast'; expected a finite number"]),
+    (write("config.json", '{"model_type": "llama", "rms_norm_eps": NaN}'), ["NaN, which is not a JSON number"]),
+    (edit_config(rope_parameters=[1]), ["rope_parameters = [1]"]),
+    (edit_config(num_key_value_heads=3), ["config.json describes a model systolic cannot build", "kv_heads"]),
+    (write("model.safetensors", b"garbage!garbage"), ["model.safetensors is not a valid safetensors file", "header claims"]),
+    (write("model.safetensors", b"\x01"), ["shorter than the 8-byte header length"]),
+    (write("model.safetensors", (2**62).to_bytes(8, "little")), ["header claims 4,611,686,018,427,387,904 bytes"]),
+    (write("model.safetensors", _header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)),
+     ["data_offsets [0, 16]", "truncated"]),
+    (write("model.safetensors", _header({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)),
+     ["dtype 'F99'"]),
+    (write("model.safetensors", _header({"a": [1]})), ["tensor 'a' is described by [1]"]),
+    (write("model.safetensors.index.json", '{"weight_map": {"x": "../other/model.safetensors"}}'),
+     ["points at '../other/model.safetensors'", "not a file name inside"]),
+    (write("model.safetensors.index.json", '{"weight_map": {"x": "/etc/passwd"}}'), ["points at '/etc/passwd'"]),
+    (write("model.safetensors.index.json", '{"weight_map": [1]}'), ["weight_map = [1]"]),
+])
+def test_bad_hf_folders_are_refused_naming_the_file(hf_folder, tmp_path, change, fragments):
+    src = broken_copy(hf_folder, tmp_path / "src", change)
+    refused(["convert", "from-hf", str(src), str(tmp_path / "run")], *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def _rewrite_tensors(transform):
+    def change(folder: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        save_file({k: transform(k, v) for k, v in tensors.items()}, folder / "model.safetensors")
+    return change
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (_rewrite_tensors(lambda k, v: v * np.nan if "up_proj" in k else v), ["holds 4,096 NaN or infinite values"]),
+    (_rewrite_tensors(lambda k, v: v.astype(np.int8) if "q_proj" in k else v), ["not floating point", "(I8)"]),
+])
+def test_nan_or_integer_weights_are_refused(hf_folder, tmp_path, change, fragments):
+    src = broken_copy(hf_folder, tmp_path / "src", change)
+    refused(["convert", "from-hf", str(src), str(tmp_path / "run")], *fragments)

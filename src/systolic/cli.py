@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 import warnings
@@ -328,6 +329,9 @@ def _cpu_only_host() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+MAX_PLAN_DEVICES = 8192  # fake or compile-only devices a plan may ask for: start-up and compile time grow with them
+
+
 def _mesh_overrides(spec: str) -> list[str]:
     """--mesh as mesh.* overrides (unset axes 1); none when --mesh is empty."""
     if not spec:
@@ -344,13 +348,17 @@ def _mesh_overrides(spec: str) -> list[str]:
                             f"has one size per axis. Fix: keep one, e.g. --mesh {axis}={size}.")
         given[axis] = size
         sizes[axis] = int(size)
+    if math.prod(sizes.values()) > MAX_PLAN_DEVICES:
+        raise UserError(f"--mesh {spec!r} asks for {math.prod(sizes.values()):,} devices; a plan compiles on one "
+                        f"host for at most {MAX_PLAN_DEVICES:,} (the largest TPU slice, v5p-8192, has 4,096 chips). "
+                        "Fix: plan one slice or node group, e.g. --mesh fsdp=256, and scale the step time by the "
+                        "data-parallel factor.")
     return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
 
 
 def _plan_devices(args: argparse.Namespace) -> None:
     """Before jax starts: plan never runs on this host's accelerators. A GPU target compiles on fake CPU devices,
     as many as --mesh asks for; a TPU target on libtpu's compile-only devices, beside one CPU device."""
-    import math
     import os
     import re
 
@@ -371,7 +379,6 @@ def _plan_devices(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
-    import math
 
     import jax
 
@@ -385,6 +392,10 @@ def _plan(args: argparse.Namespace) -> int:
     plan_fn = workload.command("plan")
     mesh_overrides = _mesh_overrides(args.mesh)
     target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
+    if target.chips > MAX_PLAN_DEVICES:
+        raise UserError(f"--target {args.target} --slices {args.slices} is {target.chips:,} chips; a plan compiles "
+                        f"for at most {MAX_PLAN_DEVICES:,}. Fix: plan fewer slices (e.g. --slices 2): the data-parallel "
+                        "step across slices scales from there.")
     if not mesh_overrides and target.chip.platform == "gpu":
         mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
     if args.slices > 1:

@@ -156,6 +156,9 @@ class MoeConfig:
             )
 
 
+MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
@@ -238,6 +241,13 @@ class ModelConfig:
         for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        if self.layers > MAX_LAYERS:
+            raise ConfigError(
+                f"model.layers={self.layers} is more than {MAX_LAYERS} layers. The deepest published decoders have "
+                "about 130, and tracing an unscanned stack takes time per layer, so this many would spend many "
+                f"minutes before failing. Expected 1 to {MAX_LAYERS}. Fix: e.g. model.layers=32 (with "
+                "model.scan_layers=true for deep stacks)."
+            )
         for name in ("vocab_size", "kv_heads", "head_dim", "mlp_dim"):
             if getattr(self, name) < 0:
                 raise ConfigError(
