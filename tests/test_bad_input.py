@@ -287,3 +287,63 @@ def _rewrite_tensors(transform):
 def test_nan_or_integer_weights_are_refused(hf_folder, tmp_path, change, fragments):
     src = broken_copy(hf_folder, tmp_path / "src", change)
     refused(["convert", "from-hf", str(src), str(tmp_path / "run")], *fragments)
+
+
+@pytest.mark.parametrize("name, content, fragments", [
+    ("corpus.parquet", b"not parquet at all, just text\n" * 50, ["named like a Parquet file but cannot be read"]),
+    ("corpus.parquet", b"PAR1" + b"\0" * 100 + b"PAR1", ["named like a Parquet file"]),
+    ("corpus.jsonl", b'{"text": ' + b"[" * 100000 + b"\n", ["line 1 is not valid JSON"]),
+    ("corpus.jsonl", b'{"text": 1' + b"0" * 5000 + b"}\n", ["line 1 is not valid JSON"]),
+])
+def test_data_files_that_are_not_what_their_name_says_are_refused(name, content, fragments, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(content)
+    refused(["train", "lm", *BASE, f"data.path={path}", "--run-dir", str(tmp_path / "run")], str(path), *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("corpus.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "gzip-compressed JSON Lines"),
+    ("corpus.parquet", b"PAR1 not really", "named like a Parquet file"),
+    ("corpus.arrow", b"ARROW1 not really", "named like an Arrow file"),
+])
+def test_data_prepare_refuses_damaged_record_files(name, content, fragment, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(content)
+    refused(["data", "prepare", str(path), "--out", str(tmp_path / "out"), "--workers", "1"], fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_prepare_refuses_a_device(tmp_path):
+    refused(["data", "prepare", "/dev/urandom", "--out", str(tmp_path / "out")], "is a character device")
+
+
+@pytest.mark.parametrize("device", ["/dev/urandom", "/dev/zero"])
+def test_character_devices_as_data_are_refused(device, tmp_path):
+    refused(["train", "lm", *BASE, f"data.path={device}", "data.max_bytes=1000000", "--run-dir", str(tmp_path / "r")],
+            f"data.path='{device}' is a character device")
+
+
+def test_fifo_as_data_is_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    refused(["train", "lm", *BASE, f"data.path={fifo}", "--run-dir", str(tmp_path / "r")], "is a FIFO (named pipe)")
+
+
+def test_reading_stops_at_max_bytes_and_keeps_whole_characters(tmp_path):
+    from systolic.data import corpus
+
+    path = tmp_path / "big.txt"
+    path.write_bytes("é".encode() * 3_000_000)  # 6 MB of 2-byte characters
+    (doc,) = corpus.read_documents(str(path), max_bytes=1001)
+    assert doc.text == "é" * 500  # the 1001st byte would cut a character: left out, not a decode failure
+
+
+def test_generate_refuses_a_nul_prompt_and_non_finite_settings(existing_run):
+    before = snapshot(existing_run)
+    refused(["generate", str(existing_run), "--prompt", "a\x00b"], "--prompt) holds a NUL byte at character 1")
+    refused(["generate", str(existing_run), "--temperature", "nan"], "temperature=nan")
+    refused(["generate", str(existing_run), "--seed", str(2**64)], "sample.seed=18446744073709551616")
+    assert snapshot(existing_run) == before
