@@ -64,7 +64,7 @@ def _tensor(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise _bad(path, f"tensor {name!r} is described by {entry!r}, not an object with dtype, shape and data_offsets")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in ITEM_BYTES:
+    if not isinstance(dtype, str) or dtype not in ITEM_BYTES:
         raise _bad(path, f"tensor {name!r} has dtype {dtype!r}, not one of {', '.join(ITEM_BYTES)}")
     if not isinstance(shape, list) or not all(_count(n) for n in shape):
         raise _bad(path, f"tensor {name!r} has shape {shape!r}, not a list of sizes")
@@ -98,9 +98,10 @@ def read_index(index: Path) -> list[str]:
         raise UserError(f"{index} has weight_map = {_short(weight_map)}. Expected {expected}. Fix: {fix}")
     files = sorted(set(weight_map.values()))
     for name in files:
-        if not name or name != os.path.basename(name) or name in (".", "..") or "\\" in name:
+        if (not name or name != os.path.basename(name) or name in (".", "..") or "\\" in name or "\0" in name
+                or len(name.encode("utf-8", "surrogatepass")) > 255):
             raise UserError(
-                f"{index} points at {name!r}, which is not a file name inside {index.parent}. An index lists the "
+                f"{index} points at {_short(name)}, which is not a file name inside {index.parent}. An index lists the "
                 "shards beside it (model-00001-of-00002.safetensors); a path that leaves the folder is refused. "
                 f"Fix: {fix}"
             )
