@@ -347,3 +347,16 @@ def test_generate_refuses_a_nul_prompt_and_non_finite_settings(existing_run):
     refused(["generate", str(existing_run), "--temperature", "nan"], "temperature=nan")
     refused(["generate", str(existing_run), "--seed", str(2**64)], "sample.seed=18446744073709551616")
     assert snapshot(existing_run) == before
+
+
+def test_an_edited_run_config_with_an_absurd_model_is_refused_before_tracing(existing_run, tmp_path):
+    import shutil
+    import time
+
+    run = tmp_path / "edited"
+    shutil.copytree(existing_run, run)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("d_model: 32", "d_model: 40000000"))
+    start = time.perf_counter()
+    refused(["generate", str(run), "--prompt", "x"], "config.yaml", "needs at least")
+    assert time.perf_counter() - start < 20
