@@ -360,3 +360,16 @@ def test_an_edited_run_config_with_an_absurd_model_is_refused_before_tracing(exi
     start = time.perf_counter()
     refused(["generate", str(run), "--prompt", "x"], "config.yaml", "needs at least")
     assert time.perf_counter() - start < 20
+
+
+@pytest.mark.parametrize("manifest", ['[1, 2]', '"x"', '{"a": 1}', '{"../../etc/passwd": "00"}', "[" * 100000, "1" * 5000])
+def test_checkpoint_manifests_of_the_wrong_shape_count_as_damage(existing_run, tmp_path, manifest):
+    import shutil
+
+    from systolic.engine.checkpoint import MANIFEST
+
+    run = tmp_path / "run"
+    shutil.copytree(existing_run, run)
+    for path in (run / "checkpoints").glob(f"*/{MANIFEST}"):
+        path.write_text(manifest)
+    refused(["generate", str(run), "--prompt", "x"], "has no complete checkpoint", "are all damaged")
