@@ -85,13 +85,18 @@ class ConfigLoader(yaml.SafeLoader):
 def load_text(text: str, source: str) -> Any:
     """The YAML in `text`; a ConfigError naming `source` (a path or 'override x=...') when it is refused or
     malformed."""
+    loader = None
     try:
-        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+        loader = ConfigLoader(text)  # its reader already refuses non-printable characters
+        return loader.get_single_data()  # what yaml.load does, with our loader
     except _Refused as e:
         raise ConfigError(f"{source} is not a usable config: {e}.") from None
     except yaml.YAMLError as e:
         raise YamlSyntaxError(f"Could not parse {source} as YAML ({_one_line(e)}). Expected a mapping of sections, "
                           "'section:\\n  key: value'. Fix the file's syntax.") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def read_file(path: Path) -> Any:

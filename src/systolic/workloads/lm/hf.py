@@ -68,7 +68,7 @@ class Folder:
         elif (self.src / "model.safetensors").is_file():
             files = [self.src / "model.safetensors"]
         else:
-            files = sorted(self.src.glob("*.safetensors"))
+            files = sorted(p for p in self.src.glob("*.safetensors") if p.is_file())
         if not files:
             raise UserError(
                 f"{self.src} has no *.safetensors weights. Expected model.safetensors, or model-*.safetensors with "

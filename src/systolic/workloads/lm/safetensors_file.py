@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, every field checked against the file's size."""
     path = Path(path)
     try:
-        size = os.stat(path).st_size
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise _bad(path, "it is not a regular file (a device or a pipe)")
+        size = info.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
