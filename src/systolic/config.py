@@ -408,8 +408,9 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             if not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"{key}={value} is too large: integer settings must lie within +-(2**63 - 1) (no count, size "
-                                  f"or step of a run comes near it). Fix: pass the value you meant, e.g. {key}={_example(default, 8)}.")
+                raise ConfigError(f"{key}={value} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
+                                  "setting must fit (no count, size or step of a run comes near it). Fix: pass the value you "
+                                  f"meant, e.g. {key}={_example(default, 8)}.")
             return value
         raise ConfigError(f"{key}={value!r} should be an integer, got {type(value).__name__}. Fix: e.g. {key}=8.")
     if kind is float:
