@@ -375,7 +375,7 @@ def test_checkpoint_manifests_of_the_wrong_shape_count_as_damage(existing_run, t
     refused(["generate", str(run), "--prompt", "x"], "has no complete checkpoint", "are all damaged")
 
 
-@pytest.mark.parametrize("override", ["train.steps=1000000000000000000000000000000", "model.d_model=1e300",
+@pytest.mark.parametrize("override", ["train.steps=1000000000000000000000000000000", "model.d_model=1.0e+300",
                                       "checkpoint.keep=-99999999999999999999999"])
 def test_integers_past_int64_are_refused(override, tmp_path):
     refused(["train", "lm", *BASE, override, "--run-dir", str(tmp_path / "run")], "outside the range of a 64-bit integer")
