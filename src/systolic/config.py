@@ -408,7 +408,8 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             if not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"{key}={value} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
+                shown = value if len(str(value)) <= 24 else f"{'-' if value < 0 else ''}<a {len(str(abs(value)))}-digit number>"
+                raise ConfigError(f"{key}={shown} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
                                   "setting must fit (no count, size or step of a run comes near it). Fix: pass the value you "
                                   f"meant, e.g. {key}={_example(default, 8)}.")
             return value
