@@ -366,6 +366,13 @@ def section_type(kind: Any) -> type | None:
 MAX_INT = 2**63 - 1  # what numpy and XLA take as an int64; a larger Python int is an OverflowError there
 
 
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: an integer too long to read is named by its digit count."""
+    if isinstance(value, int) and len(str(value)) > 24:
+        return f"{'-' if value < 0 else ''}<a {len(str(abs(value)))}-digit number>"
+    return repr(value)
+
+
 def _example(default: Any, fallback: Any) -> Any:
     return default if isinstance(default, (int, float)) and not isinstance(default, bool) else fallback
 
@@ -408,8 +415,7 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             if not -MAX_INT <= value <= MAX_INT:
-                shown = value if len(str(value)) <= 24 else f"{'-' if value < 0 else ''}<a {len(str(abs(value)))}-digit number>"
-                raise ConfigError(f"{key}={shown} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
+                raise ConfigError(f"{key}={_shown(value)} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
                                   "setting must fit (no count, size or step of a run comes near it). Fix: pass the value you "
                                   f"meant, e.g. {key}={_example(default, 8)}.")
             return value
@@ -427,7 +433,7 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             if not math.isfinite(number):
                 # One check for every float setting: none gives nan or inf a meaning, and comparisons with nan are all
                 # false, so a range check further on would let it through to the run (a NaN viscosity never ends).
-                raise ConfigError(f"{key}={value!r} is not a finite number. Every float setting must be finite; nan and "
+                raise ConfigError(f"{key}={_shown(value)} is not a finite number. Every float setting must be finite; nan and "
                                   f"inf mean nothing here. Fix: pass a finite value, e.g. {key}={_example(default, 0.001)}.")
             return number
         raise ConfigError(f"{key}={value!r} should be a number, got {type(value).__name__}. Fix: e.g. {key}=0.001.")
