@@ -379,3 +379,14 @@ def test_checkpoint_manifests_of_the_wrong_shape_count_as_damage(existing_run, t
                                       "checkpoint.keep=-99999999999999999999999"])
 def test_integers_past_int64_are_refused(override, tmp_path):
     refused(["train", "lm", *BASE, override, "--run-dir", str(tmp_path / "run")], "outside the range of a 64-bit integer")
+
+
+@pytest.mark.parametrize("override", ["rl.num_envs=1000000000", "model.hidden=10000000"])
+def test_rl_runs_past_memory_are_refused_before_tracing(override, tmp_path):
+    refused(["train", "rl", override, "ppo.num_minibatches=1", "--run-dir", str(tmp_path / "run"), "-q"],
+            "This rl run", "needs at least", "cannot fit")
+
+
+@pytest.mark.parametrize("override", ["model.g_channels=10000000", "gan.eval_samples=100000000000"])
+def test_gan_runs_past_memory_are_refused_before_allocating(override, tmp_path):
+    refused(["train", "gan", override, "--run-dir", str(tmp_path / "run"), "-q"], "This gan", "cannot fit")
