@@ -415,15 +415,20 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             if not -MAX_INT <= value <= MAX_INT:
-                raise ConfigError(f"{key}={_shown(value)} is outside the range of a 64-bit integer, +-(2**63 - 1), which every integer "
-                                  "setting must fit (no count, size or step of a run comes near it). Fix: pass the value you "
-                                  f"meant, e.g. {key}={_example(default, 8)}.")
+                raise ConfigError(
+                    f"{key}={_shown(value)} is outside the range of a 64-bit integer, +-(2**63 - 1), which every "
+                    "integer setting must fit (no count, size or step of a run comes near it). Fix: pass the value "
+                    f"you meant, e.g. {key}={_example(default, 8)}."
+                )
             return value
         raise ConfigError(f"{key}={value!r} should be an integer, got {type(value).__name__}. Fix: e.g. {key}=8.")
     if kind is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if abs(value) < 1e308 else math.inf  # float(10**400) would raise OverflowError
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past float's range, e.g. 10**400
+                number = math.inf
         elif isinstance(value, str):
             try:
                 number = float(value)  # YAML 1.1 reads `1e-3` as a string
@@ -433,8 +438,10 @@ def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
             if not math.isfinite(number):
                 # One check for every float setting: none gives nan or inf a meaning, and comparisons with nan are all
                 # false, so a range check further on would let it through to the run (a NaN viscosity never ends).
-                raise ConfigError(f"{key}={_shown(value)} is not a finite number. Every float setting must be finite; nan and "
-                                  f"inf mean nothing here. Fix: pass a finite value, e.g. {key}={_example(default, 0.001)}.")
+                raise ConfigError(
+                    f"{key}={_shown(value)} is not a finite number. Every float setting must be finite; nan and inf "
+                    f"mean nothing here. Fix: pass a finite value, e.g. {key}={_example(default, 0.001)}."
+                )
             return number
         raise ConfigError(f"{key}={value!r} should be a number, got {type(value).__name__}. Fix: e.g. {key}=0.001.")
     if kind is str:

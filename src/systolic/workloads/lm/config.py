@@ -477,7 +477,8 @@ class SampleConfig:
                 f"sample.prompt (--prompt) holds a NUL byte at character {self.prompt.index(chr(0))}; a prompt is text, "
                 "and tokenizers and terminals stop or fail at NUL. Fix: remove it from the prompt."
             )
-        if not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        if (not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0
+                or not 0 < self.top_p <= 1):
             raise ConfigError(
                 f"sample settings out of range (max_new_tokens={self.max_new_tokens}, temperature={self.temperature}, "
                 f"top_k={self.top_k}, top_p={self.top_p}). Expected max_new_tokens >= 0, temperature >= 0 (0 = greedy), "
