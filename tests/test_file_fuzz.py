@@ -121,6 +121,16 @@ def mutate_yaml(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     return deepen(yaml.safe_dump(tree, sort_keys=False, width=10**6)).encode(), what
 
 
+def mutate_jsonl(data: bytes, rng: random.Random) -> tuple[bytes, str]:
+    if rng.random() < 0.5:
+        return mutate_bytes(data, rng)
+    lines = data.splitlines(keepends=True)
+    i = rng.randrange(len(lines))
+    tree, what = mutate_tree(json.loads(lines[i]), rng)
+    lines[i] = deepen(json.dumps(tree, allow_nan=True)).encode() + b"\n"
+    return b"".join(lines), f"line {i}: {what}"
+
+
 def mutate_safetensors(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     """Damage to the 8-byte length or the JSON header (the tensors' bytes matter only through the offsets)."""
     (length,) = struct.unpack("<Q", data[:8])
@@ -270,7 +280,7 @@ def test_every_damaged_file_is_read_or_refused_and_left_unchanged(files):
         ("safetensors", [files["hf"] / "model.safetensors", *shards], mutate_safetensors, read_safetensors),
         ("safetensors index", [files["sharded"] / "model.safetensors.index.json"], mutate_json, read_safetensors),
         ("checkpoint manifest", [files["step"] / checkpoint.MANIFEST], mutate_json, reader_verify(checkpointer)),
-        ("metrics.jsonl", [files["metrics"]], mutate_bytes, read_metrics),
+        ("metrics.jsonl", [files["metrics"]], mutate_jsonl, read_metrics),
     ]
     for kind, originals, mutate, read in plan:
         run_cases(kind, originals, mutate, read, CASES[kind], rng, tally, failures)
