@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 import warnings
@@ -328,24 +329,36 @@ def _cpu_only_host() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+MAX_PLAN_DEVICES = 8192  # fake or compile-only devices a plan may ask for: start-up and compile time grow with them
+
+
 def _mesh_overrides(spec: str) -> list[str]:
     """--mesh as mesh.* overrides (unset axes 1); none when --mesh is empty."""
     if not spec:
         return []
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    given: dict[str, str] = {}
     for item in filter(None, spec.split(",")):
         axis, _, size = item.partition("=")
         if axis not in sizes or not size.isdigit() or int(size) < 1:
             raise UserError(f"--mesh {spec!r}: expected comma-separated AXIS=SIZE with AXIS one of data, fsdp, expert, tensor "
                             "and SIZE a positive integer, e.g. --mesh fsdp=64 or --mesh data=2,fsdp=4.")
+        if axis in given:
+            raise UserError(f"--mesh {spec!r} sets the {axis} axis twice ({axis}={given[axis]} and {axis}={size}); a mesh "
+                            f"has one size per axis. Fix: keep one, e.g. --mesh {axis}={size}.")
+        given[axis] = size
         sizes[axis] = int(size)
+    if math.prod(sizes.values()) > MAX_PLAN_DEVICES:
+        raise UserError(f"--mesh {spec!r} asks for {math.prod(sizes.values()):,} devices; a plan compiles on one "
+                        f"host for at most {MAX_PLAN_DEVICES:,} (the largest TPU slice, v5p-8192, has 4,096 chips). "
+                        "Fix: plan one slice or node group, e.g. --mesh fsdp=256, and scale the step time by the "
+                        "data-parallel factor.")
     return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
 
 
 def _plan_devices(args: argparse.Namespace) -> None:
     """Before jax starts: plan never runs on this host's accelerators. A GPU target compiles on fake CPU devices,
     as many as --mesh asks for; a TPU target on libtpu's compile-only devices, beside one CPU device."""
-    import math
     import os
     import re
 
@@ -366,7 +379,6 @@ def _plan_devices(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
-    import math
 
     import jax
 
@@ -380,6 +392,10 @@ def _plan(args: argparse.Namespace) -> int:
     plan_fn = workload.command("plan")
     mesh_overrides = _mesh_overrides(args.mesh)
     target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
+    if target.chips > MAX_PLAN_DEVICES:
+        raise UserError(f"--target {args.target} --slices {args.slices} is {target.chips:,} chips; a plan compiles "
+                        f"for at most {MAX_PLAN_DEVICES:,}. Fix: plan fewer slices (e.g. --slices 2): the data-parallel "
+                        "step across slices scales from there.")
     if not mesh_overrides and target.chip.platform == "gpu":
         mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
     if args.slices > 1:
@@ -388,9 +404,10 @@ def _plan(args: argparse.Namespace) -> int:
         mesh_overrides.append(f"mesh.slices={args.slices}")
     cfg, recipe = config_lib.load(workload.config, args.recipe, [*args.overrides, *mesh_overrides],
                                   workload.default_recipe, args.workload)
-    if args.tokens is not None and args.tokens <= 0 or args.price_per_chip_hour is not None and args.price_per_chip_hour < 0:
+    if (args.tokens is not None and not 0 < args.tokens < math.inf
+            or args.price_per_chip_hour is not None and not 0 <= args.price_per_chip_hour < math.inf):
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
-                        "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")
+                        "positive, finite number of items (e.g. --tokens 20e9) and a finite price >= 0 (e.g. 1.2).")
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
     mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items() if axis != "expert" or size > 1) + (
         "" if args.mesh else " (the recipe's)")

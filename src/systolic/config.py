@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import math
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from systolic import safe_yaml
 from systolic.errors import ConfigError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
@@ -122,6 +124,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "eval_every"))
+        check_seed("train.seed", self.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +229,17 @@ def _in_range(section: Any, prefix: str, name: str, low: float, high: float) -> 
         )
 
 
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(key: str, value: int) -> None:
+    """A seed as every consumer takes it: jax.random.PRNGKey (int64, after the +1 offsets some keys add) and
+    numpy's default_rng (no negatives)."""
+    if not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{key}={value} is not a usable seed. Expected an integer from 0 to 2**32 - 1 = {MAX_SEED} "
+                          f"(random keys and numpy generators are seeded with it). Fix: e.g. {key}=0.")
+
+
 def divisor_near(n: int, target: int) -> int:
     """The divisor of n closest to target: what an error message suggests instead of a value that does not divide."""
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
@@ -270,10 +284,9 @@ def list_recipes() -> list[str]:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"Could not parse {path} as YAML ({e}). Fix the file's syntax; it must be a mapping of sections.") from None
+    """A recipe or a run's config.yaml as a mapping of sections (safe_yaml's limits: no duplicate keys, no aliases,
+    bounded size and depth)."""
+    data = safe_yaml.read_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -289,8 +302,8 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"Override '{item}' is not of the form section.key=value (e.g. train.steps=200). Fix the spelling.")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+            value = safe_yaml.load_text(raw, f"override '{item}'") if raw.strip() else ""
+        except safe_yaml.YamlSyntaxError:  # not YAML: the text itself (refused YAML, e.g. an alias, stays an error)
             value = raw
         node = tree
         parts = key.split(".")
@@ -332,7 +345,7 @@ def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
         if (section := section_type(kind)) is not None:
             kwargs[f.name] = None if value is None else from_dict(section, value, f"{prefix}{key}.")
         else:
-            kwargs[f.name] = _coerce(value, kind, f"{prefix}{key}")
+            kwargs[f.name] = _coerce(value, kind, f"{prefix}{key}", f.default)
     obj = schema(**kwargs)
     if hasattr(obj, "validate"):
         obj.validate()
@@ -350,7 +363,21 @@ def section_type(kind: Any) -> type | None:
     return None
 
 
-def _coerce(value: Any, kind: Any, key: str) -> Any:
+MAX_INT = 2**63 - 1  # what numpy and XLA take as an int64; a larger Python int is an OverflowError there
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: an integer too long to read is named by its digit count."""
+    if isinstance(value, int) and len(str(value)) > 24:
+        return f"{'-' if value < 0 else ''}<a {len(str(abs(value)))}-digit number>"
+    return repr(value)
+
+
+def _example(default: Any, fallback: Any) -> Any:
+    return default if isinstance(default, (int, float)) and not isinstance(default, bool) else fallback
+
+
+def _coerce(value: Any, kind: Any, key: str, default: Any = None) -> Any:
     origin = typing.get_origin(kind)
     if origin is Literal:
         choices = typing.get_args(kind)
@@ -370,7 +397,7 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key)
+                return _coerce(value, arg, key, default)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0])
@@ -384,19 +411,38 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}={value!r} should be true or false. Fix: {key}=true or {key}=false.")
     if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(
+                    f"{key}={_shown(value)} is outside the range of a 64-bit integer, +-(2**63 - 1), which every "
+                    "integer setting must fit (no count, size or step of a run comes near it). Fix: pass the value "
+                    f"you meant, e.g. {key}={_example(default, 8)}."
+                )
+            return value
         raise ConfigError(f"{key}={value!r} should be an integer, got {type(value).__name__}. Fix: e.g. {key}=8.")
     if kind is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
             try:
-                return float(value)  # YAML 1.1 reads `1e-3` as a string
+                number = float(value)
+            except OverflowError:  # an integer past float's range, e.g. 10**400
+                number = math.inf
+        elif isinstance(value, str):
+            try:
+                number = float(value)  # YAML 1.1 reads `1e-3` as a string
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                # One check for every float setting: none gives nan or inf a meaning, and comparisons with nan are all
+                # false, so a range check further on would let it through to the run (a NaN viscosity never ends).
+                raise ConfigError(
+                    f"{key}={_shown(value)} is not a finite number. Every float setting must be finite; nan and inf "
+                    f"mean nothing here. Fix: pass a finite value, e.g. {key}={_example(default, 0.001)}."
+                )
+            return number
         raise ConfigError(f"{key}={value!r} should be a number, got {type(value).__name__}. Fix: e.g. {key}=0.001.")
     if kind is str:
         if isinstance(value, str):

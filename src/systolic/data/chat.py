@@ -289,8 +289,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         problem = None if isinstance(data, dict) else f"it holds a JSON {type(data).__name__}, not an object"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        problem = str(e)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, a 5,000-digit number
+        problem = f"{type(e).__name__}: {str(e)[:200]}"
     if problem:
         raise UserError(f"{path} cannot be read as a JSON object ({problem}). Expected the file as the model's Hugging "
                         "Face folder has it. Fix: restore it from the model, or delete it if the model has none.")

@@ -7,13 +7,16 @@ corpus root, so the hash-based split does not change when the corpus moves.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import gzip
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -75,13 +78,15 @@ def read_documents(path: str, *, max_bytes: int = 0) -> list[Document]:
                 "set data.path='' to train on the Python standard library."
             )
         if root.is_dir():
-            texts = _read_text_files(root, list_files(root))
-        elif root.suffix.lower() == ".jsonl":
-            texts = _read_jsonl(root)
-        elif root.suffix.lower() == ".parquet":
-            texts = _read_parquet(root)
+            texts = _read_text_files(root, list_files(root), max_bytes)
         else:
-            texts = _read_text_files(root.parent, [root])
+            check_regular(root, "data.path")
+            if root.suffix.lower() == ".jsonl":
+                texts = _read_jsonl(root)
+            elif root.suffix.lower() == ".parquet":
+                texts = _read_parquet(root)
+            else:
+                texts = _read_text_files(root.parent, [root], max_bytes)
     docs, skipped = _take_bytes(texts, max_bytes)
     if skipped and path:  # the stdlib's few Latin-1/KOI8-R test modules are expected; stay quiet about them
         warnings.warn(
@@ -122,20 +127,43 @@ def _take_bytes(texts: Iterator[tuple[str, str | None]], max_bytes: int) -> tupl
     return docs, skipped
 
 
-def _read_text_files(root: Path, files: list[Path]) -> Iterator[tuple[str, str | None]]:
-    """(name, text) per file; text is None for an unreadable, binary or non-UTF-8 file."""
+def check_regular(path: Path, what: str) -> None:
+    """A UserError unless `path` is a regular file (or a link to one): a device such as /dev/urandom or a FIFO
+    never ends, so reading it would never return."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise UserError(f"{what}={str(path)!r} cannot be read ({e.strerror}). Fix: check the path and its "
+                        "permissions.") from None
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise UserError(
+            f"{what}={str(path)!r} is {kind}, not a regular file: reading it might never end. Expected a text file, a "
+            "folder of text files, a .jsonl or a .parquet file. Fix: save the data to a file first and pass that."
+        )
+
+
+def _read_text_files(root: Path, files: list[Path], max_bytes: int = 0) -> Iterator[tuple[str, str | None]]:
+    """(name, text) per file; text is None for an unreadable, binary or non-UTF-8 file. With `max_bytes` > 0 no
+    file is read past that many bytes (a longer one is cut, at a whole character)."""
     for file in files:
-        try:
-            data = file.read_bytes()
-        except OSError:  # e.g. no permission: skipped and counted like a binary file, not a crash
-            data = b"\0"
         text = None
+        try:
+            with open(file, "rb") as f:
+                data = f.read(max_bytes) if max_bytes > 0 else f.read()
+                cut = max_bytes > 0 and len(data) == max_bytes and f.read(1) != b""
+        except OSError:  # e.g. no permission: skipped and counted like a binary file, not a crash
+            data, cut = b"\0", False
         # NUL is valid UTF-8 but never appears in text files, while binaries almost always contain one.
         if b"\0" not in data:
             try:
-                text = data.decode("utf-8")
+                # A file cut at max_bytes may end inside a character: the incremental decoder leaves that tail out.
+                text = codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
             except UnicodeDecodeError:
                 pass
+        del data  # only the text stays alive while the next file is read
         yield file.relative_to(root).as_posix(), text
 
 
@@ -147,6 +175,7 @@ def iter_texts(root: Path, *, field: str = "text") -> Iterator[tuple[str, str | 
     one text document. Text is None for an unreadable, binary or non-UTF-8 text file.
     """
     if not root.is_dir():
+        check_regular(root, "the corpus")
         yield from _read_file(root.parent, root, field)
         return
     files = list_files(root)
@@ -170,15 +199,31 @@ def _read_file(root: Path, file: Path, field: str) -> Iterator[tuple[str, str | 
     return _read_text_files(root, [file])
 
 
+def _not_a(file: Path, kind: str, error: Exception) -> UserError:
+    return UserError(
+        f"{file} is named like {kind} file but cannot be read as one ({type(error).__name__}: {str(error)[:200]}). "
+        f"Expected a complete {kind} file with one document per record. Fix: re-export or re-download it, or rename "
+        "it if it is plain text."
+    )
+
+
 def _read_jsonl(file: Path, field: str = "text", name: str = "") -> Iterator[tuple[str, str]]:
-    opener = gzip.open if file.name.lower().endswith(".gz") else open
+    gz = file.name.lower().endswith(".gz")
+    try:
+        yield from _jsonl_rows(file, field, name, gz)
+    except (OSError, EOFError, zlib.error) as e:  # a damaged or truncated .gz (BadGzipFile is an OSError)
+        raise _not_a(file, "a gzip-compressed JSON Lines" if gz else "a JSON Lines", e) from None
+
+
+def _jsonl_rows(file: Path, field: str, name: str, gz: bool) -> Iterator[tuple[str, str]]:
+    opener = gzip.open if gz else open
     with opener(file, "rb") as lines:
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             try:
                 row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5,000-digit number, deep nesting
                 raise _bad_row(file, number, f"is not valid JSON ({error})", field=field) from None
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 got = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
@@ -194,9 +239,14 @@ def _read_parquet(file: Path, field: str = "text", name: str = "") -> Iterator[t
             f"data.path={str(file)!r} is a .parquet file, but pyarrow is not installed. Fix: "
             "pip install 'systolic[parquet]', or convert the file to .jsonl."
         ) from None
-    parquet = pq.ParquetFile(file)
-    _check_column(file, field, parquet.schema_arrow.names)
-    yield from _rows(file, field, name, (b.column(0) for b in parquet.iter_batches(columns=[field])))
+    import pyarrow as pa
+
+    try:
+        parquet = pq.ParquetFile(file)
+        _check_column(file, field, parquet.schema_arrow.names)
+        yield from _rows(file, field, name, (b.column(0) for b in parquet.iter_batches(columns=[field])))
+    except (pa.ArrowException, OSError) as e:  # not Parquet at all, or damaged pages
+        raise _not_a(file, "a Parquet", e) from None
 
 
 def _read_arrow(file: Path, field: str, name: str) -> Iterator[tuple[str, str]]:
@@ -204,16 +254,19 @@ def _read_arrow(file: Path, field: str, name: str) -> Iterator[tuple[str, str]]:
         import pyarrow as pa
     except ImportError:
         raise UserError(f"{file} is an .arrow file, but pyarrow is not installed. Fix: pip install 'systolic[parquet]'.") from None
-    with pa.memory_map(str(file)) as source:
-        try:
-            reader = pa.ipc.open_stream(source)  # what `datasets` writes
-        except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(source)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        else:
-            batches = iter(reader)
-        _check_column(file, field, reader.schema.names)
-        yield from _rows(file, field, name, (b.column(field) for b in batches))
+    try:
+        with pa.memory_map(str(file)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)  # what `datasets` writes
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                batches = iter(reader)
+            _check_column(file, field, reader.schema.names)
+            yield from _rows(file, field, name, (b.column(field) for b in batches))
+    except (pa.ArrowException, OSError) as e:
+        raise _not_a(file, "an Arrow", e) from None
 
 
 def _check_column(file: Path, field: str, names: list[str]) -> None:

@@ -143,7 +143,7 @@ class PreparedDataset:
         try:
             index = json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))
             ok = index.get("format") == FORMAT and index.get("version") == VERSION
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        except (OSError, ValueError, RecursionError, AttributeError):  # ValueError: bad UTF-8 or JSON
             ok = False
         if not ok:
             raise UserError(

@@ -132,7 +132,7 @@ def read_records(path: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
                 where = f"{file} line {number}"
                 try:
                     record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5,000-digit number, deep nesting
                     raise _bad_record(where, f"is not valid JSON ({error})") from None
                 if not isinstance(record, dict):
                     raise _bad_record(where, f"holds a JSON {type(record).__name__}, not an object")

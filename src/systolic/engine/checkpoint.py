@@ -112,9 +112,14 @@ class Checkpointer:
         if not manifest.exists():
             return None
         try:
-            expected = json.loads(manifest.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            return f"its manifest is unreadable ({e})"
+            expected = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit number
+            return f"its manifest is unreadable ({type(e).__name__}: {str(e)[:200]})"
+        if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+            return f"its manifest is not an object of {{file: SHA-256}} (it holds {str(expected)[:80]!r})"
+        outside = [name for name in expected if Path(name).is_absolute() or ".." in Path(name).parts]
+        if outside:
+            return f"its manifest names {outside[0]!r}, a path outside the step's directory"
         for name, digest in expected.items():
             path = step_dir / name
             try:
@@ -247,7 +252,16 @@ class Checkpointer:
             raise
 
     def restore_meta(self, step: int) -> dict[str, Any]:
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The JSON metadata saved with `step`; a UserError when it is unreadable or not an object."""
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - Orbax raises many types for a damaged item
+            raise UserError(f"The checkpoint {self.directory}/{step} has unreadable metadata ({type(e).__name__}: "
+                            f"{str(e)[:200]}). Fix: restore the run directory from a backup, or pass another.") from None
+        if not isinstance(meta, dict):
+            raise UserError(f"The checkpoint {self.directory}/{step} has metadata of the wrong shape (a "
+                            f"{type(meta).__name__}, not an object). Fix: restore the run directory from a backup.")
+        return meta
 
     def close(self) -> None:
         try:

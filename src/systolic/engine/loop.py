@@ -278,7 +278,8 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 def _numbers(row: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl row's numbers (non-finite values are stored as strings)."""
     return {k: float(v) if isinstance(v, str) else v for k, v in row.items()
-            if k not in ("step", "split") and isinstance(v, (int, float, str))}
+            if k not in ("step", "split") and (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                or v in ("nan", "inf", "-inf"))}
 
 
 class _Profiler:

@@ -35,6 +35,7 @@ import jax
 from systolic.engine import hlo_collectives, hlo_text
 from systolic.engine.targets import PRICES_DATED, Target
 from systolic.errors import UserError
+from systolic.runtime import memory as memory_lib
 from systolic.runtime.platform import compiling_for
 
 FLOPS_AGREE = 0.05  # XLA's count within 5% of the formula: the MFU needs no explanation
@@ -208,8 +209,9 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     devices = devices_for(target)
     start = time.perf_counter()
     tpu = target.chip.platform == "tpu"
-    with compiling_for(target.chip.platform):
-        program = plan_fn(cfg, devices)
+    hbm = f"{target.chips} x {target.chip.name} ({memory_lib.gib(target.chip.hbm_bytes)} each)"
+    with compiling_for(target.chip.platform), memory_lib.budget(target.chips * target.chip.hbm_bytes, hbm):
+        program = plan_fn(cfg, devices)  # the workloads' size checks compare against the target, not this host
         out_of_memory, compiled = None, None
         try:
             with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu):

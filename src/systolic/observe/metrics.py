@@ -64,15 +64,21 @@ def _plain(value: Any) -> Any:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `<run_dir>/metrics.jsonl`. A line that is not a record, an object with an integer "step"
+    and a string "split" (a line cut short by a crash, or damaged), is skipped: the history is a report, and one
+    bad line must not stop a resume or a plot."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # bad JSON, a 5,000-digit number, deep nesting
+            continue
+        if (isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool)
+                and isinstance(record.get("split"), str)):
+            records.append(record)
     return records
 
 

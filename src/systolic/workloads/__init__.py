@@ -62,7 +62,7 @@ class Workload:
 
 
 def get(name: str | None) -> Workload:
-    if name not in WORKLOADS:
+    if not isinstance(name, str) or name not in WORKLOADS:
         close = difflib.get_close_matches(str(name), list(WORKLOADS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise UserError(f"Unknown workload '{name}'.{hint} Available workloads: {', '.join(WORKLOADS)}.")

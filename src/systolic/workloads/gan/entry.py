@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from systolic.config import check_seed
 from systolic.engine import loop
 from systolic.engine.plan import StepProgram
 from systolic.errors import UserError
@@ -69,6 +70,7 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
 
     if count < 1:
         raise UserError(f"--count {count} must be at least 1. Fix: e.g. --count 64.")
+    check_seed("--seed", seed)
     run_dir = Path(run_dir)
     with finished.open_run(run_dir, "gan", "systolic sample gan") as run:
         cfg: GANConfig = run.cfg

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.optim import standard_promotion
 from systolic.engine.state import TrainState, make_sharded_state
+from systolic.runtime import memory
 from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.model import Discriminator, Generator
@@ -85,7 +86,22 @@ def make_state_fns(cfg: GANConfig, channels: int, mesh: Mesh, rules: Rules):
     replicated = NamedSharding(mesh, P())
     state = make_sharded_state(make_state, (jax.random.PRNGKey(cfg.train.seed),),
                                lambda abstract: jax.tree.map(lambda _: replicated, abstract), lambda: activate(mesh, rules))
+    check_fits(cfg, channels, state.abstract, mesh)  # the shapes are known; nothing is allocated yet
     return state.init, state.abstract, state.shardings
+
+
+def check_fits(cfg: GANConfig, channels: int, abstract: TrainState, mesh: Mesh) -> None:
+    """A UserError when the state (networks, optimizer moments, EMA) plus an evaluation's generated images cannot fit
+    in the mesh's memory, before anything is allocated."""
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    images = cfg.gan.eval_samples * cfg.image.size**2 * channels * 4
+    m = cfg.model
+    memory.check_fits(
+        state_bytes + images, list(mesh.devices.flat),
+        what=(f"This gan (model.g_channels={m.g_channels}, model.d_channels={m.d_channels}, model.latent_dim="
+              f"{m.latent_dim}, gan.eval_samples={cfg.gan.eval_samples} images of {cfg.image.size}^2)"),
+        fix="lower the model's channels or gan.eval_samples, or use more devices.",
+    )
 
 
 # LOSSES -------------------------------------------------------------------------------------------------------

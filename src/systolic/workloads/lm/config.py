@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
-                             TrainConfig, divisor_near)
+                             TrainConfig, check_seed, divisor_near)
 from systolic.errors import ConfigError
 
 
@@ -156,6 +156,9 @@ class MoeConfig:
             )
 
 
+MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
@@ -238,6 +241,13 @@ class ModelConfig:
         for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        if self.layers > MAX_LAYERS:
+            raise ConfigError(
+                f"model.layers={self.layers} is more than {MAX_LAYERS} layers. The deepest published decoders have "
+                "about 130, and tracing an unscanned stack takes time per layer, so this many would spend many "
+                f"minutes before failing. Expected 1 to {MAX_LAYERS}. Fix: e.g. model.layers=32 (with "
+                "model.scan_layers=true for deep stacks)."
+            )
         for name in ("vocab_size", "kv_heads", "head_dim", "mlp_dim"):
             if getattr(self, name) < 0:
                 raise ConfigError(
@@ -461,11 +471,18 @@ class SampleConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        check_seed("sample.seed", self.seed)
+        if "\x00" in self.prompt:
+            raise ConfigError(
+                f"sample.prompt (--prompt) holds a NUL byte at character {self.prompt.index(chr(0))}; a prompt is text, "
+                "and tokenizers and terminals stop or fail at NUL. Fix: remove it from the prompt."
+            )
+        if (not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0
+                or not 0 < self.top_p <= 1):
             raise ConfigError(
                 f"sample settings out of range (max_new_tokens={self.max_new_tokens}, temperature={self.temperature}, "
                 f"top_k={self.top_k}, top_p={self.top_p}). Expected max_new_tokens >= 0, temperature >= 0 (0 = greedy), "
-                "top_k >= 0 (0 = off), 0 < top_p <= 1."
+                "top_k >= 0 (0 = off), 0 < top_p <= 1. Fix: e.g. --temperature 0.8 --top-p 1."
             )
 
 

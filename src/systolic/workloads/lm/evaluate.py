@@ -211,6 +211,8 @@ def _parse_item(path: Path, number: int, line: str) -> Item:
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise bad(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # a 5,000-digit number, deep nesting
+        raise bad(f"not readable JSON ({type(e).__name__})") from None
     if not isinstance(item, dict):
         raise bad(f"a JSON {type(item).__name__}, not an object")
     if "label" not in item and "gold" in item:

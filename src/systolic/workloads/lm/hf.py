@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from systolic import config as config_lib
@@ -38,7 +38,8 @@ from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import rules_for
-from systolic.workloads.lm import hf_config, parametrization
+from systolic.runtime import memory
+from systolic.workloads.lm import hf_config, parametrization, safetensors_file, sizes
 from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
 from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model import Transformer
@@ -63,12 +64,11 @@ class Folder:
         self.src = Path(src)
         index = self.src / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({self.src / f for f in weight_map.values()})  # not stray files like consolidated.safetensors
+            files = [self.src / f for f in safetensors_file.read_index(index)]  # not stray files like consolidated.safetensors
         elif (self.src / "model.safetensors").is_file():
             files = [self.src / "model.safetensors"]
         else:
-            files = sorted(self.src.glob("*.safetensors"))
+            files = sorted(p for p in self.src.glob("*.safetensors") if p.is_file())
         if not files:
             raise UserError(
                 f"{self.src} has no *.safetensors weights. Expected model.safetensors, or model-*.safetensors with "
@@ -77,13 +77,13 @@ class Folder:
             )
         self.where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         for path in files:
             if not path.is_file():
                 raise UserError(f"{index} lists {path.name}, which is missing. Fix: download the complete model.")
-            with safe_open(path, framework="numpy") as f:
-                for name in f.keys():
-                    self.where[name] = path
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+            for name, info in safetensors_file.read_header(path).items():
+                self.where[name] = path
+                self.shapes[name], self.dtypes[name] = info.shape, info.dtype
         self._last: tuple[str, np.ndarray] | None = None
 
     def resolve(self, name: str) -> str | None:
@@ -96,8 +96,20 @@ class Folder:
 
     def read(self, name: str) -> np.ndarray:
         if self._last is None or self._last[0] != name:  # GPT-2's c_attn is read once for q, k and v
-            with safe_open(self.where[name], framework="numpy") as f:
-                self._last = (name, f.get_tensor(name))
+            try:
+                with safe_open(self.where[name], framework="numpy") as f:
+                    tensor = f.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise UserError(f"{self.where[name]}: could not read tensor {name} ({e}). Expected a complete "
+                                "safetensors file. Fix: download the file again.") from None
+            finite = np.isfinite(tensor)
+            if not finite.all():
+                raise UserError(
+                    f"{self.where[name]}: tensor {name} holds {finite.size - int(finite.sum()):,} NaN or infinite "
+                    f"values of {finite.size:,}. Trained weights are finite; these would make every output NaN. "
+                    "Fix: download the file again, or use a checkpoint saved before training diverged."
+                )
+            self._last = (name, tensor)
         return self._last[1]
 
     def check(self, cfg: ModelConfig, expected: list[Pair], shapes: dict[KeyPath, tuple[int, ...]]) -> dict[str, str]:
@@ -111,6 +123,13 @@ class Folder:
                 f"{_some(missing)}. Expected tensors (i = 0..{cfg.layers - 1}): "
                 f"{', '.join(templates)}. Fix: download the complete checkpoint, or check that config.json (layers, "
                 "tie_word_embeddings) belongs to these weights."
+            )
+        integer = {n: self.dtypes[n] for n in stored.values() if self.dtypes[n] not in safetensors_file.FLOAT_DTYPES}
+        if integer:
+            raise UserError(
+                f"{self.src} holds weights that are not floating point: {_some([f'{n} ({d})' for n, d in integer.items()])}. "
+                "systolic converts float checkpoints (F32, F16, BF16); integer or float8 weights come from a "
+                "quantization scheme whose scales it does not apply. Fix: pass the unquantized checkpoint."
             )
         used = set(stored.values())
         unknown = [n for n in self.where if n not in used and not self.IGNORED.search(n)
@@ -229,6 +248,9 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
     parameters-only checkpoint). The directory appears complete or not at all. Returns the run's config."""
     src, run_dir = Path(src), Path(run_dir)
     mcfg = hf_config.model_config(hf_config.read_config(src), src, scan_layers=scan_layers)
+    params = sizes.param_count(mcfg, mcfg.vocab_size)
+    memory.check_fits(4 * params, jax.devices(), what=f"{src}/config.json's model ({params:,} float32 parameters)",
+                      fix="convert a smaller model, or check that config.json's sizes are the model's.")
     _check_free(run_dir)
     tokenizer = src / RUN_FILE
     # Without a tokenizer.json the run uses bytes: right for a model that systolic trained and exported.

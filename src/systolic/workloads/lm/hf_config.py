@@ -17,13 +17,14 @@ ours its share of assignments (summing to 1), so router_aux_loss_coef = model.mo
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from systolic.errors import UserError
-from systolic.workloads.lm.config import ModelConfig, MoeConfig, RopeScalingConfig
+from systolic import config as config_lib
+from systolic import safe_json
+from systolic.errors import ConfigError, UserError
+from systolic.workloads.lm.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
 from systolic.workloads.lm.hf_tensors import hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
@@ -41,22 +42,74 @@ def read_config(src: Path) -> dict[str, Any]:
             "config.json and model.safetensors (or model-*.safetensors with model.safetensors.index.json), as "
             "`save_pretrained` or `huggingface-cli download` writes it. Fix: pass such a folder."
         )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"Cannot read {path} as JSON ({e}). Fix: restore the file from the model's source.") from None
+    expected, fix = "a Hugging Face config.json: an object of model settings", "restore the file from the model's source."
+    return safe_json.expect_object(safe_json.read_file(path, expected=expected, fix=fix, max_bytes=CONFIG_MAX_BYTES),
+                                   str(path), expected=expected, fix=fix)
 
 
 def model_config(hf: dict[str, Any], src: Path, *, scan_layers: bool = False) -> ModelConfig:
-    """Our ModelConfig for a config.json of one of ARCHITECTURES; the vocabulary is exactly HF's `vocab_size`."""
+    """Our ModelConfig for a config.json of one of ARCHITECTURES; the vocabulary is exactly HF's `vocab_size`.
+    Every value is checked (types, ranges, then the ModelConfig's own validation) before it is used, and any
+    failure is a UserError naming config.json."""
     model_type = _model_type(hf, src)
+    _check_values(hf, src)
     try:
-        return _model_config(hf, src, model_type, scan_layers)
+        built = _model_config(hf, src, model_type, scan_layers)
+        # Through the schema, as a recipe's model section is: types coerced, every range validated.
+        return config_lib.from_dict(ModelConfig, config_lib.to_dict(built), "model.")
     except KeyError as e:
         raise UserError(
             f"{src}/config.json has no {e.args[0]!r}, which a {ARCHITECTURES[model_type]} config needs. Fix: restore "
             "the file from the model's source (transformers' save_pretrained writes every key)."
         ) from None
+    except ConfigError as e:
+        raise UserError(f"{src}/config.json describes a model systolic cannot build: {e}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise UserError(
+            f"{src}/config.json holds a value of the wrong type or range ({type(e).__name__}: {e}). Expected the "
+            "settings a transformers save_pretrained writes: integers for sizes, numbers for rates, objects for "
+            "rope_scaling. Fix: restore the file from the model's source."
+        ) from None
+
+
+# Keys read as integers (sizes; the first group must be positive) and as finite numbers, where present.
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                  "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+_INTS = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "num_experts_per_tok",
+         "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window",
+         "max_window_layers", "original_max_position_embeddings")
+_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor")
+CONFIG_MAX_BYTES = 4 << 20
+
+
+def _check_values(hf: dict[str, Any], src: Path) -> None:
+    """The types and ranges of the config.json values that become sizes, before any arithmetic on them."""
+    def bad(key: str, expected: str) -> UserError:
+        return UserError(f"{src}/config.json sets {key} = {hf[key]!r}; expected {expected}. Fix: restore the file "
+                         "from the model's source.")
+
+    for key in (*_POSITIVE_INTS, *_INTS):
+        value = hf.get(key)
+        if value is None and key not in _POSITIVE_INTS:
+            continue
+        if key not in hf:
+            continue  # a missing required key is reported by name where it is read
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key in _POSITIVE_INTS else 0):
+            raise bad(key, "a positive integer" if key in _POSITIVE_INTS else "an integer >= 0 (or null)")
+        if value > 2**40:
+            raise bad(key, "a size a model could have (at most 2**40)")
+    for key in ("num_hidden_layers", "n_layer"):
+        if isinstance(hf.get(key), int) and hf[key] > MAX_LAYERS:
+            raise bad(key, f"at most {MAX_LAYERS} layers (the deepest published decoders have about 130)")
+    for key in _NUMBERS:
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+            raise bad(key, "a finite number")
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise bad(key, "an object of RoPE parameters, or null")
 
 
 def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: bool) -> ModelConfig:
@@ -309,7 +362,9 @@ def _gpt2_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
 def _model_type(hf: dict[str, Any], src: Path) -> str:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
-    if model_type not in ARCHITECTURES or (architectures and ARCHITECTURES[model_type] not in architectures):
+    if not isinstance(architectures, list):
+        architectures = [architectures]
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES or (architectures and ARCHITECTURES[model_type] not in architectures):
         supported = ", ".join(f"{a} (model_type {t})" for t, a in ARCHITECTURES.items())
         raise UserError(
             f"{src}/config.json describes model_type {model_type!r} with architectures {architectures}, which "

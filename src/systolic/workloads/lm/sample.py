@@ -15,8 +15,10 @@ from systolic.config import MeshConfig
 from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer, run_tokenizer
 from systolic.engine import finished
 from systolic.errors import ConfigError, UserError
+from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, rules_for, with_shardings
+from systolic.workloads.lm import sizes
 from systolic.workloads.lm.config import LMConfig, SampleConfig
 from systolic.workloads.lm.generate import generate
 
@@ -140,6 +142,10 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
         cfg = dataclasses.replace(cfg, model=base_config(cfg.model),
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
         vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+        count = sizes.param_count(cfg.model, vocab)  # before tracing: config.yaml may have been edited
+        memory.check_fits(4 * count, (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
+                          what=f"{run_dir}'s model ({count:,} float32 parameters, from its config.yaml)",
+                          fix=f"check {run_dir}/config.yaml against the run's checkpoint, or use a machine with more memory.")
         graphdef = model_graphdef(cfg.model, vocab)
         abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
         mesh, rules, layout = None, None, "one device"

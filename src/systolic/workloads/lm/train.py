@@ -27,6 +27,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm import lora
 from systolic.workloads.lm import moe as moe_lib
+from systolic.workloads.lm import sizes
 from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
@@ -325,6 +326,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+    sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)

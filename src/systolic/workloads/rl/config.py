@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, divisor_near
+from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, check_seed, divisor_near
 from systolic.errors import ConfigError
 
 
@@ -196,6 +196,7 @@ class RunConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"rl.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
                                   f"integer, e.g. rl.{name}={_default(RunConfig, name)}.")
+        check_seed("rl.seed", self.seed)
         if self.eval_every < 0:
             raise ConfigError(f"rl.eval_every={self.eval_every} must be >= 0 (0 = evaluate only at the end). Fix: "
                               "e.g. rl.eval_every=10.")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 
+from systolic.config import check_seed
 from systolic.engine import loop
 from systolic.engine.plan import StepProgram
 from systolic.runtime import mesh as mesh_lib
@@ -61,6 +62,7 @@ def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path | None = None,
              seed: int = 0) -> str:
     """`systolic eval rl RUN_DIR`: the report to print."""
+    check_seed("--seed", seed)
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
 
 

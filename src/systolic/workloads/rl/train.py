@@ -29,6 +29,7 @@ from systolic.engine.loop import Task
 from systolic.engine.step import jit_step
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.errors import ConfigError
+from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.cpu_tuning import cpu_compiler_options
 from systolic.workloads.rl import algorithm as algorithm_lib
@@ -105,8 +106,29 @@ def algorithm_for(cfg: RLConfig, env: Env) -> Algorithm:
     return algorithm_lib.get(cfg.algo)
 
 
+def memory_bytes(cfg: RLConfig, env: Env) -> int:
+    """A lower bound on a run's memory: each seed's float32 network with its gradient and Adam moments, and one
+    update's rollout (observations, actions, rewards, done flags) of every environment of every seed."""
+    run, net, obs = cfg.rl, cfg.model, env.spec.obs_size
+    network = obs * net.hidden + (net.layers - 1) * net.hidden**2 + net.hidden * env.spec.action_dim
+    rollout = run.num_envs * run.num_steps * (obs + 3)
+    return run.num_seeds * 4 * (4 * network + rollout)
+
+
+def check_fits(cfg: RLConfig, env: Env, mesh: Mesh) -> None:
+    """A UserError, before anything is traced, when the run cannot fit in the mesh's memory."""
+    run = cfg.rl
+    memory.check_fits(
+        memory_bytes(cfg, env), list(mesh.devices.flat),
+        what=(f"This rl run ({run.num_seeds} seeds x {run.num_envs} environments x {run.num_steps} steps of "
+              f"{env.spec.name}, model.hidden={cfg.model.hidden} x model.layers={cfg.model.layers})"),
+        fix="lower rl.num_envs, rl.num_steps, rl.num_seeds or model.hidden, or use more devices.",
+    )
+
+
 def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
     """Returns (init_state, chunk_step, abstract_state, shardings); `chunk_step(state, None)` is jitted."""
+    check_fits(cfg, env, mesh)
     algo = algorithm_for(cfg, env)
     tx = algo.make_optimizer(cfg)
     init_seed, chunk_seed = algo.make_seed_fns(cfg, env, tx)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig
+from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, check_seed
 from systolic.errors import ConfigError
 
 
@@ -64,6 +64,7 @@ class SimSettings:
         return 3 if self.equation == "navier_stokes_3d" else 2
 
     def validate(self) -> None:
+        check_seed("sim.seed", self.seed)
         if not self.t_end > 0 or self.dt < 0 or not 0 < self.cfl <= 1:
             raise ConfigError(
                 f"sim.t_end={self.t_end}, sim.dt={self.dt}, sim.cfl={self.cfl}: expected t_end > 0, dt >= 0 "

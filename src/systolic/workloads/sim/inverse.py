@@ -28,7 +28,8 @@ from systolic.runtime.cpu_tuning import compile_once
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.slab import Slab
-from systolic.workloads.sim.solver import fixed_steps, make_forcing, make_initial_vorticity, make_slab, real_dtype
+from systolic.workloads.sim.solver import (check_grid_fits, fixed_steps, make_forcing, make_initial_vorticity, make_slab,
+                                          real_dtype)
 
 
 def check_fit_config(cfg: SimConfig) -> None:
@@ -125,6 +126,7 @@ def make_observations(cfg: SimConfig, mesh: Mesh) -> tuple[jax.Array, jax.Array]
 
 def make_problem(cfg: SimConfig, mesh: Mesh) -> InverseProblem:
     check_fit_config(cfg)
+    check_grid_fits(cfg, mesh, copies=cfg.output.frames + 2)  # the observed snapshots besides the state
     misfit = make_misfit(cfg, mesh)
     w0, observed = make_observations(cfg, mesh)
     return InverseProblem(misfit=lambda viscosity: misfit(w0, viscosity, observed), initial_w_hat=w0,

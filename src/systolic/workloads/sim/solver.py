@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import jit_step
 from systolic.errors import ConfigError
+from systolic.runtime import memory
 from systolic.workloads.sim import finite_difference as fd
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
@@ -75,7 +76,28 @@ def fixed_steps(cfg: SimConfig, dt: float) -> tuple[int, float]:
     return steps, cfg.frame_time / steps
 
 
+FIELDS = {"navier_stokes": 1, "navier_stokes_3d": 3, "gray_scott": 2, "heat": 1}  # values per grid point
+
+
+def grid_bytes(cfg: SimConfig, copies: int = 2) -> int:
+    """A lower bound on a run's memory: `copies` of the fields (the state and at least one time-stepping stage)."""
+    itemsize = 8 if cfg.sim.dtype == "float64" else 4
+    return cfg.grid.n ** cfg.sim.dimensions * FIELDS[cfg.sim.equation] * itemsize * copies
+
+
+def check_grid_fits(cfg: SimConfig, mesh: Mesh, copies: int = 2) -> None:
+    """A UserError, before anything is traced or allocated, when the grid cannot fit in the mesh's memory."""
+    n, dims = cfg.grid.n, cfg.sim.dimensions
+    memory.check_fits(
+        grid_bytes(cfg, copies), list(mesh.devices.flat),
+        what=(f"A grid.n={n} grid in {dims} dimensions ({n ** dims:,} points of {cfg.sim.equation}, "
+              f"{cfg.sim.dtype}, the fields {copies} times over)"),
+        fix=f"lower grid.n (each halving divides the memory by {2 ** dims}), use float32, or use more devices.",
+    )
+
+
 def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
+    check_grid_fits(cfg, mesh)
     if cfg.sim.equation == "navier_stokes_3d":
         from systolic.workloads.sim.solver_3d import make_turbulence  # it builds on this module's helpers
 

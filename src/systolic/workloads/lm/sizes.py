@@ -1,0 +1,56 @@
+"""An lm's parameter count and training memory from its config alone, checked before the model is traced.
+
+`nnx.eval_shape` of the model traces every layer, so a config with d_model = 10^7 or 10^5 layers would spend
+minutes tracing (and compiling) before the allocation fails. The count here is arithmetic on the config; the
+bytes are a lower bound: float32 parameters, and for the trained ones a float32 gradient and at least one
+float32 optimizer moment (AdamW keeps two, Muon one), plus one micro-batch of float32 embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from systolic.runtime import memory
+from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.flops import lora_params
+
+PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
+TRAINED_EXTRA_BYTES = 4 + 4  # a float32 gradient and at least one float32 optimizer moment per trained parameter
+
+
+def param_count(cfg: ModelConfig, vocab: int) -> int:
+    """All parameters (norms and biases left out: a lower bound), adapters included."""
+    d, hd = cfg.d_model, cfg.d_head
+    attention = d * cfg.heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.heads * hd * d
+    dense_mlp = (3 if cfg.family == "llama" else 2) * d * cfg.d_mlp
+    moe = cfg.moe
+    moe_mlp = d * moe.experts + 3 * d * cfg.d_expert * (moe.experts + moe.shared_experts)
+    moe_layers = len(cfg.moe_layers)
+    blocks = cfg.layers * attention + (cfg.layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+    embeddings = vocab * d * (1 if cfg.tie_embeddings else 2)
+    positions = cfg.max_seq_len * d if cfg.family == "gpt2" else 0
+    return blocks + embeddings + positions + lora_params(cfg)
+
+
+def training_bytes(cfg: LMConfig, vocab: int) -> int:
+    """A lower bound on the memory a train step of `cfg` needs, over all devices."""
+    total = param_count(cfg.model, vocab)
+    trained = lora_params(cfg.model) if cfg.model.lora.rank else total
+    micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+    activations = micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
+    return PARAM_BYTES * total + TRAINED_EXTRA_BYTES * trained + activations
+
+
+def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> None:
+    """A UserError, before any tracing, when the model cannot be trained in the memory of `devices`."""
+    m = cfg.model
+    params = param_count(m, vocab)
+    memory.check_fits(
+        training_bytes(cfg, vocab), devices,
+        what=(f"Training this lm ({params:,} parameters: model.d_model={m.d_model}, model.layers={m.layers}, "
+              f"vocabulary {vocab:,}{f', model.moe.experts={m.moe.experts}' if m.moe.experts else ''}; float32 "
+              "parameters, gradients and optimizer moments, and a micro-batch of embeddings)"),
+        fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size) "
+             "or train.batch_size, or use more devices (`systolic plan lm --target ... --search` sizes a target)."),
+    )
