@@ -1,0 +1,61 @@
+"""Ctrl-C and SIGTERM at every phase of a command, not only while the train loop runs.
+
+The CLI installs `install()` first thing. Until the train loop takes over (engine/loop.py `StopSignals`, which
+stops after the current step with a checkpoint), a signal raises `Interrupted` in the main thread, so start-up,
+tracing and compiling unwind through the CLI's rollback and exit 130 (SIGINT) or 143 (SIGTERM). Python's default
+SIGTERM kills the process with no message and no rollback.
+
+A signal can also land while the main thread runs a Python callback that XLA called (`jax.debug.callback`, an
+I/O callback): XLA catches what the callback raises and may carry on, and the interrupt would be lost. So every
+signal is also recorded here; the train loop reads the record when it starts and stops after its first step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM before (or after) the train loop; `name` is the signal's."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.name, 130)
+
+
+_received: list[str] = []
+
+
+def install() -> dict[int, Any]:
+    """Routes SIGINT and SIGTERM through `_handle` (main thread only: Python allows handlers nowhere else).
+    Returns the previous handlers for `restore` (the CLI runs in-process in tests)."""
+    _received.clear()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _handle)
+    return previous
+
+
+def restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def received() -> str | None:
+    """The first signal's name since `install`, or None."""
+    return _received[0] if _received else None
+
+
+def _handle(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    _received.append(name)
+    raise Interrupted(name)
