@@ -688,4 +688,4 @@ _HANDLERS = {"train": _run, "simulate": _run, "fit": _run, "eval": _evaluate_run
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
