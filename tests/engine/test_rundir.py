@@ -180,7 +180,8 @@ def test_two_trains_started_together_one_runs_and_its_checkpoints_resume_bit_exa
 def test_sigint_at_twenty_moments_of_start_up_always_exits_cleanly_and_resumes(tmp_path):
     """Ctrl-C at 20 moments spread over a run's first seconds (start-up, tracing, compiling, stepping, saving):
     never a crash (139), never a completed run, always exit 130 (or 0 for a stop that checkpointed) with a run
-    directory that resumes, or none at all."""
+    directory that resumes, or none at all. A signal in the interpreter's own start-up, before systolic's first
+    line, ends the process by SIGINT as any Python program (nothing created yet)."""
     outcomes = []
     for i in range(20):
         run = tmp_path / f"run{i}"
@@ -188,7 +189,9 @@ def test_sigint_at_twenty_moments_of_start_up_always_exits_cleanly_and_resumes(t
         time.sleep(0.5 * i)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
-        assert proc.returncode in (0, 130), (i, proc.returncode, err)
+        assert proc.returncode in (0, 130, -signal.SIGINT), (i, proc.returncode, err)
+        if proc.returncode == -signal.SIGINT:  # Python's own exit, before systolic's handler was installed
+            assert not run.exists(), (i, err)
         assert "Traceback" not in err, (i, err)
         if proc.returncode == 0:
             assert "Run the same command again to continue" in err, err  # stopped early, with a checkpoint
