@@ -198,11 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_error("out of host memory. Fix: lower train.batch_size or the model size, or use more devices.")
         return 2
     except KeyboardInterrupt as e:
-        name = e.name if isinstance(e, interrupts.Interrupted) else "SIGINT"
-        print(f"interrupted ({name}): no run directory was changed, or its last checkpoint is there to resume from",
-              file=sys.stderr)
-        return interrupts.EXIT_CODES.get(name, 130)
+        return _interrupted(e.name if isinstance(e, interrupts.Interrupted) else "SIGINT")
     except OSError as e:
+        if interrupts.received():
+            return _interrupted(interrupts.received())
         if e.errno not in _ENVIRONMENT_ERRNOS:
             raise
         _show_traceback_if_debugging(args)
@@ -210,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                      "pick another path, then run the command again (an interrupted run resumes from its last "
                      "checkpoint).")
         return 2
+    except Exception:
+        # A signal that landed inside C code (an extension's import, an XLA callback) can surface as another
+        # exception, e.g. "ImportError: Encountered an error while initializing the extension".
+        if interrupts.received():
+            return _interrupted(interrupts.received())
+        raise
     finally:
         interrupts.restore(previous_handlers)
 
@@ -240,7 +245,29 @@ def _parse(argv: list[str] | None):
         from systolic.runtime import compile_cache
 
         compile_cache.enable()
+    if args.command not in ("launch", "tokenizer", "data"):  # these need none of them (and start faster)
+        _import_extensions()
+    interrupts.arm()  # a signal recorded so far raises here; from now on at once
     return args, lambda: _HANDLERS[args.command](args)
+
+
+def _import_extensions() -> None:
+    """Imports the compiled extensions a command may load while signals are only recorded (runtime/interrupts.py:
+    an interrupt inside an extension's import can crash the process later)."""
+    import jax  # noqa: F401  (jaxlib's extensions)
+    import numpy  # noqa: F401
+
+    for name in ("orbax.checkpoint", "tensorstore", "grain", "flax.nnx", "optax"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # an optional one that is missing is reported where it is needed
+
+
+def _interrupted(name: str) -> int:
+    print(f"interrupted ({name}): no run directory was changed, or its last checkpoint is there to resume from",
+          file=sys.stderr)
+    return interrupts.EXIT_CODES.get(name, 130)
 
 
 # OS errors that come from the machine or the user's paths (full disk, permissions, a read-only or vanished

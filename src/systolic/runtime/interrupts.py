@@ -5,6 +5,11 @@ stops after the current step with a checkpoint), a signal raises `Interrupted` i
 tracing and compiling unwind through the CLI's rollback and exit 130 (SIGINT) or 143 (SIGTERM). Python's default
 SIGTERM kills the process with no message and no rollback.
 
+Until `arm()`, a signal is only recorded: raised inside the import of a compiled extension (jaxlib, tensorstore),
+an exception leaves that module half-initialised and the process died with SIGSEGV (measured: 1 of the first 4
+moments of `tests/engine/test_rundir.py`'s SIGINT test). The CLI imports those modules first, then arms; `arm()`
+raises the recorded signal at once. A second SIGINT always raises (the user insists).
+
 A signal can also land while the main thread runs a Python callback that XLA called (`jax.debug.callback`, an
 I/O callback): XLA catches what the callback raises and may carry on, and the interrupt would be lost. So every
 signal is also recorded here; the train loop reads the record when it starts and stops after its first step.
@@ -32,12 +37,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 _received: list[str] = []
+_armed: list[bool] = [False]
 
 
 def install() -> dict[int, Any]:
     """Routes SIGINT and SIGTERM through `_handle` (main thread only: Python allows handlers nowhere else).
     Returns the previous handlers for `restore` (the CLI runs in-process in tests)."""
     _received.clear()
+    _armed[0] = False
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -55,7 +62,15 @@ def received() -> str | None:
     return _received[0] if _received else None
 
 
+def arm() -> None:
+    """From now on a signal raises `Interrupted`; one that came before raises here."""
+    _armed[0] = True
+    if _received:
+        raise Interrupted(_received[0])
+
+
 def _handle(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
     _received.append(name)
-    raise Interrupted(name)
+    if _armed[0] or _received.count("SIGINT") > 1:
+        raise Interrupted(_received[0])
