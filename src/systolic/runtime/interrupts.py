@@ -10,6 +10,10 @@ an exception leaves that module half-initialised and the process died with SIGSE
 moments of `tests/engine/test_rundir.py`'s SIGINT test). The CLI imports those modules first, then arms; `arm()`
 raises the recorded signal at once. A second SIGINT always raises (the user insists).
 
+A signal can land while the main thread runs a garbage-collection callback or a `__del__` (jax registers one):
+Python prints what those raise as "Exception ignored in ..." and carries on. `_unraisable` hides that print for
+`Interrupted` and delivers the signal again a moment later, to be raised where it counts.
+
 A signal can also land while the main thread runs a Python callback that XLA called (`jax.debug.callback`, an
 I/O callback): XLA catches what the callback raises and may carry on, and the interrupt would be lost. So every
 signal is also recorded here; the train loop reads the record when it starts and stops after its first step.
@@ -17,7 +21,9 @@ signal is also recorded here; the train loop reads the record when it starts and
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -49,12 +55,28 @@ def install() -> dict[int, Any]:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, _handle)
+        if sys.unraisablehook is not _unraisable:
+            _previous_hook[0] = sys.unraisablehook
+            sys.unraisablehook = _unraisable
     return previous
 
 
 def restore(previous: dict[int, Any]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if sys.unraisablehook is _unraisable:
+        sys.unraisablehook = _previous_hook[0]
+
+
+def _unraisable(info: Any) -> None:
+    if isinstance(info.exc_value, Interrupted):
+        signum = signal.Signals[info.exc_value.name]
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        return
+    _previous_hook[0](info)
+
+
+_previous_hook: list[Any] = [sys.unraisablehook]
 
 
 def received() -> str | None:
