@@ -1,5 +1,3 @@
-import sys
+from systolic.cli import entry
 
-from systolic.cli import main
-
-sys.exit(main())
+entry()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
 from systolic.errors import UserError
+from systolic.runtime import interrupts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--what", choices=("forward", "decode", "both"), default="forward",
                         help="forward: tokens -> logits (default); decode: tokens + KV cache -> logits + cache; both")
     export.add_argument("--platforms", help="comma-separated, of cpu, cuda, rocm, tpu (default: this machine's)")
+    export.add_argument("--force", action="store_true", help="replace existing output files")
 
     tokenizer = sub.add_parser("tokenizer", help="train a BPE tokenizer for the lm workload (then data.tokenizer=FILE)")
     tokenizer_actions = tokenizer.add_subparsers(dest="tokenizer_action", required=True, metavar="ACTION")
@@ -73,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     tok_train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. data.path=corpus/ data.max_bytes=5000000")
     tok_train.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, e.g. 8192")
     tok_train.add_argument("--out", type=Path, required=True, help="the tokenizer.json to write")
+    tok_train.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     convert = sub.add_parser("convert", help="convert lm weights from or to Hugging Face (Llama, GPT-2)",
                              description="Convert between Hugging Face folders (config.json + safetensors) and lm run "
@@ -103,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--count", type=int, default=64, help="how many images (default 64)")
     sample.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/sample.png)")
     sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     plan = sub.add_parser("plan", help="will a recipe fit a TPU slice or GPUs, how fast, at what cost? (no accelerator needed)",
                           description="Compile the real train step ahead of time for the target (TPU: with libtpu's "
@@ -177,6 +183,46 @@ _STEPPING_COMMANDS = ("train", "bench", "fit", "simulate")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code. Errors that are the user's or the machine's are one paragraph
+    (the traceback too with SYSTOLIC_DEBUG=1 or --debug); anything else is a bug and propagates."""
+    previous_handlers = interrupts.install()  # first: Ctrl-C and SIGTERM unwind cleanly from here on
+    args = None
+    try:
+        args, run = _parse(argv)
+        return run()
+    except UserError as e:
+        _show_traceback_if_debugging(args)
+        _print_error(str(e))
+        return e.exit_code
+    except MemoryError:
+        _show_traceback_if_debugging(args)
+        _print_error("out of host memory. Fix: lower train.batch_size or the model size, or use more devices.")
+        return 2
+    except KeyboardInterrupt as e:
+        return _interrupted(e.name if isinstance(e, interrupts.Interrupted) else "SIGINT")
+    except OSError as e:
+        if interrupts.received():
+            return _interrupted(interrupts.received())
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        _show_traceback_if_debugging(args)
+        _print_error(f"{e}. This is the machine's state, not systolic's: free disk space, fix the permissions or "
+                     "pick another path, then run the command again (an interrupted run resumes from its last "
+                     "checkpoint).")
+        return 2
+    except Exception:
+        # A signal that landed inside C code (an extension's import, an XLA callback) can surface as another
+        # exception, e.g. "ImportError: Encountered an error while initializing the extension".
+        if interrupts.received():
+            return _interrupted(interrupts.received())
+        raise
+    finally:
+        interrupts.restore(previous_handlers)
+
+
+def _parse(argv: list[str] | None):
+    """Parses the command line and prepares the process (platform, XLA flags, compile cache) for it. Returns the
+    arguments and the command to run."""
     warnings.formatwarning = lambda message, category, *rest, **kw: f"warning: {message}\n"
     parser = _parser()
     # Overrides may sit between options (`a=1 --recipe r b=2`); argparse leaves the later ones unrecognised.
@@ -200,20 +246,71 @@ def main(argv: list[str] | None = None) -> int:
         from systolic.runtime import compile_cache
 
         compile_cache.enable()
+    if args.command not in ("launch", "tokenizer", "data"):  # these need none of them (and start faster)
+        _import_extensions()
+    interrupts.arm()  # a signal recorded so far raises here; from now on at once
+    return args, lambda: _HANDLERS[args.command](args)
+
+
+def _import_extensions() -> None:
+    """Imports the compiled extensions a command may load while signals are only recorded (runtime/interrupts.py:
+    an interrupt inside an extension's import can crash the process later)."""
+    import jax  # noqa: F401  (jaxlib's extensions)
+    import numpy  # noqa: F401
+
+    for name in ("orbax.checkpoint", "tensorstore", "grain", "flax.nnx", "optax"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # an optional one that is missing is reported where it is needed
+
+
+def _interrupted(name: str) -> int:
+    print(f"interrupted ({name}): no run directory was changed, or its last checkpoint is there to resume from",
+          file=sys.stderr)
+    return interrupts.EXIT_CODES.get(name, 130)
+
+
+# OS errors that come from the machine or the user's paths (full disk, permissions, a read-only or vanished
+# file system), not from a bug: reported as one paragraph, as a UserError is.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE,
+                       errno.ENFILE, errno.ENAMETOOLONG, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENOENT}
+
+
+def entry() -> None:
+    """The `systolic` console command. Unexpected exceptions are bugs: their traceback comes with a line that says
+    so. After an interrupt the process ends without running interpreter teardown, where XLA's and Orbax's
+    threads, stopped mid-work, could crash it (exit 139 instead of 130)."""
     try:
-        return _HANDLERS[args.command](args)
-    except UserError as e:
-        # Paths and names stay whole (a hyphen is no place to break a path someone copies).
-        print(textwrap.fill(f"error: {e}", width=110, break_on_hyphens=False, break_long_words=False), file=sys.stderr)
-        return e.exit_code
-    except MemoryError:
-        print("error: out of host memory. Fix: lower train.batch_size or the model size, or use more devices.",
-              file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:
+        import traceback
+
+        print("internal error: a bug in systolic, not in your input. Please report it with the command you ran and "
+              "this traceback (SYSTOLIC_DEBUG=1 adds the tracebacks of user errors too):", file=sys.stderr)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code in interrupts.EXIT_CODES.values():
+        os._exit(code)
+    sys.exit(code)
+
+
+def _print_error(message: str) -> None:
+    # Paths and names stay whole (a hyphen is no place to break a path someone copies).
+    print(textwrap.fill(f"error: {message}", width=110, break_on_hyphens=False, break_long_words=False),
+          file=sys.stderr)
+
+
+def _show_traceback_if_debugging(args: argparse.Namespace) -> None:
+    """SYSTOLIC_DEBUG=1 or --debug: the traceback of a user's error too (what a bug report needs)."""
+    if os.environ.get("SYSTOLIC_DEBUG", "") not in ("", "0") or getattr(args, "debug", False):
+        import traceback
+
+        traceback.print_exc()
 
 
 # Commands that run one workload without naming it on the command line.
@@ -233,22 +330,28 @@ def _run(args: argparse.Namespace) -> int:
     name = "sim" if args.command == "simulate" else args.workload
     workload, cfg, run_dir, prepared = _prepare_run(name, args.command, args, "-fit" if args.command == "fit" else "")
     run = workload.command(args.command)
-    with _debug_mode(args):
-        _transaction(prepared, lambda: run(cfg, run_dir, quiet=args.quiet))
+    try:
+        with _debug_mode(args):
+            _transaction(prepared, lambda: run(cfg, run_dir, quiet=args.quiet))
+    finally:
+        if prepared is not None:
+            prepared.release()
     return 0
 
 
 def _transaction(prepared, run) -> None:
-    """Bad input found while starting (a data path, a batch size) leaves the run directory as it was. Failures
-    of a run under way (a halt, a failed checkpoint write) keep what the run wrote: it is its history."""
+    """A command that fails, for whatever reason (bad input found while starting, Ctrl-C, a bug), leaves the run
+    directory as it was: a new one is removed, an existing one gets back its config, metrics rows and entries.
+    Once the command has written a checkpoint, what it wrote is the run's history and stays (a halt, a failed
+    checkpoint write, or an interrupt then resumes from there)."""
     from systolic.errors import CheckpointWriteError, TrainingHalted
 
     try:
         run()
     except (TrainingHalted, CheckpointWriteError):
-        raise
-    except UserError:
-        if prepared is not None:
+        raise  # what the run wrote up to its halt is the evidence the message points to
+    except BaseException:
+        if prepared is not None and not prepared.wrote_checkpoint():
             prepared.rollback()
         raise
 
@@ -537,7 +640,7 @@ def _export(args: argparse.Namespace) -> int:
     from systolic.workloads.lm.export import export_run
 
     platforms = [p.strip() for p in args.platforms.split(",")] if args.platforms else None
-    paths = export_run(args.run_dir, args.out, what=args.what, platforms=platforms)
+    paths = export_run(args.run_dir, args.out, what=args.what, platforms=platforms, force=args.force)
     print("wrote " + ", ".join(f"{p} ({p.stat().st_size / 1e6:.2f} MB)" for p in paths))
     return 0
 
@@ -565,7 +668,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
                         "`systolic tokenizer train --vocab-size 8192 data.path=corpus/ --out tok.json`.")
     data = config_lib.from_dict(LMConfig, tree).data
     print(train_to_file(data.path, max_bytes=data.max_bytes, val_percent=data.val_percent, vocab_size=args.vocab_size,
-                        out=args.out))
+                        out=args.out, force=args.force))
     return 0
 
 
@@ -587,7 +690,7 @@ def _sample(args: argparse.Namespace) -> int:
     from systolic import workloads
 
     sample = workloads.get(args.workload).command("sample")
-    print(sample(args.run_dir, count=args.count, out=args.out, seed=args.seed))
+    print(sample(args.run_dir, count=args.count, out=args.out, seed=args.seed, force=args.force))
     return 0
 
 
@@ -629,4 +732,4 @@ _HANDLERS = {"train": _run, "simulate": _run, "fit": _run, "eval": _evaluate_run
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from systolic import outfile
 from systolic.data import corpus
 from systolic.errors import ConfigError, UserError
 
@@ -168,13 +169,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = Non
     return BPETokenizer(tokenizer)
 
 
-def train_to_file(data_path: str, *, max_bytes: int, val_percent: float, vocab_size: int, out: Path) -> str:
+def train_to_file(data_path: str, *, max_bytes: int, val_percent: float, vocab_size: int, out: Path,
+                  force: bool = False) -> str:
     """`systolic tokenizer train`: trains on the training split of the corpus at `data_path` (the same split as
     `systolic train lm`, so validation text stays unseen), writes `out` atomically and returns a report that
     includes the compression on the held-out split."""
     check_vocab_size(vocab_size)
     if out.is_dir():
         raise UserError(f"--out {out} is a folder. Expected the path of the tokenizer.json to write. Fix: e.g. --out {out / 'tokenizer.json'}.")
+    outfile.check(out, option="--out", suffixes=(".json",), force=force)
     docs = corpus.read_documents(data_path, max_bytes=max_bytes)
     train_docs, val_docs = corpus.split_documents(docs, val_percent)
     train_texts, val_texts = [d.text for d in train_docs], [d.text for d in val_docs]
@@ -183,7 +186,9 @@ def train_to_file(data_path: str, *, max_bytes: int, val_percent: float, vocab_s
     seconds = time.perf_counter() - start
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(out)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tokenizer.save(tmp)
+        os.replace(tmp, out)  # whole or not at all
     except OSError as e:
         raise UserError(f"Cannot write the tokenizer to {out}: {e}. Fix: pass a writable --out path.") from None
     train_mb = sum(len(t.encode("utf-8")) for t in train_texts) / 1e6

@@ -92,11 +92,11 @@ class NonFiniteGuard:
         if self.cfg.nonfinite == "halt":
             raise TrainingHalted(
                 f"Step {step} produced a non-finite value in {culprit}. Its update was discarded and the run halted; "
-                f"the last checkpoint is intact. Fix: {self.advice}."
+                f"checkpoints written before it are intact. Fix: {self.advice}."
             )
         if self.in_a_row > self.cfg.max_skipped:
             raise TrainingHalted(
                 f"{self.in_a_row} steps in a row (up to step {step}) produced non-finite values, last in {culprit}; "
-                f"more than loop.max_skipped={self.cfg.max_skipped}, so the run halted. The last checkpoint is "
-                f"intact. Fix: {self.advice}."
+                f"more than loop.max_skipped={self.cfg.max_skipped}, so the run halted. Checkpoints written "
+                f"before them are intact. Fix: {self.advice}."
             )

@@ -35,6 +35,7 @@ from systolic.errors import TrainingHalted, UserError
 from systolic.observe.metrics import MetricsWriter, read_metrics, truncate_after
 from systolic.observe.plot import plot_losses
 from systolic.observe.progress import ProgressReporter
+from systolic.runtime import interrupts
 
 
 class DataStream(Protocol):
@@ -117,6 +118,9 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
+        # A signal that reached the CLI's handler inside a callback XLA ran may have been swallowed there:
+        # honour it now (runtime/interrupts.py).
+        self.received = interrupts.received()
         if threading.current_thread() is threading.main_thread():  # Python only allows handlers there
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -145,6 +149,8 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
         start = int(jax.device_get(state.step))
         progress = ProgressReporter(total=total, start=start, mode=settings.observe.progress, quiet=settings.quiet,
                                     enabled=is_writer, description=task.label)
+        if resumed_from is None and is_writer:
+            truncate_after(run_dir, -1)  # starting at step 0: rows of a run that never checkpointed are not history
         writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
         if resumed_from is not None:
             progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
 from systolic.engine.plan import StepProgram
@@ -62,7 +63,7 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     return result
 
 
-def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 0) -> Path:
+def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 0, force: bool = False) -> Path:
     """Draws `count` images from the EMA generator of the run's latest intact checkpoint into a PNG grid."""
     from systolic.engine import finished
     from systolic.workloads.gan.data import channels_for
@@ -72,6 +73,8 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
         raise UserError(f"--count {count} must be at least 1. Fix: e.g. --count 64.")
     check_seed("--seed", seed)
     run_dir = Path(run_dir)
+    if out is not None:  # the default, RUN_DIR/sample.png, is this command's own file
+        outfile.check(out, option="--out", suffixes=(".png",), force=force)
     with finished.open_run(run_dir, "gan", "systolic sample gan") as run:
         cfg: GANConfig = run.cfg
         channels = channels_for(cfg)

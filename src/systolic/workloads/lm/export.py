@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from systolic import outfile
 from systolic.errors import UserError
 from systolic.workloads.lm.model import KVCache, resolve_dtype
 from systolic.workloads.lm.sample import LoadedRun, load_run
@@ -87,7 +88,7 @@ def export_functions(run: LoadedRun, what: Sequence[str], platforms: Sequence[st
 
 
 def export_run(run_dir: Path, out: Path, *, what: str = "forward",
-               platforms: Sequence[str] | None = None) -> list[Path]:
+               platforms: Sequence[str] | None = None, force: bool = False) -> list[Path]:
     """Writes the artefacts described in the module docstring; returns their paths (the manifest last)."""
     if what not in WHAT:
         raise UserError(f"--what {what!r}: expected one of {', '.join(WHAT)}.")
@@ -100,11 +101,14 @@ def export_run(run_dir: Path, out: Path, *, what: str = "forward",
     out = Path(out)
     if out.is_dir() or not out.parent.is_dir():
         raise UserError(f"--out {out}: expected a file path in an existing directory (e.g. --out model.jaxexport).")
-    run = load_run(run_dir, "systolic export")
-    exported = export_functions(run, WHAT[what], platforms)
     paths = {name: out if i == 0 else out.with_name(f"{out.stem}.{name}{out.suffix}")
              for i, name in enumerate(WHAT[what])}
     params_path, manifest_path = out.with_name(out.stem + ".params.npz"), out.with_name(out.stem + ".json")
+    outfile.check(out, option="--out", suffixes=(".jaxexport",), force=force)
+    for path in (*paths.values(), params_path, manifest_path):  # the files written beside it
+        outfile.check(path, option="--out", suffixes=(), force=force)
+    run = load_run(run_dir, "systolic export")
+    exported = export_functions(run, WHAT[what], platforms)
     flat = {k: np.asarray(v) for k, v in zip(param_names(run.params), jax.device_get(jax.tree.leaves(run.params)))}
     buffer = io.BytesIO()
     np.savez(buffer, **flat)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 
+from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
 from systolic.engine.plan import StepProgram
@@ -60,9 +61,11 @@ def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 
 def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path | None = None,
-             seed: int = 0) -> str:
+             seed: int = 0, force: bool = False) -> str:
     """`systolic eval rl RUN_DIR`: the report to print."""
     check_seed("--seed", seed)
+    if gif is not None:
+        outfile.check(gif, option="--gif", suffixes=(".gif",), force=force)
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
 
 
@@ -72,6 +75,7 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gymnasium", action="store_true", help="run the policy in Gymnasium's reference implementation")
     parser.add_argument("--gif", type=Path, metavar="FILE.gif", help="also write a GIF of one episode to this path")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the evaluation episodes' start states")
+    parser.add_argument("--force", action="store_true", help="replace an existing --gif file")
 
 
 def plan(cfg: RLConfig, devices: list) -> StepProgram:

@@ -8,6 +8,7 @@ Grid observations (MinAtar `(10, 10, C)`, bsuite `(H, W)`) are drawn as coloured
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -94,5 +95,7 @@ def save_gif(env_name: str, observations: np.ndarray, path: Path, *, fps: int = 
     frames = [frame(env_name, o) for o in observations]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    tmp = path.with_name(f".{path.name}.tmp")  # whole or not at all
+    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    os.replace(tmp, path)
     return path

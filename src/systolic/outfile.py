@@ -1,0 +1,59 @@
+"""Files a command writes at a path the user names (`--out`, `--gif`): checked before the work, written whole.
+
+A command never overwrites a file it did not create unless told to (`--force`), never writes into a run
+directory's own files (its config, checkpoints, marker or lock) even then, and refuses a path whose extension
+says it is another kind of file (`--gif run/config.yaml`). The file appears complete or not at all: it is written
+beside its final name and renamed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from systolic.errors import UserError
+
+# A run directory's own files (engine/rundir.py, engine/checkpoint.py): never an output, --force or not.
+_RUN_FILES = ("config.yaml", ".systolic-run", ".lock", "checkpoints", "metrics.jsonl", "tokenizer.json")
+
+
+def check(path: Path, *, option: str, suffixes: Iterable[str], force: bool) -> Path:
+    """Refuses `path` as the output of `option` unless it ends in one of `suffixes`, is not a run directory's
+    own file, and does not exist (or `force`). Returns it."""
+    path = Path(path)
+    suffixes = tuple(suffixes)
+    if suffixes and not path.name.lower().endswith(suffixes):
+        raise UserError(f"{option} {path}: expected a file name ending in {' or '.join(suffixes)}, so that no other "
+                        f"kind of file is overwritten by mistake. Fix: e.g. {option} {path.with_suffix(suffixes[0])}.")
+    if _is_run_file(path):
+        raise UserError(f"{option} {path} is one of a run directory's own files; writing it would break the run. "
+                        f"Fix: write elsewhere, e.g. {option} {path.parent / ('out' + (suffixes[0] if suffixes else ''))}.")
+    if path.exists() and path.is_dir():
+        raise UserError(f"{option} {path} is a folder. Fix: name a file, e.g. {option} {path / ('out' + (suffixes[0] if suffixes else ''))}.")
+    if path.exists() and not force:
+        raise UserError(f"{option} {path} already exists, and this command does not overwrite files it did not "
+                        f"create. Fix: pass --force to replace it, or choose another path.")
+    return path
+
+
+def _is_run_file(path: Path) -> bool:
+    """A run directory's config, marker, lock or metrics, or anything in a run's checkpoints folder."""
+    def is_run(folder: Path) -> bool:
+        return (folder / ".systolic-run").is_file() or (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()
+
+    if path.name in _RUN_FILES and is_run(path.parent):
+        return True
+    return any(p.name == "checkpoints" and is_run(p.parent) for p in path.absolute().parents)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Writes `data` to `path` whole: beside it first, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
