@@ -210,3 +210,13 @@ def test_sigint_at_twenty_moments_of_start_up_always_exits_cleanly_and_resumes(t
         outcomes.append((round(span * i / 19, 1), proc.returncode, run.exists()))
     print(f"\nfirst step after {first_step_s:.1f} s; SIGINT after s -> exit code, run directory kept:", outcomes)
     assert any(code == 0 for _, code, _ in outcomes), "no moment reached the train loop"
+
+
+def test_resuming_from_a_step_without_its_manifest_says_it_is_unverified(tmp_path):
+    from systolic.engine.checkpoint import MANIFEST
+
+    run = tmp_path / "run"
+    assert train(run, "train.steps=3") == 0
+    (run / "checkpoints" / "3" / MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="could not be checked for damage"):
+        assert train(run, "train.steps=6") == 0

@@ -160,6 +160,10 @@ class Checkpointer:
                 try:
                     state, data_state, _ = self.restore(step, abstract)
                     self._set_aside(damaged)
+                    if not (self.directory / str(step) / MANIFEST).exists():
+                        # Killed between writing and sealing, or the manifest was deleted: nothing to check against.
+                        warnings.warn(f"Checkpoint step {step} in {self.directory} has no {MANIFEST}, so its files "
+                                      "could not be checked for damage; resumed from it unverified.")
                     return state, data_state, step
                 except CheckpointMismatch as e:
                     # The files are intact: the config changed, so an earlier step would not fit either.
