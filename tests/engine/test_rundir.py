@@ -220,3 +220,22 @@ def test_resuming_from_a_step_without_its_manifest_says_it_is_unverified(tmp_pat
     (run / "checkpoints" / "3" / MANIFEST).unlink()
     with pytest.warns(UserWarning, match="could not be checked for damage"):
         assert train(run, "train.steps=6") == 0
+
+
+def test_orbaxs_own_report_of_a_failed_save_is_left_to_our_one_paragraph(monkeypatch):
+    """Disk full while saving (measured on a 700 kB tmpfs): Orbax logged two raw tracebacks through absl before our
+    CheckpointWriteError paragraph; the filter drops them unless SYSTOLIC_DEBUG is set."""
+    import logging
+
+    from systolic.engine.checkpoint import _ORBAX_FILTER
+
+    def record(path: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord("absl", level, path, 1, "Save Finalize thread failed", None, None)
+
+    orbax = "/venv/site-packages/orbax/checkpoint/_src/checkpointers/async_checkpointer.py"
+    monkeypatch.delenv("SYSTOLIC_DEBUG", raising=False)
+    assert not _ORBAX_FILTER.filter(record(orbax, logging.ERROR))
+    assert _ORBAX_FILTER.filter(record(orbax, logging.WARNING))
+    assert _ORBAX_FILTER.filter(record("/venv/site-packages/jax/_src/x.py", logging.ERROR))
+    monkeypatch.setenv("SYSTOLIC_DEBUG", "1")
+    assert _ORBAX_FILTER.filter(record(orbax, logging.ERROR))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -42,8 +43,22 @@ _ORBAX_MISMATCH = ("tree structures do not match", "is not compatible with the s
 FAULT_ENV = "SYSTOLIC_FAULT"  # testing aid: "kill_during_save:STEP" or "fail_save:STEP"
 
 
+class _OrbaxFailureLogs(logging.Filter):
+    """Orbax logs a failed save with its traceback (absl, ERROR, twice: its thread and its wait) and then raises
+    the failure to us, where it becomes one paragraph (`CheckpointWriteError`): the logs would repeat it raw.
+    SYSTOLIC_DEBUG=1 keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        quiet = os.environ.get("SYSTOLIC_DEBUG", "") in ("", "0")
+        return not (quiet and record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+_ORBAX_FILTER = _OrbaxFailureLogs()
+
+
 class Checkpointer:
     def __init__(self, directory: Path, cfg: CheckpointConfig):
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: a filter object is added only once
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True
