@@ -205,8 +205,11 @@ def test_sigint_at_twenty_moments_of_start_up_always_exits_cleanly_and_resumes(t
             # Stopped early (--quiet: no message), with a checkpoint at the step it stopped on.
             steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
             assert steps and steps[-1] < 200, (i, steps)
-        if run.exists():
-            assert train(run, "train.steps=6") == 0, i  # resumes (or starts) and finishes
+        if run.exists():  # resumes (or starts afresh) and runs on
+            ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()] \
+                if (run / "checkpoints").is_dir() else []
+            stop = max(ckpts, default=0) + 2
+            assert train(run, "train.steps=200", f"loop.stop_at_step={stop}") == 0, i
         outcomes.append((round(span * i / 19, 1), proc.returncode, run.exists()))
     print(f"\nfirst step after {first_step_s:.1f} s; SIGINT after s -> exit code, run directory kept:", outcomes)
     assert any(code == 0 for _, code, _ in outcomes), "no moment reached the train loop"
