@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from systolic.engine.optim import standard_promotion, standard_promotion_schedule
-from systolic.workloads.rl import qnetwork, replay
+from systolic.workloads.rl import q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -51,15 +51,6 @@ class SeedState(NamedTuple):
     last_return: jax.Array  # () mean return of the latest chunk with a finished episode
     last_length: jax.Array  # ()
     updates: jax.Array  # () int32 updates done: the clock of exploration, learning start and target copies
-
-
-class ChunkMetrics(NamedTuple):  # per seed, scalars
-    loss: jax.Array  # the TD loss 0.5 (Q(s, a) - y)^2 of the chunk's gradient steps (0 before learning starts)
-    q_value: jax.Array  # mean Q(s, a) of the sampled transitions
-    epsilon: jax.Array  # the exploration rate of the chunk's last update
-    episode_return: jax.Array  # mean over the episodes that finished in this chunk (else the previous value)
-    episode_length: jax.Array
-    episodes: jax.Array  # how many finished
 
 
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
@@ -162,19 +153,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         loss = jnp.where(learning, losses.mean(), 0.0)
         return carry, (loss, q_means.mean(), eps, finished_return.sum(), finished_length.sum(), done.sum())
 
-    def chunk(state: SeedState, key: jax.Array) -> tuple[SeedState, ChunkMetrics]:
-        state, (losses, q_means, eps, return_sum, length_sum, episodes) = jax.lax.scan(
-            update, state, jax.random.split(key, run.updates_per_chunk))
-        n = episodes.sum()
-        finished = n > 0
-        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
-        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
-        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
-        state = state._replace(last_return=mean_return, last_length=mean_length)
-        metrics = ChunkMetrics(loss=losses.mean(), q_value=q_means.mean(), epsilon=eps[-1],
-                               episode_return=mean_return, episode_length=mean_length, episodes=n)
-        return state, metrics
-
+    chunk = q_chunk.make_chunk(update, run.updates_per_chunk)
     return init, chunk
 
 

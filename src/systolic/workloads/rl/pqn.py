@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from systolic.engine.optim import standard_promotion, standard_promotion_schedule
-from systolic.workloads.rl import qnetwork
+from systolic.workloads.rl import q_chunk, qnetwork
 from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
@@ -85,15 +85,6 @@ class Transition(NamedTuple):  # each (T, N, ...) after the rollout scan
     final_obs: jax.Array  # the observation the step led to, before any reset
     finished_return: jax.Array  # episode return where an episode ended at this step, else 0
     finished_length: jax.Array
-
-
-class ChunkMetrics(NamedTuple):  # per seed, scalars
-    loss: jax.Array  # the TD loss 0.5 (Q(s, a) - G)^2, mean over the chunk's minibatches
-    q_value: jax.Array  # mean Q(s, a) of the actions taken in the chunk's rollouts
-    epsilon: jax.Array  # the exploration rate of the chunk's last update
-    episode_return: jax.Array  # mean over the episodes that finished in this chunk (else the previous value)
-    episode_length: jax.Array
-    episodes: jax.Array  # how many finished
 
 
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
@@ -198,19 +189,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         return carry, (losses.mean(), traj.q_taken.mean(), eps, traj.finished_return.sum(),
                        traj.finished_length.sum(), traj.done.sum())
 
-    def chunk(state: SeedState, key: jax.Array) -> tuple[SeedState, ChunkMetrics]:
-        state, (losses, q_taken, eps, return_sum, length_sum, episodes) = jax.lax.scan(
-            update, state, jax.random.split(key, run.updates_per_chunk))
-        n = episodes.sum()
-        finished = n > 0
-        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
-        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
-        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
-        state = state._replace(last_return=mean_return, last_length=mean_length)
-        metrics = ChunkMetrics(loss=losses.mean(), q_value=q_taken.mean(), epsilon=eps[-1],
-                               episode_return=mean_return, episode_length=mean_length, episodes=n)
-        return state, metrics
-
+    chunk = q_chunk.make_chunk(update, run.updates_per_chunk)
     return init, chunk
 
 

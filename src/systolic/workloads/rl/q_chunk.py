@@ -1,0 +1,39 @@
+"""What the Q-learning algorithms (PQN, DQN) share: a chunk of updates scanned, and its per-seed metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ChunkMetrics(NamedTuple):  # per seed, scalars
+    loss: jax.Array  # the TD loss 0.5 (Q(s, a) - G)^2, mean over the chunk's updates
+    q_value: jax.Array  # mean Q(s, a) the chunk's updates saw
+    epsilon: jax.Array  # the exploration rate of the chunk's last update
+    episode_return: jax.Array  # mean over the episodes that finished in this chunk (else the previous value)
+    episode_length: jax.Array
+    episodes: jax.Array  # how many finished
+
+
+def make_chunk(update: Callable, updates_per_chunk: int) -> Callable:
+    """`chunk(state, key) -> (state, ChunkMetrics)`: `updates_per_chunk` calls of `update(state, key) -> (state,
+    (loss, q_value, epsilon, finished returns' sum, finished lengths' sum, episodes finished))`. A chunk in which no
+    episode finished keeps the previous return and length (state.last_return, state.last_length)."""
+
+    def chunk(state: Any, key: jax.Array) -> tuple[Any, ChunkMetrics]:
+        state, (losses, q_values, eps, return_sum, length_sum, episodes) = jax.lax.scan(
+            update, state, jax.random.split(key, updates_per_chunk))
+        n = episodes.sum()
+        finished = n > 0
+        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
+        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
+        state = state._replace(last_return=mean_return, last_length=mean_length)
+        metrics = ChunkMetrics(loss=losses.mean(), q_value=q_values.mean(), epsilon=eps[-1],
+                               episode_return=mean_return, episode_length=mean_length, episodes=n)
+        return state, metrics
+
+    return chunk
