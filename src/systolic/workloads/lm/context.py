@@ -14,8 +14,9 @@ Attention (`model.context_attention`):
   queries' output with the online softmax of flash attention (running max m, normaliser l, output o in float32).
   Of the 2 x 2 chunk pairs (query chunk, key chunk) a visiting block from an earlier device (j < i) needs only
   its first chunk, one from a later device only its second query chunk: 2 of 4 chunk pairs per hop, the same on
-  every device. The backward (custom_vjp) recomputes the scores from the saved log-normaliser, sending dk and dv
-  round the ring with their keys, so memory holds one c x c score block at a time: nothing grows with T^2.
+  every device. Each chunk pair is computed QUERY_BLOCK queries at a time. The backward (custom_vjp) recomputes
+  the scores from the saved log-normaliser, sending dk and dv round the ring with their keys, so memory holds one
+  (QUERY_BLOCK x c) score block per head at a time: nothing grows with T^2, and per-device memory falls as 1/n.
 - `allgather`: keys and values of the whole sequence gathered over the axis (2 (n-1)/n x the local K and V per
   layer), then plain attention of the local queries over all T keys: fewer, larger messages, but (2c x T) scores
   per head in memory. For small rings (the Llama 3 paper's choice at n <= 16, where its messages are short).
@@ -272,6 +273,70 @@ def _ring(q, k, v, seg, ring: _Ring):
     return _ring_forward(q, k, v, seg, ring)[0]
 
 
+QUERY_BLOCK = 256  # queries per score block within a chunk pair: memory holds (QUERY_BLOCK x c) scores per head
+
+
+def query_blocks(c: int) -> int:
+    """How many blocks a chunk's c queries are cut into: blocks of QUERY_BLOCK (or c, when it does not divide)."""
+    return c // QUERY_BLOCK if c % QUERY_BLOCK == 0 else 1
+
+
+def _blocked(x, axis: int, nb: int):
+    """x with its query axis `axis` cut into nb blocks, the block index moved to the front."""
+    shape = x.shape[:axis] + (nb, x.shape[axis] // nb) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocked(x, axis: int):
+    """The inverse of `_blocked`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _pair_forward(acc, q, k, v, q_idx, k_idx, q_seg, k_seg, window: int):
+    """`_attend` of one (query chunk, key chunk) pair, query block by query block (lax.map: one block's scores
+    in memory at a time). acc and q on chunk axes (B, KV, G, c[, hd]), q_idx (c,), q_seg (B, c) or None."""
+    nb = query_blocks(q.shape[3])
+    if nb == 1:
+        return _attend(acc, q, k, v, q_idx, k_idx, q_seg, k_seg, window)
+
+    def one(xs):
+        acc, q, q_idx, q_seg = xs
+        return _attend(acc, q, k, v, q_idx, k_idx, q_seg, k_seg, window)
+
+    xs = (tuple(_blocked(a, 3, nb) for a in acc), _blocked(q, 3, nb), q_idx.reshape(nb, -1),
+          None if q_seg is None else _blocked(q_seg, 1, nb))
+    return tuple(_unblocked(a, 3) for a in jax.lax.map(one, xs))
+
+
+def _pair_backward(q, k, v, d_out, lse, delta, q_idx, k_idx, q_seg, k_seg, window: int):
+    """Flash attention's backward for one (query chunk, key chunk) pair, query block by query block: ->
+    (dq (B, KV, G, c, hd), dk and dv (B, KV, c, hd)), float32."""
+
+    def one(d_kv, xs):
+        q, d_out, lse, delta, q_idx, q_seg = xs
+        scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        allowed = _allowed(q_idx, k_idx, q_seg, k_seg, window)
+        p = jnp.where(allowed, jnp.exp(scores - lse[..., None]), 0.0)  # (B, KV, G, Q, S)
+        d_p = jnp.einsum("bkgqd,bksd->bkgqs", d_out, v, preferred_element_type=jnp.float32)
+        d_s = (p * (d_p - delta[..., None])).astype(q.dtype)
+        d_v = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(d_out.dtype), d_out, preferred_element_type=jnp.float32)
+        d_k = jnp.einsum("bkgqs,bkgqd->bksd", d_s, q, preferred_element_type=jnp.float32)
+        d_q = jnp.einsum("bkgqs,bksd->bkgqd", d_s, k, preferred_element_type=jnp.float32)
+        return (d_kv[0] + d_k, d_kv[1] + d_v), d_q
+
+    nb = query_blocks(q.shape[3])
+    zeros = jnp.zeros_like(k, jnp.float32)  # like k: varying over the ring's axes, as the scan's carry must be
+    xs = (q, d_out, lse, delta, q_idx, q_seg)
+    if nb == 1:
+        (d_k, d_v), d_q = one((zeros, zeros), xs)
+        return d_q, d_k, d_v
+    xs = (*(_blocked(a, 3, nb) for a in xs[:4]), q_idx.reshape(nb, -1),
+          None if q_seg is None else _blocked(q_seg, 1, nb))
+    (d_k, d_v), d_q = jax.lax.scan(one, (zeros, zeros), xs)
+    return _unblocked(d_q, 3), d_k, d_v
+
+
 def _ring_forward(q, k, v, seg, ring: _Ring):
     """q (B, KV, G, 2, c, hd), k and v (B, KV, 2, c, hd), seg (B, 2, c) or None -> (out like q, log-normaliser
     (B, KV, G, 2, c) float32)."""
@@ -282,9 +347,10 @@ def _ring_forward(q, k, v, seg, ring: _Ring):
         j = jnp.mod(i - s, ring.n)  # whose keys these are
         for qs, ks in _hop_pairs(i, s, ring.n):
             part = tuple(_slot(a, qs, 3) for a in acc)
-            part = _attend(part, _slot(q, qs, 3), _slot(k, ks, 2), _slot(v, ks, 2), _chunk_index(i, qs, ring.n, c),
-                           _chunk_index(j, ks, ring.n, c), None if seg is None else _slot(seg, qs, 1),
-                           None if k_seg is None else _slot(k_seg, ks, 1), ring.window)
+            part = _pair_forward(part, _slot(q, qs, 3), _slot(k, ks, 2), _slot(v, ks, 2),
+                                 _chunk_index(i, qs, ring.n, c), _chunk_index(j, ks, ring.n, c),
+                                 None if seg is None else _slot(seg, qs, 1),
+                                 None if k_seg is None else _slot(k_seg, ks, 1), ring.window)
             acc = tuple(_put(a, p, qs, 3) for a, p in zip(acc, part))
         return acc
 
@@ -315,20 +381,14 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
     def fold(d_q, k, v, k_seg, d_k, d_v, s):
         j = jnp.mod(i - s, ring.n)
         for qs, ks in _hop_pairs(i, s, ring.n):
-            qc, kc, vc, doc = _slot(q, qs, 3), _slot(k, ks, 2), _slot(v, ks, 2), _slot(d_out, qs, 3)
-            scores = jnp.einsum("bkgqd,bksd->bkgqs", qc, kc, preferred_element_type=jnp.float32)
-            allowed = _allowed(_chunk_index(i, qs, ring.n, c), _chunk_index(j, ks, ring.n, c),
-                               None if seg is None else _slot(seg, qs, 1),
-                               None if k_seg is None else _slot(k_seg, ks, 1), ring.window)
-            p = jnp.where(allowed, jnp.exp(scores - _slot(lse, qs, 3)[..., None]), 0.0)  # (B, KV, G, c, c)
-            d_p = jnp.einsum("bkgqd,bksd->bkgqs", doc, vc, preferred_element_type=jnp.float32)
-            d_s = (p * (d_p - _slot(delta, qs, 3)[..., None])).astype(q.dtype)
-            d_v = _put(d_v, _slot(d_v, ks, 2) + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(doc.dtype), doc,
-                                                           preferred_element_type=jnp.float32), ks, 2)
-            d_k = _put(d_k, _slot(d_k, ks, 2) + jnp.einsum("bkgqs,bkgqd->bksd", d_s, qc,
-                                                           preferred_element_type=jnp.float32), ks, 2)
-            d_q = _put(d_q, _slot(d_q, qs, 3) + jnp.einsum("bkgqs,bksd->bkgqd", d_s, kc,
-                                                           preferred_element_type=jnp.float32), qs, 3)
+            dq_part, dk_part, dv_part = _pair_backward(
+                _slot(q, qs, 3), _slot(k, ks, 2), _slot(v, ks, 2), _slot(d_out, qs, 3), _slot(lse, qs, 3),
+                _slot(delta, qs, 3), _chunk_index(i, qs, ring.n, c), _chunk_index(j, ks, ring.n, c),
+                None if seg is None else _slot(seg, qs, 1), None if k_seg is None else _slot(k_seg, ks, 1),
+                ring.window)
+            d_q = _put(d_q, _slot(d_q, qs, 3) + dq_part, qs, 3)
+            d_k = _put(d_k, _slot(d_k, ks, 2) + dk_part, ks, 2)
+            d_v = _put(d_v, _slot(d_v, ks, 2) + dv_part, ks, 2)
         return d_q, d_k, d_v
 
     def hop(s, carry):

@@ -246,12 +246,16 @@ def experts_forward(x: jax.Array, r: Routing, w: Experts, capacity_factor: float
     assert expert_axis is None or expert_axis in batch_axes, "the expert axis must split the batch too"
     ep = expert_axis if expert_axis and mesh.shape[expert_axis] > 1 else None
     tp = mlp_axis  # psum'd even at size 1: the weights' spec names the axis, so the output varies over it
-    rows = P(batch_axes)
+    # Dropless routing is per token, so a sequence split over context (lm/context.py) stays split; capacity is per
+    # sequence (GShard), so there each device takes its rows whole.
+    seq_axes = None if capacity_factor else logical_to_spec(("seq",), rules)[0]
+    rows = P(batch_axes, seq_axes)
+    token_axes = batch_axes + ((seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ()))
     up, down = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)  # gathered over embed's fsdp
 
     def local(x, experts, weights, w_gate, w_up, w_down):
         y, dropped = _local(x, experts, weights, Experts(w_gate, w_up, w_down), capacity_factor, ep, tp)
-        return y, jax.lax.pmean(dropped, batch_axes)
+        return y, jax.lax.pmean(dropped, token_axes)
 
     y, dropped = jax.shard_map(local, in_specs=(rows, rows, rows, up, up, down), out_specs=(rows, P()))(
         x, experts, weights, *w)
