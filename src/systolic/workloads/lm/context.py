@@ -122,7 +122,7 @@ def _relayout(x: jax.Array, split: Split, src, dst) -> jax.Array:
         pieces = []
         for parity in (0, 1):
             # This device's chunk of this parity (its slot in src), sent to the device whose dst holds that chunk.
-            slot = jnp.asarray([src(e, n).index(next(k for k in src(e, n) if k % 2 == parity)) for e in range(n)])[d]
+            slot = jnp.asarray([0 if src(e, n)[0] % 2 == parity else 1 for e in range(n)])[d]
             pairs = [(e, next(f for f in range(n) if k in dst(f, n))) for e in range(n) for k in src(e, n)
                      if k % 2 == parity]
             piece = jax.lax.dynamic_slice_in_dim(x, slot * c, c, axis=1)  # (b, c, ...)
