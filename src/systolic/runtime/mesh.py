@@ -47,10 +47,10 @@ def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError.
 
-    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x expert x context x tensor
-    over its own ICI links and the data axis runs across slices, so the one collective that crosses the slower
-    data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`). Devices
-    without a slice index (CPU, GPU) take each process as a slice."""
+    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x expert x
+    context x tensor over its own ICI links and the data axis runs across slices, so the one collective that crosses
+    the slower data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`).
+    Devices without a slice index (CPU, GPU) take each process as a slice."""
     devices = devices if devices is not None else jax.devices()
     shape = resolve_shape(cfg, len(devices))
     if cfg.slices == 1:

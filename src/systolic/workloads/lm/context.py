@@ -17,9 +17,11 @@ Attention (`model.context_attention`):
   every device. Each chunk pair is computed QUERY_BLOCK queries at a time. The backward (custom_vjp) recomputes
   the scores from the saved log-normaliser, sending dk and dv round the ring with their keys, so memory holds one
   (QUERY_BLOCK x c) score block per head at a time: nothing grows with T^2, and per-device memory falls as 1/n.
-- `allgather`: keys and values of the whole sequence gathered over the axis (2 (n-1)/n x the local K and V per
-  layer), then plain attention of the local queries over all T keys: fewer, larger messages, but (2c x T) scores
-  per head in memory. For small rings (the Llama 3 paper's choice at n <= 16, where its messages are short).
+- `allgather`: keys and values of the whole sequence gathered over the axis (each device receives the other
+  n - 1 devices' blocks per layer, and reduce-scatters their gradients), then plain masked attention of the local
+  queries over all T keys: one collective instead of n - 1 hops, but (2c x T) scores per head in memory and no
+  skipped chunk pairs. For small rings (the Llama 3 paper trains long contexts this way: with grouped-query
+  attention keys and values are small).
 
 Masks come from the tokens' global indices in the row (causal, Mistral's sliding window) and from the segment ids
 of packed documents (same document), so positions within documents (RoPE) need nothing here: the model reorders
@@ -179,7 +181,8 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     KV = k.shape[2]
     d = jax.lax.axis_index(axes)
     q5 = (q * (1.0 / math.sqrt(hd))).reshape(B, L, KV, H // KV, hd).transpose(0, 2, 3, 1, 4)  # (B, KV, G, 2c, hd)
-    k_all, v_all = (jax.lax.all_gather(a, axes, axis=1, tiled=True).transpose(0, 2, 1, 3) for a in (k, v))  # (B, KV, T, hd)
+    # (B, KV, T, hd) each: every device's block, in device order, which is the load-balanced order
+    k_all, v_all = (jax.lax.all_gather(a, axes, axis=1, tiled=True).transpose(0, 2, 1, 3) for a in (k, v))
     seg_all = None if segment_ids is None else jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True)  # (B, T)
     q_idx = jnp.concatenate([_chunk_index(d, s, n, L // 2) for s in (0, 1)])  # (2c,)
     k_idx = jnp.asarray(load_balanced_order(n * L, n))  # (T,): the gathered blocks are the devices' in order

@@ -415,15 +415,14 @@ class Transformer(nnx.Module):
         if cache is not None:
             raise UserError(
                 f"Decoding with a KV cache runs with the sequence whole, but the current sharding rules split it over "
-                f"{split.n} devices of the mesh axis {' x '.join(split.axes)} (context parallelism is for training "
-                "and scoring). Fix: decode on a mesh with mesh.context=1, as `systolic generate` does."
+                f"{split.n} devices of the mesh axis {' x '.join(split.axes)} (context parallelism is for training). "
+                "Fix: decode on a mesh with mesh.context=1, or on one device as `systolic generate` does."
             )
         B, T = tokens.shape
         context.check_seq_len(T, split)
-        positions = jnp.broadcast_to(positions, (B, T))
-        moved = [context.to_balanced(a, split) for a in (tokens, positions)]
+        tokens, positions = (context.to_balanced(a, split) for a in (tokens, jnp.broadcast_to(positions, (B, T))))
         segment_ids = None if segment_ids is None else context.to_balanced(segment_ids, split)
-        return moved[0], segment_ids, moved[1]
+        return tokens, segment_ids, positions
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """tokens (B, T) at positions (B or 1, T) -> the residual stream's input (B, T, D) in the compute dtype."""
