@@ -208,3 +208,19 @@ def test_32k_tokens_train_on_8_devices_with_context_8(tiny_lm):
                            "model.max_seq_len=32768", "train.batch_size=1", "mesh.data=1", "mesh.context=8")
     _, _, losses = tiny_lm.run_steps(cfg, mesh_lib.make_mesh(cfg.mesh), 2)
     assert np.isfinite(losses).all() and abs(losses[0] - np.log(256)) < 0.5
+
+
+@pytest.mark.slow
+def test_cli_trains_on_a_context_mesh_and_refuses_a_length_that_does_not_split(corpus_dir, tmp_path, capsys):
+    """`systolic train lm` end to end on data=2 x context=4 with packed documents (evaluation on the mesh, the sample
+    on one device), and data.seq_len=24 on context=8 as one paragraph with exit code 2."""
+    from systolic.cli import main
+    from tiny import LM_CLI_QUIET, TINY_LM
+
+    args = ["train", "lm", *TINY_LM, *LM_CLI_QUIET, f"data.path={corpus_dir}", "sample.max_new_tokens=4", "-q"]
+    assert main([*args, "mesh.data=2", "mesh.context=4", "data.packing=documents",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    assert main([*args, "mesh.data=1", "mesh.context=8", "data.seq_len=24", "--run-dir", str(tmp_path / "bad")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "data.seq_len=24 with the sequence split over 8 devices" in err and "Traceback" not in err
