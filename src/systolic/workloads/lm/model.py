@@ -271,7 +271,10 @@ class MoE(nnx.Module):
         """x (B, T, D) -> (y (B, T, D), this layer's stats)."""
         b, t, d = x.shape
         dt = self.dtype
-        routing = moe_lib.route(x.reshape(b * t, d), self.router[...], self.top_k, self.norm_topk_prob)
+        # Rows of B*T tokens (XLA partitions top_k over one split axis), but (B, T) when the sequence is split over
+        # the context axis: flattening rows split over two mesh axes would gather the sequence (x).
+        tokens = x if context.current_split() else x.reshape(b * t, d)
+        routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob)
         w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
         y, dropped = moe_lib.experts_forward(x, routing, w, self.capacity_factor)  # (B, T, D)
         if self.shared is not None:
