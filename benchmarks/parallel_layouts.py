@@ -38,7 +38,6 @@ LAYOUTS: list[tuple[str, list[str]]] = [
     ("data=2 x context=4, allgather", ["mesh.data=2", "mesh.context=4", "model.context_attention=allgather"]),
     ("data=2 x fsdp=2 x context=2", ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2"]),
 ]
-AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 @dataclasses.dataclass
@@ -53,10 +52,9 @@ class Row:
 
 
 def parse_layout(text: str) -> tuple[str, list[str]]:
-    """"data=2,context=4 model.x=y" -> (the text, overrides with every mesh axis set)."""
+    """"data=2,context=4 model.x=y" -> (the text, its mesh and other overrides)."""
     mesh, *extra = text.split()
-    sizes = dict.fromkeys(AXES, 1) | {a: int(n) for a, n in (item.split("=") for item in mesh.split(","))}
-    return text, [f"mesh.{a}={n}" for a, n in sizes.items()] + extra
+    return text, [f"mesh.{item}" for item in mesh.split(",")] + extra
 
 
 def build(name: str, overrides: list[str], common: list[str]) -> Row:
@@ -70,7 +68,7 @@ def build(name: str, overrides: list[str], common: list[str]) -> Row:
     from systolic.workloads.lm.train import abstract_batch, build_step
 
     # Unset mesh axes 1 (the config's data axis defaults to -1), the layout's own settings last.
-    axes = [f"mesh.{a}=1" for a in AXES]
+    axes = [f"mesh.{a}=1" for a in mesh_lib.AXES]
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*MODEL, *common, *axes, *overrides]))
     mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:8])
     step = build_step(cfg, mesh)
