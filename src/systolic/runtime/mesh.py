@@ -1,8 +1,10 @@
-"""The device mesh: (data, fsdp, expert, tensor) axes sized from the config, checked against the devices that exist.
+"""The device mesh: (data, fsdp, expert, context, tensor) axes sized from the config, checked against the devices that
+exist.
 
 `expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
 the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
-work on the expert ranks."""
+work on the expert ranks. `context` splits each sequence (lm/context.py): not a batch axis, as its devices hold
+parts of the same rows."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from systolic.config import MeshConfig
 from systolic.errors import ConfigError
 
-AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are the most frequent
+# tensor innermost: its collectives are the most frequent; context next to it: a ring hop every layer.
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the axes that hold different examples
 
 
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int, int]:
     """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
-    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor]
+    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.context, cfg.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % fixed:
@@ -33,8 +36,8 @@ def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
 
 def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
     return ConfigError(
-        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} mesh.tensor={cfg.tensor} does "
-        f"not fit the "
+        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} mesh.context={cfg.context} "
+        f"mesh.tensor={cfg.tensor} does not fit the "
         f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
         f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
         f"sizes whose product is {n_devices}."
@@ -44,10 +47,10 @@ def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """A mesh with Auto axis types: with Explicit ones (the jax default) embedding gathers raise ShardingTypeError.
 
-    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x expert x tensor
-    over its own ICI links and the data axis runs across slices, so the one collective that crosses the slower
-    data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`). Devices
-    without a slice index (CPU, GPU) take each process as a slice."""
+    With `mesh.slices` > 1 it is the hybrid mesh of several TPU slices: each slice holds data/slices x fsdp x expert x
+    context x tensor over its own ICI links and the data axis runs across slices, so the one collective that crosses
+    the slower data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`).
+    Devices without a slice index (CPU, GPU) take each process as a slice."""
     devices = devices if devices is not None else jax.devices()
     shape = resolve_shape(cfg, len(devices))
     if cfg.slices == 1:
@@ -64,7 +67,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"multiple of it (e.g. mesh.data={granules} or -1), or mesh.slices=1."
         )
     per_slice = (shape[0] // cfg.slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1), devices,
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1, 1), devices,
                                                 process_is_granule=by_process)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
@@ -82,7 +85,10 @@ def local_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
     processes hold the same rows. Either way each process reads only the rows its devices need.
     """
     ndim = len(sharding.spec) or 1
-    index = sharding.addressable_devices_indices_map((global_rows,) + (1,) * (ndim - 1))
+    # The other dimensions sized to their number of shards (the sequence split over context, say), so they divide.
+    parts = [math.prod(sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+             for axes in tuple(sharding.spec)[1:]]
+    index = sharding.addressable_devices_indices_map((global_rows, *parts, *(1,) * (ndim - 1 - len(parts))))
     rows = sorted({(s[0].start or 0, s[0].stop if s[0].stop is not None else global_rows) for s in index.values()})
     lo, hi = rows[0][0], rows[-1][1]
     assert sum(b - a for a, b in rows) == hi - lo, f"process rows are not contiguous: {rows}"
@@ -113,6 +119,9 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
         )
 
 
+OPTIONAL_AXES = ("expert", "context")  # named in descriptions only when split: most runs leave them at 1
+
+
 def describe(mesh: Mesh) -> str:
-    """"data=4 x fsdp=2 x tensor=1": the expert axis is named only when it is split (only MoE models split it)."""
-    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name != "expert" or size > 1)
+    """"data=4 x fsdp=2 x tensor=1": the expert and context axes are named only when split."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name not in OPTIONAL_AXES or size > 1)

@@ -1,14 +1,16 @@
 """Logical axis names -> mesh axes: the one table that decides how every array is split.
 
 Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
-maps each name to the mesh axes `data`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to change
-the parallelism layout. A name mapped to None is replicated.
+maps each name to the mesh axes `data`, `fsdp`, `expert`, `context` and `tensor`; change the table, not the layers, to
+change the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - `batch` over (data, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
   too, and so is the expert axis outside the MoE layers).
 - `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
   layer sends tokens to them with an all-to-all (workloads/lm/moe.py). Every rule set has expert parallelism.
+- `seq` (activations' sequence axis) over context: each device holds part of every row it has (context
+  parallelism); attention passes keys/values round the context ring (workloads/lm/context.py). Every rule set has it.
 - parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
   before use and reduce-scatters the gradient.
 - `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
@@ -29,7 +31,7 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVATIONS: Rules = (
     ("batch", ("data", "fsdp", "expert")),
-    ("seq", None),
+    ("seq", "context"),  # context parallelism: the sequence split, attention by ring (workloads/lm/context.py)
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
     ("layers", None),
@@ -73,7 +75,7 @@ def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
                 f"sharding.rules={name} does not use the mesh axis {idle[0]} (size {mesh.shape[idle[0]]}), so those "
                 f"devices would only repeat each other's work. Fix: set mesh.{idle[0]}=1 (giving its devices to "
                 "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp; "
-                "all use expert)."
+                "all use expert and context)."
             )
     return rules
 

@@ -129,8 +129,9 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
     rules: a Pallas kernel is opaque to XLA's SPMD partitioner, which would otherwise gather every operand onto
-    each device. The sequence stays whole (no rule splits `seq`); the grouping is unchanged by the head split
-    because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole groups."""
+    each device. The sequence stays whole (a split one takes lm/context.py's attention); the grouping is unchanged by
+    the head split because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole
+    groups."""
     local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window)
     operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     rules = spmd.get_logical_axis_rules()
@@ -139,8 +140,9 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         return local(*operands)
     q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
     kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
-    assert q_spec[1] is None and q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
-    segment_spec = jax.sharding.PartitionSpec(q_spec[0], None)  # (B, T): the rows of q's shard, whole sequences
+    # The sequence's axis (context) has size 1 here: a split sequence takes lm/context.py's attention instead.
+    assert q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
+    segment_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[1])  # (B, T): the rows of q's shard
     in_specs = (q_spec, kv_spec, kv_spec, segment_spec)[: len(operands)]
     # check_vma=False: the kernel declares its outputs without the varying-axes type that the check needs.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)

@@ -189,6 +189,10 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
     # training attention: auto = splash on TPU, cuDNN on GPU, lm/cpu.py on CPU (see workloads/lm/attention.py)
     attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
+    # attention when mesh.context > 1 splits the sequence (workloads/lm/context.py): ring = key/value blocks passed
+    # round the ring with flash-style accumulation (memory per device falls with the ring); allgather = keys and
+    # values gathered whole, then plain attention (fewer, larger messages; for small rings)
+    context_attention: Literal["ring", "allgather"] = "ring"
     scan_layers: bool = False
     # muP (Yang et al., Tensor Programs V): initialisation, per-layer learning rates, output multiplier and attention
     # scale that make the best learning rate independent of d_model (lm/parametrization.py). The model equals the
@@ -508,8 +512,27 @@ class LMConfig:
                 "adapters, which take AdamW, so Muon would move nothing. Fix: optim.name=adamw for LoRA, or drop "
                 "model.lora to train the whole model with Muon."
             )
+        self._check_context()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}; the "
                 f"model cannot attend over that many positions. Fix: set model.max_seq_len={self.data.seq_len} or shorten data.seq_len."
+            )
+
+    def _check_context(self) -> None:
+        """Context parallelism (mesh.context, workloads/lm/context.py): its attention setting applies only when the
+        sequence is split, and replaces model.attention's implementations. (The sequence length is checked against
+        the mesh, whose context axis may be -1 here, by `context.check_seq_len`.)"""
+        context, m = self.mesh.context, self.model
+        if context == 1 and m.context_attention != "ring":
+            raise ConfigError(
+                f"model.context_attention={m.context_attention} chooses how attention runs when mesh.context > 1 "
+                "splits each sequence, but mesh.context=1, so it would do nothing. Fix: set mesh.context (e.g. "
+                "mesh.context=2), or drop model.context_attention."
+            )
+        if context != 1 and m.attention != "auto":
+            raise ConfigError(
+                f"model.attention={m.attention} with mesh.context={context}: a split sequence runs attention as "
+                f"model.context_attention={m.context_attention} (ring or allgather, workloads/lm/context.py), not "
+                "through the single-device kernels. Fix: model.attention=auto, or mesh.context=1."
             )

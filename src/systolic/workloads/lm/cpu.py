@@ -4,7 +4,8 @@ On GPU/TPU every function here is the plain formulation (`cpu_tweak` is False th
 rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_vs_pytorch.py`):
 
 - `project`: matmuls on activations flattened to (B*T, D). With x (B, T, D) @ W the weight gradient contracts
-  over two axes, which XLA:CPU lowers with a physical transpose fused into slow elementwise loops.
+  over two axes, which XLA:CPU lowers with a physical transpose fused into slow elementwise loops. (Not when
+  context parallelism splits T: see `project`.)
 - `causal_attention`: heads in front and query groups stacked so both dots are plain batched matmuls, pre-scaled
   queries, an additive causal bias instead of `where(mask, s, -inf)`, and a hand-written backward.
 - `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 
 from systolic.runtime import cpu_tuning
 from systolic.runtime.platform import compile_platform
+from systolic.workloads.lm import context
 
 REWRITES = ("flatten", "attention", "barrier", "grouped")
 
@@ -40,7 +42,9 @@ def cpu_tweak(name: str) -> bool:
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     """Contracts the last `contract` axes of x with the first `contract` axes of w: (*lead, *k) @ (*k, *out)."""
-    if not cpu_tweak("flatten"):
+    # Not with the sequence split (context parallelism): rows of (B, T) split over both batch and context axes are
+    # no contiguous block of B*T, so XLA would gather the whole sequence to flatten it.
+    if not cpu_tweak("flatten") or context.current_split() is not None:
         return jnp.tensordot(x, w, axes=contract)
     lead, k, out = x.shape[: x.ndim - contract], math.prod(w.shape[:contract]), w.shape[contract:]
     y = x.reshape(-1, k) @ w.reshape(k, -1)  # (prod(lead), prod(out))

@@ -21,7 +21,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
-from systolic.workloads.lm import init_from, sample
+from systolic.workloads.lm import context, init_from, sample
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import baseline_nats_per_byte, build_task, model_params
 
@@ -142,8 +142,10 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     dtype = jax.numpy.dtype(resolve_dtype(m.dtype))
     tokens = cfg.train.batch_size * cfg.data.seq_len
     with activate(mesh, step.rules):
-        impl = attention.choose(m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
-                                segments=cfg.data.packing == "documents")
+        split = context.current_split()
+        impl = m.context_attention if split else attention.choose(
+            m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
+            segments=cfg.data.packing == "documents")
     # Causal attention's model FLOPs per token (workloads/lm/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
@@ -160,10 +162,24 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
-               f"scores; attention runs as {impl}"
-               + ("" if impl == "splash" else ", which computes all T x T scores and the mask") + f"; {remat}",
+               f"scores; attention runs as {impl}" + _attention_memory(impl, split, cfg.data.seq_len) + f"; {remat}",
                *_moe_notes(cfg, mesh)),
     )
+
+
+def _attention_memory(impl: str, split, seq_len: int) -> str:
+    """What the plan's note says about the attention scores each device holds."""
+    if impl == "splash":
+        return ""
+    if split is None:
+        return ", which computes all T x T scores and the mask"
+    c = seq_len // (2 * split.n)
+    if impl == "ring":
+        rows = c // context.query_blocks(c)
+        return (f" over mesh.context={split.n} (lm/context.py): key/value blocks round the ring, scores in blocks of "
+                f"{rows} queries x {c} keys (T / 2n), recomputed in the backward pass")
+    return (f" over mesh.context={split.n} (lm/context.py): keys/values gathered whole, each device's {2 * c} queries' "
+            f"scores against all {seq_len} keys")
 
 
 def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:

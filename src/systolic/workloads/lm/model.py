@@ -34,7 +34,7 @@ from flax import nnx
 from systolic.errors import UserError
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
-from systolic.workloads.lm import attention
+from systolic.workloads.lm import attention, context
 from systolic.workloads.lm import moe as moe_lib
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
@@ -146,6 +146,7 @@ class Attention(nnx.Module):
         std = cfg.init_std * hidden_init_scale(cfg)  # muP: variance 1/fan_in (1 under the standard parametrization)
         self.dtype = resolve_dtype(cfg.dtype)
         self.attention_setting = cfg.attention
+        self.context_attention = cfg.context_attention
         self.window = cfg.sliding_window
         self.q_scale = attention_correction(cfg)  # muP's 1/d_head attention (1 under the standard parametrization)
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
@@ -188,7 +189,11 @@ class Attention(nnx.Module):
             # Every implementation scales the logits by 1/sqrt(hd); scaling q instead of the logits reaches all.
             q = q * self.q_scale
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        if kv is None:
+        split = context.current_split() if kv is None else None
+        if split is not None:  # the sequence split over the context axis (lm/context.py), in its balanced order
+            out = context.attention(q, k, v, segment_ids, split=split, variant=self.context_attention,
+                                    window=self.window)  # (B, T, H, hd)
+        elif kv is None:
             impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
                                     segments=segment_ids is not None)
             out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids,
@@ -266,7 +271,10 @@ class MoE(nnx.Module):
         """x (B, T, D) -> (y (B, T, D), this layer's stats)."""
         b, t, d = x.shape
         dt = self.dtype
-        routing = moe_lib.route(x.reshape(b * t, d), self.router[...], self.top_k, self.norm_topk_prob)
+        # Rows of B*T tokens (XLA partitions top_k over one split axis), but (B, T) when the sequence is split over
+        # the context axis: flattening rows split over two mesh axes would gather the sequence (x).
+        tokens = x if context.current_split() else x.reshape(b * t, d)
+        routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob)
         w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
         y, dropped = moe_lib.experts_forward(x, routing, w, self.capacity_factor)  # (B, T, D)
         if self.shared is not None:
@@ -289,7 +297,9 @@ class Block(nnx.Module):
 
     def __call__(self, x, rope, mask, start, kv, segment_ids=None):
         """Returns (x, kv, the MoE layer's stats or None)."""
-        if kv is None and cpu_tweak("barrier"):
+        # Not with the sequence split: the barrier's backward reads the gradient's first element, for which XLA
+        # would gather the whole sequence onto every device.
+        if kv is None and cpu_tweak("barrier") and context.current_split() is None:
             x = gradient_barrier(x)
         y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv, segment_ids)
         x = constrain(x + y, ACT)
@@ -368,6 +378,9 @@ class Transformer(nnx.Module):
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         if positions is None:
             positions = (start + jnp.arange(T, dtype=jnp.int32))[None]  # (1, T): every row alike
+        split = context.current_split()
+        if split is not None:
+            tokens, segment_ids, positions = self._split_inputs(split, cache, tokens, segment_ids, positions)
         x = self.embed_tokens(tokens, positions)  # (B, T, D)
         rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
         mask = None if cache is None else decode_mask(positions[0], cache.k.shape[2], cfg.sliding_window)  # (T, S)
@@ -392,10 +405,27 @@ class Transformer(nnx.Module):
                 kv = (jnp.stack([k for k, _ in new_kv]), jnp.stack([v for _, v in new_kv]))  # (L, B, S, KV, hd)
             stats = jax.tree.map(lambda *s: jnp.stack(s), *layer_stats) if layer_stats else None  # (L_moe, ...)
 
+        if split is not None:
+            x = context.from_balanced(x, split)  # (B, T, D) back in natural order, like the caller's targets
         logits = self.readout(x)  # (B, T, V)
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.length + T)
         return logits, cache, stats
+
+    def _split_inputs(self, split: context.Split, cache, tokens, segment_ids, positions):
+        """The inputs of a forward pass whose sequence is split over the context axis, in the load-balanced order
+        that lm/context.py's attention expects (RoPE and learned positions move with their tokens)."""
+        if cache is not None:
+            raise UserError(
+                f"Decoding with a KV cache runs with the sequence whole, but the current sharding rules split it over "
+                f"{split.n} devices of the mesh axis {' x '.join(split.axes)} (context parallelism is for training). "
+                "Fix: decode on a mesh with mesh.context=1, or on one device as `systolic generate` does."
+            )
+        B, T = tokens.shape
+        context.check_seq_len(T, split)
+        tokens, positions = (context.to_balanced(a, split) for a in (tokens, jnp.broadcast_to(positions, (B, T))))
+        segment_ids = None if segment_ids is None else context.to_balanced(segment_ids, split)
+        return tokens, segment_ids, positions
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """tokens (B, T) at positions (B or 1, T) -> the residual stream's input (B, T, D) in the compute dtype."""

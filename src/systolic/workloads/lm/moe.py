@@ -39,11 +39,12 @@ from systolic.workloads.lm import cpu
 
 
 class Routing(NamedTuple):
-    """The router's choice for N tokens among E experts."""
+    """The router's choice for tokens among E experts; `...` is the tokens' axes: (N,), or (B, T) in the model,
+    which keeps them unflattened so a sequence split over the context axis stays split."""
 
-    experts: jax.Array  # (N, k) int32, distinct per token, best first
-    weights: jax.Array  # (N, k) float32, the mixing weights of those experts
-    logits: jax.Array  # (N, E) float32
+    experts: jax.Array  # (..., k) int32, distinct per token, best first
+    weights: jax.Array  # (..., k) float32, the mixing weights of those experts
+    logits: jax.Array  # (..., E) float32
 
 
 class MoeStats(NamedTuple):
@@ -56,11 +57,12 @@ class MoeStats(NamedTuple):
 
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
-    """x (N, D) any dtype, w_router (D, E) float32 -> the routing, computed in float32 at full precision: the
+    """x (..., D) any dtype, w_router (D, E) float32 -> the routing, computed in float32 at full precision: the
     softmax and the top-k choice are sensitive to bf16 rounding of the logits."""
-    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router, precision=jax.lax.Precision.HIGHEST)  # (N, E)
-    probs = jax.nn.softmax(logits, axis=-1)  # (N, E)
-    top, experts = jax.lax.top_k(probs, top_k)  # (N, k) each
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router,
+                        precision=jax.lax.Precision.HIGHEST)  # (..., E)
+    probs = jax.nn.softmax(logits, axis=-1)  # (..., E)
+    top, experts = jax.lax.top_k(probs, top_k)  # (..., k) each
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), top, logits)
@@ -69,10 +71,11 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -
 def router_stats(r: Routing, dropped: jax.Array) -> MoeStats:
     """The load-balancing loss, the z-loss and the per-expert load of a routing over all its tokens (the global
     batch under jit, so the figures do not depend on the mesh)."""
-    n, k = r.experts.shape
     e = r.logits.shape[-1]
-    load = jnp.sum(jax.nn.one_hot(r.experts, e, dtype=jnp.float32), axis=(0, 1)) / (n * k)  # (E,) f_e, no gradient
-    importance = jnp.mean(jax.nn.softmax(r.logits, axis=-1), axis=0)  # (E,) P_e: the gradient flows through this
+    tokens = tuple(range(r.logits.ndim - 1))  # the tokens' axes
+    # (E,) f_e, no gradient: the share of the assignments (a mean over the tokens' axes and the k choices).
+    load = jnp.mean(jax.nn.one_hot(r.experts, e, dtype=jnp.float32), axis=(*tokens, len(tokens)))
+    importance = jnp.mean(jax.nn.softmax(r.logits, axis=-1), axis=tokens)  # (E,) P_e: the gradient flows through this
     aux = e * jnp.sum(load * importance)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
     return MoeStats(aux, z, load, dropped.astype(jnp.float32))
@@ -246,12 +249,16 @@ def experts_forward(x: jax.Array, r: Routing, w: Experts, capacity_factor: float
     assert expert_axis is None or expert_axis in batch_axes, "the expert axis must split the batch too"
     ep = expert_axis if expert_axis and mesh.shape[expert_axis] > 1 else None
     tp = mlp_axis  # psum'd even at size 1: the weights' spec names the axis, so the output varies over it
-    rows = P(batch_axes)
+    # Dropless routing is per token, so a sequence split over context (lm/context.py) stays split; capacity is per
+    # sequence (GShard), so there each device takes its rows whole.
+    seq_axes = None if capacity_factor else logical_to_spec(("seq",), rules)[0]
+    rows = P(batch_axes, seq_axes)
+    token_axes = batch_axes + ((seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ()))
     up, down = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)  # gathered over embed's fsdp
 
     def local(x, experts, weights, w_gate, w_up, w_down):
         y, dropped = _local(x, experts, weights, Experts(w_gate, w_up, w_down), capacity_factor, ep, tp)
-        return y, jax.lax.pmean(dropped, batch_axes)
+        return y, jax.lax.pmean(dropped, token_axes)
 
     y, dropped = jax.shard_map(local, in_specs=(rows, rows, rows, up, up, down), out_specs=(rows, P()))(
         x, experts, weights, *w)

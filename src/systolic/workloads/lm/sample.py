@@ -161,10 +161,16 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
 
 def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:
     """The run's own mesh and sharding rules when they fit `devices` (a different count, or sizes that do not
-    divide, do not); otherwise every device data-parallel with the parameters replicated, which fits any count.
+    divide, do not; nor does a mesh that splits sequences over mesh.context, as scored texts and choices have any
+    length); otherwise every device data-parallel with the parameters replicated, which fits any count.
     Returns (mesh, rules, a description for reports)."""
     from systolic.workloads.lm.train import param_shardings
 
+    if cfg.mesh.context != 1:  # scoring rows and choices of any length: the sequence stays whole
+        mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices)
+        return mesh, rules_for("dp", mesh), (
+            f"mesh {mesh_lib.describe(mesh)} (every device data-parallel: the run split its sequences over "
+            f"mesh.context={cfg.mesh.context}, which is for training)")
     try:
         mesh = mesh_lib.make_mesh(cfg.mesh, devices)
         rules = rules_for(cfg.sharding.rules, mesh)

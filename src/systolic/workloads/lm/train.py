@@ -25,7 +25,7 @@ from systolic.errors import UserError
 from systolic.observe.flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
-from systolic.workloads.lm import lora
+from systolic.workloads.lm import context, lora
 from systolic.workloads.lm import moe as moe_lib
 from systolic.workloads.lm import sizes
 from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
@@ -325,6 +325,8 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     """Everything checkable is checked here, before any data is read or anything compiles."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
+    with activate(mesh, rules):
+        context.check_seq_len(cfg.data.seq_len, context.current_split())
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
     sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
