@@ -37,6 +37,9 @@ class MeshConfig:
     # Mixture-of-experts weights split over it (lm model.moe), with all-to-all dispatch; a data axis for the rest.
     # (After tensor here, for positional construction; in the mesh it sits between fsdp and tensor: runtime/mesh.py.)
     expert: int = 1
+    # Pipeline stages: the stacked layers split into consecutive groups, one per stage (lm with model.scan_layers;
+    # lm/pipeline.py). In the mesh it sits after data: stages exchange activations point to point, rarely.
+    stage: int = 1
     # TPU slices (or, off TPUs, processes) the devices span: the data axis is split across them, so only the
     # data-parallel gradient reduction crosses the data-center network (runtime/mesh.py).
     slices: int = 1
@@ -44,7 +47,8 @@ class MeshConfig:
     def validate(self) -> None:
         if self.slices < 1:
             raise ConfigError(f"mesh.slices={self.slices}: expected the number of slices, at least 1. Fix: mesh.slices=1.")
-        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor,
+                 "stage": self.stage}
         for name, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(

@@ -1,8 +1,10 @@
-"""The device mesh: (data, fsdp, expert, tensor) axes sized from the config, checked against the devices that exist.
+"""The device mesh: (data, stage, fsdp, expert, tensor) axes sized from the config, checked against the devices that
+exist.
 
 `expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
 the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
-work on the expert ranks."""
+work on the expert ranks. `stage` holds pipeline stages (lm/pipeline.py): each stage holds its own layers, and every
+stage sees the same examples, one microbatch after another."""
 
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from systolic.config import MeshConfig
 from systolic.errors import ConfigError
 
-AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are the most frequent
+# tensor innermost: its collectives are the most frequent; stage next to the outermost (MaxText's order): its
+# point-to-point sends are few and can cross the slowest links after data's gradient reduction.
+AXES = ("data", "stage", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")  # the axes that hold different examples
 
 
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
-    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.tensor]
+    sizes = [cfg.data, cfg.stage, cfg.fsdp, cfg.expert, cfg.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % fixed:
@@ -33,7 +37,8 @@ def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
 
 def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
     return ConfigError(
-        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} mesh.tensor={cfg.tensor} does "
+        f"The mesh mesh.data={cfg.data} mesh.stage={cfg.stage} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} "
+        f"mesh.tensor={cfg.tensor} does "
         f"not fit the "
         f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
         f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
@@ -64,7 +69,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"multiple of it (e.g. mesh.data={granules} or -1), or mesh.slices=1."
         )
     per_slice = (shape[0] // cfg.slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1), devices,
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices,) + (1,) * (len(AXES) - 1), devices,
                                                 process_is_granule=by_process)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
@@ -114,5 +119,7 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
 
 
 def describe(mesh: Mesh) -> str:
-    """"data=4 x fsdp=2 x tensor=1": the expert axis is named only when it is split (only MoE models split it)."""
-    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name != "expert" or size > 1)
+    """"data=4 x fsdp=2 x tensor=1": the expert and stage axes are named only when split (only MoE models split
+    expert; only pipelines split stage)."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items()
+                      if name not in ("expert", "stage") or size > 1)

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: the one table that decides how every array is split.
 
 Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
-maps each name to the mesh axes `data`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to change
+maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to change
 the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
@@ -12,6 +12,8 @@ Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
   before use and reduce-scatters the gradient.
 - `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
+- `layers` (the stacked blocks' leading axis, model.scan_layers) over stage: each pipeline stage holds its own
+  layers (workloads/lm/pipeline.py). Every rule set has pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _ACTIVATIONS: Rules = (
     ("seq", None),
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
-    ("layers", None),
+    ("layers", "stage"),  # pipeline parallelism: consecutive layers per stage
     ("lora_rank", None),  # LoRA adapters' inner axis: a few columns, kept whole; their other axes shard as the weight's
     ("experts", "expert"),  # MoE expert weights' leading axis: expert parallelism
 )
@@ -73,7 +75,7 @@ def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
                 f"sharding.rules={name} does not use the mesh axis {idle[0]} (size {mesh.shape[idle[0]]}), so those "
                 f"devices would only repeat each other's work. Fix: set mesh.{idle[0]}=1 (giving its devices to "
                 "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp; "
-                "all use expert)."
+                "all use expert and stage)."
             )
     return rules
 

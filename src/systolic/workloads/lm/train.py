@@ -27,7 +27,8 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm import lora
 from systolic.workloads.lm import moe as moe_lib
-from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
+from systolic.workloads.lm import pipeline
+from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig, PipelineConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
@@ -238,17 +239,18 @@ def model_params(state: TrainState) -> dict[str, Any]:
     return lora.combine(state.params, state.frozen)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float):
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float, pipe: PipelineConfig | None = None):
     """The lm's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)` for the engine's step: `objective`'s
     cross-entropy (and z-loss), plus with model.moe the MoE layers' load-balancing loss and router z-loss (averaged
-    over the layers) by their weights; their values and the experts' load in the metrics."""
+    over the layers) by their weights; their values and the experts' load in the metrics. With `pipe` the layers
+    run as a pipeline when the mesh has stages (lm/pipeline.py)."""
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
         model = nnx.merge(graphdef, lora.combine(params, frozen or {}))
         logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                                             positions=batch.get("positions"))  # (B, T, V) float32
+                                             positions=batch.get("positions"), pipeline=pipe)  # (B, T, V) float32
         ce, log_z = cross_entropy_and_log_z(logits, batch["targets"])  # (B, T) each
         # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
         mask = batch["loss_mask"].astype(jnp.float32) if "loss_mask" in batch else None  # (B, T)
@@ -324,11 +326,12 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     """Everything checkable is checked here, before any data is read or anything compiles."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
+    pipeline.check(cfg, mesh)
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss), tx,
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss, cfg.pipeline), tx,
                               make_schedule(cfg.optim, cfg.train.steps),
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
