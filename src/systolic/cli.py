@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--recipe")
     plan.add_argument("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
                       "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)")
-    plan.add_argument("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2 or fsdp=2,expert=4 (unset axes are 1; default: "
+    plan.add_argument("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2 fsdp=2,expert=4 or data=2,stage=4 (unset axes are 1; default: "
                       "the recipe's mesh over all the target's chips)")
     plan.add_argument("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, "
                       "data parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)")
@@ -332,11 +332,11 @@ def _mesh_overrides(spec: str) -> list[str]:
     """--mesh as mesh.* overrides (unset axes 1); none when --mesh is empty."""
     if not spec:
         return []
-    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     for item in filter(None, spec.split(",")):
         axis, _, size = item.partition("=")
         if axis not in sizes or not size.isdigit() or int(size) < 1:
-            raise UserError(f"--mesh {spec!r}: expected comma-separated AXIS=SIZE with AXIS one of data, fsdp, expert, tensor "
+            raise UserError(f"--mesh {spec!r}: expected comma-separated AXIS=SIZE with AXIS one of data, stage, fsdp, expert, tensor "
                             "and SIZE a positive integer, e.g. --mesh fsdp=64 or --mesh data=2,fsdp=4.")
         sizes[axis] = int(size)
     return [f"mesh.{axis}={size}" for axis, size in sizes.items()]
@@ -381,7 +381,7 @@ def _plan(args: argparse.Namespace) -> int:
     mesh_overrides = _mesh_overrides(args.mesh)
     target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
     if not mesh_overrides and target.chip.platform == "gpu":
-        mesh_overrides = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
+        mesh_overrides = ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1"]  # one GPU unless --mesh says more
     if args.slices > 1:
         if "data=" not in args.mesh:  # the data axis runs across the slices: it takes what --mesh leaves
             mesh_overrides = [o for o in mesh_overrides if not o.startswith("mesh.data=")] + ["mesh.data=-1"]
@@ -392,7 +392,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--tokens {args.tokens} / --price-per-chip-hour {args.price_per_chip_hour}: expected a "
                         "positive number of items (e.g. --tokens 20e9) and a price >= 0 (e.g. 1.2).")
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(cfg.mesh, target.chips)))
-    mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items() if axis != "expert" or size > 1) + (
+    mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items() if axis not in ("expert", "stage") or size > 1) + (
         "" if args.mesh else " (the recipe's)")
     command = (f"systolic plan {args.workload} --recipe {recipe} --target {args.target}"
                + (f" --slices {args.slices}" if args.slices > 1 else "") + (f" --mesh {args.mesh}" if args.mesh else "")

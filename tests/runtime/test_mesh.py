@@ -7,10 +7,10 @@ from systolic.runtime import mesh as mesh_lib
 
 
 def test_rest_axis_takes_remaining_devices():
-    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1, 1)
-    assert mesh_lib.resolve_shape(MeshConfig(data=-1, expert=4), 8) == (2, 1, 4, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 1, 2, 1, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, expert=4), 8) == (2, 1, 1, 4, 1)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
     assert mesh_lib.describe(mesh) == "data=2 x fsdp=2 x tensor=2"  # the expert axis is named when split
     assert len(jax.devices()) == 8
 

@@ -54,6 +54,14 @@ def describe(stages: int, cfg: PipelineConfig) -> str:
             f"(S-1)/(rM+S-1) = {bubble:.1%} of the step idle")
 
 
+def notes(cfg: LMConfig, mesh: Mesh) -> tuple[str, ...]:
+    """What `systolic plan` and `bench` say about the pipeline: nothing without one."""
+    stages = mesh.shape[AXIS]
+    if stages == 1:
+        return ()
+    return (describe(stages, cfg.pipeline) + "; evaluation and generation run every layer on every device",)
+
+
 def check(cfg: LMConfig, mesh: Mesh) -> None:
     """Everything about the pipeline that can be wrong, as one ConfigError before anything compiles."""
     stages, pipe, model = mesh.shape[AXIS], cfg.pipeline, cfg.model

@@ -389,6 +389,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         meta={"workload": "lm", "vocab": vocab},
         step_metrics=(_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
                       if isinstance(data, Corpus) and data.mixture else None),
+        notes=pipeline.notes(cfg, mesh),
     )
     trainable = lora.count(abstract.params)
     return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,

@@ -203,11 +203,12 @@ class RLConfig:
                 f"whose product is a multiple of {self.num_minibatches}, or set "
                 f"{key}={divisor_near(batch, self.num_minibatches)}."
             )
-        if self.mesh.tensor != 1 or self.mesh.expert != 1:
+        if self.mesh.tensor != 1 or self.mesh.expert != 1 or self.mesh.stage != 1:
             raise ConfigError(
-                f"mesh.tensor={self.mesh.tensor} and mesh.expert={self.mesh.expert}: the rl workload splits seeds or "
-                "environments over the data-parallel axes (data, fsdp) only; its networks are too small to split "
-                "and have no experts. Fix: mesh.tensor=1 mesh.expert=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
+                f"mesh.tensor={self.mesh.tensor}, mesh.expert={self.mesh.expert} and mesh.stage={self.mesh.stage}: the "
+                "rl workload splits seeds or environments over the data-parallel axes (data, fsdp) only; its networks "
+                "are too small to split and have no experts or layer stages. Fix: mesh.tensor=1 mesh.expert=1 "
+                "mesh.stage=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
             )
 
 
