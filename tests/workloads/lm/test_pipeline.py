@@ -70,12 +70,18 @@ def test_pipelined_loss_and_gradients_equal_one_device(tiny_lm, one_device, axes
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=jax.tree_util.keystr(path))
 
 
-def test_train_steps_on_a_pipeline_match_one_device(tiny_lm):
-    """The real train step (data, optimizer, guard) on data=4 x stage=2: the same three losses as one device."""
+def test_train_steps_and_validation_on_a_pipeline_match_one_device(tiny_lm):
+    """The real train step (data, optimizer, guard) and the validation on data=4 x stage=2 (both pipelined): the same
+    three losses and validation loss as one device."""
     one_cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=1")
-    one = tiny_lm.run_steps(one_cfg, tiny_lm.single_device_mesh(), 3)[2]
     cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2")
-    np.testing.assert_allclose(tiny_lm.run_steps(cfg, mesh_lib.make_mesh(cfg.mesh), 3)[2], one, rtol=2e-6)
+    results = []
+    for c, mesh in [(one_cfg, tiny_lm.single_device_mesh()), (cfg, mesh_lib.make_mesh(cfg.mesh))]:
+        prepared, state, losses = tiny_lm.run_steps(c, mesh, 3)
+        with activate(mesh, prepared.rules):
+            results.append((losses, prepared.task.evaluate(state)["loss"]))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=2e-6)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=2e-6)
 
 
 @pytest.mark.parametrize("pipe, ticks", [({"microbatches": 2}, 2 + 2 - 1), ({"microbatches": 2, "repeats": 2}, 4 + 2 - 1)])

@@ -330,13 +330,14 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, pipeline: PipelineConfig | None = None) -> jax.Array:
         """tokens int32 (B, T) -> logits float32 (B, T, vocab), causal over T.
 
         Documents packed into a row (`data.packing=documents`) pass `segment_ids` (B, T), so a token attends only
         to earlier tokens of its own segment, and `positions` (B, T), each token's position in its document (for
-        the rotary or learned position embedding); by default one document per row at positions 0..T-1."""
-        logits, _, _ = self._forward(tokens, None, segment_ids, positions)
+        the rotary or learned position embedding); by default one document per row at positions 0..T-1. With
+        `pipeline`, on a mesh with mesh.stage > 1 the layers run as a pipeline over the stages (lm/pipeline.py)."""
+        logits, _, _ = self._forward(tokens, None, segment_ids, positions, pipeline)
         return logits
 
     def with_moe_stats(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,

@@ -20,8 +20,9 @@ reads them where they lie; the circular schedule regroups them as (r, S, L/(r S)
 XLA moves (1 - 1/r) of the block weights between stages once per step (and their gradients back). A stage-major
 storage order would avoid that traffic at the price of a permuted checkpoint layout; not done.
 
-Evaluation and generation do not run the pipeline: `Transformer.__call__` and `decode` scan over all layers, which
-XLA gathers from the stages (correct, but every device then runs every layer).
+Training and validation run the pipeline (the loss fn and the eval step pass `pipeline`). Generation does not:
+`decode` scans over all layers, which XLA gathers from the stages (correct, but every device runs every layer and
+holds every layer's KV cache); so do `systolic eval` and a model called without `pipeline`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def notes(cfg: LMConfig, mesh: Mesh) -> tuple[str, ...]:
     stages = mesh.shape[AXIS]
     if stages == 1:
         return ()
-    return (describe(stages, cfg.pipeline) + "; evaluation and generation run every layer on every device",)
+    return (describe(stages, cfg.pipeline) + "; validation runs the same pipeline, generation does not (every device "
+            "runs every layer)",)
 
 
 def check(cfg: LMConfig, mesh: Mesh) -> None:

@@ -178,10 +178,12 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
 # LOSS AND EVALUATION ------------------------------------------------------------------------------------------
 
 
-def batch_logits(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+def batch_logits(model: Transformer, batch: dict[str, jax.Array], pipe: PipelineConfig | None = None) -> jax.Array:
     """The model's logits (B, T, V) float32 for a batch of `text` windows: within documents when the batch carries
-    their segment ids and positions (data.packing=documents), else across the whole window."""
-    return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    their segment ids and positions (data.packing=documents), else across the whole window; over the pipeline's
+    stages with `pipe` on a mesh that has them."""
+    return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
+                 pipeline=pipe)
 
 
 def batch_keys(cfg: LMConfig) -> tuple[str, ...]:
@@ -197,9 +199,9 @@ def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.Shap
     return {key: shape for key in batch_keys(cfg)}
 
 
-def token_losses(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+def token_losses(model: Transformer, batch: dict[str, jax.Array], pipe: PipelineConfig | None = None) -> jax.Array:
     """Each target's cross-entropy (B, T) float32."""
-    return cross_entropy_and_log_z(batch_logits(model, batch), batch["targets"])[0]
+    return cross_entropy_and_log_z(batch_logits(model, batch, pipe), batch["targets"])[0]
 
 
 def cross_entropy_and_log_z(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -263,11 +265,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float, pipe: Pi
     return loss_fn
 
 
-def make_eval_step(graphdef: nnx.GraphDef):
+def make_eval_step(graphdef: nnx.GraphDef, pipe: PipelineConfig | None = None):
     @jax.jit
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(the batch's summed cross-entropy () float32, the number of targets it sums over () int32)."""
-        ce = token_losses(nnx.merge(graphdef, params), batch)  # (B, T)
+        ce = token_losses(nnx.merge(graphdef, params), batch, pipe)  # (B, T)
         if "loss_mask" not in batch:
             return ce.sum(), jnp.asarray(ce.size, jnp.int32)
         mask = batch["loss_mask"]  # (B, T) int32
@@ -276,10 +278,11 @@ def make_eval_step(graphdef: nnx.GraphDef):
     return eval_step
 
 
-def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float | None):
+def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float | None,
+                  pipe: PipelineConfig | None = None):
     """The validation loss in nats per target token, and with `bytes_per_token` (text) per UTF-8 byte. Chat data
     reports nats per assistant token only: its held-out text is mostly prompts, which are not in the loss."""
-    eval_step = make_eval_step(graphdef)
+    eval_step = make_eval_step(graphdef, pipe)
 
     def evaluate(state: TrainState) -> dict[str, float]:
         params = model_params(state)
@@ -381,7 +384,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         train_step=train_step,
         data=DeviceStream(iterator, batch_shard, cfg.train.batch_size),
         check=CHECKED,
-        evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
+        evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token, cfg.pipeline),
         items_per_step=tokens_per_step,
         item_unit="tokens",
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
