@@ -3,7 +3,11 @@ schedules, alone and with data, fsdp and tensor; the compiled step passes activa
 collective-permutes; a layout the axes do not divide is a ConfigError before anything compiles."""
 
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -129,3 +133,25 @@ def test_bubble_fraction_and_the_stage_axis_in_the_mesh():
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, stage=4))
     assert mesh_lib.describe(mesh) == "data=2 x stage=4 x fsdp=1 x tensor=1"
     assert mesh_lib.data_parallel_size(mesh) == 2  # stages see the same examples
+
+
+@pytest.mark.slow
+def test_plan_shows_memory_per_device_falling_with_stages():
+    """`systolic plan` for 4 GPUs: 4 stages hold a quarter of the 8 layers' weights and Adam moments each, where data
+    parallelism holds them all; the plan notes the schedule and its bubble."""
+    from tiny import TINY_LM
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUMPY_DTYPE_PROMOTION")}
+
+    def plan(mesh: str, *extra: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "systolic", "plan", "lm", *TINY_LM, *SCANNED, "model.layers=8",
+                               *extra, "--target", "h100", "--mesh", mesh, "--json"],
+                              capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    data = plan("data=4")
+    staged = plan("stage=4", "pipeline.microbatches=4")
+    assert staged["mesh"] == "data=1 x stage=4 x fsdp=1 x tensor=1"
+    assert staged["argument_bytes"] < 0.4 * data["argument_bytes"], (staged["argument_bytes"], data["argument_bytes"])
+    assert "4 stages x 4 microbatches (GPipe): bubble (S-1)/(rM+S-1) = 42.9%" in " ".join(staged["notes"])
