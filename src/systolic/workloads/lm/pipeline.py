@@ -134,11 +134,16 @@ def run(layer_fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: j
     # (L, ...) -> (r, L/r, ...): with L/r split over the stages, stage s holds the groups s, S + s, ... (layer order).
     grouped = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]), weights)
     xs = split_microbatches(x, m_count)  # (M, B/M, T, D)
+    # Only stage 0 reads the inputs: handing the others zeros (a stage axis split over `stage`, so each device makes
+    # its own block) keeps the backward pass from summing the inputs' gradient over the stages, an all-reduce of the
+    # whole batch's activations (and, in bfloat16, one that XLA:CPU's AllReducePromotion pass crashes on).
+    xs = jnp.zeros((stages, *xs.shape), xs.dtype).at[0].set(xs)  # (S, M, B/M, T, D)
     rows = jax.tree.map(lambda a: split_microbatches(a, m_count), rows)  # (M, B/M, ...) each
 
     def stage_program(w, xs, rows):
-        """One stage's ticks. w: its groups (r, L/(r S), ...); xs, rows: every microbatch (M, B/M, ...)."""
+        """One stage's ticks. w: its groups (r, L/(r S), ...); xs (1, M, B/M, T, D), rows: every microbatch's."""
         s = jax.lax.axis_index(AXIS)
+        xs = xs[0]  # (M, B/M, T, D): the inputs on stage 0, zeros elsewhere
         ring = [(i, (i + 1) % stages) for i in range(stages)]
 
         def run_group(w, inp, t):
@@ -176,6 +181,6 @@ def run(layer_fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: j
         return receive(buf, incoming, ticks)[None]  # (1, M, B/M, T, D): stage 0's holds the outputs
 
     spec = P(None, AXIS)  # the grouped weights' L/r axis over the stages
-    out = jax.shard_map(stage_program, mesh=mesh, in_specs=(spec, P(), P()), out_specs=P(AXIS),
+    out = jax.shard_map(stage_program, mesh=mesh, in_specs=(spec, P(AXIS), P()), out_specs=P(AXIS),
                         axis_names=frozenset({AXIS}), check_vma=False)(grouped, xs, rows)  # (S, M, B/M, T, D)
     return join_microbatches(out[0])  # (B, T, D)
