@@ -119,12 +119,18 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules = DEFAU
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's layout by logical names; a no-op outside `activate(mesh)` so unit tests need no mesh."""
+    """Pins an activation's layout by logical names; a no-op outside `activate(mesh)` so unit tests need no mesh.
+    Inside a `shard_map` the axes it makes manual are left out: the array is already this device's block of them."""
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+    spec = logical_to_spec(names, rules)
+    if mesh.manual_axes:
+        keep = lambda axes: tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())  # noqa: E731
+                                  if a not in mesh.manual_axes) or None
+        spec = P(*(keep(axes) for axes in spec))
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 @contextlib.contextmanager

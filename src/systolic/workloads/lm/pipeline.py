@@ -180,7 +180,14 @@ def run(layer_fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: j
         (buf, incoming), _ = jax.lax.scan(tick, (xs, jnp.zeros_like(xs[0])), jnp.arange(ticks))
         return receive(buf, incoming, ticks)[None]  # (1, M, B/M, T, D): stage 0's holds the outputs
 
-    spec = P(None, AXIS)  # the grouped weights' L/r axis over the stages
-    out = jax.shard_map(stage_program, mesh=mesh, in_specs=(spec, P(AXIS), P()), out_specs=P(AXIS),
-                        axis_names=frozenset({AXIS}), check_vma=False)(grouped, xs, rows)  # (S, M, B/M, T, D)
+    # Manual over `stage` and, when it is split, `data`: a tick's weight gradients are then this device's partial
+    # sums, added up over `data` once after the loop (the shard_map's transpose), where with `data` automatic XLA
+    # all-reduces them inside the loop, once per tick. The other axes (fsdp, expert, tensor) stay automatic, so
+    # the layers shard as they do without a pipeline; the batch's fsdp and expert split lies within data's blocks.
+    data = "data" if mesh.shape["data"] > 1 else None
+    manual = frozenset({AXIS} | ({data} if data else set()))
+    weights_spec = P(None, AXIS)  # the grouped weights' L/r axis over the stages
+    out = jax.shard_map(stage_program, mesh=mesh, in_specs=(weights_spec, P(AXIS, None, data), P(None, data)),
+                        out_specs=P(AXIS, None, data), axis_names=manual, check_vma=False)(grouped, xs, rows)
+    # out: (S, M, B/M, T, D)
     return join_microbatches(out[0])  # (B, T, D)
