@@ -1,9 +1,12 @@
 """Pipeline parallelism: the stacked layers split over the `stage` mesh axis, microbatches passed stage to stage.
 
-The design is MaxText's (layers/pipeline.py), written small: one `shard_map` that is manual over `stage` only (data,
-fsdp, expert and tensor stay automatic, so the blocks inside shard as they do without a pipeline), a loop of ticks,
-and at each tick every stage runs its layers on the activation it holds and passes the result to the next stage
-with one `ppermute` round the ring of stages.
+The design is MaxText's (layers/pipeline.py), written small: one `shard_map` that is manual over `stage` (and `data`,
+see `run`; fsdp, expert and tensor stay automatic, so the blocks inside shard as they do without a pipeline), a loop
+of ticks, and at each tick every stage runs its layers on the activation it holds and passes the result to the next
+stage with one `ppermute` round the ring of stages.
+
+Around it, the embedding runs before the pipeline and the final norm, head and loss after it on every stage alike
+(their weights are not split over `stage`): the output reaches the other stages by an all-reduce over `stage`.
 
 Schedules. With S stages, M microbatches and r repeats, the L layers form r * S groups of L / (r S) consecutive
 layers; group q runs on stage q mod S. r = 1 is GPipe (stage s holds layers [s L/S, (s+1) L/S)); r > 1 is the
