@@ -3,8 +3,9 @@ exist.
 
 `expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
 the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
-work on the expert ranks. `stage` holds pipeline stages (lm/pipeline.py): each stage holds its own layers, and every
-stage sees the same examples, one microbatch after another."""
+work on the expert ranks. `stage` holds pipeline stages (lm/pipeline.py): inside the pipeline each stage holds its
+own layers and every stage sees the same examples, one microbatch after another; outside it (embedding, head, loss)
+the batch is split over `stage` too, so that work is not repeated on every stage."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from systolic.errors import ConfigError
 # tensor innermost: its collectives are the most frequent; stage next to the outermost (MaxText's order): its
 # point-to-point sends are few and can cross the slowest links after data's gradient reduction.
 AXES = ("data", "stage", "fsdp", "expert", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")  # the axes that hold different examples
+BATCH_AXES = ("data", "stage", "fsdp", "expert")  # the axes that hold different examples (stage: outside the pipeline)
 
 
 def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
@@ -112,9 +113,9 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
         raise ConfigError(
             f"train.batch_size={global_batch} (grad_accum={grad_accum}, so {micro} examples per micro-step) cannot be "
             f"split evenly over the {dp} data-parallel devices of mesh data={mesh.shape['data']} x "
-            f"fsdp={mesh.shape['fsdp']} x expert={mesh.shape['expert']} ({jax.device_count()} devices in all). Fix: "
-            f"use a batch size that is a multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or change "
-            "mesh.data/mesh.fsdp/mesh.expert."
+            f"stage={mesh.shape['stage']} x fsdp={mesh.shape['fsdp']} x expert={mesh.shape['expert']} "
+            f"({jax.device_count()} devices in all). Fix: use a batch size that is a multiple of {dp * grad_accum}, "
+            f"e.g. train.batch_size={good}, or change mesh.data/mesh.stage/mesh.fsdp/mesh.expert."
         )
 
 

@@ -5,7 +5,7 @@ maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert` and `tensor`; 
 the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
-- `batch` over (data, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
+- `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
   too, and so is the expert axis outside the MoE layers).
 - `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
   layer sends tokens to them with an all-to-all (workloads/lm/moe.py). Every rule set has expert parallelism.
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVATIONS: Rules = (
-    ("batch", ("data", "fsdp", "expert")),
+    ("batch", ("data", "stage", "fsdp", "expert")),  # stage: a data axis outside the pipeline (lm/pipeline.py)
     ("seq", None),
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),

@@ -81,7 +81,7 @@ def check(cfg: LMConfig, mesh: Mesh) -> None:
     problem = None
     micro_rows = cfg.train.batch_size // cfg.train.grad_accum
     groups = stages * pipe.repeats
-    dp = mesh_lib.data_parallel_size(mesh)
+    dp = mesh_lib.data_parallel_size(mesh) // stages  # inside the pipeline every stage sees the same rows
     if not model.scan_layers:
         problem = ("the layers are a list (model.scan_layers=false), but the stages split the stacked `layers` axis",
                    "model.scan_layers=true")
