@@ -5,8 +5,9 @@ see `run`; fsdp, expert and tensor stay automatic, so the blocks inside shard as
 of ticks, and at each tick every stage runs its layers on the activation it holds and passes the result to the next
 stage with one `ppermute` round the ring of stages.
 
-Around it, the embedding runs before the pipeline and the final norm, head and loss after it on every stage alike
-(their weights are not split over `stage`): the output reaches the other stages by an all-reduce over `stage`.
+Around it, the embedding, final norm, head and loss split the batch over `stage` as over a data axis (the rules
+table's `batch`), so they run once per example: the inputs reach stage 0 and the outputs leave it by collectives
+over `stage` that XLA inserts at the shard_map's edges.
 
 Schedules. With S stages, M microbatches and r repeats, the L layers form r * S groups of L / (r S) consecutive
 layers; group q runs on stage q mod S. r = 1 is GPipe (stage s holds layers [s L/S, (s+1) L/S)); r > 1 is the
