@@ -110,12 +110,12 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
     micro = global_batch // grad_accum
     if micro % dp:
         good = dp * grad_accum * max(1, round(micro / dp))
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in BATCH_AXES if a != "stage" or mesh.shape[a] > 1)
         raise ConfigError(
             f"train.batch_size={global_batch} (grad_accum={grad_accum}, so {micro} examples per micro-step) cannot be "
-            f"split evenly over the {dp} data-parallel devices of mesh data={mesh.shape['data']} x "
-            f"stage={mesh.shape['stage']} x fsdp={mesh.shape['fsdp']} x expert={mesh.shape['expert']} "
-            f"({jax.device_count()} devices in all). Fix: use a batch size that is a multiple of {dp * grad_accum}, "
-            f"e.g. train.batch_size={good}, or change mesh.data/mesh.stage/mesh.fsdp/mesh.expert."
+            f"split evenly over the {dp} data-parallel devices of mesh {axes} ({jax.device_count()} devices in "
+            f"all). Fix: use a batch size that is a multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or "
+            "change mesh.data/mesh.stage/mesh.fsdp/mesh.expert."
         )
 
 
