@@ -156,3 +156,17 @@ def test_plan_shows_memory_per_device_falling_with_stages():
     assert staged["mesh"] == "data=1 x stage=4 x fsdp=1 x tensor=1"
     assert staged["argument_bytes"] < 0.4 * data["argument_bytes"], (staged["argument_bytes"], data["argument_bytes"])
     assert "4 stages x 4 microbatches (GPipe): bubble (S-1)/(rM+S-1) = 42.9%" in " ".join(staged["notes"])
+
+
+@pytest.mark.slow
+def test_cli_trains_validates_and_samples_on_a_pipeline(corpus_dir, tmp_path):
+    """The real entry point on data=4 x stage=2: training and validation pipelined, sampling unsplit."""
+    from tiny import LM_CLI_QUIET, TINY_LM
+
+    proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *TINY_LM, *LM_CLI_QUIET, *SCANNED,
+                           f"data.path={corpus_dir}", "train.steps=2", "train.eval_every=2", "sample.max_new_tokens=8",
+                           "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "mesh data=4 x stage=2" in out and "step 2: eval loss" in out and "sample (temperature" in out, out
