@@ -74,11 +74,18 @@ def test_pipelined_loss_and_gradients_equal_one_device(tiny_lm, one_device, axes
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=jax.tree_util.keystr(path))
 
 
-def test_train_steps_and_validation_on_a_pipeline_match_one_device(tiny_lm):
-    """The real train step (data, optimizer, guard) and the validation on data=4 x stage=2 (both pipelined): the same
-    three losses and validation loss as one device."""
-    one_cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=1")
-    cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2")
+@pytest.mark.parametrize("extra", [
+    ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2"],
+    # Each of grad_accum's micro-steps is pipelined in its turn.
+    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.microbatches=2", "train.grad_accum=2"],
+                 marks=pytest.mark.slow),
+])
+def test_train_steps_and_validation_on_a_pipeline_match_one_device(tiny_lm, extra):
+    """The real train step (data, optimizer, guard) and the validation on a pipeline (both pipelined): the same three
+    losses and validation loss as one device."""
+    accum = [o for o in extra if o.startswith("train.grad_accum")]
+    one_cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=1", *accum)
+    cfg = tiny_lm.make_cfg(*SCANNED, *extra)
     results = []
     for c, mesh in [(one_cfg, tiny_lm.single_device_mesh()), (cfg, mesh_lib.make_mesh(cfg.mesh))]:
         prepared, state, losses = tiny_lm.run_steps(c, mesh, 3)
