@@ -21,7 +21,7 @@ for the next repeat (M >= S, so they arrive in time) and, after the last repeat,
 
 The weights are stored in layer order (checkpoints, exports and the unpipelined forward need no permutation). GPipe
 reads them where they lie; the circular schedule regroups them as (r, S, L/(r S)) with the S axis on the stages, so
-XLA moves (1 - 1/r) of the block weights between stages once per step (and their gradients back). A stage-major
+XLA moves most of the block weights between stages once per step (and their gradients back). A stage-major
 storage order would avoid that traffic at the price of a permuted checkpoint layout; not done.
 
 Training and validation run the pipeline (the loss fn and the eval step pass `pipeline`). Generation does not:
