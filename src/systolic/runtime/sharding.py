@@ -1,8 +1,8 @@
 """Logical axis names -> mesh axes: the one table that decides how every array is split.
 
 Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
-maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to change
-the parallelism layout. A name mapped to None is replicated.
+maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert` and `tensor`; change the table, not the layers, to
+change the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel

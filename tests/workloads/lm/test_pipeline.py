@@ -95,7 +95,8 @@ def test_train_steps_and_validation_on_a_pipeline_match_one_device(tiny_lm, extr
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=2e-6)
 
 
-@pytest.mark.parametrize("pipe, ticks", [({"microbatches": 2}, 2 + 2 - 1), ({"microbatches": 2, "repeats": 2}, 4 + 2 - 1)])
+@pytest.mark.parametrize("pipe, ticks", [({"microbatches": 2}, 2 + 2 - 1),
+                                         ({"microbatches": 2, "repeats": 2}, 4 + 2 - 1)])
 def test_compiled_step_passes_activations_round_the_ring_of_stages(tiny_lm, pipe, ticks):
     """data=4 x stage=2: one collective-permute of a microbatch's activations (B/M, T, D) per tick forward and one
     (its gradient) backward, between the devices that differ only in their stage index."""
@@ -172,7 +173,8 @@ def test_cli_trains_validates_and_samples_on_a_pipeline(corpus_dir, tmp_path):
 
     proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *TINY_LM, *LM_CLI_QUIET, *SCANNED,
                            f"data.path={corpus_dir}", "train.steps=2", "train.eval_every=2", "sample.max_new_tokens=8",
-                           "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2", "--run-dir", str(tmp_path / "run")],
+                           "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2",
+                           "--run-dir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr

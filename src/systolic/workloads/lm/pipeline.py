@@ -167,7 +167,7 @@ def run(layer_fn: Callable[[Any, jax.Array, Any], jax.Array], weights: Any, x: j
             _GROUP_WEIGHTS))
 
         def receive(buf, incoming, t):
-            """On stage 0, the last stage's output of work item t - S (sent at tick t - 1) into its microbatch's slot."""
+            """Stage 0 puts the last stage's output of work item t - S (sent at tick t - 1) in its microbatch's slot."""
             done = t - stages
             slot = jnp.mod(done, m_count)
             keep = (s == 0) & (done >= 0) & (done < r * m_count)
