@@ -119,8 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--recipe")
     plan.add_argument("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
                       "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)")
-    plan.add_argument("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2, fsdp=2,expert=4 or "
-                      "fsdp=2,context=4 (unset axes are 1; default: the recipe's mesh over all the target's chips)")
+    plan.add_argument("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2, fsdp=2,expert=4, "
+                      "fsdp=2,context=4 or data=2,stage=4 (unset axes are 1; default: the recipe's mesh over all the "
+                      "target's chips)")
     plan.add_argument("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, "
                       "data parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)")
     plan.add_argument("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items "

@@ -41,6 +41,9 @@ class MeshConfig:
     expert: int = 1
     # Each sequence split over it (lm: context parallelism, workloads/lm/context.py); attention exchanges keys/values.
     context: int = 1
+    # Pipeline stages: the stacked layers split into consecutive groups, one per stage (lm with model.scan_layers;
+    # lm/pipeline.py). In the mesh it sits after data: stages exchange activations point to point, rarely.
+    stage: int = 1
     # TPU slices (or, off TPUs, processes) the devices span: the data axis is split across them, so only the
     # data-parallel gradient reduction crosses the data-center network (runtime/mesh.py).
     slices: int = 1
@@ -49,7 +52,7 @@ class MeshConfig:
         if self.slices < 1:
             raise ConfigError(f"mesh.slices={self.slices}: expected the number of slices, at least 1. Fix: mesh.slices=1.")
         sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
-                 "tensor": self.tensor}
+                 "tensor": self.tensor, "stage": self.stage}
         for name, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(

@@ -7,11 +7,11 @@ from systolic.runtime import mesh as mesh_lib
 
 
 def test_rest_axis_takes_remaining_devices():
-    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1, 1, 1)
-    assert mesh_lib.resolve_shape(MeshConfig(data=-1, expert=4), 8) == (2, 1, 4, 1, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 1, 2, 1, 1, 1)
+    assert mesh_lib.resolve_shape(MeshConfig(data=-1, expert=4), 8) == (2, 1, 1, 4, 1, 1)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
-    assert mesh_lib.describe(mesh) == "data=2 x fsdp=2 x tensor=2"  # the expert and context axes are named when split
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+    assert mesh_lib.describe(mesh) == "data=2 x fsdp=2 x tensor=2"  # stage, expert and context are named when split
     # The context axis splits sequences, not the batch: its devices hold parts of the same rows.
     mesh = mesh_lib.make_mesh(MeshConfig(data=-1, context=4))
     assert mesh_lib.describe(mesh) == "data=2 x fsdp=1 x context=4 x tensor=1"

@@ -31,6 +31,7 @@ class BenchResult:
     peak_memory_bytes: int | None
     devices: int
     platform: str
+    notes: tuple[str, ...] = ()  # the task's own (e.g. a pipeline's bubble)
 
 
 def benchmark(task: Task, steps: int = 10, warmup: int = 2) -> BenchResult:
@@ -63,6 +64,7 @@ def benchmark(task: Task, steps: int = 10, warmup: int = 2) -> BenchResult:
         flops_per_step=task.flops_per_step, flops_per_s=flops_per_s, peak_flops=peak, peak_source=source,
         mfu=flops_per_s / peak if flops_per_s and peak else None,
         peak_memory_bytes=_peak_memory(), devices=jax.device_count(), platform=jax.default_backend(),
+        notes=task.notes,
     )
 
 
@@ -83,6 +85,6 @@ def format_table(result: BenchResult) -> str:
         ("peak FLOP/s", f"{result.peak_flops / 1e9:,.1f} GFLOP/s ({result.peak_source})" if result.peak_flops else "unknown"),
         ("MFU", f"{100 * result.mfu:.1f}%" if result.mfu else "n/a"),
         ("peak device memory", f"{result.peak_memory_bytes / 2**30:.2f} GiB" if result.peak_memory_bytes else "not reported by this backend"),
-    ]
+    ] + [("note", n) for n in result.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -73,6 +73,7 @@ class Task:
     # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
     # each train row: no state to checkpoint, so a resumed run writes the same values.
     step_metrics: Callable[[int], dict[str, float]] | None = None
+    notes: tuple[str, ...] = ()  # lines `systolic bench` prints under its table (an lm pipeline's schedule and bubble)
 
     @property
     def throughput_key(self) -> str:

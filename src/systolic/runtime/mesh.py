@@ -1,10 +1,13 @@
-"""The device mesh: (data, fsdp, expert, context, tensor) axes sized from the config, checked against the devices that
+"""The device mesh: (data, stage, fsdp, expert, context, tensor) axes sized from the config, checked against the
+devices that exist.
 exist.
 
 `expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
 the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
 work on the expert ranks. `context` splits each sequence (lm/context.py): not a batch axis, as its devices hold
-parts of the same rows."""
+parts of the same rows. `stage` holds pipeline stages (lm/pipeline.py): inside the pipeline each stage holds its
+own layers and every stage sees the same examples, one microbatch after another; outside it (embedding, head, loss)
+the batch is split over `stage` too, so that work is not repeated on every stage."""
 
 from __future__ import annotations
 
@@ -16,14 +19,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from systolic.config import MeshConfig
 from systolic.errors import ConfigError
 
-# tensor innermost: its collectives are the most frequent; context next to it: a ring hop every layer.
-AXES = ("data", "fsdp", "expert", "context", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")  # the axes that hold different examples
+# tensor innermost: its collectives are the most frequent; context next to it: a ring hop every layer; stage next
+# to the outermost (MaxText's order): its point-to-point sends are few and can cross the slowest links after data's
+# gradient reduction.
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "stage", "fsdp", "expert")  # the axes that hold different examples (stage: outside the pipeline)
 
 
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int, int]:
+def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
-    sizes = [cfg.data, cfg.fsdp, cfg.expert, cfg.context, cfg.tensor]
+    sizes = [cfg.data, cfg.stage, cfg.fsdp, cfg.expert, cfg.context, cfg.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % fixed:
@@ -36,8 +41,8 @@ def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int, 
 
 def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
     return ConfigError(
-        f"The mesh mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} mesh.context={cfg.context} "
-        f"mesh.tensor={cfg.tensor} does not fit the "
+        f"The mesh mesh.data={cfg.data} mesh.stage={cfg.stage} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} "
+        f"mesh.context={cfg.context} mesh.tensor={cfg.tensor} does not fit the "
         f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
         f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
         f"sizes whose product is {n_devices}."
@@ -67,7 +72,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
             f"multiple of it (e.g. mesh.data={granules} or -1), or mesh.slices=1."
         )
     per_slice = (shape[0] // cfg.slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1, 1), devices,
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices,) + (1,) * (len(AXES) - 1), devices,
                                                 process_is_granule=by_process)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
@@ -110,18 +115,18 @@ def check_batch(global_batch: int, grad_accum: int, mesh: Mesh) -> None:
     micro = global_batch // grad_accum
     if micro % dp:
         good = dp * grad_accum * max(1, round(micro / dp))
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in BATCH_AXES if a != "stage" or mesh.shape[a] > 1)
         raise ConfigError(
             f"train.batch_size={global_batch} (grad_accum={grad_accum}, so {micro} examples per micro-step) cannot be "
-            f"split evenly over the {dp} data-parallel devices of mesh data={mesh.shape['data']} x "
-            f"fsdp={mesh.shape['fsdp']} x expert={mesh.shape['expert']} ({jax.device_count()} devices in all). Fix: "
-            f"use a batch size that is a multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or change "
-            "mesh.data/mesh.fsdp/mesh.expert."
+            f"split evenly over the {dp} data-parallel devices of mesh {axes} ({jax.device_count()} devices in "
+            f"all). Fix: use a batch size that is a multiple of {dp * grad_accum}, e.g. train.batch_size={good}, or "
+            "change mesh.data/mesh.stage/mesh.fsdp/mesh.expert."
         )
 
 
-OPTIONAL_AXES = ("expert", "context")  # named in descriptions only when split: most runs leave them at 1
+OPTIONAL_AXES = ("stage", "expert", "context")  # named in descriptions only when split: most runs leave them at 1
 
 
 def describe(mesh: Mesh) -> str:
-    """"data=4 x fsdp=2 x tensor=1": the expert and context axes are named only when split."""
+    """"data=4 x fsdp=2 x tensor=1": the expert, context and stage axes are named only when split."""
     return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name not in OPTIONAL_AXES or size > 1)

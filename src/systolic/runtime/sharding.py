@@ -1,11 +1,11 @@
 """Logical axis names -> mesh axes: the one table that decides how every array is split.
 
 Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
-maps each name to the mesh axes `data`, `fsdp`, `expert`, `context` and `tensor`; change the table, not the layers, to
-change the parallelism layout. A name mapped to None is replicated.
+maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert`, `context` and `tensor`; change the table, not
+the layers, to change the parallelism layout. A name mapped to None is replicated.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
-- `batch` over (data, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
+- `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
   too, and so is the expert axis outside the MoE layers).
 - `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
   layer sends tokens to them with an all-to-all (workloads/lm/moe.py). Every rule set has expert parallelism.
@@ -14,6 +14,8 @@ Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
   before use and reduce-scatters the gradient.
 - `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
+- `layers` (the stacked blocks' leading axis, model.scan_layers) over stage: each pipeline stage holds its own
+  layers (workloads/lm/pipeline.py). Every rule set has pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVATIONS: Rules = (
-    ("batch", ("data", "fsdp", "expert")),
+    ("batch", ("data", "stage", "fsdp", "expert")),  # stage: a data axis outside the pipeline (lm/pipeline.py)
     ("seq", "context"),  # context parallelism: the sequence split, attention by ring (workloads/lm/context.py)
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
-    ("layers", None),
+    ("layers", "stage"),  # pipeline parallelism: consecutive layers per stage
     ("lora_rank", None),  # LoRA adapters' inner axis: a few columns, kept whole; their other axes shard as the weight's
     ("experts", "expert"),  # MoE expert weights' leading axis: expert parallelism
 )
@@ -75,7 +77,7 @@ def rules_for(name: str, mesh: Mesh | None = None) -> Rules:
                 f"sharding.rules={name} does not use the mesh axis {idle[0]} (size {mesh.shape[idle[0]]}), so those "
                 f"devices would only repeat each other's work. Fix: set mesh.{idle[0]}=1 (giving its devices to "
                 "mesh.data), or pick rules that use it (default uses fsdp and tensor, tp uses tensor, fsdp uses fsdp; "
-                "all use expert and context)."
+                "all use expert, context and stage)."
             )
     return rules
 
@@ -119,12 +121,18 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules = DEFAU
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's layout by logical names; a no-op outside `activate(mesh)` so unit tests need no mesh."""
+    """Pins an activation's layout by logical names; a no-op outside `activate(mesh)` so unit tests need no mesh.
+    Inside a `shard_map` the axes it makes manual are left out: the array is already this device's block of them."""
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+    spec = logical_to_spec(names, rules)
+    if mesh.manual_axes:
+        keep = lambda axes: tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())  # noqa: E731
+                                  if a not in mesh.manual_axes) or None
+        spec = P(*(keep(axes) for axes in spec))
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 @contextlib.contextmanager

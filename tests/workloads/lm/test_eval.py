@@ -144,7 +144,8 @@ def test_same_figures_on_one_device_and_a_sharded_mesh(llama, files, tmp_path):
         rows = evaluate.batch_rows(run, 3)
         results.append((evaluate.score_text(run, docs, rows=rows), evaluate.score_choices(run, items, rows=rows)))
         if len(devices) == 8:
-            assert dict(run.mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2} and rows == 4
+            assert dict(run.mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "context": 1,
+                                            "tensor": 2} and rows == 4
             embed = run.params["embed"]  # (vocab, d_model): vocab over tensor, d_model over fsdp
             assert embed.addressable_shards[0].data.shape == (embed.shape[0] // 2, embed.shape[1] // 4)
         else:

@@ -91,9 +91,9 @@ class GANConfig:
                 f"gan.conditional=true needs class labels, but data.path={self.data.path!r} is a folder of images "
                 "without labels. Fix: set gan.conditional=false, or train on the bundled digits (data.path='')."
             )
-        if self.mesh.tensor > 1 or self.mesh.context > 1:
+        if self.mesh.tensor > 1 or self.mesh.context > 1 or self.mesh.stage > 1:
             raise ConfigError(
-                f"mesh.tensor={self.mesh.tensor} and mesh.context={self.mesh.context}: the gan workload is data "
-                "parallel only (its networks are small and replicated, its images no sequences). Fix: set "
-                "mesh.tensor=1 mesh.context=1 and give those devices to mesh.data."
+                f"mesh.tensor={self.mesh.tensor}, mesh.context={self.mesh.context} and mesh.stage={self.mesh.stage}: "
+                "the gan workload is data parallel only (its networks are small and replicated, its images no "
+                "sequences). Fix: set mesh.tensor=1 mesh.context=1 mesh.stage=1 and give those devices to mesh.data."
             )

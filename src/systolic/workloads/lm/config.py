@@ -372,6 +372,25 @@ class LMTrainConfig(TrainConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The `pipeline` section: how the layers run over the `mesh.stage` axis (lm/pipeline.py). It acts only with
+    mesh.stage > 1; checked against the mesh in `pipeline.check`."""
+
+    # The batch (each grad_accum micro-step's) is cut into this many microbatches that follow each other through the
+    # stages; the idle share of a step (the bubble) is (stages - 1) / (repeats * microbatches + stages - 1).
+    microbatches: int = 1
+    # 1: GPipe, each stage holds one group of consecutive layers. r > 1: the circular (interleaved) schedule, each
+    # stage holds r groups (stage s the groups s, s + stages, ...) and every microbatch goes round the stages r times.
+    repeats: int = 1
+
+    def validate(self) -> None:
+        if self.microbatches < 1 or self.repeats < 1:
+            raise ConfigError(
+                f"pipeline.microbatches={self.microbatches} and pipeline.repeats={self.repeats}: both count things "
+                "and must be at least 1. Fix: e.g. pipeline.microbatches=8 pipeline.repeats=1 (GPipe).")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Text (or, with `format: chat`, chat records) to train on. An empty `path` means the Python standard library's
     own `.py` files."""
@@ -499,6 +518,7 @@ class LMConfig:
     loop: LoopConfig = LoopConfig()
     optim: LMOptimConfig = LMOptimConfig()
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     sharding: ShardingConfig = ShardingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()

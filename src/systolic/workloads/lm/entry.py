@@ -21,7 +21,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
-from systolic.workloads.lm import context, init_from, sample
+from systolic.workloads.lm import context, init_from, pipeline, sample
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import baseline_nats_per_byte, build_task, model_params
 
@@ -163,7 +163,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}" + _attention_memory(impl, split, cfg.data.seq_len) + f"; {remat}",
-               *_moe_notes(cfg, mesh)),
+               *_moe_notes(cfg, mesh), *pipeline.notes(cfg, mesh)),
     )
 
 

@@ -36,7 +36,8 @@ from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm import attention, context
 from systolic.workloads.lm import moe as moe_lib
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm import pipeline as pipeline_lib
+from systolic.workloads.lm.config import ModelConfig, PipelineConfig
 from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.lora import targeted_weights
 from systolic.workloads.lm.parametrization import attention_correction, hidden_init_scale, output_multiplier
@@ -339,20 +340,23 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, pipeline: PipelineConfig | None = None) -> jax.Array:
         """tokens int32 (B, T) -> logits float32 (B, T, vocab), causal over T.
 
         Documents packed into a row (`data.packing=documents`) pass `segment_ids` (B, T), so a token attends only
         to earlier tokens of its own segment, and `positions` (B, T), each token's position in its document (for
-        the rotary or learned position embedding); by default one document per row at positions 0..T-1."""
-        logits, _, _ = self._forward(tokens, None, segment_ids, positions)
+        the rotary or learned position embedding); by default one document per row at positions 0..T-1. With
+        `pipeline`, on a mesh with mesh.stage > 1 the layers run as a pipeline over the stages (lm/pipeline.py)."""
+        logits, _, _ = self._forward(tokens, None, segment_ids, positions, pipeline)
         return logits
 
     def with_moe_stats(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                       positions: jax.Array | None = None) -> tuple[jax.Array, moe_lib.MoeStats | None]:
+                       positions: jax.Array | None = None, pipeline: PipelineConfig | None = None,
+                       ) -> tuple[jax.Array, moe_lib.MoeStats | None]:
         """As `__call__`, plus the MoE layers' stats stacked on a leading axis (None for a dense model): what
-        training adds to the loss and reports."""
-        logits, _, stats = self._forward(tokens, None, segment_ids, positions)
+        training adds to the loss and reports. With `pipeline`, on a mesh with mesh.stage > 1 the layers run as a
+        pipeline over the stages (lm/pipeline.py; dense models only)."""
+        logits, _, stats = self._forward(tokens, None, segment_ids, positions, pipeline)
         return logits, stats
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -367,7 +371,7 @@ class Transformer(nnx.Module):
         shape = (cfg.layers, batch, max_len, cfg.n_kv_heads, cfg.d_head)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 
-    def _forward(self, tokens, cache, segment_ids=None, positions=None):
+    def _forward(self, tokens, cache, segment_ids=None, positions=None, pipeline=None):
         cfg = self.cfg
         T = tokens.shape[1]
         if T > cfg.max_seq_len:
@@ -391,7 +395,10 @@ class Transformer(nnx.Module):
 
         if cfg.remat != "none":
             apply = nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
-        if cfg.scan_layers:
+        mesh = jax.sharding.get_abstract_mesh()
+        if pipeline is not None and cache is None and not mesh.empty and mesh.shape.get(pipeline_lib.AXIS, 1) > 1:
+            x, stats = self._pipelined(x, rope, segment_ids, pipeline, mesh), None  # (B, T, D)
+        elif cfg.scan_layers:
             apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0, 0),
                              transform_metadata={nnx.PARTITION_NAME: "layers"})
             x, kv, stats = apply(self.blocks, x, kv)  # stats stacked (L, ...) or None
@@ -426,6 +433,24 @@ class Transformer(nnx.Module):
         tokens, positions = (context.to_balanced(a, split) for a in (tokens, jnp.broadcast_to(positions, (B, T))))
         segment_ids = None if segment_ids is None else context.to_balanced(segment_ids, split)
         return tokens, segment_ids, positions
+
+    def _pipelined(self, x, rope, segment_ids, pipeline: PipelineConfig, mesh) -> jax.Array:
+        """The stacked blocks over the stages (lm/pipeline.py): x (B, T, D) -> (B, T, D)."""
+        graphdef, weights = nnx.split(self.blocks)
+        start = jnp.zeros((), jnp.int32)
+        batch = x.shape[0]
+        # Per-example inputs of the blocks, cut into microbatches with the activations (rope may be shared: (1, T, hd)).
+        rows = {"segment_ids": segment_ids,
+                "rope": None if rope is None else tuple(jnp.broadcast_to(a, (batch, *a.shape[1:])) for a in rope)}
+
+        def layer(layer_weights, h, row):
+            block = nnx.merge(graphdef, layer_weights)
+            return block(h, row["rope"], None, start, None, row["segment_ids"])[0]
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
+        return pipeline_lib.run(layer, weights, x, rows, microbatches=pipeline.microbatches,
+                                repeats=pipeline.repeats, mesh=mesh)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """tokens (B, T) at positions (B or 1, T) -> the residual stream's input (B, T, D) in the compute dtype."""

@@ -27,8 +27,8 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
 from systolic.workloads.lm import context, lora
 from systolic.workloads.lm import moe as moe_lib
-from systolic.workloads.lm import sizes
-from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
+from systolic.workloads.lm import pipeline, sizes
+from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig, PipelineConfig
 from systolic.workloads.lm.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import Transformer, resolve_dtype
@@ -178,10 +178,12 @@ def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: opta
 # LOSS AND EVALUATION ------------------------------------------------------------------------------------------
 
 
-def batch_logits(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+def batch_logits(model: Transformer, batch: dict[str, jax.Array], pipe: PipelineConfig | None = None) -> jax.Array:
     """The model's logits (B, T, V) float32 for a batch of `text` windows: within documents when the batch carries
-    their segment ids and positions (data.packing=documents), else across the whole window."""
-    return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    their segment ids and positions (data.packing=documents), else across the whole window; over the pipeline's
+    stages with `pipe` on a mesh that has them."""
+    return model(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
+                 pipeline=pipe)
 
 
 def batch_keys(cfg: LMConfig) -> tuple[str, ...]:
@@ -197,9 +199,9 @@ def abstract_batch(cfg: LMConfig, sharding: NamedSharding) -> dict[str, jax.Shap
     return {key: shape for key in batch_keys(cfg)}
 
 
-def token_losses(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
+def token_losses(model: Transformer, batch: dict[str, jax.Array], pipe: PipelineConfig | None = None) -> jax.Array:
     """Each target's cross-entropy (B, T) float32."""
-    return cross_entropy_and_log_z(batch_logits(model, batch), batch["targets"])[0]
+    return cross_entropy_and_log_z(batch_logits(model, batch, pipe), batch["targets"])[0]
 
 
 def cross_entropy_and_log_z(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -239,17 +241,18 @@ def model_params(state: TrainState) -> dict[str, Any]:
     return lora.combine(state.params, state.frozen)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float):
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float, pipe: PipelineConfig | None = None):
     """The lm's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)` for the engine's step: `objective`'s
     cross-entropy (and z-loss), plus with model.moe the MoE layers' load-balancing loss and router z-loss (averaged
-    over the layers) by their weights; their values and the experts' load in the metrics."""
+    over the layers) by their weights; their values and the experts' load in the metrics. With `pipe` the layers
+    run as a pipeline when the mesh has stages (lm/pipeline.py)."""
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
         model = nnx.merge(graphdef, lora.combine(params, frozen or {}))
         logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                                             positions=batch.get("positions"))  # (B, T, V) float32
+                                             positions=batch.get("positions"), pipeline=pipe)  # (B, T, V) float32
         ce, log_z = cross_entropy_and_log_z(logits, batch["targets"])  # (B, T) each
         # Chat rows: the mean over the targets to learn (assistant tokens); the padding and prompts are not in it.
         mask = batch["loss_mask"].astype(jnp.float32) if "loss_mask" in batch else None  # (B, T)
@@ -262,11 +265,11 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float):
     return loss_fn
 
 
-def make_eval_step(graphdef: nnx.GraphDef):
+def make_eval_step(graphdef: nnx.GraphDef, pipe: PipelineConfig | None = None):
     @jax.jit
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(the batch's summed cross-entropy () float32, the number of targets it sums over () int32)."""
-        ce = token_losses(nnx.merge(graphdef, params), batch)  # (B, T)
+        ce = token_losses(nnx.merge(graphdef, params), batch, pipe)  # (B, T)
         if "loss_mask" not in batch:
             return ce.sum(), jnp.asarray(ce.size, jnp.int32)
         mask = batch["loss_mask"]  # (B, T) int32
@@ -275,10 +278,11 @@ def make_eval_step(graphdef: nnx.GraphDef):
     return eval_step
 
 
-def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float | None):
+def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_token: float | None,
+                  pipe: PipelineConfig | None = None):
     """The validation loss in nats per target token, and with `bytes_per_token` (text) per UTF-8 byte. Chat data
     reports nats per assistant token only: its held-out text is mostly prompts, which are not in the loss."""
-    eval_step = make_eval_step(graphdef)
+    eval_step = make_eval_step(graphdef, pipe)
 
     def evaluate(state: TrainState) -> dict[str, float]:
         params = model_params(state)
@@ -325,6 +329,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     """Everything checkable is checked here, before any data is read or anything compiles."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
+    pipeline.check(cfg, mesh)
     with activate(mesh, rules):
         context.check_seq_len(cfg.data.seq_len, context.current_split())
     vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
@@ -332,7 +337,7 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss), tx,
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss, cfg.pipeline), tx,
                               make_schedule(cfg.optim, cfg.train.steps),
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
@@ -382,7 +387,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         train_step=train_step,
         data=DeviceStream(iterator, batch_shard, cfg.train.batch_size),
         check=CHECKED,
-        evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token),
+        evaluate=make_evaluate(graphdef, eval_batches, bytes_per_token, cfg.pipeline),
         items_per_step=tokens_per_step,
         item_unit="tokens",
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
@@ -390,6 +395,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         meta={"workload": "lm", "vocab": vocab},
         step_metrics=(_mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
                       if isinstance(data, Corpus) and data.mixture else None),
+        notes=pipeline.notes(cfg, mesh),
     )
     trainable = lora.count(abstract.params)
     return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,

@@ -255,12 +255,12 @@ class RLConfig:
                 f"overwrite its own transitions. Fix: dqn.buffer_size >= {batch}, e.g. "
                 f"dqn.buffer_size={max(batch, 10_000)}."
             )
-        if self.mesh.tensor != 1 or self.mesh.expert != 1 or self.mesh.context != 1:
+        if self.mesh.tensor != 1 or self.mesh.expert != 1 or self.mesh.context != 1 or self.mesh.stage != 1:
             raise ConfigError(
-                f"mesh.tensor={self.mesh.tensor}, mesh.expert={self.mesh.expert} and mesh.context={self.mesh.context}: "
-                "the rl workload splits seeds or environments over the data-parallel axes (data, fsdp) only; its "
-                "networks are too small to split and have no experts or sequences. Fix: mesh.tensor=1 mesh.expert=1 "
-                "mesh.context=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
+                f"mesh.tensor={self.mesh.tensor}, mesh.expert={self.mesh.expert}, mesh.context={self.mesh.context} and "
+                f"mesh.stage={self.mesh.stage}: the rl workload splits seeds or environments over the data-parallel "
+                "axes (data, fsdp) only; its networks are too small to split and have no experts, sequences or layer "
+                "stages. Fix: mesh.tensor=1 mesh.expert=1 mesh.context=1 mesh.stage=1 (e.g. mesh.data=-1 mesh.fsdp=1)."
             )
 
     def _check_minibatches(self, batch: int, num_minibatches: int) -> None:

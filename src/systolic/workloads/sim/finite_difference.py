@@ -1,6 +1,7 @@
 """Finite differences on a periodic grid split into blocks over the mesh, with halo exchange.
 
-Layout: rows (x) split over the `data` mesh axis, columns (y) over `fsdp` x `expert` x `context` x `tensor` (see `BLOCK_AXES`), so a
+Layout: rows (x) split over the `data` mesh axis, columns (y) over `stage` x `fsdp` x `expert` x `context` x `tensor` (see
+`BLOCK_AXES`), so a
 mesh of data=8 is a 1-D strip decomposition and data=2, fsdp=2, tensor=2 a 2-D one. The 5-point Laplacian
 needs one neighbouring cell on each side: before every evaluation each device sends its edge rows/columns to
 its neighbours with `lax.ppermute` (a ring, so the wrap-around gives periodic boundaries) and pads its block
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-BLOCK_AXES: tuple[tuple[str, ...], tuple[str, ...]] = (("data",), ("fsdp", "expert", "context", "tensor"))  # grid rows, grid columns
+BLOCK_AXES: tuple[tuple[str, ...], tuple[str, ...]] = (("data",), ("stage", "fsdp", "expert", "context", "tensor"))  # grid rows, grid columns
 
 
 @dataclasses.dataclass(frozen=True)

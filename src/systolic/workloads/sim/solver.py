@@ -28,7 +28,7 @@ from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.slab import Slab
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")  # the spectral slabs are split over all of them, flattened
+MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")  # the spectral slabs are split over all of them, flattened
 
 
 @dataclasses.dataclass(frozen=True)
