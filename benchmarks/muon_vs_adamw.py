@@ -49,10 +49,10 @@ def main(argv=None) -> None:
         return results.get(name, lambda: lm_sweep.train_curve("lm-small", [*common, *overrides],
                                                               eval_every=a.eval_every))
 
-    adamw = {lr: run(f"adamw lr={lr}", [f"optim.lr={lr}"]) for lr in a.adamw_lrs.split(",")}
+    adamw = {lr: run(f"adamw lr={lr}", [f"optim.lr={lr}"]) for lr in filter(None, a.adamw_lrs.split(","))}
     best_lr = min(adamw, key=lambda lr: lm_sweep.final(adamw[lr]))
     muon = {lr: run(f"muon muon_lr={lr} lr={best_lr}", ["optim.name=muon", f"optim.lr={best_lr}",
-                                                         f"optim.muon_lr={lr}"]) for lr in a.muon_lrs.split(",")}
+                                                         f"optim.muon_lr={lr}"]) for lr in filter(None, a.muon_lrs.split(","))}
     target = lm_sweep.final(adamw[best_lr])
     print(f"\ntarget: AdamW's best final validation loss {target:.4f} nats/token (lr={best_lr}, {a.steps} steps)\n")
     print("| optimizer | learning rate | final val loss | steps to reach the target | wall time |")
