@@ -127,12 +127,18 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
-    spec = logical_to_spec(names, rules)
-    if mesh.manual_axes:
-        keep = lambda axes: tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())  # noqa: E731
-                                  if a not in mesh.manual_axes) or None
-        spec = P(*(keep(axes) for axes in spec))
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, without_manual_axes(logical_to_spec(names, rules)))
+
+
+def without_manual_axes(spec: P) -> P:
+    """`spec` less the mesh axes an enclosing `shard_map` made manual (there the array is already this device's
+    block of them): what a sharding constraint or a nested `shard_map` inside it may name."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if not manual:
+        return spec
+    keep = lambda axes: tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())  # noqa: E731
+                              if a not in manual) or None
+    return P(*(keep(axes) for axes in spec))
 
 
 @contextlib.contextmanager

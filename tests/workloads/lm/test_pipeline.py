@@ -52,6 +52,8 @@ def one_device(tiny_lm):
 LAYOUTS = [
     # (mesh axes, pipeline settings, layers)
     ({"data": 4, "stage": 2}, {"microbatches": 2}, 4),  # GPipe
+    # With context parallelism: ring attention's shard_map nests inside the pipeline's (over the axes left auto).
+    pytest.param({"data": 2, "context": 2, "stage": 2}, {"microbatches": 2}, 4, marks=pytest.mark.slow),
     ({"data": 4, "stage": 2}, {"microbatches": 2, "repeats": 2}, 4),  # circular: stage 0 holds layers 0 and 2
     pytest.param({"data": 2, "stage": 4}, {"microbatches": 4}, 4, marks=pytest.mark.slow),
     pytest.param({"data": 2, "stage": 4}, {"microbatches": 4, "repeats": 2}, 8, marks=pytest.mark.slow),

@@ -40,7 +40,7 @@ import numpy as np
 from flax.core import spmd
 from jax.sharding import PartitionSpec as P
 
-from systolic.runtime.sharding import logical_to_spec
+from systolic.runtime.sharding import logical_to_spec, without_manual_axes
 
 VARIANTS = ("ring", "allgather")  # the values of model.context_attention
 _MASKED = -1e30  # finite: exp(-1e30 - m) is exactly 0 and no inf - inf appears in the corrections
@@ -146,8 +146,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     the rules split `heads` and `kv_heads` over the same axes)."""
     assert variant in VARIANTS, variant
     rules = spmd.get_logical_axis_rules()
-    q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
-    kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
+    # Inside a pipeline's shard_map (lm/pipeline.py) its manual axes (stage, data) are already split off.
+    q_spec = without_manual_axes(logical_to_spec(("batch", "seq", "heads", "head_dim"), rules))
+    kv_spec = without_manual_axes(logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules))
     seg_spec = P(q_spec[0], q_spec[1])
     local = functools.partial(ring_attention if variant == "ring" else allgather_attention, split=split,
                               window=window)

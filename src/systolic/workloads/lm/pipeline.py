@@ -89,10 +89,6 @@ def check(cfg: LMConfig, mesh: Mesh) -> None:
     elif model.moe.experts:
         problem = ("the MoE layers' router statistics are not carried through the pipeline yet",
                    "a dense model (model.moe.experts=0) or mesh.stage=1 (expert parallelism works without stages)")
-    elif mesh.shape.get("context", 1) > 1:
-        problem = ("context parallelism's ring attention runs its own shard_map over the context axis, which is not "
-                   "nested inside the pipeline's yet", "mesh.context=1 with stages, or mesh.stage=1 with context "
-                   "parallelism")
     elif model.layers % groups:
         problem = (f"model.layers={model.layers} does not split into mesh.stage x pipeline.repeats = {groups} equal "
                    "groups of layers", f"model.layers a multiple of {groups}, or a mesh.stage / pipeline.repeats "
