@@ -70,7 +70,7 @@ def test_splash_matches_the_reference_forward_and_backward(expected):
 
 def test_splash_under_a_mesh_splits_batch_and_heads(expected):
     # 4 of the 8 devices: the batch of 2 over fsdp, the 4 query and 2 key/value heads over tensor.
-    mesh = jax.make_mesh((1, 2, 1, 2), ("data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 4,
+    mesh = jax.make_mesh((1, 1, 2, 1, 2), ("data", "stage", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 5,
                          devices=jax.devices()[:4])
     rules = RULE_SETS["default"]  # batch over data x fsdp, heads and kv_heads over tensor
     q, k, v, d_out = _inputs()
@@ -203,7 +203,7 @@ def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
 
     cfg = ModelConfig(d_model=64, layers=1, heads=4, kv_heads=2, max_seq_len=128, dtype="float32", scan_layers=True,
                       remat="full")
-    mesh = jax.make_mesh((1, 2, 1, 2), ("data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 4,
+    mesh = jax.make_mesh((1, 1, 2, 1, 2), ("data", "stage", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 5,
                          devices=jax.devices()[:4])
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 128)), jnp.int32)
 
@@ -230,7 +230,7 @@ def test_splash_compiles_for_tpu_devices_from_this_host():
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
-    mesh = jax.make_mesh((1, 2, 1, 2), ("data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 4,
+    mesh = jax.make_mesh((1, 1, 2, 1, 2), ("data", "stage", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 5,
                          devices=devices)
     rules = RULE_SETS["default"]
     q = jax.ShapeDtypeStruct((8, 2048, 16, 128), jnp.bfloat16, sharding=NamedSharding(

@@ -144,7 +144,7 @@ def test_attention_gradients_within_segments_agree_across_implementations():
     want_out, want_grads = jax.jit(value_and_grads, static_argnums=0)("xla")
     results = {impl: jax.jit(value_and_grads, static_argnums=0)(impl) for impl in ("cpu", "splash")}
     # 4 of the 8 devices: the batch of 2 over fsdp, the 4 query and 2 key/value heads over tensor.
-    mesh = jax.make_mesh((1, 2, 1, 2), ("data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 4,
+    mesh = jax.make_mesh((1, 1, 2, 1, 2), ("data", "stage", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 5,
                          devices=jax.devices()[:4])
     rules = RULE_SETS["default"]
     q = jax.device_put(q, NamedSharding(mesh, logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)))
