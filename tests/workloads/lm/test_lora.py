@@ -115,10 +115,11 @@ def test_sharded_forward_equals_one_device():
     rules = rules_for("default", mesh)
     shardings = param_shardings(cfg, 96, mesh, rules)
     attn = shardings["blocks"]["attn"]
-    assert attn["wq_lora"]["a"].spec == P(None, "fsdp", None)  # (L, D, r) like wq's (L, D, H, hd)
-    assert attn["wq_lora"]["b"].spec == P(None, None, "tensor", None)  # (L, r, H, hd)
-    assert attn["wo_lora"]["a"].spec == P(None, "tensor", None, None)  # (L, H, hd, r) like wo's (L, H, hd, D)
-    assert attn["wo_lora"]["b"].spec == P(None, None, "fsdp")  # (L, r, D)
+    # The stacked layer axis L goes to the pipeline's stage axis (size 1 here), as the weights' own does.
+    assert attn["wq_lora"]["a"].spec == P("stage", "fsdp", None)  # (L, D, r) like wq's (L, D, H, hd)
+    assert attn["wq_lora"]["b"].spec == P("stage", None, "tensor", None)  # (L, r, H, hd)
+    assert attn["wo_lora"]["a"].spec == P("stage", "tensor", None, None)  # (L, H, hd, r) like wo's (L, H, hd, D)
+    assert attn["wo_lora"]["b"].spec == P("stage", None, "fsdp")  # (L, r, D)
     sharded = jax.device_put(params, shardings)
     with activate(mesh, rules):
         eight = logits(cfg, sharded, np.concatenate([SMALL, SMALL[:, ::-1]]))
