@@ -185,7 +185,7 @@ _STEPPING_COMMANDS = ("train", "bench", "fit", "simulate")
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit code. Errors that are the user's or the machine's are one paragraph
-    (the traceback too with SYSTOLIC_DEBUG=1 or --debug); anything else is a bug and propagates."""
+    (the traceback too with SYSTOLIC_DEBUG=1); anything else is a bug and propagates."""
     previous_handlers = interrupts.install()  # first: Ctrl-C and SIGTERM unwind cleanly from here on
     args = None
     try:
@@ -307,8 +307,9 @@ def _print_error(message: str) -> None:
 
 
 def _show_traceback_if_debugging(args: argparse.Namespace) -> None:
-    """SYSTOLIC_DEBUG=1 or --debug: the traceback of a user's error too (what a bug report needs)."""
-    if os.environ.get("SYSTOLIC_DEBUG", "") not in ("", "0") or getattr(args, "debug", False):
+    """SYSTOLIC_DEBUG=1: the traceback of a user's error too (what a bug report needs). Not `--debug`: its checks
+    end a run with a halt whose one paragraph names the operation, the report it exists to give."""
+    if os.environ.get("SYSTOLIC_DEBUG", "") not in ("", "0"):
         import traceback
 
         traceback.print_exc()
