@@ -163,7 +163,7 @@ def test_bfloat16_compute_close_to_float32():
 def test_sharded_creation_and_forward():
     cfg = dataclasses.replace(LLAMA, scan_layers=True, remat="full")
     mesh = jax.make_mesh((2, 1, 2, 1, 1, 2), ("data", "stage", "fsdp", "expert", "context", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 5)
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
     tokens = jnp.concatenate([TOKENS, TOKENS[:, ::-1]])  # batch 4 splits over data x fsdp
     # Non-partitionable threefry compiles ~3x faster on CPU; the layout comes from the annotations either way.
     with activate(mesh), jax.threefry_partitionable(False):
