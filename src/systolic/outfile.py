@@ -9,6 +9,7 @@ beside its final name and renamed.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -48,9 +49,10 @@ def _is_run_file(path: Path) -> bool:
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
-    """Writes `data` to `path` whole: beside it first, then renamed over it."""
+    """Writes `data` to `path` whole, through a uniquely named temporary file beside it and a rename: readers see
+    the old file or the new one, and two processes writing at once do not mix their bytes."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)

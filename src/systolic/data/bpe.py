@@ -138,7 +138,7 @@ class BPETokenizer:
 
     def save(self, path: str | Path) -> None:
         """Writes the tokenizer.json atomically: a reader sees the old file or the new one, never half of one."""
-        write_atomic(Path(path), self._tokenizer.to_str(pretty=True).encode("utf-8"))
+        outfile.write_bytes(Path(path), self._tokenizer.to_str(pretty=True).encode("utf-8"))
 
     def __repr__(self) -> str:
         return f"BPETokenizer({self.name!r}, vocab_size={self.vocab_size})"
@@ -201,16 +201,6 @@ def train_to_file(data_path: str, *, max_bytes: int, val_percent: float, vocab_s
         f"{val_tokens / val_bytes:.3f} tokens/byte ({val_bytes / val_tokens:.2f} bytes/token).\n"
         f"wrote {out}; use it with `systolic train lm data.tokenizer={out}`"
     )
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes `data` to a temporary file beside `path`, then renames it over `path` (atomic on POSIX)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _first(specials: dict[str, int], names: Sequence[str]) -> int | None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
+
+from systolic import outfile
 
 ENV = "SYSTOLIC_CACHE"
 
@@ -71,12 +72,6 @@ def remember_shards(root: Path, checked: dict[Path, dict]) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Writes `path` through a uniquely named temporary file and a rename: readers see the old file or the new one,
-    and two processes writing at once do not mix their bytes."""
+    """Writes `path` whole (systolic.outfile.write_bytes), creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    outfile.write_bytes(path, data)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from systolic import outfile
 from systolic.errors import ConfigError, UserError
 
 if TYPE_CHECKING:  # Jinja is imported only for chat
@@ -177,8 +178,6 @@ def store_in_run(run_dir: Path, spec: str) -> None:
         return  # resuming from the run's own copy
     for name in (RUN_FILE, *COMPANION_FILES):
         if name in files:
-            from systolic.data.bpe import write_atomic  # imports the Rust library only when a BPE is used
-
-            write_atomic(run_dir / name, files[name].read_bytes())
+            outfile.write_bytes(run_dir / name, files[name].read_bytes())
         else:
             (run_dir / name).unlink(missing_ok=True)
