@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.engine.optim import standard_promotion, standard_promotion_schedule
+from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
@@ -61,10 +61,8 @@ def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
 
 
 def make_epsilon(cfg: RLConfig) -> optax.Schedule:
-    """Update count -> exploration rate: linear from eps_start to eps_finish over eps_decay of the run's updates."""
-    dqn = cfg.dqn
-    decay_updates = max(1, round(dqn.eps_decay * cfg.rl.num_updates))
-    return standard_promotion_schedule(optax.linear_schedule(dqn.eps_start, dqn.eps_finish, decay_updates))
+    """Update count -> exploration rate (q_chunk.epsilon_schedule of the dqn section)."""
+    return q_chunk.epsilon_schedule(cfg.dqn, cfg.rl.num_updates)
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.engine.optim import standard_promotion, standard_promotion_schedule
+from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import q_chunk, qnetwork
 from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
@@ -99,10 +99,8 @@ def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
 
 
 def make_epsilon(cfg: RLConfig) -> optax.Schedule:
-    """Update count -> exploration rate: linear from eps_start to eps_finish over eps_decay of the run's updates."""
-    pqn = cfg.pqn
-    decay_updates = max(1, round(pqn.eps_decay * cfg.rl.num_updates))
-    return standard_promotion_schedule(optax.linear_schedule(pqn.eps_start, pqn.eps_finish, decay_updates))
+    """Update count -> exploration rate (q_chunk.epsilon_schedule of the pqn section)."""
+    return q_chunk.epsilon_schedule(cfg.pqn, cfg.rl.num_updates)
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):

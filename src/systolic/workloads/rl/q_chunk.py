@@ -1,4 +1,5 @@
-"""What the Q-learning algorithms (PQN, DQN) share: a chunk of updates scanned, and its per-seed metrics."""
+"""What the Q-learning algorithms (PQN, DQN) share: epsilon-greedy decay, a chunk of updates scanned, and its
+per-seed metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
+
+from systolic.engine.optim import standard_promotion_schedule
 
 
 class ChunkMetrics(NamedTuple):  # per seed, scalars
@@ -16,6 +20,13 @@ class ChunkMetrics(NamedTuple):  # per seed, scalars
     episode_return: jax.Array  # mean over the episodes that finished in this chunk (else the previous value)
     episode_length: jax.Array
     episodes: jax.Array  # how many finished
+
+
+def epsilon_schedule(section: Any, num_updates: int) -> optax.Schedule:
+    """Update count -> exploration rate: linear from section.eps_start to section.eps_finish over section.eps_decay
+    of the run's `num_updates` updates, then constant."""
+    decay_updates = max(1, round(section.eps_decay * num_updates))
+    return standard_promotion_schedule(optax.linear_schedule(section.eps_start, section.eps_finish, decay_updates))
 
 
 def make_chunk(update: Callable, updates_per_chunk: int) -> Callable:
