@@ -228,7 +228,7 @@ def _snapshot(run_dir: Path) -> dict[str, Any]:
 
 
 def _write_marker(marker: Path, cfg: Any) -> None:
-    _write_atomic(marker, json.dumps({"workload": getattr(cfg, "workload", None), "systolic": _version()}) + "\n")
+    _write_atomic(marker, json.dumps({"workload": cfg.workload, "systolic": _version()}) + "\n")
 
 
 def _version() -> str:
