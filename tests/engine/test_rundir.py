@@ -242,3 +242,15 @@ def test_orbaxs_own_report_of_a_failed_save_is_left_to_our_one_paragraph(monkeyp
     assert _ORBAX_FILTER.filter(record("/venv/site-packages/jax/_src/x.py", logging.ERROR))
     monkeypatch.setenv("SYSTOLIC_DEBUG", "1")
     assert _ORBAX_FILTER.filter(record(orbax, logging.ERROR))
+
+
+def test_a_run_saved_before_new_model_keys_existed_still_matches_its_settings(tmp_path):
+    """Upgrading systolic adds config keys with defaults; a run saved without them is the same model."""
+    import yaml
+
+    run = tmp_path / "run"
+    assert train(run, "train.steps=3") == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["model"]["parametrization"], saved["model"]["mup_base_width"]  # as an older version wrote it
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert train(run, "train.steps=6") == 0

@@ -147,7 +147,7 @@ def _prepare_locked(run_dir: Path, cfg: Any, lock: RunLock, created: Path | None
             old = safe_yaml.load_text(old_text, str(path)) or {}
         except UserError:
             old = {}  # damaged: compared as empty, so the new config's sections differ and it is refused
-        old = old if isinstance(old, dict) else {}
+        old = _with_defaults(old if isinstance(old, dict) else {}, type(cfg))
         for section in must_match:
             if old.get(section) != new.get(section):
                 raise UserError(
@@ -162,6 +162,15 @@ def _prepare_locked(run_dir: Path, cfg: Any, lock: RunLock, created: Path | None
     except OSError as e:
         raise UserError(f"Cannot write the run directory {run_dir}: {e}. Fix: pass a writable --run-dir.") from None
     return Prepared(run_dir, lock, created, old_text, before)
+
+
+def _with_defaults(old: dict[str, Any], schema: type) -> dict[str, Any]:
+    """A saved config as this version reads it: keys added since it was written take their defaults (which keep
+    the old behaviour), so a run from an older systolic still matches its own settings. Unreadable: as saved."""
+    try:
+        return config_lib.to_dict(config_lib.from_dict(schema, old))
+    except UserError:
+        return old
 
 
 def check_owned(run_dir: Path) -> None:
