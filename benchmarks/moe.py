@@ -22,7 +22,7 @@ import time
 
 from systolic.runtime import cpu_tuning
 
-cpu_tuning.apply_at_start(stepping=True)  # before jax starts: the CLI's XLA:CPU flags and allocator setting
+cpu_tuning.apply_at_start(workload="lm", stepping=True)  # before jax starts: the CLI's XLA:CPU flags and allocator setting
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

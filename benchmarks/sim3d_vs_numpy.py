@@ -147,7 +147,7 @@ def main() -> None:
 
     from systolic.runtime import cpu_tuning
 
-    cpu_tuning.apply_at_start(stepping=True)  # what `systolic simulate` runs with
+    cpu_tuning.apply_at_start(workload="sim", stepping=True)  # what `systolic simulate` runs with
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

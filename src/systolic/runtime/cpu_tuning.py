@@ -7,7 +7,8 @@
   XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
   programs are unaffected, so the choice is per workload and needs no platform check.
 - `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
-- `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps.
+- `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads
+  it measured faster for (`MALLOC_WORKLOADS`; the rl workload's PPO ran at 0.56-0.65x with it).
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
   where LLVM's optimisation costs more compile time than it saves.
 
@@ -32,6 +33,8 @@ FLAGS_ENV = "SYSTOLIC_XLA_CPU_FLAGS"
 # The workloads whose steps run faster with XNN_DOT_FLAGS on this project's CPU, each measured with and without them
 # (benchmarks/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
 XNN_DOT_WORKLOADS = frozenset({"lm"})
+# The workloads whose steps run faster with the host allocator setting (same benchmark, `--setting malloc`).
+MALLOC_WORKLOADS = frozenset({"lm"})
 TWEAKS_ENV = "SYSTOLIC_CPU_TWEAKS"
 
 
@@ -69,14 +72,14 @@ class Applied(NamedTuple):
 
 
 def apply_at_start(*, workload: str | None, stepping: bool, tuning: CpuTuning | None = None) -> Applied:
-    """Adds `workload`'s XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`), sets the
-    host allocator, each where allowed (module docstring). `workload` None (a command that runs no workload): no
+    """Adds `workload`'s XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`) of a
+    workload in MALLOC_WORKLOADS, sets the host allocator, each where allowed (module docstring). `workload` None (a command that runs no workload): no
     flags. Call before JAX creates its backend: XLA reads XLA_FLAGS once, and a thread keeps the malloc arena it
     started with."""
     from systolic.runtime import host_memory  # here: host_memory imports this module
 
     tuning = tuning or settings()
-    return Applied(xla_flags=_add_xla_flags(tuning, workload), malloc=stepping and host_memory.apply(tuning))
+    return Applied(xla_flags=_add_xla_flags(tuning, workload), malloc=stepping and workload in MALLOC_WORKLOADS and host_memory.apply(tuning))
 
 
 def _add_xla_flags(tuning: CpuTuning, workload: str | None) -> bool:
