@@ -83,6 +83,7 @@ def test_resume_is_exact(tiny_rl, tmp_path):
     assert prepared.task.train_step._cache_size() == 1
 
 
+@pytest.mark.slow  # compiles training and evaluation a second time, through the CLI: ~30 s of CPU
 def test_eval_runs_brax_and_refuses_gymnasium_and_gif(tiny_rl, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "rl", *tiny_rl.overrides, *BRAX, "-q", "--run-dir", str(run)]) == 0
