@@ -164,12 +164,12 @@ def test_every_rl_key_acts(record_reads, tmp_path):
         assert main(argv) == 0, algo
     # A continuous-action policy (Pendulum) reads what a discrete one does not: its initial log standard deviation.
     from systolic.workloads.rl.config import RLConfig
-    from systolic.workloads.rl.envs import Env
+    from systolic.workloads.rl.envs import make_env
     from systolic.workloads.rl.policy import init_params
 
     cfg = config_lib.from_dict(RLConfig, config_lib.apply_overrides({}, [*TINY_RL, "env.name=Pendulum-v1",
                                                                           "model.init_log_std=-1.5"]))
-    params = init_params(Env(cfg.env).spec, cfg.model, key=jax.random.PRNGKey(0))
+    params = init_params(make_env(cfg.env).spec, cfg.model, key=jax.random.PRNGKey(0))
     assert float(params["log_std"][0]) == -1.5
     assert unread("rl", seen) == [], unread("rl", seen)
 

@@ -1,5 +1,7 @@
 """The gymnax adapter: termination vs truncation, the pre-reset observation, spaces, and agreement with Gymnasium."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 from systolic.errors import ConfigError
 from systolic.workloads.rl.config import EnvConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.envs import Env, make_env
 
 
 def run(env: Env, actions, key=0):
@@ -26,7 +28,7 @@ def run(env: Env, actions, key=0):
 
 
 def test_truncation_keeps_the_pre_reset_observation():
-    env = Env(EnvConfig(name="CartPole-v1", max_episode_steps=3))
+    env = make_env(EnvConfig(name="CartPole-v1", max_episode_steps=3))
     steps = run(env, [jnp.int32(i % 2) for i in range(4)])
     flags = [(bool(s.terminated), bool(s.truncated)) for _, s in steps]
     assert flags == [(False, False), (False, False), (False, True), (False, False)]
@@ -40,7 +42,7 @@ def test_truncation_keeps_the_pre_reset_observation():
 
 
 def test_termination_is_not_truncation():
-    env = Env(EnvConfig(name="CartPole-v1"))
+    env = make_env(EnvConfig(name="CartPole-v1"))
     steps = run(env, [jnp.int32(1)] * 40)  # always push right: the pole falls within a few dozen steps
     ends = [i for i, (_, s) in enumerate(steps) if bool(s.terminated)]
     assert ends, "pushing one way always topples the pole"
@@ -50,11 +52,11 @@ def test_termination_is_not_truncation():
 
 
 def test_spaces_and_strong_types():
-    pendulum = Env(EnvConfig(name="Pendulum-v1"))
+    pendulum = make_env(EnvConfig(name="Pendulum-v1"))
     spec = pendulum.spec
     assert (spec.discrete, spec.action_dim, spec.action_low, spec.action_high, spec.obs_shape,
             spec.max_episode_steps) == (False, 1, (-2.0,), (2.0,), (3,), 200)
-    cartpole = Env(EnvConfig(name="CartPole-v1")).spec
+    cartpole = make_env(EnvConfig(name="CartPole-v1")).spec
     assert (cartpole.discrete, cartpole.action_dim, cartpole.obs_shape, cartpole.max_episode_steps) == (True, 2, (4,), 500)
     _, state = pendulum.reset(jax.random.PRNGKey(0))
     # gymnax starts `time` as a weakly typed Python int; a weak type would recompile the step after a restore.
@@ -63,13 +65,13 @@ def test_spaces_and_strong_types():
 
 def test_unknown_environment_names_the_close_one():
     with pytest.raises(ConfigError, match="Did you mean 'CartPole-v1'"):
-        Env(EnvConfig(name="Cartpole-v1"))
+        make_env(EnvConfig(name="Cartpole-v1"))
 
 
 def test_gymnax_cartpole_follows_gymnasium_dynamics():
     """Same start state, same actions: gymnax's CartPole-v1 and Gymnasium's reference agree step for step."""
     gymnasium = pytest.importorskip("gymnasium")
-    env = Env(EnvConfig(name="CartPole-v1"))
+    env = make_env(EnvConfig(name="CartPole-v1"))
     reference = gymnasium.make("CartPole-v1", disable_env_checker=True).unwrapped
     actions = [0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1]
     steps = run(env, [jnp.int32(a) for a in actions], key=3)
@@ -85,7 +87,19 @@ def test_gymnax_cartpole_follows_gymnasium_dynamics():
                                                      ("Asterix-MinAtar", 4, 5), ("Freeway-MinAtar", 7, 3)])
 def test_minatar_games_build_and_step(name, channels, actions):
     """gymnax's MinAtar suite behind the adapter: 10 x 10 binary images, a few discrete actions."""
-    env = Env(EnvConfig(name=name))
+    env = make_env(EnvConfig(name=name))
     assert (env.spec.obs_shape, env.spec.discrete, env.spec.action_dim) == ((10, 10, channels), True, actions)
     (obs, first), = run(env, [jnp.int32(0)])
     assert set(np.unique(np.asarray(obs))) <= {0.0, 1.0} and first.obs.dtype == jnp.float32
+
+
+def test_brax_names_without_brax_ask_for_the_extra(monkeypatch):
+    """Brax is optional: without it a brax/ name says how to install it, and gymnax environments still build."""
+    for module in ("brax", "brax.envs"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import brax` now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'systolic\[control\]'") as info:
+        make_env(EnvConfig(name="brax/inverted_pendulum"))
+    assert "Brax, an optional dependency, is not installed" in str(info.value)
+    with pytest.raises(ConfigError, match=r"brax/<name>, after pip install 'systolic\[control\]'"):
+        make_env(EnvConfig(name="Cartpole-v1"))
+    assert make_env(EnvConfig(name="CartPole-v1")).spec.discrete

@@ -18,7 +18,7 @@ from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
 from systolic.workloads.rl import pqn, qnetwork
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.envs import make_env
 from systolic.workloads.rl.train import build_task
 
 def tiny_pqn(*extra: str) -> RLConfig:
@@ -95,10 +95,10 @@ def test_truncation_bootstraps_and_termination_does_not(ending, expected_last_ta
 
 def test_q_network_normalises_every_hidden_layer():
     cfg = tiny_pqn()
-    spec = Env(cfg.env).spec
+    spec = make_env(cfg.env).spec
     params = qnetwork.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
     assert set(params) == {"layers", "norms", "head"} and len(params["norms"]) == cfg.model.layers
-    actions = pqn.make_act(cfg, Env(cfg.env))(params, {}, jnp.ones((3, *spec.obs_shape)))
+    actions = pqn.make_act(cfg, make_env(cfg.env))(params, {}, jnp.ones((3, *spec.obs_shape)))
     assert actions.shape == (3,) and actions.dtype == jnp.int32
 
 
@@ -106,7 +106,7 @@ def test_conv_q_network_matches_a_numpy_forward_pass():
     """MinAtar's Q-network (purejaxql's CNN): 3x3 VALID convolution, LayerNorm over channels, relu, flatten, then the
     LayerNorm MLP, against the same computation written out in NumPy from the parameters."""
     cfg = tiny_pqn("env.name=Breakout-MinAtar", "model.conv_channels=4", "model.layers=1", "model.activation=relu")
-    spec = Env(cfg.env).spec
+    spec = make_env(cfg.env).spec
     params = qnetwork.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
     kernel = np.asarray(params["conv"]["kernel"])
     assert kernel.shape == (3, 3, 4, 4)  # (kh, kw, C in, C out)

@@ -1,15 +1,10 @@
 """The rl train step through the engine: sharded == single device, no recompiles, exact resume, config errors."""
 
-import json
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 from tiny import run_steps
 
-from systolic.config import LoopConfig
-from systolic.engine import loop
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
 from systolic.workloads.rl.train import build_task
@@ -59,32 +54,20 @@ def test_metrics_are_per_seed_and_learning_moves(single_device):
     assert history[1]["entropy"] < np.log(2) and history[0]["loss"] != history[1]["loss"]
 
 
-def loop_run(prepared, cfg, run_dir: Path, steps: int, stop_at: int = 0) -> loop.RunResult:
-    settings = loop.LoopSettings(steps=steps, eval_every=steps, loop=LoopConfig(stop_at_step=stop_at),
-                                 checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=True)
-    return loop.train(prepared.task, settings, run_dir)
-
-
-def train_records(run_dir: Path) -> list[dict]:
-    """The train rows without their throughput (a measurement of time, the one value a resume does not repeat)."""
-    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
-    return [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rows]
-
-
 def test_resume_continues_the_same_learning_curve(tiny_rl, tmp_path):
     cfg, mesh = tiny_rl.config("observe.tensorboard=false", "observe.plot=false"), tiny_rl.mesh(1)
     prepared = build_task(cfg, mesh)  # one task for all three runs: the loop restores or inits through it
     with activate(mesh):
-        straight = loop_run(prepared, cfg, tmp_path / "straight", steps=4)
-        halfway = loop_run(prepared, cfg, tmp_path / "resumed", steps=4, stop_at=2)
+        straight = tiny_rl.loop_run(prepared, cfg, tmp_path / "straight", steps=4)
+        halfway = tiny_rl.loop_run(prepared, cfg, tmp_path / "resumed", steps=4, stop_at=2)
         assert int(halfway.state.step) == 2
         # The checkpoint holds a state that differs from a fresh one (so the comparison below means something).
         fresh = prepared.task.init_state()
         assert not np.allclose(np.asarray(jax.tree.leaves(halfway.state.params)[0]),
                                np.asarray(jax.tree.leaves(fresh.params)[0]))
-        resumed = loop_run(prepared, cfg, tmp_path / "resumed", steps=4)
+        resumed = tiny_rl.loop_run(prepared, cfg, tmp_path / "resumed", steps=4)
     assert resumed.start_step == 2
-    a, b = train_records(tmp_path / "straight"), train_records(tmp_path / "resumed")
+    a, b = tiny_rl.train_records(tmp_path / "straight"), tiny_rl.train_records(tmp_path / "resumed")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a[2]["episode_return/seed0"] != a[0]["episode_return/seed0"]
     assert a == b, "environment states, episode counters, optimizer and RNG all resume exactly"

@@ -22,7 +22,7 @@ from tiny import TINY_DQN, TINY_PQN, TINY_RL, run_steps
 from systolic import config as config_lib
 from systolic.workloads.rl import policy, qnetwork
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.envs import make_env
 from systolic.workloads.rl.train import build_task
 
 EPISODE_STEPS = 5
@@ -96,7 +96,7 @@ def learned_value(algo: str, ending: str, mesh) -> jax.Array:
 
 def test_the_toy_environment_ends_as_declared():
     for ending in ("terminated", "truncated"):
-        env = Env(config_lib.from_dict(RLConfig, {"env": {"name": f"ConstantReward-{ending}"}}).env)
+        env = make_env(config_lib.from_dict(RLConfig, {"env": {"name": f"ConstantReward-{ending}"}}).env)
         obs, state = env.reset(jax.random.PRNGKey(0))
         flags = []
         for _ in range(EPISODE_STEPS):

@@ -18,10 +18,12 @@ from systolic.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    """A gymnax environment by its registered name (classic control, MinAtar, bsuite)."""
+    """A gymnax environment by its registered name (classic control, MinAtar, bsuite), or a Brax one (MuJoCo
+    continuous control) as `brax/<name>`, e.g. `brax/inverted_pendulum` (needs `pip install 'systolic[control]'`)."""
 
     name: str = "CartPole-v1"
-    max_episode_steps: int = 0  # 0: the environment's own limit (500 for CartPole-v1, 200 for Pendulum-v1)
+    # 0: the environment's own limit (500 for CartPole-v1, 200 for Pendulum-v1, 1000 for Brax's)
+    max_episode_steps: int = 0
 
     def validate(self) -> None:
         if self.max_episode_steps < 0:

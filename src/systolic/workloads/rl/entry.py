@@ -81,12 +81,12 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
 def plan(cfg: RLConfig, devices: list) -> StepProgram:
     """One chunk step (`rl.updates_per_chunk` updates of every seed: rollouts, targets, minibatch epochs) lowered
     from abstract inputs on a mesh of `devices`, for `systolic plan`."""
-    from systolic.workloads.rl.envs import Env
+    from systolic.workloads.rl.envs import make_env
     from systolic.workloads.rl.train import choose_layout, make_state_fns
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     layout = choose_layout(cfg, mesh)
-    _, chunk_step, abstract, _ = make_state_fns(cfg, Env(cfg.env), mesh, layout)
+    _, chunk_step, abstract, _ = make_state_fns(cfg, make_env(cfg.env), mesh, layout)
     with activate(mesh):
         lowered = chunk_step.lower(abstract, None)
     run = cfg.rl

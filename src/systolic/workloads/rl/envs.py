@@ -1,4 +1,7 @@
-"""The environment adapter: the one place that knows gymnax.
+"""The environment adapters: `make_env` picks one by `env.name`; this module is the one place that knows gymnax.
+
+Names that start with `brax/` are Brax environments (brax_envs.py, an optional dependency); every other name is a
+gymnax one. Both adapters have the interface `Env` declares, so the algorithms never know which simulator runs.
 
 gymnax 1.0.1's API (pinned in pyproject.toml): `reset(key, params) -> (obs, state)` and
 `step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. Its `step` is
@@ -19,7 +22,7 @@ a checkpoint round trip would make the jitted step compile a second time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +32,9 @@ from systolic.workloads.rl.config import EnvConfig
 
 # Gymnasium's own reward thresholds for "solved" (its registry's `reward_threshold`); Pendulum-v1 has none there,
 # so the issue's target stands in. Used for reporting only.
+# brax/inverted_pendulum is MuJoCo's InvertedPendulum, whose Gymnasium threshold (InvertedPendulum-v4) is 950.
 SOLVED_AT = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.0, "MountainCarContinuous-v0": 90.0,
-             "Pendulum-v1": -250.0}
+             "Pendulum-v1": -250.0, "brax/inverted_pendulum": 950.0}
 
 # gymnax mixes Python floats with int32 arrays (CartPole's `force_mag * action`), which jax's strict dtype promotion
 # (on in our tests) rejects; gymnax's calls, and only those, run under standard promotion.
@@ -70,21 +74,53 @@ class EnvStep(NamedTuple):
     final_obs: jax.Array  # the observation the transition really led to (pre-reset), for bootstrapping
 
 
-class Env:
-    """A gymnax environment behind a small typed interface: `reset(key)` and `step(key, state, action)`."""
+class Env(Protocol):
+    """What an environment adapter offers (one unbatched environment; vmap `reset` and `step` for a batch)."""
+
+    spec: EnvSpec
+    simulator: str  # as printed: "gymnax", "Brax"
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+    def step(self, key: jax.Array, state: dict[str, jax.Array], action: jax.Array,
+             reset: tuple[jax.Array, dict[str, jax.Array]]) -> EnvStep: ...
+
+
+def make_env(cfg: EnvConfig) -> Env:
+    """The adapter for `cfg.name`: a Brax environment for `brax/<name>`, else a gymnax one."""
+    from systolic.workloads.rl import brax_envs
+
+    if cfg.name.startswith(brax_envs.PREFIX):
+        return brax_envs.BraxEnv(cfg)
+    return GymnaxEnv(cfg)
+
+
+def unknown_name_error(name: str) -> ConfigError:
+    """The error for a name that neither gymnax nor Brax has, naming the closest one there is."""
+    import difflib
+
+    import gymnax
+
+    from systolic.workloads.rl import brax_envs
+
+    names = [n for n in gymnax.registered_envs if n not in _NEEDS_DOWNLOAD] + brax_envs.names()
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"env.name={name!r} is not an environment the rl workload can build.{hint} Available: "
+                       f"{', '.join(names)}{brax_envs.names_note()}. Fix: pass one of these names, e.g. "
+                       f"env.name={close[0] if close else 'CartPole-v1'}.")
+
+
+class GymnaxEnv:
+    """A gymnax environment behind `Env`'s interface."""
+
+    simulator = "gymnax"
 
     def __init__(self, cfg: EnvConfig):
         import gymnax
 
         if cfg.name in _NEEDS_DOWNLOAD or cfg.name not in gymnax.registered_envs:
-            names = [n for n in gymnax.registered_envs if n not in _NEEDS_DOWNLOAD]
-            import difflib
-
-            close = difflib.get_close_matches(cfg.name, names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"env.name={cfg.name!r} is not an environment the rl workload can build.{hint} "
-                              f"Available: {', '.join(names)}. Fix: pass one of these names, e.g. "
-                              f"env.name={close[0] if close else 'CartPole-v1'}.")
+            raise unknown_name_error(cfg.name)
         self._env, params = gymnax.make(cfg.name)
         if cfg.max_episode_steps:
             params = params.replace(max_steps_in_episode=cfg.max_episode_steps)
@@ -105,7 +141,7 @@ class Env:
 
     def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         obs, state = self._gymnax_reset(key)
-        return _obs(obs), self._to_dict(state)
+        return as_obs(obs), self._to_dict(state)
 
     def _gymnax_reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
         with jax.numpy_dtype_promotion("standard"):  # gymnax (see above)
@@ -122,7 +158,7 @@ class Env:
         # A terminal step at the time limit counts as terminated: there is nothing to bootstrap from.
         truncated = jnp.asarray(truncated, bool) & ~terminated
         done = terminated | truncated
-        final_obs = _obs(obs)
+        final_obs = as_obs(obs)
         reset_obs, reset_state = reset
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), reset_state, self._to_dict(new_state))
         return EnvStep(obs=jnp.where(done, reset_obs, final_obs), state=next_state,
@@ -130,17 +166,17 @@ class Env:
                        final_obs=final_obs)
 
     def _to_dict(self, state: Any) -> dict[str, jax.Array]:
-        return {f.name: _strong(getattr(state, f.name)) for f in dataclasses.fields(state)}
+        return {f.name: strong_array(getattr(state, f.name)) for f in dataclasses.fields(state)}
 
     def _from_dict(self, state: dict[str, jax.Array]) -> Any:
         return self._state_type(**state)
 
 
-def _strong(x: Any) -> jax.Array:
+def strong_array(x: Any) -> jax.Array:
     """The same array without a weak type (see the module docstring): `astype` to its own dtype drops it."""
     x = jnp.asarray(x)
     return x.astype(x.dtype)
 
 
-def _obs(obs: jax.Array) -> jax.Array:
+def as_obs(obs: jax.Array) -> jax.Array:
     return jnp.asarray(obs, jnp.float32)

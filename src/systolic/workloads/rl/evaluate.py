@@ -1,4 +1,5 @@
-"""`systolic eval rl RUN_DIR`: every seed's trained policy, in gymnax or in Gymnasium's reference implementation.
+"""`systolic eval rl RUN_DIR`: every seed's trained policy, in its own simulator (gymnax, Brax) or in Gymnasium's
+reference implementation (classic control only).
 
 The Gymnasium check is independent of everything the policy was trained with: another simulator (Gymnasium's
 own NumPy code, with its own time limit), the policy's weights copied out of the checkpoint, actions chosen
@@ -21,7 +22,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads.rl import render
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import SOLVED_AT, Env
+from systolic.workloads.rl.envs import SOLVED_AT, Env, make_env
 from systolic.workloads.rl.train import algorithm_for, make_seed_evaluator, make_state_fns
 
 # gymnax name -> Gymnasium id of the same environment (same observations, actions, rewards and time limit).
@@ -41,7 +42,7 @@ def restore_run(run_dir: Path) -> RestoredRun:
     """The run's config and its newest intact checkpoint, on one device (whatever mesh it was trained on)."""
     with finished.open_run(run_dir, "rl", "systolic eval rl") as run:
         cfg: RLConfig = run.cfg
-        env = Env(cfg.env)
+        env = make_env(cfg.env)
         mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
         with activate(mesh):
             _, _, abstract, _ = make_state_fns(cfg, env, mesh, "seeds")
@@ -91,7 +92,7 @@ def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
     return returns
 
 
-def gymnax_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
+def device_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
     evaluate_seeds = make_seed_evaluator(run.cfg, run.env, episodes)
     returns, _ = evaluate_seeds(run.state.params, run.state.extra["seeds"], jax.random.PRNGKey(seed))
     return np.asarray(returns)
@@ -127,8 +128,8 @@ def evaluate_run(run_dir: Path, *, episodes: int, use_gymnasium: bool, gif: Path
     name = run.env.spec.name
     if gif is not None:
         render.check_renderable(name, run.env.spec.obs_shape)  # before the slow part
-    where = f"Gymnasium {GYMNASIUM_IDS.get(name, name)}" if use_gymnasium else f"gymnax {name}"
-    returns = gymnasium_returns(run, episodes, seed) if use_gymnasium else gymnax_returns(run, episodes, seed)
+    where = f"Gymnasium {GYMNASIUM_IDS.get(name, name)}" if use_gymnasium else f"{run.env.simulator} {name}"
+    returns = gymnasium_returns(run, episodes, seed) if use_gymnasium else device_returns(run, episodes, seed)
     lines = [f"{run_dir}: checkpoint step {run.step}; {episodes} episodes per seed in {where}, deterministic policy"]
     for i, row in enumerate(returns):
         lines.append(f"  seed {i}: mean return {row.mean():8.2f}  std {row.std():7.2f}  min {row.min():8.2f}")

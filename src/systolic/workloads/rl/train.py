@@ -35,7 +35,7 @@ from systolic.runtime.cpu_tuning import cpu_compiler_options
 from systolic.workloads.rl import algorithm as algorithm_lib
 from systolic.workloads.rl.algorithm import ENV_FIELDS, Algorithm
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.envs import Env, make_env
 from systolic.workloads.rl.episodes import make_episode_fn
 
 DATA_AXES = ("data", "fsdp")  # the mesh axes that carry independent experience
@@ -192,7 +192,7 @@ def eval_summary(returns: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
 
 
 def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
-    env = Env(cfg.env)
+    env = make_env(cfg.env)
     layout = choose_layout(cfg, mesh)
     init, step, abstract, _ = make_state_fns(cfg, env, mesh, layout)
     evaluate_seeds = make_seed_evaluator(cfg, env, cfg.rl.eval_episodes)
