@@ -43,8 +43,9 @@ class EnvConfig:
 
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
-    """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
-    Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
+    """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout), or with `gru_size` > 0 a dense
+    embedding and a GRU cell shared by actor and critic heads (recurrent.py, PureJaxRL's `ppo_rnn.py`); continuous
+    actions are Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
     LayerNorm after every hidden layer (purejaxql's), after a convolution for image observations when
     `conv_channels` > 0 (qnetwork.py). Named `model` because the engine refuses to resume a run directory whose
     `model` changed (its checkpoints would not fit)."""
