@@ -168,6 +168,25 @@ def test_recurrent_run_resumes_exactly_without_recompiling(tiny_rl, tmp_path):
     assert prepared.task.train_step._cache_size() == 1, "a restored state has the same types and shardings"
 
 
+def test_recurrent_run_split_over_environments_matches_one_device(tiny_rl):
+    """2 seeds on 8 devices: every seed's 8 environments (and their hidden states) split 8 ways, so each
+    minibatch of whole environments spans devices. It follows the single-device run."""
+    cfg = config(*TINY_GRU)
+    runs = []
+    for devices in (1, 8):
+        prepared = build_task(cfg, tiny_rl.mesh(devices))
+        state, metrics = run_steps(prepared.task, 2, mesh=tiny_rl.mesh(devices))
+        runs.append((prepared.layout, state, metrics))
+    (_, state1, history1), (layout, state8, history8) = runs
+    assert layout == "envs"
+    assert len(state8.extra["envs"]["hidden"].sharding.device_set) == 8
+    for got, want in zip(history8, history1):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-4, atol=1e-5, err_msg=key)
+    for a, b in zip(jax.tree.leaves(state8.params), jax.tree.leaves(state1.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 def test_eval_of_a_recurrent_run_in_gymnax_and_gymnasium(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "rl", *TINY_GRU, "checkpoint.async_save=false", "observe.plot=false",

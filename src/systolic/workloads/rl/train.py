@@ -113,6 +113,9 @@ def memory_bytes(cfg: RLConfig, env: Env) -> int:
     run, net, obs = cfg.rl, cfg.model, env.spec.obs_size
     network = obs * net.hidden + (net.layers - 1) * net.hidden**2 + net.hidden * env.spec.action_dim
     rollout = run.num_envs * run.num_steps * (obs + 3)
+    if net.gru_size:  # the GRU's weights, and the hidden state of every rollout step (kept for bootstrapping)
+        network += 3 * net.gru_size * (net.hidden + net.gru_size)
+        rollout += run.num_envs * run.num_steps * net.gru_size
     return run.num_seeds * 4 * (4 * network + rollout)
 
 
