@@ -18,7 +18,7 @@ from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
 from systolic.workloads.rl import ppo, ppo_rnn, recurrent
 from systolic.workloads.rl.config import EnvConfig, RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.envs import make_env, obs_view
 from systolic.workloads.rl.train import build_task
 
 
@@ -35,8 +35,8 @@ def test_hide_obs_parses_from_the_command_line():
 
 
 def test_hidden_components_are_zero_in_obs_and_final_obs():
-    env = Env(EnvConfig(name="CartPole-v1", max_episode_steps=3, hide_obs=(1, 3)))
-    full = Env(EnvConfig(name="CartPole-v1", max_episode_steps=3))
+    env = make_env(EnvConfig(name="CartPole-v1", max_episode_steps=3, hide_obs=(1, 3)))
+    full = make_env(EnvConfig(name="CartPole-v1", max_episode_steps=3))
     obs, state = env.reset(jax.random.PRNGKey(0))
     full_obs, _ = full.reset(jax.random.PRNGKey(0))
     np.testing.assert_array_equal(obs, full_obs * jnp.array([1.0, 0.0, 1.0, 0.0]))
@@ -50,7 +50,7 @@ def test_hidden_components_are_zero_in_obs_and_final_obs():
     assert bool(out.truncated) and not np.allclose(out.obs, out.final_obs)
     assert state["x_dot"] != 0, "the environment itself still moves: only the agent's view is masked"
     # The same mask for observations from elsewhere (Gymnasium's, in `systolic eval rl --gymnasium`).
-    np.testing.assert_array_equal(env.observe(np.ones((2, 4))), [[1, 0, 1, 0]] * 2)
+    np.testing.assert_array_equal(obs_view((1, 3), env.spec)(np.ones((2, 4))), [[1, 0, 1, 0]] * 2)
 
 
 @pytest.mark.parametrize("hide, fragment", [
@@ -61,7 +61,7 @@ def test_hidden_components_are_zero_in_obs_and_final_obs():
 ])
 def test_bad_hide_obs_is_a_clear_error(hide, fragment):
     with pytest.raises(ConfigError, match="Fix") as info:
-        Env(config(*TINY_RL, f"env.hide_obs={hide}").env)
+        make_env(config(*TINY_RL, f"env.hide_obs={hide}").env)
     assert fragment in str(info.value)
 
 
@@ -100,7 +100,7 @@ def numpy_step(params, hidden, obs):
 
 def test_recurrent_step_matches_a_float64_numpy_reference():
     cfg = config(*TINY_GRU)
-    spec = Env(cfg.env).spec
+    spec = make_env(cfg.env).spec
     params = recurrent.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
     graphdef = recurrent.make_graphdef(spec, cfg.model)
     hidden = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (5, 8)))
@@ -116,7 +116,7 @@ def test_the_update_replays_the_hidden_states_the_rollout_acted_with():
     """Two rollouts with episodes of at most 5 steps in 8-step rollouts, so hidden states are reset mid-rollout and
     the second rollout starts from a non-zero stored state; the replay from that state reproduces every step."""
     cfg = config(*TINY_GRU, "env.max_episode_steps=5")
-    env = Env(cfg.env)
+    env = make_env(cfg.env)
     graphdef = recurrent.make_graphdef(env.spec, cfg.model)
     state = ppo_rnn.make_init(cfg, env, ppo.make_optimizer(cfg))(jax.random.PRNGKey(0))
     rollout = jax.jit(ppo_rnn.make_rollout(cfg, env))

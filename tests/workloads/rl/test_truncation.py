@@ -126,7 +126,7 @@ def test_recurrent_ppo_bootstraps_a_truncated_step_with_the_episode_s_memory():
 
     cfg = config_lib.from_dict(RLConfig, config_lib.apply_overrides(
         {}, [*TINY_RL, "model.gru_size=8", "env.name=ConstantReward-truncated", "env.max_episode_steps=0"]))
-    env = Env(cfg.env)
+    env = make_env(cfg.env)
     graphdef = recurrent.make_graphdef(env.spec, cfg.model)
     state = ppo_rnn.make_init(cfg, env, ppo.make_optimizer(cfg))(jax.random.PRNGKey(0))
     _, traj = jax.jit(ppo_rnn.make_rollout(cfg, env))(state, jax.random.PRNGKey(1))  # 8 steps: 5 + 3
