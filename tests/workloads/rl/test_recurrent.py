@@ -67,7 +67,9 @@ def test_bad_hide_obs_is_a_clear_error(hide, fragment):
 
 @pytest.mark.parametrize("overrides, fragment", [
     ([*TINY_PQN, "model.gru_size=8"], "model.gru_size=8 with algo=pqn"),
-    ([*TINY_GRU, "ppo.num_minibatches=3", "rl.num_steps=9"], "rl.num_envs=8 cannot be split into ppo.num_minibatches=3"),
+    # 8 x 9 steps split into 3 minibatches of steps, but not 8 environments into 3 groups
+    ([*TINY_GRU, "ppo.num_minibatches=3", "rl.num_steps=9"],
+     "rl.num_envs=8 cannot be split into ppo.num_minibatches=3"),
     ([*TINY_GRU, "model.gru_size=-1"], "model.gru_size=-1 must be >= 0"),
 ])
 def test_recurrent_config_errors_say_what_to_fix(overrides, fragment):
