@@ -43,6 +43,9 @@ TINY_DQN = [o for o in TINY_RL if not o.startswith("ppo.")] + [
     "algo=dqn", "dqn.buffer_size=192", "dqn.batch_size=16", "dqn.learning_starts=128", "dqn.target_update_every=128",
     "dqn.lr=1e-3"]
 
+# And with memory: a GRU of 8 units on CartPole with both velocities hidden (recurrent PPO, ppo_rnn.py).
+TINY_GRU = [*TINY_RL, "model.gru_size=8", "env.hide_obs=[1,3]"]
+
 # `systolic simulate` arguments: the turbulence recipe on a 32^2 grid.
 TINY_SIM = ["--recipe", "sim-turbulence", "grid.n=32", "navier_stokes.initial_wavenumber=3", "output.image_pixels=16",
             "checkpoint.every_steps=2", "checkpoint.async_save=false", "-q"]

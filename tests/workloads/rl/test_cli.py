@@ -82,7 +82,8 @@ def test_eval_of_a_run_without_checkpoint(tmp_path, capsys, tiny_rl):
                                                       ("rl-cartpole-pqn", "pqn", "CartPole-v1", 8),
                                                       ("rl-breakout-pqn", "pqn", "Breakout-MinAtar", 2),
                                                       ("rl-cartpole-dqn", "dqn", "CartPole-v1", 8),
-                                                      ("rl-inverted-pendulum-brax", "ppo", "brax/inverted_pendulum", 8)])
+                                                      ("rl-inverted-pendulum-brax", "ppo", "brax/inverted_pendulum", 8),
+                                                      ("rl-cartpole-gru", "ppo", "CartPole-v1", 8)])
 def test_bundled_recipes_load(recipe, algo, env, seeds):
     from systolic import config as config_lib
     from systolic.workloads import get

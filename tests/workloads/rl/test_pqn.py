@@ -98,7 +98,8 @@ def test_q_network_normalises_every_hidden_layer():
     spec = make_env(cfg.env).spec
     params = qnetwork.init_params(spec, cfg.model, key=jax.random.PRNGKey(0))
     assert set(params) == {"layers", "norms", "head"} and len(params["norms"]) == cfg.model.layers
-    actions = pqn.make_act(cfg, make_env(cfg.env))(params, {}, jnp.ones((3, *spec.obs_shape)))
+    actor = pqn.make_act(cfg, make_env(cfg.env))
+    actions, _ = actor.act(params, {}, jnp.ones((3, *spec.obs_shape)), actor.initial_carry((3,)))
     assert actions.shape == (3,) and actions.dtype == jnp.int32
 
 

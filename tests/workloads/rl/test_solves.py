@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 
-def train(recipe: str, run_dir: Path) -> dict:
+def train(recipe: str, run_dir: Path, *overrides: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "systolic", "train", "rl", "--recipe", recipe, "--run-dir",
-                           str(run_dir)], capture_output=True, text=True, timeout=1800)
+                           str(run_dir), *overrides], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert (run_dir / "returns.png").is_file()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,3 +69,14 @@ def test_brax_recipe_balances_the_inverted_pendulum_every_seed(tmp_path):
     final = train("rl-inverted-pendulum-brax", tmp_path / "brax")
     per_seed = [final[f"return/seed{i}"] for i in range(8)]
     assert min(per_seed) >= 950, per_seed
+
+
+@pytest.mark.slow
+def test_gru_recipe_needs_its_memory_on_stateless_cartpole(tmp_path):
+    """CartPole with its velocities hidden: the GRU policy learns it (measured: mean 491.1, 7 of 8 seeds >= 475,
+    worst 442.2) and the same run without memory does not (measured: 42.7, every seed 40.8-45.6)."""
+    final = train("rl-cartpole-gru", tmp_path / "gru")
+    per_seed = [final[f"return/seed{i}"] for i in range(8)]
+    assert final["return"] >= 450 and min(per_seed) >= 300, per_seed
+    feed_forward = train("rl-cartpole-gru", tmp_path / "ff", "model.gru_size=0")
+    assert feed_forward["return"] < 100, feed_forward

@@ -14,6 +14,7 @@ a terminal state would learn 2 in both.
 import gymnax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import struct
 from gymnax.environments import environment, spaces
@@ -114,3 +115,33 @@ def test_time_limits_bootstrap_and_terminal_states_do_not(algo, tiny_rl):
     for ending in ("truncated", "terminated"):
         values = learned_value(algo, ending, mesh)
         assert jnp.allclose(values, EXPECTED[ending], atol=0.05), (algo, ending, values.tolist(), EXPECTED[ending])
+
+
+def test_recurrent_ppo_bootstraps_a_truncated_step_with_the_episode_s_memory():
+    """Recurrent PPO (ppo_rnn.py) on the truncated toy episodes: every episode sees the same constant observation,
+    so only the GRU's memory tells its steps apart. A truncated step's bootstrap value must be the value of its
+    final observation seen with the memory of the 5 steps before it, computed here by replaying the episode from
+    zeros, not the next episode's first value (zero memory); and the next episode starts with zero memory."""
+    from systolic.workloads.rl import ppo, ppo_rnn, recurrent
+
+    cfg = config_lib.from_dict(RLConfig, config_lib.apply_overrides(
+        {}, [*TINY_RL, "model.gru_size=8", "env.name=ConstantReward-truncated", "env.max_episode_steps=0"]))
+    env = make_env(cfg.env)
+    graphdef = recurrent.make_graphdef(env.spec, cfg.model)
+    state = ppo_rnn.make_init(cfg, env, ppo.make_optimizer(cfg))(jax.random.PRNGKey(0))
+    _, traj = jax.jit(ppo_rnn.make_rollout(cfg, env))(state, jax.random.PRNGKey(1))  # 8 steps: 5 + 3
+    assert traj.done[:, 0].tolist() == [False] * 4 + [True] + [False] * 3 and not traj.terminated.any()
+    next_values = ppo_rnn.bootstrap_values(graphdef, state.params, traj, 1)  # (T, N)
+
+    obs = jnp.ones((cfg.rl.num_envs, 1))
+    hidden = jnp.zeros((cfg.rl.num_envs, cfg.model.gru_size))
+    for _ in range(EPISODE_STEPS):  # the episode, replayed step by step from zero memory
+        hidden, _, _ = recurrent.step(graphdef, state.params, hidden, obs, 1)
+    _, _, want = recurrent.step(graphdef, state.params, hidden, obs, 1)  # V(final observation | the episode's memory)
+    np.testing.assert_allclose(next_values[EPISODE_STEPS - 1], want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, traj.value[EPISODE_STEPS], atol=1e-4), "memory changes the value here"
+    # Elsewhere the bootstrap is the next step's own value; and the new episode forgot the old one.
+    not_done = ~np.asarray(traj.done[:-1])
+    np.testing.assert_allclose(np.asarray(next_values[:-1])[not_done], np.asarray(traj.value[1:])[not_done],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(traj.next_hidden[EPISODE_STEPS:], traj.next_hidden[:8 - EPISODE_STEPS], atol=1e-6)

@@ -24,6 +24,9 @@ class EnvConfig:
     name: str = "CartPole-v1"
     # 0: the environment's own limit (500 for CartPole-v1, 200 for Pendulum-v1, 1000 for Brax's)
     max_episode_steps: int = 0
+    # Flat observation components the agent sees as 0, making any environment partially observed: CartPole-v1
+    # with [1, 3] hides both velocities ("stateless CartPole"). Checked against the observation size in envs.py.
+    hide_obs: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if self.max_episode_steps < 0:
@@ -31,12 +34,18 @@ class EnvConfig:
                 f"env.max_episode_steps={self.max_episode_steps} must be >= 0 (0 keeps the environment's own "
                 "episode limit). Fix: e.g. env.max_episode_steps=0."
             )
+        if len(set(self.hide_obs)) != len(self.hide_obs):
+            raise ConfigError(
+                f"env.hide_obs={list(self.hide_obs)} names a component twice. Expected: distinct indices into the "
+                f"flattened observation. Fix: e.g. env.hide_obs={sorted(set(self.hide_obs))}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
-    """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout); continuous actions are
-    Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
+    """The `model` section. PPO: separate actor and critic MLPs (PureJaxRL's layout), or with `gru_size` > 0 a dense
+    embedding and a GRU cell shared by actor and critic heads (recurrent.py, PureJaxRL's `ppo_rnn.py`); continuous
+    actions are Gaussian with a learned, state-independent log standard deviation. PQN and DQN: one Q-network MLP with a
     LayerNorm after every hidden layer (purejaxql's), after a convolution for image observations when
     `conv_channels` > 0 (qnetwork.py). Named `model` because the engine refuses to resume a run directory whose
     `model` changed (its checkpoints would not fit)."""
@@ -46,8 +55,14 @@ class NetworkConfig:
     activation: Literal["tanh", "relu"] = "tanh"
     init_log_std: float = 0.0
     conv_channels: int = 0  # Q-networks on images (MinAtar): first a 3x3 convolution of this many filters; 0: none
+    # PPO with memory (recurrent.py): > 0 puts a GRU cell of this size after a first dense layer of `hidden` units,
+    # shared by the actor and critic heads (each `layers - 1` hidden layers); 0: the feed-forward MLPs.
+    gru_size: int = 0
 
     def validate(self) -> None:
+        if self.gru_size < 0:
+            raise ConfigError(f"model.gru_size={self.gru_size} must be >= 0 (0: a feed-forward policy). Fix: e.g. "
+                              "model.gru_size=128 for a recurrent PPO policy, 0 for none.")
         if self.conv_channels < 0:
             raise ConfigError(f"model.conv_channels={self.conv_channels} must be >= 0 (0: no convolution). Fix: e.g. "
                               "model.conv_channels=16 for MinAtar, 0 for flat observations.")
@@ -238,6 +253,20 @@ class RLConfig:
                 f"model.conv_channels={self.model.conv_channels} with algo=ppo: PPO's actor and critic are MLPs on the "
                 "flattened observation; only the Q-networks (algo=pqn, algo=dqn) have a convolution. Fix: "
                 "model.conv_channels=0, or train image environments with PQN (--recipe rl-breakout-pqn)."
+            )
+        if self.algo != "ppo" and self.model.gru_size:
+            raise ConfigError(
+                f"model.gru_size={self.model.gru_size} with algo={self.algo}: only PPO has a recurrent policy; "
+                f"{self.algo.upper()}'s Q-network sees one observation at a time. Fix: model.gru_size=0, or train a "
+                "policy with memory with PPO (--recipe rl-cartpole-gru)."
+            )
+        if self.algo == "ppo" and self.model.gru_size and self.rl.num_envs % self.ppo.num_minibatches:
+            raise ConfigError(
+                f"rl.num_envs={self.rl.num_envs} cannot be split into ppo.num_minibatches={self.ppo.num_minibatches} "
+                f"equal groups: with model.gru_size={self.model.gru_size} a minibatch is a set of environments whose "
+                "whole rollouts are replayed through the GRU, not a set of single steps. Fix: set "
+                f"ppo.num_minibatches={divisor_near(self.rl.num_envs, self.ppo.num_minibatches)}, or rl.num_envs to a "
+                f"multiple of {self.ppo.num_minibatches}."
             )
         for other in ALGORITHMS:
             if other != self.algo and getattr(self, other) is not None:

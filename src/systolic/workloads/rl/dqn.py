@@ -26,7 +26,7 @@ import optax
 
 from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import q_chunk, qnetwork, replay
-from systolic.workloads.rl.algorithm import Algorithm
+from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
 
@@ -155,15 +155,16 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     return init, chunk
 
 
-def make_act(cfg: RLConfig, env: Env):
-    """`act(params, seed_extra, obs (..., *obs_shape)) -> action (...)`: the greedy policy, argmax_a Q."""
+def make_act(cfg: RLConfig, env: Env) -> Actor:
+    """The greedy policy, argmax_a Q, without memory: `act(params, seed_extra, obs (..., *obs_shape)) -> action
+    (...)` as an Actor (algorithm.py)."""
     graphdef = qnetwork.make_graphdef(env.spec, cfg.model)
 
     def act(params: Any, seed_extra: dict[str, Any], obs: jax.Array) -> jax.Array:
         del seed_extra  # the online network alone acts; the target network and the buffer are for learning
         return jnp.argmax(qnetwork.q_values(graphdef, params, obs), axis=-1).astype(jnp.int32)
 
-    return act
+    return feed_forward(act)
 
 
 ALGORITHM = Algorithm(

@@ -19,7 +19,7 @@ from systolic.workloads.rl import evaluate as evaluate_lib
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import SOLVED_AT
 from systolic.workloads.rl.plot import plot_returns
-from systolic.workloads.rl.train import build_task
+from systolic.workloads.rl.train import algorithm_for, build_task
 
 
 def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
@@ -27,8 +27,10 @@ def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     prepared = build_task(cfg, mesh)
     run, spec = cfg.rl, prepared.env.spec
     say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
-    algo = cfg.algo.upper()
-    say(f"rl: {algo} on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions), {run.num_seeds} seeds x "
+    algo = algorithm_for(cfg, prepared.env).name  # "PPO", "PPO (GRU)", ...
+    hidden = f", observation components {list(cfg.env.hide_obs)} hidden" if cfg.env.hide_obs else ""
+    say(f"rl: {algo} on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions{hidden}), "
+        f"{run.num_seeds} seeds x "
         f"{run.num_envs} environments, {run.num_updates} updates of {run.env_steps_per_update} steps = "
         f"{run.num_updates * run.env_steps_per_update:,} environment steps per seed, in {run.num_chunks} chunks of "
         f"{run.updates_per_chunk} updates")

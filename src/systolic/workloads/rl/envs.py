@@ -17,15 +17,21 @@ step; drawn in bulk they cost one batched call per rollout.
 Environment states leave the adapter as plain dicts of strongly typed arrays: gymnax's state classes are flax
 struct dataclasses whose `time` field starts as a weakly typed Python int, and a weak type that turns strong after
 a checkpoint round trip would make the jitted step compile a second time.
+
+`env.hide_obs` makes any environment partially observed: `make_env` wraps the adapter in `HiddenObs`, which zeroes
+those flat components of every observation it returns (`obs` and `final_obs`), so every algorithm and every
+evaluation sees the same masked view; `obs_view` applies the same mask to observations from elsewhere (Gymnasium's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from systolic.errors import ConfigError
 from systolic.workloads.rl.config import EnvConfig
@@ -90,9 +96,50 @@ def make_env(cfg: EnvConfig) -> Env:
     """The adapter for `cfg.name`: a Brax environment for `brax/<name>`, else a gymnax one."""
     from systolic.workloads.rl import brax_envs
 
-    if cfg.name.startswith(brax_envs.PREFIX):
-        return brax_envs.BraxEnv(cfg)
-    return GymnaxEnv(cfg)
+    env = brax_envs.BraxEnv(cfg) if cfg.name.startswith(brax_envs.PREFIX) else GymnaxEnv(cfg)
+    return HiddenObs(env, cfg.hide_obs) if cfg.hide_obs else env
+
+
+def obs_view(hide_obs: tuple[int, ...], spec: EnvSpec) -> Callable[[Any], jax.Array]:
+    """`view(obs (..., *obs_shape)) -> float32 obs` as the agent sees it, the `hide_obs` flat components zeroed;
+    a ConfigError for indices the observation does not have."""
+    if not hide_obs:
+        return as_obs
+    bad = [i for i in hide_obs if not 0 <= i < spec.obs_size]
+    if bad:
+        raise ConfigError(
+            f"env.hide_obs={list(hide_obs)}: {bad} {'is' if len(bad) == 1 else 'are'} not a component of "
+            f"{spec.name}'s observation, which has {spec.obs_size} (flat indices 0 to {spec.obs_size - 1}, shape "
+            f"{spec.obs_shape}). Fix: list indices in that range, e.g. env.hide_obs=[{spec.obs_size - 1}], or "
+            "env.hide_obs=[] to see everything."
+        )
+    if len(hide_obs) == spec.obs_size:
+        raise ConfigError(
+            f"env.hide_obs={list(hide_obs)} hides all {spec.obs_size} components of {spec.name}'s observation, so "
+            "the agent would see nothing but zeros. Fix: leave at least one index out of env.hide_obs."
+        )
+    visible = np.ones(spec.obs_size, bool)
+    visible[list(hide_obs)] = False
+    visible = visible.reshape(spec.obs_shape)
+    return lambda obs: jnp.where(visible, as_obs(obs), 0.0)
+
+
+class HiddenObs:
+    """An environment seen partially (`env.hide_obs`): the hidden components of every observation it returns are 0;
+    the environment itself runs unchanged."""
+
+    def __init__(self, env: Env, hide_obs: tuple[int, ...]):
+        self.spec, self.simulator = env.spec, env.simulator
+        self._env, self._view = env, obs_view(hide_obs, env.spec)
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        obs, state = self._env.reset(key)
+        return self._view(obs), state
+
+    def step(self, key: jax.Array, state: dict[str, jax.Array], action: jax.Array,
+             reset: tuple[jax.Array, dict[str, jax.Array]]) -> EnvStep:
+        out = self._env.step(key, state, action, reset)  # `reset` came from our own reset: already masked
+        return out._replace(obs=self._view(out.obs), final_obs=self._view(out.final_obs))
 
 
 def unknown_name_error(name: str) -> ConfigError:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from systolic.workloads.rl.algorithm import Actor
 from systolic.workloads.rl.envs import Env
 
 
-def make_episode_fn(env: Env, act: Callable[[Any, Any, jax.Array], jax.Array], episodes: int):
-    """`run(params, seed_extra, key) -> (returns (E,), lengths (E,))`: `act` (an algorithm's deterministic policy,
+def make_episode_fn(env: Env, actor: Actor, episodes: int):
+    """`run(params, seed_extra, key) -> (returns (E,), lengths (E,))`: `actor` (an algorithm's deterministic policy,
     algorithm.py) for `episodes` full episodes in parallel, each cut at the environment's time limit."""
     spec = env.spec
 
@@ -21,19 +21,20 @@ def make_episode_fn(env: Env, act: Callable[[Any, Any, jax.Array], jax.Array], e
         obs, env_state = jax.vmap(env.reset)(jax.random.split(reset_key, episodes))
 
         def body(carry, step_keys):
-            obs, env_state, total, length, alive = carry
-            action = act(params, seed_extra, obs)
-            # Each episode counts until its first end; what follows is ignored, so no reset is needed.
+            obs, env_state, memory, total, length, alive = carry
+            action, memory = actor.act(params, seed_extra, obs, memory)
+            # Each episode counts until its first end; what follows is ignored, so no reset (of the environment or
+            # the policy's memory) is needed.
             step = jax.vmap(env.step)(step_keys, env_state, action, (obs, env_state))
             total = total + jnp.where(alive, step.reward, 0.0)
             length = length + alive.astype(jnp.int32)
             alive = alive & ~(step.terminated | step.truncated)
-            return (step.obs, step.state, total, length, alive), None
+            return (step.obs, step.state, memory, total, length, alive), None
 
-        init = (obs, env_state, jnp.zeros((episodes,)), jnp.zeros((episodes,), jnp.int32),
-                jnp.ones((episodes,), bool))
+        init = (obs, env_state, actor.initial_carry((episodes,)), jnp.zeros((episodes,)),
+                jnp.zeros((episodes,), jnp.int32), jnp.ones((episodes,), bool))
         step_keys = jax.random.split(key, (spec.max_episode_steps, episodes))  # (T, E, 2)
-        (_, _, total, length, _), _ = jax.lax.scan(body, init, step_keys)
+        (_, _, _, total, length, _), _ = jax.lax.scan(body, init, step_keys)
         return total, length
 
     return run

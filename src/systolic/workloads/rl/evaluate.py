@@ -3,7 +3,8 @@ reference implementation (classic control only).
 
 The Gymnasium check is independent of everything the policy was trained with: another simulator (Gymnasium's
 own NumPy code, with its own time limit), the policy's weights copied out of the checkpoint, actions chosen
-deterministically (argmax / Gaussian mean).
+deterministically (argmax / Gaussian mean). It sees what the agent saw in training: Gymnasium's observations
+pass through the same `env.hide_obs` mask (`envs.obs_view`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads.rl import render
+from systolic.workloads.rl.algorithm import Actor
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import SOLVED_AT, Env, make_env
+from systolic.workloads.rl.envs import SOLVED_AT, Env, make_env, obs_view
 from systolic.workloads.rl.train import algorithm_for, make_seed_evaluator, make_state_fns
 
 # gymnax name -> Gymnasium id of the same environment (same observations, actions, rewards and time limit).
@@ -50,9 +52,11 @@ def restore_run(run_dir: Path) -> RestoredRun:
     return RestoredRun(cfg=cfg, env=env, state=state, step=run.step)
 
 
-def make_act(cfg: RLConfig, env: Env):
-    """Jitted `(params, seed_extra, obs (S, B, *obs_shape)) -> deterministic actions (S, B, ...)`."""
-    return jax.jit(jax.vmap(algorithm_for(cfg, env).make_act(cfg, env)))
+def make_act(cfg: RLConfig, env: Env) -> Actor:
+    """The deterministic policy of every seed, jitted: `act(params, seed_extra, obs (S, B, *obs_shape), carry (S, B,
+    C)) -> (actions (S, B, ...), carry)`."""
+    actor = algorithm_for(cfg, env).make_act(cfg, env)
+    return actor._replace(act=jax.jit(jax.vmap(actor.act)))
 
 
 def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
@@ -76,10 +80,12 @@ def gymnasium_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
             obs[s, e] = envs[s][e].reset(seed=seed + e)[0]
     returns = np.zeros((num_seeds, episodes))
     alive = np.ones((num_seeds, episodes), bool)
-    act = make_act(run.cfg, run.env)
+    actor, view = make_act(run.cfg, run.env), obs_view(run.cfg.env.hide_obs, spec)
+    memory = actor.initial_carry((num_seeds, episodes))  # an episode ends only once here: never reset
     params, seed_extra = run.state.params, run.state.extra["seeds"]
     while alive.any():
-        actions = np.asarray(act(params, seed_extra, obs))  # (S, E) or (S, E, D)
+        actions, memory = actor.act(params, seed_extra, view(obs), memory)
+        actions = np.asarray(actions)  # (S, E) or (S, E, D)
         for s, e in zip(*np.nonzero(alive)):
             action = int(actions[s, e]) if spec.discrete else actions[s, e].astype(np.float32)
             next_obs, reward, terminated, truncated, _ = envs[s][e].step(action)
@@ -101,7 +107,8 @@ def device_returns(run: RestoredRun, episodes: int, seed: int) -> np.ndarray:
 def episode_observations(run: RestoredRun, seed_index: int, key: jax.Array) -> np.ndarray:
     """(T, *obs_shape) observations of one deterministic gymnax episode of one seed's policy, up to its end."""
     env, spec = run.env, run.env.spec
-    act = make_act(run.cfg, env)
+    actor = make_act(run.cfg, env)
+    memory = actor.initial_carry((1, 1))
     params = jax.tree.map(lambda x: x[seed_index:seed_index + 1], run.state.params)
     seed_extra = jax.tree.map(lambda x: x[seed_index:seed_index + 1], run.state.extra["seeds"])
     reset_key, key = jax.random.split(key)
@@ -110,7 +117,8 @@ def episode_observations(run: RestoredRun, seed_index: int, key: jax.Array) -> n
     frames = [np.asarray(obs)]
     for _ in range(spec.max_episode_steps):
         key, step_key = jax.random.split(key)
-        action = act(params, seed_extra, obs[None, None])[0, 0]
+        action, memory = actor.act(params, seed_extra, obs[None, None], memory)
+        action = action[0, 0]
         out = step(step_key, env_state, action, (obs, env_state))  # the episode ends at its first end
         if bool(out.terminated | out.truncated):
             frames.append(np.asarray(out.final_obs))

@@ -20,7 +20,7 @@ import optax
 
 from systolic.engine.optim import standard_promotion
 from systolic.workloads.rl import policy
-from systolic.workloads.rl.algorithm import Algorithm
+from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env
 
@@ -266,26 +266,34 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
                        traj.finished_length.sum(), episodes)
 
     def chunk(state: SeedState, key: jax.Array) -> tuple[SeedState, ChunkMetrics]:
-        state, (losses, stats, return_sum, length_sum, episodes) = jax.lax.scan(
-            update, state, jax.random.split(key, run.updates_per_chunk))
-        n = episodes.sum()
-        finished = n > 0
-        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
-        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
-        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
-        state = state._replace(last_return=mean_return, last_length=mean_length)
-        metrics = ChunkMetrics(loss=losses.mean(), policy_loss=stats.policy_loss.mean(),
-                               value_loss=stats.value_loss.mean(), entropy=stats.entropy.mean(),
-                               approx_kl=stats.approx_kl.mean(), clip_frac=stats.clip_frac.mean(),
-                               episode_return=mean_return, episode_length=mean_length, episodes=n)
-        return state, metrics
+        return run_chunk(update, state, key, run.updates_per_chunk)
 
     return init, chunk
 
 
-def make_act(cfg: RLConfig, env: Env):
-    """`act(params, seed_extra, obs (..., *obs_shape)) -> action (...)`: the deterministic policy (argmax, or the
-    Gaussian mean clipped to the action bounds), on observations normalised with the seed's statistics."""
+def run_chunk(update, state: Any, key: jax.Array, updates: int) -> tuple[Any, ChunkMetrics]:
+    """`updates` PPO updates in one `lax.scan` and their metrics; `update(state, key) -> (state, (loss, LossStats,
+    finished return sum, finished length sum, episodes))`, `state` any seed state with `last_return`/`last_length`
+    (feed-forward or recurrent PPO's)."""
+    state, (losses, stats, return_sum, length_sum, episodes) = jax.lax.scan(
+        update, state, jax.random.split(key, updates))
+    n = episodes.sum()
+    finished = n > 0
+    per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+    mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
+    mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
+    state = state._replace(last_return=mean_return, last_length=mean_length)
+    metrics = ChunkMetrics(loss=losses.mean(), policy_loss=stats.policy_loss.mean(),
+                           value_loss=stats.value_loss.mean(), entropy=stats.entropy.mean(),
+                           approx_kl=stats.approx_kl.mean(), clip_frac=stats.clip_frac.mean(),
+                           episode_return=mean_return, episode_length=mean_length, episodes=n)
+    return state, metrics
+
+
+def make_act(cfg: RLConfig, env: Env) -> Actor:
+    """The deterministic policy (argmax, or the Gaussian mean clipped to the action bounds), on observations
+    normalised with the seed's statistics, without memory: `act(params, seed_extra, obs (..., *obs_shape)) -> action
+    (...)` as an Actor (algorithm.py)."""
     spec = env.spec
     graphdef = policy.make_graphdef(spec, cfg.model)
     maybe_normalize = normalize_obs if cfg.ppo.normalize_obs else (lambda stats, obs: obs)
@@ -297,7 +305,7 @@ def make_act(cfg: RLConfig, env: Env):
             action = jnp.clip(action, jnp.asarray(spec.action_low), jnp.asarray(spec.action_high))
         return action
 
-    return act
+    return feed_forward(act)
 
 
 ALGORITHM = Algorithm(

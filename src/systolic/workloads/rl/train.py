@@ -4,7 +4,8 @@ for the loop.
 One engine loop step = one chunk of `rl.updates_per_chunk` updates of the algorithm (`algo`: PPO, PQN or DQN,
 algorithm.py) for every seed. Layout of the `TrainState` (S seeds, N environments per seed):
 - `params`, `opt_state`: each leaf with a leading seed axis (S, ...).
-- `extra["envs"]`: environment states, current observations, running episode returns/lengths, (S, N, ...).
+- `extra["envs"]`: environment states, current observations, running episode returns/lengths (and a recurrent
+  policy's hidden states), (S, N, ...).
 - `extra["seeds"]`: the rest of each seed's state (PPO: observation statistics; all: the latest episode
   return/length; PQN and DQN: the update count; DQN: its target network and replay buffer), (S, ...).
 - `rng`: the run's key; each chunk splits off a chunk key and folds in the seed index, so seed i's stream does
@@ -33,7 +34,7 @@ from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.cpu_tuning import cpu_compiler_options
 from systolic.workloads.rl import algorithm as algorithm_lib
-from systolic.workloads.rl.algorithm import ENV_FIELDS, Algorithm
+from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import Env, make_env
 from systolic.workloads.rl.episodes import make_episode_fn
@@ -71,10 +72,10 @@ def state_shardings(abstract: TrainState, mesh: Mesh, layout: str) -> TrainState
                              "seeds": jax.tree.map(seed_leaf, abstract.extra["seeds"])})
 
 
-def to_train_state(step: jax.Array, rng: jax.Array, seeds: NamedTuple) -> TrainState:
+def to_train_state(step: jax.Array, rng: jax.Array, seeds: NamedTuple, env_fields: tuple[str, ...]) -> TrainState:
     fields = seeds._asdict()
     params, opt_state = fields.pop("params"), fields.pop("opt_state")
-    envs = {name: fields.pop(name) for name in ENV_FIELDS}
+    envs = {name: fields.pop(name) for name in env_fields}
     return TrainState(step=step, params=params, opt_state=opt_state, rng=rng, extra={"envs": envs, "seeds": fields})
 
 
@@ -103,7 +104,7 @@ def algorithm_for(cfg: RLConfig, env: Env) -> Algorithm:
             f"{env.spec.name}'s are continuous. Fix: train it with PPO (--recipe rl-pendulum), or pick a discrete "
             "environment (CartPole-v1, Acrobot-v1, Breakout-MinAtar, ...)."
         )
-    return algorithm_lib.get(cfg.algo)
+    return algorithm_lib.get(cfg.algo, recurrent=cfg.model.gru_size > 0)
 
 
 def memory_bytes(cfg: RLConfig, env: Env) -> int:
@@ -112,6 +113,9 @@ def memory_bytes(cfg: RLConfig, env: Env) -> int:
     run, net, obs = cfg.rl, cfg.model, env.spec.obs_size
     network = obs * net.hidden + (net.layers - 1) * net.hidden**2 + net.hidden * env.spec.action_dim
     rollout = run.num_envs * run.num_steps * (obs + 3)
+    if net.gru_size:  # the GRU's weights, and the hidden state of every rollout step (kept for bootstrapping)
+        network += 3 * net.gru_size * (net.hidden + net.gru_size)
+        rollout += run.num_envs * run.num_steps * net.gru_size
     return run.num_seeds * 4 * (4 * network + rollout)
 
 
@@ -140,14 +144,14 @@ def make_state_fns(cfg: RLConfig, env: Env, mesh: Mesh, layout: str):
         # over the same thread pool it runs on; two of them at once (actor and critic) can wait on each other
         # forever (measured: 1 in 4 runs hung on 2 cores). One seed at a time keeps every QR unbatched.
         seeds = jax.lax.map(init_seed, seed_keys(init_key, num_seeds))
-        return to_train_state(jnp.zeros((), jnp.int32), rng, seeds)
+        return to_train_state(jnp.zeros((), jnp.int32), rng, seeds, algo.env_fields)
 
     def chunk_step(state: TrainState, batch: None) -> tuple[TrainState, dict[str, jax.Array]]:
         del batch  # the environments make the data
         rng, chunk_key = jax.random.split(state.rng)
         seeds, metrics = jax.vmap(chunk_seed)(from_train_state(state, algo.seed_state),
                                               seed_keys(chunk_key, num_seeds))
-        return to_train_state(state.step + 1, rng, seeds), flatten_metrics(algo, metrics)
+        return to_train_state(state.step + 1, rng, seeds, algo.env_fields), flatten_metrics(algo, metrics)
 
     state = make_sharded_state(make_state, (jax.random.PRNGKey(cfg.rl.seed),),
                                lambda abstract: state_shardings(abstract, mesh, layout))
