@@ -1,4 +1,5 @@
-"""Evaluation episodes: one seed's deterministic policy for whole episodes in parallel, in one jitted scan."""
+"""Episodes: the training returns a chunk reports, and evaluation (one seed's deterministic policy for whole episodes
+in parallel, in one jitted scan)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def make_episode_fn(env: Env, actor: Actor, episodes: int):
         return total, length
 
     return run
+
+
+def record_finished(state: Any, return_sum: jax.Array, length_sum: jax.Array,
+                    episodes: jax.Array) -> tuple[Any, jax.Array]:
+    """A chunk's training episodes -> (state with `last_return`/`last_length` the mean return and length of the
+    episodes that finished in it, number finished). The sums and counts are per update, (U,); a chunk in which no
+    episode finished keeps the previous values."""
+    n = episodes.sum()
+    per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
+    return state._replace(last_return=jnp.where(n > 0, per_episode(return_sum.sum()), state.last_return),
+                          last_length=jnp.where(n > 0, per_episode(length_sum.sum()), state.last_length)), n

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from systolic.engine.optim import standard_promotion
+from systolic.workloads.rl import episodes as episodes_lib
 from systolic.workloads.rl import policy
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
@@ -277,16 +278,11 @@ def run_chunk(update, state: Any, key: jax.Array, updates: int) -> tuple[Any, Ch
     (feed-forward or recurrent PPO's)."""
     state, (losses, stats, return_sum, length_sum, episodes) = jax.lax.scan(
         update, state, jax.random.split(key, updates))
-    n = episodes.sum()
-    finished = n > 0
-    per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
-    mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
-    mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
-    state = state._replace(last_return=mean_return, last_length=mean_length)
+    state, n = episodes_lib.record_finished(state, return_sum, length_sum, episodes)
     metrics = ChunkMetrics(loss=losses.mean(), policy_loss=stats.policy_loss.mean(),
                            value_loss=stats.value_loss.mean(), entropy=stats.entropy.mean(),
                            approx_kl=stats.approx_kl.mean(), clip_frac=stats.clip_frac.mean(),
-                           episode_return=mean_return, episode_length=mean_length, episodes=n)
+                           episode_return=state.last_return, episode_length=state.last_length, episodes=n)
     return state, metrics
 
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from systolic.engine.optim import standard_promotion_schedule
+from systolic.workloads.rl import episodes as episodes_lib
 
 
 class ChunkMetrics(NamedTuple):  # per seed, scalars
@@ -37,14 +37,9 @@ def make_chunk(update: Callable, updates_per_chunk: int) -> Callable:
     def chunk(state: Any, key: jax.Array) -> tuple[Any, ChunkMetrics]:
         state, (losses, q_values, eps, return_sum, length_sum, episodes) = jax.lax.scan(
             update, state, jax.random.split(key, updates_per_chunk))
-        n = episodes.sum()
-        finished = n > 0
-        per_episode = lambda total: total.astype(jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)  # noqa: E731
-        mean_return = jnp.where(finished, per_episode(return_sum.sum()), state.last_return)
-        mean_length = jnp.where(finished, per_episode(length_sum.sum()), state.last_length)
-        state = state._replace(last_return=mean_return, last_length=mean_length)
+        state, n = episodes_lib.record_finished(state, return_sum, length_sum, episodes)
         metrics = ChunkMetrics(loss=losses.mean(), q_value=q_values.mean(), epsilon=eps[-1],
-                               episode_return=mean_return, episode_length=mean_length, episodes=n)
+                               episode_return=state.last_return, episode_length=state.last_length, episodes=n)
         return state, metrics
 
     return chunk
