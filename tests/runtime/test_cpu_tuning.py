@@ -33,9 +33,12 @@ def test_settings_follow_the_environment():
 def test_start_adds_the_xla_flags_for_the_workloads_they_help_unless_switched_off(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     off = CpuTuning.from_env({"SYSTOLIC_XLA_CPU_FLAGS": "off"})
-    helped = sorted(cpu_tuning.XNN_DOT_WORKLOADS)[0]
+    # No workload measured faster with them on the current host (docs/benchmarks.md), so the mechanism is checked
+    # with a workload marked as helped.
+    helped = "lm"
+    monkeypatch.setattr(cpu_tuning, "XNN_DOT_WORKLOADS", frozenset({helped}))
     assert cpu_tuning.apply_at_start(workload=helped, stepping=False, tuning=off) == (False, False)
-    # rl ran at 0.75x with them (docs/benchmarks.md); a command that runs no workload gets none.
+    # A workload not in the set (rl ran at 0.68x with them) and a command that runs no workload get none.
     for workload in ("rl", None):
         assert cpu_tuning.apply_at_start(workload=workload, stepping=False, tuning=CpuTuning()) == (False, False)
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"

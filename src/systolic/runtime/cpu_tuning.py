@@ -1,7 +1,8 @@
 """Every CPU-only choice systolic makes, read once from the environment, and the one call that applies them.
 
 - `xla_flags`: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`), for the workloads
-  that measured faster with them (`XNN_DOT_WORKLOADS`; the rl workload ran at 0.75x with them). They are
+  that measure faster with them (`XNN_DOT_WORKLOADS`). On the 2026-12-05 host none did (rl 0.68x, lm 0.91-0.93x on
+  three model sizes, gan and sim level), so the set is empty; lm had it while an earlier host measured +8-15%. They are
   experimental XLA flags and an unknown flag aborts XLA at start-up, so they are added only for jaxlib versions
   where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
   XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
@@ -32,7 +33,7 @@ XNN_DOT_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimen
 FLAGS_ENV = "SYSTOLIC_XLA_CPU_FLAGS"
 # The workloads whose steps run faster with XNN_DOT_FLAGS on this project's CPU, each measured with and without them
 # (benchmarks/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
-XNN_DOT_WORKLOADS = frozenset({"lm"})
+XNN_DOT_WORKLOADS: frozenset[str] = frozenset()  # re-measure on a new host: the benchmark, docs/benchmarks.md
 # The workloads whose steps run faster with the host allocator setting (same benchmark, `--setting malloc`).
 MALLOC_WORKLOADS = frozenset({"lm"})
 TWEAKS_ENV = "SYSTOLIC_CPU_TWEAKS"
