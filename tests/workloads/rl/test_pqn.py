@@ -2,7 +2,6 @@
 bootstrapped and termination not, the Q-network's LayerNorms, and a run through the engine (sharded == single
 device, stop + resume bit-exact, config errors)."""
 
-import json
 from pathlib import Path
 
 import jax
@@ -12,7 +11,6 @@ import pytest
 from tiny import TINY_PQN, run_steps
 
 from systolic import config as config_lib
-from systolic.config import LoopConfig
 from systolic.engine import loop
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import activate
@@ -165,14 +163,7 @@ def test_stop_and_resume_is_bit_exact(tiny_rl, tmp_path):
     prepared = build_task(cfg, mesh)
 
     def run(run_dir: Path, stop_at: int = 0) -> loop.RunResult:
-        settings = loop.LoopSettings(steps=4, eval_every=4, loop=LoopConfig(stop_at_step=stop_at),
-                                     checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=True)
-        return loop.train(prepared.task, settings, run_dir)
-
-    def rows(run_dir: Path) -> list[dict]:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in r.items() if k != "env_steps_per_s"}  # a measurement of time, not of the run
-                for r in map(json.loads, lines) if r["split"] == "train"]
+        return tiny_rl.loop_run(prepared, cfg, run_dir, steps=4, stop_at=stop_at)
 
     with activate(mesh):
         straight = run(tmp_path / "straight")
@@ -183,7 +174,7 @@ def test_stop_and_resume_is_bit_exact(tiny_rl, tmp_path):
                                   np.asarray(jax.tree.leaves(fresh.params)[0]))
         resumed = run(tmp_path / "resumed")
     assert resumed.start_step == 2
-    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    a, b = tiny_rl.train_records(tmp_path / "straight"), tiny_rl.train_records(tmp_path / "resumed")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and a[3]["epsilon"] < a[0]["epsilon"]
     assert a == b, "Q-network, RAdam state, environments, exploration clock and RNG all resume exactly"
     for x, y in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
