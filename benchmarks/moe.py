@@ -2,7 +2,7 @@
 active FLOPs, at the moe-tiny recipe's sizes (d_model 192, 8 experts of width 256, 2 per token, 16 x 128 tokens).
 
 Variants: dropless (tokens sorted by expert) with `jax.lax.ragged_dot` and, where the CPU rewrites are on (the
-default on CPU), with lm/cpu.py's tiled grouped matmul; capacity dispatch (one-hot einsums into capacity_factor x
+default on CPU), with lm/model/cpu.py's tiled grouped matmul; capacity dispatch (one-hot einsums into capacity_factor x
 an even share of slots per expert and sequence) at factors 1.25 and 2; and the dense SwiGLU MLP of width 512
 (= 2 experts x 256: the same matmul FLOPs per token as the MoE's active experts). The process starts as the CLI
 does (`cpu_tuning.apply_at_start`). The variants alternate within each round (so drifts in the machine's speed
@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from systolic import config as config_lib  # noqa: E402
 from systolic.workloads.lm.config import LMConfig  # noqa: E402
-from systolic.workloads.lm.model import MLP, MoE  # noqa: E402
+from systolic.workloads.lm.model.transformer import MLP, MoE  # noqa: E402
 
 SIZES = ["model.d_model=192", "model.layers=4", "model.heads=6", "model.dtype=float32", "model.moe.experts=8",
          "model.moe.top_k=2", "model.moe.mlp_dim=256"]
@@ -39,7 +39,7 @@ BATCH, SEQ = 16, 128
 
 @contextlib.contextmanager
 def grouped_rewrite(on: bool):
-    """Traces with lm/cpu.py's tiled grouped matmul on or off (SYSTOLIC_CPU_TWEAKS, read at trace time)."""
+    """Traces with lm/model/cpu.py's tiled grouped matmul on or off (SYSTOLIC_CPU_TWEAKS, read at trace time)."""
     before = os.environ.get(cpu_tuning.TWEAKS_ENV)
     if not on:
         os.environ[cpu_tuning.TWEAKS_ENV] = "flatten,attention,barrier,malloc"

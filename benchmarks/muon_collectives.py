@@ -1,5 +1,5 @@
 """What Muon costs on a mesh: the collectives of the compiled lm train step (AdamW, our Muon, Optax's Muon) on 8 fake
-CPU devices, read from the optimised HLO (engine/hlo_collectives.py), per step and per device.
+CPU devices, read from the optimised HLO (plan/hlo_collectives.py), per step and per device.
 
 The model is a small Llama (d_model 32, 2 layers, 4 query heads sharing 2 key/value heads, MLP 128: the tests'
 TINY_LM); "hidden matrices" are the weights Muon moves (attention q, k, v, o and the MLP's three). Optax's Muon is
@@ -23,13 +23,13 @@ MESHES = ({"data": 1, "fsdp": 4, "tensor": 2}, {"data": 1, "fsdp": 8, "tensor": 
 
 
 def optax_muon(cfg, model, total_steps):
-    """Our lm optimizer with Optax's Muon transform in place of ours (engine/muon.py `scale_by_muon`)."""
+    """Our lm optimizer with Optax's Muon transform in place of ours (optim/muon.py `scale_by_muon`)."""
     import jax
     from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-    from systolic.engine import muon
+    from systolic.optim import muon
     from systolic.workloads.lm import optimizer
-    from systolic.workloads.lm.parametrization import MUON_AXES, role
+    from systolic.workloads.lm.model.parametrization import MUON_AXES, role
 
     def dims(tree):
         def one(path, _):
@@ -58,12 +58,12 @@ def main() -> None:
 
     from systolic import config as config_lib
     from systolic.config import MeshConfig
-    from systolic.engine.hlo_collectives import read_collectives
+    from systolic.plan.hlo_collectives import read_collectives
     from systolic.runtime import mesh as mesh_lib
     from systolic.runtime.sharding import activate
     from systolic.workloads.lm import train
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.parametrization import role
+    from systolic.workloads.lm.model.parametrization import role
 
     print("| mesh | optimizer | all-gather (count, KB) | all-reduce (count, KB) | other | "
           "all-gather KB beyond AdamW's / hidden matrices' KB |")

@@ -41,7 +41,7 @@ from systolic import config as config_lib  # noqa: E402
 from systolic.runtime import mesh as mesh_lib  # noqa: E402
 from systolic.runtime.sharding import activate  # noqa: E402
 from systolic.workloads.lm.config import LMConfig  # noqa: E402
-from systolic.workloads.lm.pipeline import bubble_fraction  # noqa: E402
+from systolic.workloads.lm.parallel.pipeline import bubble_fraction  # noqa: E402
 from systolic.workloads.lm.train import build_step  # noqa: E402
 
 MODEL = ["model.d_model=64", "model.layers=8", "model.heads=4", "model.kv_heads=4", "model.max_seq_len=64",

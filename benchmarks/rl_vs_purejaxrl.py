@@ -352,7 +352,7 @@ def main() -> int:
     import jax
 
     sys.path.insert(0, SRC)
-    from systolic.observe.flops import measured_matmul_flops
+    from systolic.observe.peak_flops import measured_matmul_flops
 
     cfg = recipe_config()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; jax {jax.__version__}; recipe "

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from systolic.runtime import cpu_tuning
-from systolic.workloads.lm.cpu import gradient_barrier
+from systolic.workloads.lm.model.cpu import gradient_barrier
 
 
 def layernorm(x: jax.Array) -> jax.Array:

@@ -111,7 +111,7 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     # RoPE scalings read their own settings: a scaled model computes its frequencies from them (their parity with
     # transformers: tests/workloads/lm/test_hf_families.py).
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.rope import inverse_frequencies
+    from systolic.workloads.lm.model.rope import inverse_frequencies
 
     for scaling in (["type=llama3", "factor=8", "original_max_seq_len=16"],
                     ["type=yarn", "factor=4", "original_max_seq_len=16", "attention_factor=1.2", "truncate=false"]):
@@ -121,7 +121,7 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     # LoRA's settings are read when the adapters are built (a LoRA run needs init.from: test_lora.py trains one).
     from flax import nnx
 
-    from systolic.workloads.lm.model import Transformer
+    from systolic.workloads.lm.model.transformer import Transformer
 
     lora = ["model.lora.rank=4", "model.lora.alpha=16", "model.lora.targets=q,o"]
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *lora]))

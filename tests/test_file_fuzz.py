@@ -32,7 +32,8 @@ from systolic.config import CheckpointConfig
 from systolic.engine import checkpoint, loop, rundir
 from systolic.errors import UserError
 from systolic.observe import metrics
-from systolic.workloads.lm import hf, hf_config
+from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.lm.hf import config as hf_config
 
 SEED = 20261204
 CASES = {"recipe": 100, "run config.yaml": 60, "hf config.json": 90, "safetensors": 70, "safetensors index": 25,

@@ -7,7 +7,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from systolic.workloads.lm import hf, hf_config
+from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.config import ModelConfig
 
 VOCAB = 320

@@ -10,7 +10,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
-from systolic import cli_plan
+from systolic.plan import command as cli_plan
 from systolic.errors import UserError
 from systolic.runtime import interrupts
 
@@ -540,7 +540,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from systolic.workloads.lm import hf
+    from systolic.workloads.lm.hf import convert as hf
 
     if args.direction == "from-hf":
         cfg = hf.import_run(args.src, args.run_dir, scan_layers=args.scan_layers)

@@ -39,10 +39,10 @@ class MeshConfig:
     # Mixture-of-experts weights split over it (lm model.moe), with all-to-all dispatch; a data axis for the rest.
     # (After tensor here, for positional construction; in the mesh it sits between fsdp and tensor: runtime/mesh.py.)
     expert: int = 1
-    # Each sequence split over it (lm: context parallelism, workloads/lm/context.py); attention exchanges keys/values.
+    # Each sequence split over it (lm: context parallelism, workloads/lm/parallel/context.py); attention exchanges keys/values.
     context: int = 1
     # Pipeline stages: the stacked layers split into consecutive groups, one per stage (lm with model.scan_layers;
-    # lm/pipeline.py). In the mesh it sits after data: stages exchange activations point to point, rarely.
+    # lm/parallel/pipeline.py). In the mesh it sits after data: stages exchange activations point to point, rarely.
     stage: int = 1
     # TPU slices (or, off TPUs, processes) the devices span: the data axis is split across them, so only the
     # data-parallel gradient reduction crosses the data-center network (runtime/mesh.py).

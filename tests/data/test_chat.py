@@ -18,7 +18,7 @@ from systolic.data.bpe import BPETokenizer
 from systolic.data.chat import ChatTemplate
 from systolic.data.tokenizer import COMPANION_FILES, store_in_run
 from systolic.errors import UserError
-from systolic.workloads.lm import hf
+from systolic.workloads.lm.hf import convert as hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from systolic.engine.loop import Task
-from systolic.observe.flops import measured_matmul_flops
+from systolic.observe.peak_flops import measured_matmul_flops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
   where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
   XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
   programs are unaffected, so the choice is per workload and needs no platform check.
-- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/cpu.py), read at trace time.
+- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/model/cpu.py), read at trace time.
 - `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads
   it measured faster for (`MALLOC_WORKLOADS`; the rl workload's PPO ran at 0.56-0.65x with it).
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,

@@ -2,10 +2,10 @@
 devices that exist.
 exist.
 
-`expert` splits mixture-of-experts weights (lm/moe.py); everything else sees it as one more data-parallel axis:
+`expert` splits mixture-of-experts weights (lm/model/moe.py); everything else sees it as one more data-parallel axis:
 the batch is split over data x fsdp x expert, as MaxText does, so attention and the dense layers do not repeat
-work on the expert ranks. `context` splits each sequence (lm/context.py): not a batch axis, as its devices hold
-parts of the same rows. `stage` holds pipeline stages (lm/pipeline.py): inside the pipeline each stage holds its
+work on the expert ranks. `context` splits each sequence (lm/parallel/context.py): not a batch axis, as its devices hold
+parts of the same rows. `stage` holds pipeline stages (lm/parallel/pipeline.py): inside the pipeline each stage holds its
 own layers and every stage sees the same examples, one microbatch after another; outside it (embedding, head, loss)
 the batch is split over `stage` too, so that work is not repeated on every stage."""
 

@@ -4,7 +4,7 @@
 compiles for a TPU topology), else this process's backend; it is safe inside jit, which keys its cache on the
 abstract mesh. `compile_platform()` is what the program is written for: `systolic plan` for a GPU target traces GPU
 code (bfloat16, no CPU rewrites) but compiles it with XLA:CPU on fake devices, and says so with `compiling_for`.
-Model code that picks a platform-specific formulation (compute dtype, the CPU rewrites of workloads/lm/cpu.py)
+Model code that picks a platform-specific formulation (compute dtype, the CPU rewrites of workloads/lm/model/cpu.py)
 asks `compile_platform()`; a kernel that only one compiler can build (splash: libtpu, cuDNN: CUDA) asks
 `device_platform()`.
 """

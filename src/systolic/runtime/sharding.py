@@ -8,14 +8,14 @@ Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
   too, and so is the expert axis outside the MoE layers).
 - `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
-  layer sends tokens to them with an all-to-all (workloads/lm/moe.py). Every rule set has expert parallelism.
+  layer sends tokens to them with an all-to-all (workloads/lm/model/moe.py). Every rule set has expert parallelism.
 - `seq` (activations' sequence axis) over context: each device holds part of every row it has (context
-  parallelism); attention passes keys/values round the context ring (workloads/lm/context.py). Every rule set has it.
+  parallelism); attention passes keys/values round the context ring (workloads/lm/parallel/context.py). Every rule set has it.
 - parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
   before use and reduce-scatters the gradient.
 - `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
 - `layers` (the stacked blocks' leading axis, model.scan_layers) over stage: each pipeline stage holds its own
-  layers (workloads/lm/pipeline.py). Every rule set has pipeline parallelism.
+  layers (workloads/lm/parallel/pipeline.py). Every rule set has pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _ACTIVATIONS: Rules = (
-    ("batch", ("data", "stage", "fsdp", "expert")),  # stage: a data axis outside the pipeline (lm/pipeline.py)
-    ("seq", "context"),  # context parallelism: the sequence split, attention by ring (workloads/lm/context.py)
+    ("batch", ("data", "stage", "fsdp", "expert")),  # stage: a data axis outside the pipeline (lm/parallel/pipeline.py)
+    ("seq", "context"),  # context parallelism: the sequence split, attention by ring (workloads/lm/parallel/context.py)
     ("act_embed", None),  # activations keep d_model whole: their batch axis already uses fsdp
     ("head_dim", None),
     ("layers", "stage"),  # pipeline parallelism: consecutive layers per stage

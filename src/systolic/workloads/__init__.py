@@ -11,9 +11,9 @@ Command signatures, by name (the CLI calls them so):
 - `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, *, chat, system) -> str`;
   with `chat`, `prompt` is the user's message and the result the assistant's reply.
 - `bench`: `(cfg) -> context manager yielding the engine Task`, timed by `systolic bench`.
-- `plan`: `(cfg, devices) -> engine.plan.StepProgram`: the real step lowered on a mesh of `devices` (the plan
+- `plan`: `(cfg, devices) -> plan.planner.StepProgram`: the real step lowered on a mesh of `devices` (the plan
   target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
-  engine/plan.py compiles it and weights its loops by their trip counts. Every workload offers one.
+  plan/planner.py compiles it and weights its loops by their trip counts. Every workload offers one.
 
 `options` (optional) maps a command to a function that adds that command's own options to an argparse parser: the
 CLI parses them per workload, so an option of another workload's command (`systolic eval lm --episodes`) is an

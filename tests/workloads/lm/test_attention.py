@@ -1,4 +1,4 @@
-"""Training attention (`lm/attention.py`): the splash kernel, run by Pallas's interpreter on CPU, computes causal
+"""Training attention (`lm/model/attention.py`): the splash kernel, run by Pallas's interpreter on CPU, computes causal
 grouped-query attention and its gradients, alone and under a mesh; every implementation and the KV-cache decode
 path agree under a sliding window; the choice of implementation per platform."""
 
@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import RULE_SETS, activate, logical_to_spec
-from systolic.workloads.lm import attention
+from systolic.workloads.lm.model import attention
 
 B, T, H, KV, HD = 2, 256, 4, 2, 64  # T = 2 splash blocks of 128: the causal mask has a skipped block
 
@@ -117,7 +117,7 @@ def test_decode_path_masks_the_window_as_training_does():
     """A model with a window of 5 over 16 tokens: its training forward (xla, and the cpu formulation that auto
     picks here) and the KV-cache decode path (the prompt, then one token at a time) give the same logits."""
     from systolic.workloads.lm.config import ModelConfig
-    from systolic.workloads.lm.model import make_model
+    from systolic.workloads.lm.model.transformer import make_model
 
     cfg = ModelConfig(d_model=32, layers=2, heads=4, kv_heads=2, max_seq_len=32, dtype="float32", sliding_window=5)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
@@ -163,7 +163,7 @@ def test_cudnn_call_takes_the_window(monkeypatch):
     ("gpu", jnp.bfloat16, 128, "cudnn"),
     ("gpu", jnp.float32, 128, "xla"),  # cuDNN's flash attention is half precision only
     ("gpu", jnp.bfloat16, 160, "xla"),
-    ("cpu", jnp.float32, 64, "cpu"),  # lm/cpu.py's formulation, the CPU tweaks being on by default
+    ("cpu", jnp.float32, 64, "cpu"),  # lm/model/cpu.py's formulation, the CPU tweaks being on by default
 ])
 def test_auto_picks_by_platform(monkeypatch, platform, dtype, head_dim, want):
     monkeypatch.setattr(attention, "compile_platform", lambda: platform)
@@ -199,7 +199,7 @@ def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
     from flax import nnx
 
     from systolic.workloads.lm.config import ModelConfig
-    from systolic.workloads.lm.model import make_model
+    from systolic.workloads.lm.model.transformer import make_model
 
     cfg = ModelConfig(d_model=64, layers=1, heads=4, kv_heads=2, max_seq_len=128, dtype="float32", scan_layers=True,
                       remat="full")

@@ -1,4 +1,4 @@
-"""Context parallelism (mesh.context, lm/context.py): ring and all-gather attention against plain causal attention,
+"""Context parallelism (mesh.context, lm/parallel/context.py): ring and all-gather attention against plain causal attention,
 the lm's loss and gradients on context meshes against one device, the compiled step's collectives, and the errors
 for a sequence or setting that does not fit."""
 
@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from systolic.engine import hlo_collectives
+from systolic.plan import hlo_collectives
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads.lm import context, cpu
+from systolic.workloads.lm.parallel import context
+from systolic.workloads.lm.model import cpu
 from systolic.workloads.lm.train import abstract_batch, build_step, build_task, make_loss_fn
 from tiny import MOE
 

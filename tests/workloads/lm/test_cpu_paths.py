@@ -1,4 +1,4 @@
-"""The CPU-only formulations in `lm/cpu.py` compute the same function as the plain ones."""
+"""The CPU-only formulations in `lm/model/cpu.py` compute the same function as the plain ones."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ from flax import nnx
 
 from systolic.runtime import cpu_tuning
 from systolic.workloads.lm.config import ModelConfig
-from systolic.workloads.lm.cpu import causal_attention, gradient_barrier, project
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.model.cpu import causal_attention, gradient_barrier, project
+from systolic.workloads.lm.model.transformer import Transformer
 
 
 def _reference_attention(q, k, v):

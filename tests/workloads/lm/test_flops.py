@@ -13,8 +13,8 @@ from flax import nnx
 
 from systolic import config as config_lib
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.flops import matmul_params, train_flops_per_token
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.model.flops import matmul_params, train_flops_per_token
+from systolic.workloads.lm.model.transformer import Transformer
 
 
 @pytest.mark.parametrize("family, extra", [("llama", ["model.kv_heads=2"]), ("gpt2", ["model.tie_embeddings=true"])])
@@ -52,13 +52,13 @@ def test_a_sliding_window_counts_only_the_keys_in_it():
 @pytest.mark.parametrize("tiles", [True, False], ids=["cpu-tiles", "ragged_dot"])
 def test_moe_counts_the_active_experts(tiles, monkeypatch):
     """A mixture of 4 experts, 2 per token, plus a shared expert, in one of two layers, against XLA's count. XLA
-    computes more than the active experts, by a known amount: on CPU the tiled grouped matmul (lm/cpu.py) pads each
+    computes more than the active experts, by a known amount: on CPU the tiled grouped matmul (lm/model/cpu.py) pads each
     expert's rows to whole tiles and computes every tile, and XLA:CPU's own ragged_dot (the CPU rewrite off) computes
     one matmul per expert over all rows, E times the work. Expected: formula + masked attention half + the routed
     experts' active FLOPs x (rows computed / rows routed - 1)."""
     from systolic.runtime import cpu_tuning
-    from systolic.workloads.lm import cpu
-    from systolic.workloads.lm.flops import moe_active_params
+    from systolic.workloads.lm.model import cpu
+    from systolic.workloads.lm.model.flops import moe_active_params
 
     monkeypatch.setattr(cpu_tuning, "settings", lambda: cpu_tuning.CpuTuning(grouped=tiles))
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [

@@ -24,7 +24,10 @@ from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm import hf, hf_config, hf_tensors, init_from
+from systolic.workloads.lm import init_from
+from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.lm.hf import config as hf_config
+from systolic.workloads.lm.hf import tensors as hf_tensors
 from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig
 from systolic.workloads.lm.sample import generate_from_run, load_run
 from systolic.workloads.lm.train import build_task, model_graphdef, param_shardings

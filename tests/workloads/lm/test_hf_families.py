@@ -6,7 +6,7 @@ SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head), a
 biases, a gated shared expert). Each tiny random model is imported
 and must give transformers' float32 logits and greedy generations, on one device and on a mesh of 8, and its
 export must load in `from_pretrained` with no missing or unexpected tensors and the same logits. The MoE models' 8-device
-mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/moe.py)."""
+mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/model/moe.py)."""
 
 import dataclasses
 import json
@@ -22,9 +22,10 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm import hf, hf_config
+from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.config import ModelConfig
-from systolic.workloads.lm.rope import inverse_frequencies
+from systolic.workloads.lm.model.rope import inverse_frequencies
 from systolic.workloads.lm.sample import load_run
 from systolic.workloads.lm.train import model_graphdef, param_shardings
 

@@ -27,7 +27,9 @@ from systolic.errors import ConfigError
 from systolic.engine import finished
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for, with_shardings
-from systolic.workloads.lm import hf, init_from, lora
+from systolic.workloads.lm import init_from
+from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.sample import generate_from_run, load_run
 from systolic.workloads.lm.train import build_task, init_params, model_graphdef, param_shardings
@@ -287,7 +289,7 @@ def test_a_lora_run_as_a_source_gives_its_merged_weights(imported, lora_run, cor
 
 
 def test_plan_counts_the_trained_parameters_and_their_optimizer_state(capsys):
-    from systolic.engine.plan import Plan, format_plan
+    from systolic.plan.planner import Plan, format_plan
 
     # float32 compute: a GPU plan's bfloat16 attention promotes inside jax, which conftest's strict promotion rejects.
     overrides = [*TINY_LM, "model.lora.rank=8", "model.dtype=float32"]

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (model.moe, lm/moe.py) against a float64 NumPy loop over each token's selected experts,
+"""The mixture-of-experts MLP (model.moe, lm/model/moe.py) against a float64 NumPy loop over each token's selected experts,
 both dispatches (dropless grouped matmul, capacity one-hot einsums) and their gradients, the router's losses, and
 a short training run."""
 
@@ -10,9 +10,9 @@ from flax import nnx
 
 from systolic import config as config_lib
 from systolic.errors import ConfigError
-from systolic.workloads.lm import moe as moe_lib
+from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import MoE
+from systolic.workloads.lm.model.transformer import MoE
 from tiny import MOE, TINY_MOE
 
 B, T = 2, 8
@@ -197,9 +197,9 @@ def test_training_lowers_the_loss_and_reports_the_router(tiny_lm, extra):
 
 @pytest.mark.parametrize("sizes", [[5, 0, 20, 3], [0, 0, 0, 0], [32, 0, 0, 0]])
 def test_cpu_tiled_grouped_matmul_equals_ragged_dot(sizes):
-    """lm/cpu.py's tiles (XLA:CPU's ragged_dot computes every group over every row) against ragged_dot, with empty
+    """lm/model/cpu.py's tiles (XLA:CPU's ragged_dot computes every group over every row) against ragged_dot, with empty
     groups and rows past the groups, forward and backward."""
-    from systolic.workloads.lm import cpu
+    from systolic.workloads.lm.model import cpu
 
     group_sizes = jnp.array(sizes, jnp.int32)
     x = jax.random.normal(jax.random.PRNGKey(0), (32, 16), jnp.float32)

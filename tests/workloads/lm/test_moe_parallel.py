@@ -1,4 +1,4 @@
-"""Expert parallelism (mesh.expert, lm/moe.py): the MoE model trains to the same losses on one device and on meshes
+"""Expert parallelism (mesh.expert, lm/model/moe.py): the MoE model trains to the same losses on one device and on meshes
 that split its 8 experts over the `expert` axis together with data, fsdp and tensor; the compiled step moves tokens
 with all-to-all and gathers only each device's own experts."""
 
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from systolic.engine import hlo_collectives
+from systolic.plan import hlo_collectives
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads.lm.train import abstract_batch, build_step

@@ -11,11 +11,11 @@ from systolic import cli
 from systolic import config as config_lib
 from systolic.config import CheckpointConfig, MeshConfig
 from systolic.engine.checkpoint import Checkpointer
-from systolic.engine.hlo_collectives import read_collectives
+from systolic.plan.hlo_collectives import read_collectives
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.parametrization import role
+from systolic.workloads.lm.model.parametrization import role
 from systolic.workloads.lm.train import abstract_batch, build_step, build_task
 from tiny import TINY_LM
 

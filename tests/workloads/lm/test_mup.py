@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from systolic.workloads.lm.config import LMOptimConfig, ModelConfig
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.optimizer import make_lm_optimizer
-from systolic.workloads.lm.rope import rope_tables
+from systolic.workloads.lm.model.rope import rope_tables
 from systolic.workloads.lm.train import make_loss_fn
 
 WIDTHS = (64, 128, 256, 512)
@@ -139,7 +139,7 @@ def test_folded_into_standard_parameters_for_hugging_face(qk_norm):
     """`systolic convert to-hf` writes a muP model as standard parameters (Hugging Face has no muP multipliers):
     the standard model computes the same logits with them. Tied embeddings cannot be folded: a UserError."""
     from systolic.errors import UserError
-    from systolic.workloads.lm.parametrization import to_standard
+    from systolic.workloads.lm.model.parametrization import to_standard
 
     mcfg = dataclasses.replace(MODEL, d_model=128, parametrization="mup", qk_norm=qk_norm)  # m = 2
     model = Transformer(mcfg, VOCAB, rngs=nnx.Rngs(params=0))

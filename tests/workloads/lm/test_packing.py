@@ -19,9 +19,9 @@ from systolic.cli import main
 from systolic.data import text
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import RULE_SETS, activate, logical_to_spec
-from systolic.workloads.lm import attention
+from systolic.workloads.lm.model import attention
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.model.transformer import Transformer
 from tiny import LM_CLI_QUIET, TINY_LM
 
 EOT = 9

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (mesh.stage, lm/pipeline.py): the pipelined loss and gradients equal one device's for both
+"""Pipeline parallelism (mesh.stage, lm/parallel/pipeline.py): the pipelined loss and gradients equal one device's for both
 schedules, alone and with data, fsdp and tensor; the compiled step passes activations round the ring of stages with
 collective-permutes; a layout the axes do not divide is a ConfigError before anything compiles."""
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from systolic.config import MeshConfig
-from systolic.engine import hlo_collectives
+from systolic.plan import hlo_collectives
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads.lm import pipeline
+from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.train import abstract_batch, build_step, make_loss_fn
 
 SCANNED = ["model.scan_layers=true", "model.layers=4"]  # the stages split the stacked layer axis

@@ -255,7 +255,7 @@ def imported(tokenizer_dir, tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     import shutil
 
-    from systolic.workloads.lm import hf
+    from systolic.workloads.lm.hf import convert as hf
 
     root = tmp_path_factory.mktemp("sft-model")
     make_hf_model("llama").save_pretrained(root / "hf")

@@ -1,4 +1,4 @@
-"""lm/sizes.py: the parameter count from the config alone is a tight lower bound on the model's real one."""
+"""lm/model/sizes.py: the parameter count from the config alone is a tight lower bound on the model's real one."""
 
 import dataclasses
 import math
@@ -8,9 +8,9 @@ import pytest
 
 from tiny_files import TINY_MODEL
 
-from systolic.workloads.lm import sizes
+from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import LoraConfig, MoeConfig
-from systolic.workloads.lm.hf import abstract_params
+from systolic.workloads.lm.hf.convert import abstract_params
 
 
 @pytest.mark.parametrize("changes", [

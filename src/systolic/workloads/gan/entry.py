@@ -10,7 +10,7 @@ import numpy as np
 from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
-from systolic.engine.plan import StepProgram
+from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload

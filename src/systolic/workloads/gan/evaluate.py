@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from systolic.engine.optim import standard_promotion
+from systolic.optim.adamw import standard_promotion
 
 CLASSIFIER_FILE = "classifier.npz"
 CONFIDENCE = 0.9

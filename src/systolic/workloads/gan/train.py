@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine.optim import standard_promotion
+from systolic.optim.adamw import standard_promotion
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.runtime import memory
 from systolic.runtime.sharding import Rules, activate

@@ -14,7 +14,7 @@ from systolic.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
     """RoPE frequencies stretched for contexts longer than pre-training's, as Hugging Face's `rope_parameters`
-    compute them (`lm/rope.py`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1+) divides the
+    compute them (`lm/model/rope.py`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1+) divides the
     low frequencies by `factor`, keeps the high ones and blends in between; `yarn` blends per frequency between
     the two by `beta_fast`/`beta_slow` and scales cos and sin by `attention_factor`."""
 
@@ -69,7 +69,7 @@ LORA_TARGETS = {
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters (LoRA, Hu et al. 2021): each targeted projection W gains y = x W + alpha / rank * (x A) B
-    with A (in, rank) and B (rank, out); only A and B are trained, the base weights stay frozen (lm/lora.py).
+    with A (in, rank) and B (rank, out); only A and B are trained, the base weights stay frozen (lm/model/lora.py).
     Defaults follow Hugging Face PEFT's `LoraConfig` for Llama: `lora_alpha=8` and `target_modules` q_proj, v_proj."""
 
     rank: int = 0  # 0: off; PEFT's `r`
@@ -108,7 +108,7 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts MLPs (lm/moe.py): in the layers it selects, the dense SwiGLU MLP becomes `experts` SwiGLU
+    """Mixture-of-experts MLPs (lm/model/moe.py): in the layers it selects, the dense SwiGLU MLP becomes `experts` SwiGLU
     experts of width `mlp_dim`, of which a float32 router picks `top_k` per token and mixes their outputs by the
     router's probabilities (renormalised over the top k with `norm_topk_prob`, as Mixtral does and Qwen3-MoE's
     `norm_topk_prob` switches), plus optional always-on shared experts (Qwen2-MoE, DeepSeek). Training adds the
@@ -187,15 +187,15 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
     remat: Literal["none", "full", "dots"] = "none"
-    # training attention: auto = splash on TPU, cuDNN on GPU, lm/cpu.py on CPU (see workloads/lm/attention.py)
+    # training attention: auto = splash on TPU, cuDNN on GPU, lm/model/cpu.py on CPU (see workloads/lm/model/attention.py)
     attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
-    # attention when mesh.context > 1 splits the sequence (workloads/lm/context.py): ring = key/value blocks passed
+    # attention when mesh.context > 1 splits the sequence (workloads/lm/parallel/context.py): ring = key/value blocks passed
     # round the ring with flash-style accumulation (memory per device falls with the ring); allgather = keys and
     # values gathered whole, then plain attention (fewer, larger messages; for small rings)
     context_attention: Literal["ring", "allgather"] = "ring"
     scan_layers: bool = False
     # muP (Yang et al., Tensor Programs V): initialisation, per-layer learning rates, output multiplier and attention
-    # scale that make the best learning rate independent of d_model (lm/parametrization.py). The model equals the
+    # scale that make the best learning rate independent of d_model (lm/model/parametrization.py). The model equals the
     # standard one at d_model = mup_base_width: tune there, then widen.
     parametrization: Literal["standard", "mup"] = "standard"
     mup_base_width: int = 256
@@ -329,7 +329,7 @@ class ModelConfig:
 class LMOptimConfig(OptimConfig):
     """The engine's AdamW settings plus what only the lm uses: Muon for the blocks' weight matrices, and the
     output-logit z-loss. With `name: muon` the blocks' projections (attention q, k, v, o and the MLP's) take Muon
-    steps (engine/muon.py) at a peak rate `muon_lr`, on the same warmup and cosine schedule; the embeddings, the
+    steps (optim/muon.py) at a peak rate `muon_lr`, on the same warmup and cosine schedule; the embeddings, the
     output layer, norms and biases keep AdamW at `lr`. Weight decay shrinks every matrix by lr * weight_decay a step,
     AdamW's rate, whichever optimizer moves it (lm/optimizer.py)."""
 
@@ -373,7 +373,7 @@ class LMTrainConfig(TrainConfig):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """The `pipeline` section: how the layers run over the `mesh.stage` axis (lm/pipeline.py). It acts only with
+    """The `pipeline` section: how the layers run over the `mesh.stage` axis (lm/parallel/pipeline.py). It acts only with
     mesh.stage > 1; checked against the mesh in `pipeline.check`."""
 
     # The batch (each grad_accum micro-step's) is cut into this many microbatches that follow each other through the
@@ -540,7 +540,7 @@ class LMConfig:
             )
 
     def _check_context(self) -> None:
-        """Context parallelism (mesh.context, workloads/lm/context.py): its attention setting applies only when the
+        """Context parallelism (mesh.context, workloads/lm/parallel/context.py): its attention setting applies only when the
         sequence is split, and replaces model.attention's implementations. (The sequence length is checked against
         the mesh, whose context axis may be -1 here, by `context.check_seq_len`.)"""
         context, m = self.mesh.context, self.model
@@ -553,6 +553,6 @@ class LMConfig:
         if context != 1 and m.attention != "auto":
             raise ConfigError(
                 f"model.attention={m.attention} with mesh.context={context}: a split sequence runs attention as "
-                f"model.context_attention={m.context_attention} (ring or allgather, workloads/lm/context.py), not "
+                f"model.context_attention={m.context_attention} (ring or allgather, workloads/lm/parallel/context.py), not "
                 "through the single-device kernels. Fix: model.attention=auto, or mesh.context=1."
             )

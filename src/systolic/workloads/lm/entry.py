@@ -15,13 +15,15 @@ from systolic.data.sft import ChatCorpus
 from systolic.data.tokenizer import find_chat_template, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
-from systolic.engine.plan import StepProgram
+from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload
-from systolic.workloads.lm import context, init_from, pipeline, sample
+from systolic.workloads.lm import init_from, sample
+from systolic.workloads.lm.parallel import context
+from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.train import baseline_nats_per_byte, build_task, model_params
 
@@ -96,7 +98,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 def _moe_text(cfg: LMConfig, vocab: int) -> str:
     """The start-up line's MoE part: experts and the matmul weights one token is multiplied by (what FLOPs count)."""
-    from systolic.workloads.lm.flops import matmul_params
+    from systolic.workloads.lm.model.flops import matmul_params
 
     m = cfg.model
     if not m.moe.experts:
@@ -128,9 +130,9 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
 
     XLA's cost analysis cannot see inside the splash attention kernel (a Pallas kernel, a custom call to XLA): its
     FLOPs are added from the formula's attention term."""
-    from systolic.workloads.lm import attention
-    from systolic.workloads.lm.flops import train_flops_per_token
-    from systolic.workloads.lm.model import resolve_dtype
+    from systolic.workloads.lm.model import attention
+    from systolic.workloads.lm.model.flops import train_flops_per_token
+    from systolic.workloads.lm.model.transformer import resolve_dtype
     from systolic.workloads.lm.train import abstract_batch, build_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -146,7 +148,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         impl = m.context_attention if split else attention.choose(
             m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
             segments=cfg.data.packing == "documents")
-    # Causal attention's model FLOPs per token (workloads/lm/flops.py): what the kernel must do at the least.
+    # Causal attention's model FLOPs per token (workloads/lm/model/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
              "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
@@ -161,7 +163,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         kernel_flops=attention_flops if impl == "splash" else 0.0,
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
-        notes=(f"the formula (workloads/lm/flops.py) counts each matmul once and half of causal attention's T x T "
+        notes=(f"the formula (workloads/lm/model/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}" + _attention_memory(impl, split, cfg.data.seq_len) + f"; {remat}",
                *_moe_notes(cfg, mesh), *pipeline.notes(cfg, mesh)),
     )
@@ -176,15 +178,15 @@ def _attention_memory(impl: str, split, seq_len: int) -> str:
     c = seq_len // (2 * split.n)
     if impl == "ring":
         rows = c // context.query_blocks(c)
-        return (f" over mesh.context={split.n} (lm/context.py): key/value blocks round the ring, scores in blocks of "
+        return (f" over mesh.context={split.n} (lm/parallel/context.py): key/value blocks round the ring, scores in blocks of "
                 f"{rows} queries x {c} keys (T / 2n), recomputed in the backward pass")
-    return (f" over mesh.context={split.n} (lm/context.py): keys/values gathered whole, each device's {2 * c} queries' "
+    return (f" over mesh.context={split.n} (lm/parallel/context.py): keys/values gathered whole, each device's {2 * c} queries' "
             f"scores against all {seq_len} keys")
 
 
 def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
     """What `systolic plan` should say about a mixture of experts: what the formula counts, and what the all-to-all
-    bytes and XLA's FLOPs mean for the chosen dispatch (workloads/lm/moe.py)."""
+    bytes and XLA's FLOPs mean for the chosen dispatch (workloads/lm/model/moe.py)."""
     moe = cfg.model.moe
     if not moe.experts:
         return ()

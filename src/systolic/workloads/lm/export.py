@@ -35,7 +35,7 @@ from flax import nnx
 
 from systolic import outfile
 from systolic.errors import UserError
-from systolic.workloads.lm.model import KVCache, resolve_dtype
+from systolic.workloads.lm.model.transformer import KVCache, resolve_dtype
 from systolic.workloads.lm.sample import LoadedRun, load_run
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.errors import UserError
-from systolic.workloads.lm.model import KVCache, Transformer
+from systolic.workloads.lm.model.transformer import KVCache, Transformer
 
 
 def _merge(graphdef: nnx.GraphDef, params) -> Transformer:

@@ -30,9 +30,9 @@ from systolic.engine.checkpoint import Checkpointer, has_checkpoints
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime.sharding import Rules, activate
-from systolic.workloads.lm import lora
+from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.config import LMConfig, ModelConfig
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.model.transformer import Transformer
 
 COMPUTE_ONLY = ("dtype", "remat", "attention")  # model settings that do not change the parameters
 OWN = (*COMPUTE_ONLY, "lora")  # model settings of this run, not the source's: the adapters sit beside its weights

@@ -1,5 +1,5 @@
 """The lm's optimizer: AdamW (`optim.name=adamw`), or Muon for the hidden matrices and AdamW for the rest
-(`optim.name=muon`), each parameter sorted by its role (lm/parametrization.py); under muP, AdamW's per-layer
+(`optim.name=muon`), each parameter sorted by its role (lm/model/parametrization.py); under muP, AdamW's per-layer
 learning rates.
 
 Muon's step on a matrix is muon_lr * (orthogonalised momentum) * shape factor, plus AdamW's decoupled decay
@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import optax
 
-from systolic.engine import muon
-from systolic.engine.optim import decay_mask, make_optimizer, make_schedule, standard_promotion
+from systolic.optim import muon
+from systolic.optim.adamw import decay_mask, make_optimizer, make_schedule, standard_promotion
 from systolic.workloads.lm.config import LMOptimConfig, ModelConfig
-from systolic.workloads.lm.parametrization import adam_lr_multiplier, muon_dims, roles
+from systolic.workloads.lm.model.parametrization import adam_lr_multiplier, muon_dims, roles
 
 
 def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) -> optax.GradientTransformation:

@@ -18,7 +18,7 @@ from systolic.errors import ConfigError, UserError
 from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, rules_for, with_shardings
-from systolic.workloads.lm import sizes
+from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import LMConfig, SampleConfig
 from systolic.workloads.lm.generate import generate
 
@@ -132,7 +132,7 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
     (default: all) as `sharded_layout` chooses; otherwise on the first device. A LoRA run comes back merged: its
     base (from its init.from) with the adapters folded in, and `cfg.model.lora` off."""
     from systolic.workloads.lm.init_from import run_params
-    from systolic.workloads.lm.lora import base_config
+    from systolic.workloads.lm.model.lora import base_config
     from systolic.workloads.lm.train import model_graphdef, param_shardings
 
     with finished.open_run(run_dir, "lm", command) as run:
@@ -185,6 +185,6 @@ def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tupl
 
 
 def _model(cfg: LMConfig, vocab: int):
-    from systolic.workloads.lm.model import Transformer
+    from systolic.workloads.lm.model.transformer import Transformer
 
     return Transformer(cfg.model, vocab, rngs=nnx.Rngs(0))

@@ -18,20 +18,22 @@ from systolic.data import cached_corpus, packed, prepared, sft, text
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
-from systolic.engine.optim import make_schedule
+from systolic.optim.adamw import make_schedule
 from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import UserError
-from systolic.observe.flops import peak_flops
+from systolic.observe.peak_flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
-from systolic.workloads.lm import context, lora
-from systolic.workloads.lm import moe as moe_lib
-from systolic.workloads.lm import pipeline, sizes
+from systolic.workloads.lm.parallel import context
+from systolic.workloads.lm.model import lora
+from systolic.workloads.lm.model import moe as moe_lib
+from systolic.workloads.lm.parallel import pipeline
+from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig, PipelineConfig
-from systolic.workloads.lm.flops import train_flops_per_token
+from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
-from systolic.workloads.lm.model import Transformer, resolve_dtype
+from systolic.workloads.lm.model.transformer import Transformer, resolve_dtype
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 
 
@@ -245,7 +247,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float, pipe: Pi
     """The lm's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)` for the engine's step: `objective`'s
     cross-entropy (and z-loss), plus with model.moe the MoE layers' load-balancing loss and router z-loss (averaged
     over the layers) by their weights; their values and the experts' load in the metrics. With `pipe` the layers
-    run as a pipeline when the mesh has stages (lm/pipeline.py)."""
+    run as a pipeline when the mesh has stages (lm/parallel/pipeline.py)."""
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.engine.optim import standard_promotion
+from systolic.optim.adamw import standard_promotion
 from systolic.workloads.rl import q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig

@@ -11,7 +11,7 @@ import jax
 from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
-from systolic.engine.plan import StepProgram
+from systolic.plan.planner import StepProgram
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
 from systolic.workloads import Workload

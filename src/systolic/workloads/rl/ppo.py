@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.engine.optim import standard_promotion
+from systolic.optim.adamw import standard_promotion
 from systolic.workloads.rl import episodes as episodes_lib
 from systolic.workloads.rl import policy
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward

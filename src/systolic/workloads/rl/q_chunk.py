@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from systolic.engine.optim import standard_promotion_schedule
+from systolic.optim.adamw import standard_promotion_schedule
 from systolic.workloads.rl import episodes as episodes_lib
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from systolic.engine import loop
-from systolic.engine.plan import StepProgram
+from systolic.plan.planner import StepProgram
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.loop import Task
-from systolic.engine.optim import make_optimizer, make_schedule
+from systolic.optim.adamw import make_optimizer, make_schedule
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import ConfigError

@@ -7,7 +7,7 @@ The token's output is the weighted sum of its k experts' SwiGLU outputs.
 
 - Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
   grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
-  group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/cpu.py,
+  group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/model/cpu.py,
   `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py).
 - Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
   C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
@@ -35,7 +35,7 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec as P
 
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm import cpu
+from systolic.workloads.lm.model import cpu
 
 
 class Routing(NamedTuple):
@@ -107,7 +107,7 @@ class Experts(NamedTuple):
 
 def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Array:
     """xs (R, D) sorted by expert, group_sizes (E,) -> (R, D); rows past sum(group_sizes) come out zero. On CPU
-    the grouped matmul is lm/cpu.py's tiled one: XLA:CPU computes ragged_dot as E matmuls over all rows."""
+    the grouped matmul is lm/model/cpu.py's tiled one: XLA:CPU computes ragged_dot as E matmuls over all rows."""
     if cpu.cpu_tweak("grouped"):  # the rows stay in tiles through the three matmuls
         tiles = cpu.tile_layout(group_sizes, xs.shape[0])
         xt = cpu.to_tiles(xs, tiles)  # (tiles, t, D)
@@ -249,7 +249,7 @@ def experts_forward(x: jax.Array, r: Routing, w: Experts, capacity_factor: float
     assert expert_axis is None or expert_axis in batch_axes, "the expert axis must split the batch too"
     ep = expert_axis if expert_axis and mesh.shape[expert_axis] > 1 else None
     tp = mlp_axis  # psum'd even at size 1: the weights' spec names the axis, so the output varies over it
-    # Dropless routing is per token, so a sequence split over context (lm/context.py) stays split; capacity is per
+    # Dropless routing is per token, so a sequence split over context (lm/parallel/context.py) stays split; capacity is per
     # sequence (GShard), so there each device takes its rows whole.
     seq_axes = None if capacity_factor else logical_to_spec(("seq",), rules)[0]
     rows = P(batch_axes, seq_axes)

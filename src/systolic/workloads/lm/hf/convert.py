@@ -39,10 +39,13 @@ from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import rules_for
 from systolic.runtime import memory
-from systolic.workloads.lm import hf_config, parametrization, safetensors_file, sizes
+from systolic.workloads.lm.hf import config as hf_config
+from systolic.workloads.lm.model import parametrization
+from systolic.workloads.lm.hf import safetensors_file
+from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
-from systolic.workloads.lm.hf_tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
-from systolic.workloads.lm.model import Transformer
+from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
+from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.sample import load_run
 from systolic.workloads.lm.train import param_shardings
 

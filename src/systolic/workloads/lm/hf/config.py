@@ -25,7 +25,7 @@ from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
-from systolic.workloads.lm.hf_tensors import hf_mixtral
+from systolic.workloads.lm.hf.tensors import hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -369,7 +369,7 @@ def _model_type(hf: dict[str, Any], src: Path) -> str:
         raise UserError(
             f"{src}/config.json describes model_type {model_type!r} with architectures {architectures}, which "
             f"systolic cannot convert. Supported: {supported}. Fix: pass a checkpoint of one of these; other "
-            "architectures need their own mapping in systolic.workloads.lm.hf_config and hf_tensors."
+            "architectures need their own mapping in systolic.workloads.lm.hf.config and hf_tensors."
         )
     return model_type
 

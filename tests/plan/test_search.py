@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from systolic.engine import plan_search
+from systolic.plan import search as plan_search
 
 # Sequences per chip that fit in memory with each policy, as a compiler would find them.
 FITS_UP_TO = {"none": 4, "dots": 8, "full": 32}

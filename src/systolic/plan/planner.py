@@ -6,10 +6,10 @@ of the target's devices and hands the planner a `StepProgram`; the planner compi
   result, "DOES NOT FIT", with the bytes the compiler asked for;
 - FLOPs and HBM bytes from its cost analysis, which counts a loop body once: each loop of the compiled program (a
   layer scan, a micro-batch scan, the TPU compiler's own collective-matmul loops) is weighted by its trip count,
-  read from the HLO (engine/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
+  read from the HLO (plan/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
   is invisible to XLA, so the workload adds its formula's FLOPs for it; the result is set beside the workload's
   FLOP formula;
-- the collectives of the compiled HLO (engine/hlo_collectives.py), counted per step;
+- the collectives of the compiled HLO (plan/hlo_collectives.py), counted per step;
 - a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth, and
   with several slices the bytes of collectives that span slices at DCN bandwidth), as if they overlapped perfectly,
   so it is a lower bound on the step time.
@@ -32,8 +32,9 @@ from typing import Any
 
 import jax
 
-from systolic.engine import hlo_collectives, hlo_text
-from systolic.engine.targets import PRICES_DATED, Target
+from systolic.plan import hlo_collectives
+from systolic.plan import hlo_text
+from systolic.plan.targets import PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime import memory as memory_lib
 from systolic.runtime.platform import compiling_for

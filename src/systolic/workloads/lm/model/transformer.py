@@ -19,7 +19,7 @@ weight/bias:
     lm_head                 lm_head (absent when tie_embeddings)
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
-With `model.lora` a targeted projection `w*` has a low-rank adapter `w*_lora` (a, b) beside it (lm/lora.py).
+With `model.lora` a targeted projection `w*` has a low-rank adapter `w*_lora` (a, b) beside it (lm/model/lora.py).
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from flax import nnx
 from systolic.errors import UserError
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
-from systolic.workloads.lm import attention, context
-from systolic.workloads.lm import moe as moe_lib
-from systolic.workloads.lm import pipeline as pipeline_lib
+from systolic.workloads.lm.model import attention
+from systolic.workloads.lm.parallel import context
+from systolic.workloads.lm.model import moe as moe_lib
+from systolic.workloads.lm.parallel import pipeline as pipeline_lib
 from systolic.workloads.lm.config import ModelConfig, PipelineConfig
-from systolic.workloads.lm.cpu import cpu_tweak, gradient_barrier, project
-from systolic.workloads.lm.lora import targeted_weights
-from systolic.workloads.lm.parametrization import attention_correction, hidden_init_scale, output_multiplier
-from systolic.workloads.lm.rope import apply_rope, rope_tables
+from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.model.lora import targeted_weights
+from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
+from systolic.workloads.lm.model.rope import apply_rope, rope_tables
 
 ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -75,7 +76,7 @@ def _param_from(init, key: jax.Array, shape: tuple[int, ...], names: tuple[str |
 
 class Adapter(nnx.Module):
     """LoRA's low-rank update of one projection (in_shape) -> (out_shape), per layer: scale * (x A) B with
-    A (*in, r) drawn as PEFT draws it and B (r, *out) zero, so a fresh adapter changes nothing (lm/lora.py)."""
+    A (*in, r) drawn as PEFT draws it and B (r, *out) zero, so a fresh adapter changes nothing (lm/model/lora.py)."""
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], in_names: tuple[str | None, ...],
                  out_names: tuple[str | None, ...], *, rank: int, scale: float, rngs: nnx.Rngs):
@@ -138,7 +139,7 @@ class Norm(nnx.Module):
 
 class Attention(nnx.Module):
     """Causal grouped-query attention, within `model.sliding_window` positions when set: in training by
-    `model.attention`'s implementation (`lm/attention.py`), against a KV cache through
+    `model.attention`'s implementation (`lm/model/attention.py`), against a KV cache through
     `jax.nn.dot_product_attention` with an explicit mask. Qwen2's q/k/v biases (`qkv_bias`) and Qwen3's per-head
     RMSNorm of q and k before RoPE (`qk_norm`) are switches of the llama block."""
 
@@ -191,7 +192,7 @@ class Attention(nnx.Module):
             q = q * self.q_scale
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         split = context.current_split() if kv is None else None
-        if split is not None:  # the sequence split over the context axis (lm/context.py), in its balanced order
+        if split is not None:  # the sequence split over the context axis (lm/parallel/context.py), in its balanced order
             out = context.attention(q, k, v, segment_ids, split=split, variant=self.context_attention,
                                     window=self.window)  # (B, T, H, hd)
         elif kv is None:
@@ -252,7 +253,7 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """A mixture of SwiGLU experts (model.moe, lm/moe.py): a float32 router picks top_k of `experts` per token;
+    """A mixture of SwiGLU experts (model.moe, lm/model/moe.py): a float32 router picks top_k of `experts` per token;
     optional shared experts (one MLP of shared_experts * the expert width) see every token, scaled by a sigmoid
     gate with `shared_gate` (Qwen2-MoE). Expert weights carry the logical `experts` axis (split over the `expert`
     mesh axis) and `expert_mlp` (their hidden axis)."""
@@ -346,7 +347,7 @@ class Transformer(nnx.Module):
         Documents packed into a row (`data.packing=documents`) pass `segment_ids` (B, T), so a token attends only
         to earlier tokens of its own segment, and `positions` (B, T), each token's position in its document (for
         the rotary or learned position embedding); by default one document per row at positions 0..T-1. With
-        `pipeline`, on a mesh with mesh.stage > 1 the layers run as a pipeline over the stages (lm/pipeline.py)."""
+        `pipeline`, on a mesh with mesh.stage > 1 the layers run as a pipeline over the stages (lm/parallel/pipeline.py)."""
         logits, _, _ = self._forward(tokens, None, segment_ids, positions, pipeline)
         return logits
 
@@ -355,7 +356,7 @@ class Transformer(nnx.Module):
                        ) -> tuple[jax.Array, moe_lib.MoeStats | None]:
         """As `__call__`, plus the MoE layers' stats stacked on a leading axis (None for a dense model): what
         training adds to the loss and reports. With `pipeline`, on a mesh with mesh.stage > 1 the layers run as a
-        pipeline over the stages (lm/pipeline.py; dense models only)."""
+        pipeline over the stages (lm/parallel/pipeline.py; dense models only)."""
         logits, _, stats = self._forward(tokens, None, segment_ids, positions, pipeline)
         return logits, stats
 
@@ -421,7 +422,7 @@ class Transformer(nnx.Module):
 
     def _split_inputs(self, split: context.Split, cache, tokens, segment_ids, positions):
         """The inputs of a forward pass whose sequence is split over the context axis, in the load-balanced order
-        that lm/context.py's attention expects (RoPE and learned positions move with their tokens)."""
+        that lm/parallel/context.py's attention expects (RoPE and learned positions move with their tokens)."""
         if cache is not None:
             raise UserError(
                 f"Decoding with a KV cache runs with the sequence whole, but the current sharding rules split it over "
@@ -435,7 +436,7 @@ class Transformer(nnx.Module):
         return tokens, segment_ids, positions
 
     def _pipelined(self, x, rope, segment_ids, pipeline: PipelineConfig, mesh) -> jax.Array:
-        """The stacked blocks over the stages (lm/pipeline.py): x (B, T, D) -> (B, T, D)."""
+        """The stacked blocks over the stages (lm/parallel/pipeline.py): x (B, T, D) -> (B, T, D)."""
         graphdef, weights = nnx.split(self.blocks)
         start = jnp.zeros((), jnp.int32)
         batch = x.shape[0]

@@ -1,7 +1,7 @@
 """The collectives of a compiled program, read from its optimised HLO text (`compiled.as_text()`).
 
 Counted per step: each collective instruction once per execution, so one inside a loop counts once per trip, a
-loop's trips read from the HLO itself (engine/hlo_text.py: the layer scan, a micro-batch scan, and the loops the
+loop's trips read from the HLO itself (plan/hlo_text.py: the layer scan, a micro-batch scan, and the loops the
 TPU compiler makes for collective matmuls, whose collective-permutes run once per trip). The fusions a
 collective sits in are computations called from their loop body, so they inherit its count.
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from systolic.engine import hlo_text as hlo_text_lib
+from systolic.plan import hlo_text as hlo_text_lib
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from systolic.engine import hlo_collectives, hlo_text, targets
-from systolic.engine.plan import needed_bytes
+from systolic.plan import hlo_collectives
+from systolic.plan import hlo_text
+from systolic.plan import targets
+from systolic.plan.planner import needed_bytes
 from systolic.errors import UserError
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from systolic.runtime import cpu_tuning
 from systolic.runtime.platform import compile_platform
-from systolic.workloads.lm import context
+from systolic.workloads.lm.parallel import context
 
 REWRITES = ("flatten", "attention", "barrier", "grouped")
 

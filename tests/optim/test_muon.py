@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from systolic.engine import muon
+from systolic.optim import muon
 
 
 def conditioned(shape, rng, spread=30.0):
@@ -43,7 +43,7 @@ def test_orthogonalize_is_the_polar_factor_up_to_singular_values(shape):
 
 
 def test_optax_orthogonalization_agrees():
-    """Optax's Muon (which we do not use, for its sharding: engine/muon.py) runs the same iteration."""
+    """Optax's Muon (which we do not use, for its sharding: optim/muon.py) runs the same iteration."""
     from optax.contrib._muon import orthogonalize_via_newton_schulz
 
     g = jnp.asarray(conditioned((32, 96), np.random.default_rng(1)), jnp.float32)

@@ -5,7 +5,7 @@
               (xla where splash cannot: a sequence length not a multiple of 128)
     gpu       cudnn: cuDNN flash attention, `jax.nn.dot_product_attention`         no
               (xla where cuDNN cannot: float32, head size not a multiple of 8 or over 128)
-    cpu       cpu: `lm/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
+    cpu       cpu: `lm/model/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
 
 Packed documents (`segment_ids`, lm's `data.packing=documents`) are masked to causal AND same segment by every
 implementation: splash takes the ids (`SegmentIds`), the cpu formulation folds them into its additive bias, and
@@ -39,7 +39,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from systolic.errors import ConfigError
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm import cpu
+from systolic.workloads.lm.model import cpu
 
 SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
 IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
@@ -129,7 +129,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
     rules: a Pallas kernel is opaque to XLA's SPMD partitioner, which would otherwise gather every operand onto
-    each device. The sequence stays whole (a split one takes lm/context.py's attention); the grouping is unchanged by
+    each device. The sequence stays whole (a split one takes lm/parallel/context.py's attention); the grouping is unchanged by
     the head split because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole
     groups."""
     local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window)
@@ -140,7 +140,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         return local(*operands)
     q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), rules)
     kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules)
-    # The sequence's axis (context) has size 1 here: a split sequence takes lm/context.py's attention instead.
+    # The sequence's axis (context) has size 1 here: a split sequence takes lm/parallel/context.py's attention instead.
     assert q_spec[3] is None and q_spec[2] == kv_spec[2], (q_spec, kv_spec)
     segment_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[1])  # (B, T): the rows of q's shard
     in_specs = (q_spec, kv_spec, kv_spec, segment_spec)[: len(operands)]

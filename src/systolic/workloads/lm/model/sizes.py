@@ -13,7 +13,7 @@ from typing import Any
 
 from systolic.runtime import memory
 from systolic.workloads.lm.config import LMConfig, ModelConfig
-from systolic.workloads.lm.flops import lora_params
+from systolic.workloads.lm.model.flops import lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
 TRAINED_EXTRA_BYTES = 4 + 4  # a float32 gradient and at least one float32 optimizer moment per trained parameter

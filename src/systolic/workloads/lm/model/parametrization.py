@@ -26,7 +26,7 @@ Tensor Programs V, Table 3 (muP for Adam), and the `mup` package's MuReadout/MuA
   scale is the standard one at the base. The base's head size is taken as d_head / m: width grows at a fixed
   number of heads, each head wider (as in the papers' sweeps and ours).
 With Muon the hidden weights' steps need no width factor: Muon's step scaled by sqrt(fan_out / fan_in) (the
-spectral condition, engine/muon.py `shape_scale`) already moves every layer's output by O(lr) at any width;
+spectral condition, optim/muon.py `shape_scale`) already moves every layer's output by O(lr) at any width;
 under muP Muon uses that factor instead of Keller Jordan's sqrt(max(1, fan_out / fan_in)).
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import jax
 
-from systolic.engine.muon import Dims
+from systolic.optim.muon import Dims
 from systolic.errors import UserError
 from systolic.workloads.lm.config import ModelConfig
 

@@ -46,7 +46,7 @@ def plan_devices(args: argparse.Namespace) -> None:
     import os
     import re
 
-    from systolic.engine.targets import CHIPS
+    from systolic.plan.targets import CHIPS
 
     os.environ["JAX_PLATFORMS"] = "cpu"
     chip = CHIPS.get(args.target.strip().lower())
@@ -68,8 +68,8 @@ def plan(args: argparse.Namespace) -> int:
 
     from systolic import config as config_lib
     from systolic import workloads
-    from systolic.engine import targets
-    from systolic.engine.plan import format_plan, plan_step
+    from systolic.plan import targets
+    from systolic.plan.planner import format_plan, plan_step
     from systolic.runtime import mesh as mesh_lib
 
     workload = workloads.get(args.workload)
@@ -117,8 +117,8 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
     import dataclasses
     import json
 
-    from systolic.engine import plan_search
-    from systolic.engine.plan import format_plan
+    from systolic.plan import search as plan_search
+    from systolic.plan.planner import format_plan
 
     if args.workload != "lm":
         raise UserError(f"--search varies train.batch_size and model.remat, which only the lm workload has; got "

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from systolic.engine.plan import Plan, gib_text, ms_text, plan_step
-from systolic.engine.targets import Target
+from systolic.plan.planner import Plan, gib_text, ms_text, plan_step
+from systolic.plan.targets import Target
 
 REMATS = ("none", "dots", "full")
 MAX_PER_CHIP = 64  # sequences (lm) per data-parallel device: 2**0 ... 2**6

@@ -21,8 +21,8 @@ TINY = ["model.d_model=128", "model.layers=2", "model.heads=4", "model.kv_heads=
 
 def plan_lm(target: str, mesh: dict[str, int], *extra: str):
     from systolic import config as config_lib
-    from systolic.engine import targets
-    from systolic.engine.plan import plan_step
+    from systolic.plan import targets
+    from systolic.plan.planner import plan_step
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.entry import plan
 
@@ -53,8 +53,8 @@ def test_fsdp_splits_the_state_and_the_gradients_are_reduce_scattered():
 def plan_workload(workload: str, recipe: str, mesh: dict[str, int], *, slices: int = 1, extra=()):
     from systolic import config as config_lib
     from systolic import workloads
-    from systolic.engine import targets
-    from systolic.engine.plan import plan_step
+    from systolic.plan import targets
+    from systolic.plan.planner import plan_step
 
     w = workloads.get(workload)
     overrides = [*(f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")), f"mesh.slices={slices}", *extra]

@@ -146,7 +146,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     the rules split `heads` and `kv_heads` over the same axes)."""
     assert variant in VARIANTS, variant
     rules = spmd.get_logical_axis_rules()
-    # Inside a pipeline's shard_map (lm/pipeline.py) its manual axes (stage, data) are already split off.
+    # Inside a pipeline's shard_map (lm/parallel/pipeline.py) its manual axes (stage, data) are already split off.
     q_spec = without_manual_axes(logical_to_spec(("batch", "seq", "heads", "head_dim"), rules))
     kv_spec = without_manual_axes(logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), rules))
     seg_spec = P(q_spec[0], q_spec[1])

@@ -1,0 +1,1 @@
+"""Optimizers shared by the workloads: AdamW with its schedule, Muon."""

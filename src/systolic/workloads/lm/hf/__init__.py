@@ -1,0 +1,1 @@
+"""Hugging Face conversion both ways: configs, tensor names, safetensors files."""
