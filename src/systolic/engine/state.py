@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,12 @@ class TrainState:
 
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)
+
+
+def param_count(params: Any) -> int:
+    """Scalars in a pytree of parameters (arrays, ShapeDtypeStructs, or an `nnx.State` of them): what every
+    workload reports as its parameter count, and what `systolic plan` sizes."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 @dataclasses.dataclass(frozen=True)

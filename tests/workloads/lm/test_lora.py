@@ -25,6 +25,7 @@ from systolic import config as config_lib
 from systolic.config import MeshConfig
 from systolic.errors import ConfigError
 from systolic.engine import finished
+from systolic.engine.state import param_count
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for, with_shardings
 from systolic.workloads.lm import init_from
@@ -82,8 +83,8 @@ def test_trainable_count_is_rank_times_fan_in_plus_fan_out(kw):
     full = nnx.eval_shape(lambda: init_params(cfg, 96, jax.random.PRNGKey(0)))
     adapters, base = lora.split(full)
     plain = nnx.eval_shape(lambda: init_params(lora.base_config(cfg), 96, jax.random.PRNGKey(0)))
-    print(f"{kw}: {lora.count(adapters)} adapter parameters beside {lora.count(base)}")
-    assert lora.count(adapters) == expected_count(cfg)
+    print(f"{kw}: {param_count(adapters)} adapter parameters beside {param_count(base)}")
+    assert param_count(adapters) == expected_count(cfg)
     assert jax.tree.map(lambda a: a.shape, base) == jax.tree.map(lambda a: a.shape, plain)  # the base is the plain model
     assert lora.combine(adapters, base).keys() == full.keys()
 
@@ -166,7 +167,7 @@ def test_only_the_adapters_train_and_the_loss_falls(imported, corpus_dir, tmp_pa
     assert cfg.model.lora.rank == 8 and cfg.model.d_model == 64  # the source's model, this run's adapters
     prepared = build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
     abstract = prepared.task.abstract_state
-    assert prepared.trainable_count == lora.count(abstract.params) == expected_count(cfg.model)
+    assert prepared.trainable_count == param_count(abstract.params) == expected_count(cfg.model)
     print(f"trainable {prepared.trainable_count:,} of {prepared.param_count:,} parameters")
 
     adapter_shapes = {x.shape for x in jax.tree.leaves(abstract.params)}

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from systolic.engine.state import param_count
 from systolic.runtime.sharding import activate, named_sharding
 from systolic.workloads.lm.config import ModelConfig
-from systolic.workloads.lm.model.transformer import count_params, make_model, resolve_dtype
+from systolic.workloads.lm.model.transformer import make_model, resolve_dtype
 
 VOCAB = 64
 LLAMA = ModelConfig(family="llama", d_model=32, layers=2, heads=4, kv_heads=2, mlp_dim=64, max_seq_len=16, dtype="float32")
@@ -120,8 +121,8 @@ GPT2_PARAMS = (64 * 32 + 16 * 32  # token and position embeddings (max_seq_len=1
 
 
 @pytest.mark.parametrize("cfg, want", [(LLAMA, LLAMA_PARAMS), (GPT2, GPT2_PARAMS)], ids=["llama-gqa", "gpt2-tied"])
-def test_count_params_matches_the_hand_count(cfg, want):
-    assert count_params(random_params(cfg)) == want
+def test_param_count_matches_the_hand_count(cfg, want):
+    assert param_count(random_params(cfg)) == want
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])

@@ -91,7 +91,7 @@ def plan(cfg: GANConfig, devices: list) -> StepProgram:
     abstract inputs on a mesh of `devices`, for `systolic plan`."""
     from systolic.workloads.gan.data import channels_for
     from systolic.workloads.gan.task import make_step
-    from systolic.workloads.gan.train import param_count
+    from systolic.engine.state import param_count
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     channels, size, rows = channels_for(cfg), cfg.image.size, cfg.train.batch_size

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from systolic.data.stream import DeviceStream
 from systolic.engine.loop import Task
 from systolic.engine.step import jit_step
-from systolic.engine.state import TrainState
+from systolic.engine.state import TrainState, param_count
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, logical_to_spec, rules_for
 from systolic.workloads.gan import evaluate as eval_lib
@@ -22,7 +22,7 @@ from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.data import BatchIterator, ImageSet, load_images
 from systolic.workloads.gan.pictures import image_grid, save_grid
 from systolic.workloads.gan.train import (Networks, make_models, make_networks, make_sampler, make_state_fns,
-                                          make_train_step, param_count)
+                                          make_train_step)
 
 CHECKED = ("d_loss", "g_loss")  # both networks' losses; the guard also checks every parameter of both
 GRID_COUNT = 64

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -196,7 +195,3 @@ def make_sampler(nets: Networks, count: int):
         return images
 
     return sample
-
-
-def param_count(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))

@@ -15,6 +15,7 @@ from systolic.data.sft import ChatCorpus
 from systolic.data.tokenizer import find_chat_template, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
+from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
@@ -205,10 +206,6 @@ def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
         notes.append(f"XLA:CPU computes ragged_dot as one matmul per expert over all rows: its count holds "
                      f"{moe.experts}x the experts' FLOPs")
     return tuple(notes)
-
-
-def param_count(params) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,

@@ -19,7 +19,7 @@ from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.loop import Task
 from systolic.optim.adamw import make_schedule
-from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings
+from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings, param_count
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.errors import UserError
 from systolic.observe.peak_flops import peak_flops
@@ -399,9 +399,9 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
                       if isinstance(data, Corpus) and data.mixture else None),
         notes=pipeline.notes(cfg, mesh),
     )
-    trainable = lora.count(abstract.params)
+    trainable = param_count(abstract.params)
     return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,
-                    param_count=trainable + lora.count(abstract.frozen), trainable_count=trainable)
+                    param_count=trainable + param_count(abstract.frozen), trainable_count=trainable)
 
 
 def source_names(paths: list[str]) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import jax
@@ -11,6 +10,7 @@ import jax
 from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
+from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
@@ -94,7 +94,7 @@ def plan(cfg: RLConfig, devices: list) -> StepProgram:
     run = cfg.rl
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(abstract),
-        params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)) // run.num_seeds,
+        params=param_count(abstract.params) // run.num_seeds,
         items_per_step=run.num_seeds * run.env_steps_per_chunk, item_unit="env_steps", model_flops_per_step=None,
         dtype="float32",
         notes=(f"one step is a chunk of {run.updates_per_chunk} {cfg.algo.upper()} updates x {run.num_seeds} seeds, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import jax
@@ -10,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from systolic.engine import loop
+from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
@@ -164,7 +164,7 @@ def plan(cfg: SimConfig, devices: list) -> StepProgram:
     fixed = sim.steps_per_frame > 0
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(sim.abstract_state),
-        params=sum(math.prod(x.shape) for x in jax.tree.leaves(sim.abstract_state.params)),
+        params=param_count(sim.abstract_state.params),
         items_per_step=sim.steps_per_frame if fixed else 1, item_unit="steps" if fixed else "frames",
         model_flops_per_step=None, dtype=cfg.sim.dtype,
         notes=(f"one step is a frame of {cfg.sim.equation} on a {cfg.grid.n}^{cfg.sim.dimensions} grid"

@@ -92,8 +92,3 @@ def low_rank_product(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.
     a2 = a.reshape(*a.shape[:lead], fan_in, r)  # (*lead, in, r)
     b2 = b.reshape(*b.shape[:lead], r, -1)  # (*lead, r, out)
     return jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(shape)  # (*lead, *in, *out)
-
-
-def count(tree: Any) -> int:
-    """Scalars in a pytree of arrays or ShapeDtypeStructs."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))

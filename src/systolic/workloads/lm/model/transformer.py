@@ -489,8 +489,3 @@ def decode_mask(positions: jax.Array, cache_len: int, window: int) -> jax.Array:
 def make_model(cfg: ModelConfig, vocab: int, key_or_seed: jax.Array | int) -> Transformer:
     """A freshly initialised model. Call under `activate(mesh)` (ideally inside jit) to create it sharded."""
     return Transformer(cfg, vocab, rngs=nnx.Rngs(params=key_or_seed))
-
-
-def count_params(params) -> int:
-    """Number of parameter scalars in an `nnx.State` or a pure dict of arrays."""
-    return sum(x.size for x in jax.tree.leaves(params))
