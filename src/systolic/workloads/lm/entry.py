@@ -26,7 +26,8 @@ from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.train import baseline_nats_per_byte, build_task, model_params
+from systolic.workloads.lm.corpus import baseline_nats_per_byte
+from systolic.workloads.lm.train import build_task, model_params
 
 
 
