@@ -71,6 +71,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 def tiny_lm(corpus_dir):
     from systolic import config as config_lib
     from systolic.config import MeshConfig
+    from systolic.data.tokenizer import make_tokenizer
     from systolic.runtime import mesh as mesh_lib
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.train import build_task
@@ -80,7 +81,7 @@ def tiny_lm(corpus_dir):
 
     def run_lm_steps(cfg: LMConfig, mesh, n: int):
         """(prepared task, state after n steps, the n losses)."""
-        prepared = build_task(cfg, mesh)
+        prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
         state, metrics = run_steps(prepared.task, n, mesh=mesh, rules=prepared.rules)
         return prepared, state, [float(m["loss"]) for m in metrics]
 

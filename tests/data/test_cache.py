@@ -42,7 +42,7 @@ def src(tmp_path) -> Path:
 
 
 def _load(src: Path):
-    return cached_corpus.load(str(src), max_bytes=MAX_BYTES, val_percent=VAL, tokenizer="byte")
+    return cached_corpus.load(str(src), max_bytes=MAX_BYTES, val_percent=VAL, tokenizer=ByteTokenizer())
 
 
 def _all(dataset: prepared.PreparedDataset, split: str) -> np.ndarray:

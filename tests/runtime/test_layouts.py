@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from systolic.config import MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads.lm.train import build_task
@@ -41,10 +42,10 @@ def test_layout_matches_single_device_and_shards_params(tiny_lm, single_device_l
 def test_axis_that_does_not_divide_a_dimension_is_named(tiny_lm):
     cfg = tiny_lm.make_cfg("model.heads=4", "model.kv_heads=2")  # kv_heads=2 cannot split 8 ways
     with pytest.raises(ConfigError, match=r"params\['blocks'\]\[0\]\['attn'\]\['wk'\] has size 2 in dimension 1.*tensor = 8"):
-        build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=1, tensor=8)))
+        build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=1, tensor=8)), make_tokenizer(cfg.data.tokenizer))
 
 
 def test_rules_that_leave_a_mesh_axis_idle_are_rejected(tiny_lm):
     cfg = tiny_lm.make_cfg("sharding.rules=fsdp")
     with pytest.raises(ConfigError, match="does not use the mesh axis tensor"):
-        build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=4, tensor=2)))
+        build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=4, tensor=2)), make_tokenizer(cfg.data.tokenizer))

@@ -28,19 +28,19 @@ from systolic.data import corpus, prepare, prepared, text
 from systolic.data.cache import cache_root
 from systolic.data.corpus import Document
 from systolic.data.prepared import SPLITS, PreparedDataset
-from systolic.data.tokenizer import make_tokenizer
+from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 
 FORMAT_VERSION = 1  # raise when what is written, or how the key is made, changes: old entries are then never read
 FIELD = "text"  # the field of .jsonl rows and the column of .parquet files that read_documents takes
 
 
-def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: str) -> tuple[PreparedDataset, str]:
+def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: Tokenizer) -> tuple[PreparedDataset, str]:
     """The corpus at `path` as a prepared dataset in the cache, tokenized now only if it is not there yet.
 
     Returns the dataset and a one-line note for the start-up output saying where the tokens came from."""
     docs = corpus.read_documents(path, max_bytes=max_bytes)
-    key = corpus_key(docs, max_bytes=max_bytes, val_percent=val_percent, tokenizer_sha256=prepared.tokenizer_digest(tokenizer))
+    key = corpus_key(docs, max_bytes=max_bytes, val_percent=val_percent, tokenizer_sha256=prepared.tokenizer_digest(tokenizer.name))
     entry = cache_root() / "data" / key
     redone = ""
     if entry.exists():
@@ -76,13 +76,12 @@ def corpus_key(docs: Sequence[Document], *, max_bytes: int, val_percent: float, 
     return digest.hexdigest()[:32]
 
 
-def _write_entry(entry: Path, split: tuple[list[Document], list[Document]], *, tokenizer: str, val_percent: float,
-                 source: str) -> None:
+def _write_entry(entry: Path, split: tuple[list[Document], list[Document]], *, tokenizer: Tokenizer,
+                 val_percent: float, source: str) -> None:
     """Tokenizes both splits in memory as training always did, writes them beside `entry` and renames them into place."""
-    tok = make_tokenizer(tokenizer)
     encoded = []
     for docs in split:
-        tokens, lengths = text.encode_with_lengths(docs, tok)
+        tokens, lengths = text.encode_with_lengths(docs, tokenizer)
         encoded.append((tokens, lengths, sum(len(d.text.encode("utf-8")) for d in docs)))
     _remove_abandoned(entry.parent)
     partial = entry.with_name(f"{entry.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}")

@@ -70,7 +70,7 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
     partial = out.with_name(out.name + ".partial")
     writer = _Writer.resume_or_start(partial, settings, tok)  # outside the try: another run's progress is kept
     try:
-        _tokenize_into(writer, corpus.iter_texts(root, field=field), spec, workers or os.cpu_count() or 1)
+        _tokenize_into(writer, corpus.iter_texts(root, field=field), tok, workers or os.cpu_count() or 1)
         writer.finish(tok, spec, field)
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)  # bad input: leave nothing behind
@@ -81,7 +81,7 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
             f"tokens in {len(t.shards)} + {len(v.shards)} shard(s)")
 
 
-def write_encoded(out: Path, splits: list[tuple[np.ndarray, np.ndarray, int]], *, tokenizer: str, source: str,
+def write_encoded(out: Path, splits: list[tuple[np.ndarray, np.ndarray, int]], *, tokenizer: Tokenizer, source: str,
                   val_percent: float, field: str = "text", shard_tokens: int = 1 << 26) -> None:
     """Writes splits that are already encoded into the existing empty folder `out`, in the layout `prepare` writes.
 
@@ -89,12 +89,12 @@ def write_encoded(out: Path, splits: list[tuple[np.ndarray, np.ndarray, int]], *
     `text.encode_documents` returns them (each document followed by the end-of-document id). The raw-corpus cache
     (cached_corpus.py) writes the in-memory path's own tokens this way, so a cached corpus is the tokens it had.
     """
-    spec = _resolved(tokenizer)
-    tok = make_tokenizer(spec)
-    writer = _Writer(out, _settings(source, field, val_percent, shard_tokens, spec, tok), tok, resumable=False)
+    spec = _resolved(tokenizer.name)
+    writer = _Writer(out, _settings(source, field, val_percent, shard_tokens, spec, tokenizer), tokenizer,
+                     resumable=False)
     for split, (tokens, lengths, nbytes) in zip(writer.splits, splits, strict=True):
-        writer.append(split, [tokens.astype(tok.dtype, copy=False)], lengths.tolist(), nbytes)
-    writer.finish(tok, spec, field)
+        writer.append(split, [tokens.astype(tokenizer.dtype, copy=False)], lengths.tolist(), nbytes)
+    writer.finish(tokenizer, spec, field)
 
 
 def _resolved(tokenizer: str) -> str:
@@ -108,7 +108,7 @@ def _settings(source: str, field: str, val_percent: float, shard_tokens: int, sp
             "tokenizer_sha256": tokenizer_digest(spec), "dtype": np.dtype(tok.dtype).name, "progress": 2}
 
 
-def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spec: str, workers: int) -> None:
+def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], tok: Tokenizer, workers: int) -> None:
     last = None
     for _ in range(writer.consumed):  # a resumed run skips what the saved progress holds (read, not tokenized)
         last, _text = next(texts, (None, None))
@@ -120,12 +120,12 @@ def _tokenize_into(writer: _Writer, texts: Iterator[tuple[str, str | None]], spe
         )
     batches = _batches(texts)
     if workers == 1:
-        tok = make_tokenizer(spec)
         for items in batches:
             writer.add(items, _encode(tok, [t for _, t in items]))
         return
-    # spawn, not fork: a forked child of a process that already used the tokenizers' thread pool can deadlock.
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    # spawn, not fork: a forked child of a process that already used the tokenizers' thread pool can deadlock. Each
+    # worker opens the tokenizer from its spec (its name) itself.
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok.name,)) as pool:
         in_flight: collections.deque = collections.deque()
         for items in batches:  # ordered, and at most 2 * workers batches held: the input streams
             in_flight.append((items, pool.apply_async(_encode_in_worker, ([t for _, t in items],))))

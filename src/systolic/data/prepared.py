@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from systolic.data import cache
-from systolic.data.tokenizer import ByteTokenizer, tokenizer_file
+from systolic.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_file
 from systolic.errors import UserError
 
 INDEX_FILE = "index.json"
@@ -202,14 +202,14 @@ class PreparedDataset:
     def unigram(self, split: str) -> np.ndarray:
         return np.load(self.root / self.index["splits"][split]["unigram"])
 
-    def check_tokenizer(self, spec: str) -> None:
-        """UserError unless `spec` (data.tokenizer) names the tokenizer the data was prepared with."""
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """UserError unless `tokenizer` (data.tokenizer's) is the tokenizer the data was prepared with."""
         recorded = self.index["tokenizer"]
-        if tokenizer_digest(spec) != recorded["sha256"]:
+        if tokenizer_digest(tokenizer.name) != recorded["sha256"]:
             made_with = "data.tokenizer=byte" if recorded["sha256"] == "byte" else f"the tokenizer {self.root / recorded['file']}"
             raise UserError(
                 f"The prepared dataset {self.root} holds token ids of {made_with}, but this run uses data.tokenizer="
-                f"{spec!r}, a different tokenizer; the model would learn the wrong tokens. Fix: train with "
+                f"{tokenizer.name!r}, a different tokenizer; the model would learn the wrong tokens. Fix: train with "
                 f"data.tokenizer={'byte' if recorded['sha256'] == 'byte' else self.root / recorded['file']}, or prepare "
                 "the data again with --tokenizer set to the run's tokenizer."
             )

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from systolic.data import corpus, packed
-from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer
+from systolic.data.tokenizer import Tokenizer, find_chat_template
 from systolic.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -61,10 +61,9 @@ class ChatCorpus:
                 "tokens to learn")
 
 
-def load_chat_corpus(path: str, tokenizer_spec: str, *, seq_len: int, val_percent: float) -> ChatCorpus:
+def load_chat_corpus(path: str, tokenizer: Tokenizer, *, seq_len: int, val_percent: float) -> ChatCorpus:
     """Reads, encodes, splits and packs the records at `path` into rows of `seq_len + 1` tokens."""
-    tokenizer = make_tokenizer(tokenizer_spec)
-    encoder = _Encoder(tokenizer, tokenizer_spec)
+    encoder = _Encoder(tokenizer)
     row_len = seq_len + 1
     names, examples, truncated = [], [], 0
     for name, where, record in read_records(path):
@@ -142,8 +141,8 @@ def read_records(path: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
 class _Encoder:
     """A record -> (ids, mask of tokens to learn), or None for a conversation without an assistant message."""
 
-    def __init__(self, tokenizer: Tokenizer, spec: str):
-        self.tokenizer, self.spec = tokenizer, spec
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
         self._template, self._looked = None, False
         self.skipped, self.first_skipped = 0, ""
 
@@ -182,10 +181,10 @@ class _Encoder:
 
     def template(self, where: str):
         if not self._looked:
-            self._template, self._looked = find_chat_template(self.spec), True
+            self._template, self._looked = find_chat_template(self.tokenizer), True
         if self._template is None:
             raise UserError(
-                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.spec!r} has no chat "
+                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.tokenizer.name!r} has no chat "
                 "template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so there is "
                 "no format to write it in. Fix: fine-tune a model imported from a Hugging Face folder that has its "
                 "template (`systolic convert from-hf MODEL runs/NAME`, then init.from=runs/NAME), copy the model's "

@@ -2,7 +2,11 @@
 
 The byte tokenizer needs no training and no file. A BPE tokenizer (`systolic.data.bpe`) is a Hugging Face
 tokenizer.json, trained by `systolic tokenizer train` or shipped with a model. A run trained with one keeps a
-copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate. A model's
+copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate.
+
+A spec becomes a `Tokenizer` once, by `make_tokenizer`, where a run or a config is opened (training starts,
+`lm/sample.load_run`, `systolic plan`, `data prepare`, an import from Hugging Face); everything below takes that
+object. The functions of this module that read a run directory decide which spec to open. A model's
 tokenizer.json comes with companion files (its special tokens and chat template, `systolic.data.chat`), which
 travel with it into the run and back out to Hugging Face.
 """
@@ -31,7 +35,7 @@ COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_tem
 class Tokenizer(Protocol):
     """What the lm workload needs from a tokenizer. `dtype` is the smallest unsigned type that holds every id."""
 
-    name: str
+    name: str  # the spec it was made from: "byte", or the path of its tokenizer.json (or of a folder holding one)
     vocab_size: int
     eot_id: int  # appended after every document
     pad_id: int
@@ -101,16 +105,16 @@ def tokenizer_file(spec: str) -> Path:
     )
 
 
-def find_chat_template(spec: str) -> ChatTemplate | None:
-    """The chat template among the companions of the tokenizer.json that data.tokenizer=`spec` names, or None:
-    the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see `tokenizer_files`), or a
-    folder without a template."""
-    if spec == ByteTokenizer.name:
+def find_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template among the companions of `tokenizer`'s tokenizer.json (the file its name, a spec, points
+    at), or None: the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see
+    `tokenizer_files`), or a folder without a template."""
+    if tokenizer.name == ByteTokenizer.name:
         return None
     from systolic.data.chat import ChatTemplate
 
-    path = tokenizer_file(spec)
-    return ChatTemplate.load(path.parent, make_tokenizer(spec)) if path.name == RUN_FILE else None
+    path = tokenizer_file(tokenizer.name)
+    return ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None
 
 
 # THE RUN DIRECTORY'S COPY -------------------------------------------------------------------------------------

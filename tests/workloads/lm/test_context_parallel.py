@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
+from systolic.data.tokenizer import make_tokenizer
 from systolic.plan import hlo_collectives
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
@@ -85,7 +86,7 @@ def _loss_and_grads(tiny_lm, extra: list[str], axes: dict[str, int] | None):
     """The first batch's loss and gradients at the initial parameters, on one device (axes None) or a mesh."""
     cfg = tiny_lm.make_cfg(*extra, *(f"mesh.{a}={n}" for a, n in (axes or {"data": 1}).items()))
     mesh = tiny_lm.single_device_mesh() if axes is None else mesh_lib.make_mesh(cfg.mesh)
-    prepared = build_task(cfg, mesh)
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     loss_fn = make_loss_fn(prepared.graphdef, cfg.model.moe, cfg.optim.z_loss)
     with activate(mesh, prepared.rules):
         state = prepared.task.init_state()
@@ -127,7 +128,7 @@ def test_same_losses_over_steps_on_one_device_and_context_mesh(tiny_lm):
 def _compiled_hlo(tiny_lm, *overrides: str) -> str:
     cfg = tiny_lm.make_cfg(*overrides)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, step.rules):
         return step.train_step.lower(step.abstract, abstract_batch(cfg, step.batch_sharding)).compile().as_text()
 
@@ -150,7 +151,7 @@ def test_ring_step_permutes_keys_and_values_and_gathers_no_sequence(tiny_lm):
 def test_errors_before_compiling(tiny_lm):
     cfg = tiny_lm.make_cfg("mesh.data=1", "mesh.context=8", "data.seq_len=24", "model.max_seq_len=32")
     with pytest.raises(ConfigError, match=r"data.seq_len=24 .* multiple of 16. Fix: e.g. data.seq_len=32"):
-        build_step(cfg, mesh_lib.make_mesh(cfg.mesh))
+        build_step(cfg, mesh_lib.make_mesh(cfg.mesh), make_tokenizer(cfg.data.tokenizer))
     with pytest.raises(ConfigError, match="model.context_attention=allgather .* mesh.context=1"):
         tiny_lm.make_cfg("model.context_attention=allgather")
     with pytest.raises(ConfigError, match="model.attention=xla with mesh.context=2"):
@@ -165,7 +166,7 @@ def test_decoding_under_a_context_mesh_is_refused(tiny_lm):
 
     cfg = tiny_lm.make_cfg("mesh.data=4", "mesh.context=2")
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, step.rules):
         model = nnx.merge(step.graphdef, step.init().params)
         with pytest.raises(UserError, match="Decoding with a KV cache runs with the sequence whole.*mesh.context=1"):

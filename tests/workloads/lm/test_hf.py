@@ -20,6 +20,7 @@ from tiny_hf import VOCAB, finetune_overrides, make_hf_model
 from systolic import cli
 from systolic import config as config_lib
 from systolic.config import MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
@@ -225,7 +226,7 @@ def test_init_from_takes_the_source_model_and_params(imported, corpus_dir, tmp_p
         init_from.resolve_config(recipe, [*overrides, "model.d_model=32"], tmp_path / "new")
 
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    prepared = build_task(cfg, mesh)
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     state = prepared.task.init_state()
     assert int(state.step) == 0
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):

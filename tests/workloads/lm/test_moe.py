@@ -178,11 +178,12 @@ def test_bad_settings_are_config_errors(override, message):
 def test_training_lowers_the_loss_and_reports_the_router(tiny_lm, extra):
     from tiny import run_steps
 
+    from systolic.data.tokenizer import make_tokenizer
     from systolic.workloads.lm.train import build_task
 
     cfg = tiny_lm.make_cfg(*MOE, *extra)
     mesh = tiny_lm.single_device_mesh()
-    prepared = build_task(cfg, mesh)
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     _, metrics = run_steps(prepared.task, 4, mesh=mesh, rules=prepared.rules)
     assert float(metrics[-1]["loss"]) < float(metrics[0]["loss"])
     m = metrics[-1]

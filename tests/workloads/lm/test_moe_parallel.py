@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from systolic.data.tokenizer import make_tokenizer
 from systolic.plan import hlo_collectives
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
@@ -42,7 +43,7 @@ def test_compiled_step_moves_tokens_with_all_to_all_and_gathers_only_local_exper
     come and go by all-to-all."""
     cfg = tiny_lm.make_cfg(*MOE, *EXPERTS, "mesh.data=1", "mesh.fsdp=2", "mesh.expert=4")
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, step.rules):
         hlo = step.train_step.lower(step.abstract, abstract_batch(cfg, step.batch_sharding)).compile().as_text()
     gathered = re.findall(r"= (f32\[[0-9,]*\])\S* all-gather\(", hlo)
@@ -58,5 +59,5 @@ def test_experts_must_split_evenly_over_the_expert_axis(tiny_lm):
 
     cfg = tiny_lm.make_cfg(*MOE, "mesh.data=1", "mesh.expert=8")  # 4 experts over 8 devices
     with pytest.raises(ConfigError, match=r"\['mlp'\]\['w_\w+'\] has size 4 in dimension 0, which is split over mesh axis expert.*model.moe.experts"):
-        build_step(cfg, mesh_lib.make_mesh(cfg.mesh))
+        build_step(cfg, mesh_lib.make_mesh(cfg.mesh), make_tokenizer(cfg.data.tokenizer))
     assert jax.device_count() == 8

@@ -10,6 +10,7 @@ import pytest
 from systolic import cli
 from systolic import config as config_lib
 from systolic.config import CheckpointConfig, MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.checkpoint import Checkpointer
 from systolic.plan.hlo_collectives import read_collectives
 from systolic.runtime import mesh as mesh_lib
@@ -58,7 +59,7 @@ def test_muon_moves_the_hidden_matrices_and_adamw_the_rest(tiny_lm):
 
 
 def collectives(cfg: LMConfig, mesh) -> dict:
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, step.rules):
         text = step.train_step.lower(step.abstract, abstract_batch(cfg, step.batch_sharding)).compile().as_text()
     return read_collectives(text), step
@@ -81,8 +82,8 @@ def test_sharded_muon_gathers_each_matrix_once(tiny_lm):
 def test_muon_checkpoint_round_trip(tiny_lm, tmp_path):
     cfg = tiny_lm.make_cfg(*MUON)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    task = build_task(cfg, mesh).task
-    with activate(mesh, build_step(cfg, mesh).rules):
+    task = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer)).task
+    with activate(mesh, build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer)).rules):
         state = task.init_state()
         for _ in range(2):
             state, _ = task.train_step(state, next(task.data))
@@ -105,7 +106,7 @@ def test_plan_reports_muons_smaller_optimizer_state(capsys):
         assert cli.main(["plan", "lm", *overrides, "--target", "h200", "--mesh", "fsdp=8", "--json"]) == 0
         bytes_[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["optimizer_bytes"]
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, TINY_LM))
-    step = build_step(cfg, mesh_lib.make_mesh(MeshConfig(data=1, fsdp=8, tensor=1)))
+    step = build_step(cfg, mesh_lib.make_mesh(MeshConfig(data=1, fsdp=8, tensor=1)), make_tokenizer(cfg.data.tokenizer))
     per_device = 4 * hidden_count(step.abstract.params) / 8  # every hidden matrix divides over fsdp=8 here
     assert bytes_["adamw"] - bytes_["muon"] == pytest.approx(per_device, abs=64), bytes_
 

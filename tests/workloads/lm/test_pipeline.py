@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from systolic.config import MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.plan import hlo_collectives
 from systolic.errors import ConfigError
 from systolic.runtime import mesh as mesh_lib
@@ -26,7 +27,7 @@ SCANNED = ["model.scan_layers=true", "model.layers=4"]  # the stages split the s
 
 def loss_and_grads(cfg, mesh) -> tuple[float, dict]:
     """The loss fn's value and gradients at the initial parameters on one fixed batch of random tokens."""
-    step = build_step(cfg, mesh)  # checks the layout
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))  # checks the layout
     loss_fn = make_loss_fn(step.graphdef, cfg.model.moe, 0.0, cfg.pipeline)
     tokens = np.random.default_rng(0).integers(0, step.vocab, (cfg.train.batch_size, cfg.data.seq_len + 1), np.int32)
     with activate(mesh, step.rules):
@@ -104,7 +105,7 @@ def test_compiled_step_passes_activations_round_the_ring_of_stages(tiny_lm, pipe
     (its gradient) backward, between the devices that differ only in their stage index."""
     cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=4", "mesh.stage=2", *(f"pipeline.{k}={v}" for k, v in pipe.items()))
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, step.rules):
         hlo = step.train_step.lower(step.abstract, abstract_batch(cfg, step.batch_sharding)).compile().as_text()
     permute = hlo_collectives.read_collectives(hlo)["collective-permute"]
@@ -133,7 +134,7 @@ def test_compiled_step_passes_activations_round_the_ring_of_stages(tiny_lm, pipe
 def test_layouts_the_axes_do_not_divide_are_config_errors(tiny_lm, extra, message):
     cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2", *extra)
     with pytest.raises(ConfigError, match=message):
-        build_step(cfg, mesh_lib.make_mesh(cfg.mesh))
+        build_step(cfg, mesh_lib.make_mesh(cfg.mesh), make_tokenizer(cfg.data.tokenizer))
 
 
 def test_bubble_fraction_and_the_stage_axis_in_the_mesh():

@@ -21,7 +21,7 @@ from tiny_hf import VOCAB, make_hf_model
 
 from systolic.cli import main
 from systolic.data import packed, sft
-from systolic.data.tokenizer import find_chat_template
+from systolic.data.tokenizer import ByteTokenizer, find_chat_template, make_tokenizer
 from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import UserError
@@ -115,7 +115,7 @@ def learnt_runs(rows: packed.PackedRows, decode) -> list[str]:
 def test_the_loss_is_on_the_assistant_turns_and_completions_only(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "two.jsonl", [{"messages": CONVERSATION},
                                                 {"prompt": "The capital of Spain is", "completion": " Madrid."}])
-    data = sft.load_chat_corpus(str(path), str(tokenizer_dir), seq_len=128, val_percent=50)
+    data = sft.load_chat_corpus(str(path), make_tokenizer(str(tokenizer_dir)), seq_len=128, val_percent=50)
     assert data.examples == (1, 1) and data.truncated == data.skipped == 0
     raw = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     decode = lambda ids: raw.decode(ids.tolist(), skip_special_tokens=False)  # noqa: E731
@@ -135,7 +135,7 @@ def test_the_loss_is_on_the_assistant_turns_and_completions_only(tokenizer_dir, 
 
 def test_prompt_completion_is_plain_text_with_the_byte_tokenizer(tmp_path):
     records = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
-    data = sft.load_chat_corpus(str(write_jsonl(tmp_path / "sums.jsonl", records)), "byte", seq_len=32, val_percent=50)
+    data = sft.load_chat_corpus(str(write_jsonl(tmp_path / "sums.jsonl", records)), ByteTokenizer(), seq_len=32, val_percent=50)
     decode = lambda ids: "".join(chr(i) if i < 256 else f"<{i}>" for i in ids.tolist())  # noqa: E731
     runs = sorted(learnt_runs(data.train, decode) + learnt_runs(data.val, decode))
     assert runs == [" 4<256>", " 6<256>"]  # the completion and the end-of-document id, never the prompt
@@ -333,18 +333,18 @@ def test_a_conversation_without_an_assistant_turn_is_skipped_and_counted(tokeniz
     path = write_jsonl(tmp_path / "some.jsonl", [{"messages": CONVERSATION}, silent, {"messages": CONVERSATION}])
     skipped = rf"skipped 1 conversation\(s\) without an assistant message \(e.g. {path} line 2"
     with pytest.warns(UserWarning, match=skipped):
-        data = sft.load_chat_corpus(str(path), str(tokenizer_dir), seq_len=128, val_percent=50)
+        data = sft.load_chat_corpus(str(path), make_tokenizer(str(tokenizer_dir)), seq_len=128, val_percent=50)
     assert data.skipped == 1 and sum(data.examples) == 2
     with pytest.raises(UserError, match=r"holds 1 usable example\(s\), after skipping 2 conversation"):
         sft.load_chat_corpus(str(write_jsonl(tmp_path / "none.jsonl", [silent, silent, {"messages": CONVERSATION}])),
-                             str(tokenizer_dir), seq_len=128, val_percent=50)
+                             make_tokenizer(str(tokenizer_dir)), seq_len=128, val_percent=50)
 
 
 def test_long_examples_are_cut_to_a_row_and_counted(tokenizer_dir, tmp_path):
     long = {"prompt": "The capital of France is", "completion": " Paris." * 40}
     path = write_jsonl(tmp_path / "long.jsonl", [long, {"messages": CONVERSATION}, long])
     with pytest.warns(UserWarning, match="2 of 3 examples are longer than data.seq_len"):
-        data = sft.load_chat_corpus(str(path), str(tokenizer_dir), seq_len=96, val_percent=40)
+        data = sft.load_chat_corpus(str(path), make_tokenizer(str(tokenizer_dir)), seq_len=96, val_percent=40)
     assert data.truncated == 2 and data.train.row_len == data.val.row_len == 97
-    whole = len(find_chat_template(str(tokenizer_dir)).encode(CONVERSATION))
+    whole = len(find_chat_template(make_tokenizer(str(tokenizer_dir))).encode(CONVERSATION))
     assert whole < 97 and sum(data.tokens) == whole + 2 * 97, "the conversation whole, the others cut to a row"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from systolic.config import CheckpointConfig, MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.engine.checkpoint import Checkpointer
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
@@ -39,7 +40,7 @@ def test_grad_accumulation_matches_full_batch(tiny_lm):
 def test_checkpoint_round_trip(tiny_lm, tmp_path):
     cfg = tiny_lm.make_cfg()
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
-    prepared = build_task(cfg, mesh)
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     task = prepared.task
     with activate(mesh, prepared.rules):
         initial = jax.device_get(task.init_state())

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from systolic.config import MeshConfig
+from systolic.data.tokenizer import make_tokenizer
 from systolic.runtime import mesh as mesh_lib
 from systolic.workloads.lm.train import build_task, cross_entropy_and_log_z, objective
 from tiny import run_steps
@@ -61,7 +62,8 @@ def test_z_loss_lowers_log_z_drift(tiny_lm):
     mesh = tiny_lm.single_device_mesh()
     log_z = {}
     for weight in (0.0, 0.1):
-        prepared = build_task(tiny_lm.make_cfg("optim.lr=3e-2", f"optim.z_loss={weight}"), mesh)
+        cfg = tiny_lm.make_cfg("optim.lr=3e-2", f"optim.z_loss={weight}")
+        prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
         _, metrics = run_steps(prepared.task, 20, mesh=mesh, rules=prepared.rules)
         log_z[weight] = [float(m["log_z"]) for m in metrics]
         assert ("z_loss" in metrics[-1]) == (weight > 0)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from systolic.data import cached_corpus, prepared, text
+from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 from systolic.workloads.lm.config import LMConfig
 
@@ -24,20 +25,20 @@ class Corpus:
     origin: str = ""  # a raw corpus's start-up line: read from the cache, or tokenized and cached
 
 
-def load_corpus(cfg: LMConfig) -> Corpus:
-    """A prepared dataset's folder (`systolic data prepare`), else a raw corpus, tokenized on its first
-    use into the cache (cached_corpus.py) and read from there."""
+def load_corpus(cfg: LMConfig, tokenizer: Tokenizer) -> Corpus:
+    """A prepared dataset's folder (`systolic data prepare`), checked to hold `tokenizer`'s ids, else a raw corpus,
+    tokenized by `tokenizer` on its first use into the cache (cached_corpus.py) and read from there."""
     if cfg.data.mixture_sources:
-        return _load_mixture(cfg)
+        return _load_mixture(cfg, tokenizer)
     if prepared.is_prepared(cfg.data.path):
-        return _load_prepared(cfg)
+        return _load_prepared(cfg, tokenizer)
     dataset, origin = cached_corpus.load(cfg.data.path, max_bytes=cfg.data.max_bytes, val_percent=cfg.data.val_percent,
-                                         tokenizer=cfg.data.tokenizer)
+                                         tokenizer=tokenizer)
     return dataclasses.replace(_from_dataset(dataset), origin=origin)
 
 
-def _load_mixture(cfg: LMConfig) -> Corpus:
-    parts = [(_load_prepared(cfg, path), path, weight) for path, weight in cfg.data.mixture_sources]
+def _load_mixture(cfg: LMConfig, tokenizer: Tokenizer) -> Corpus:
+    parts = [(_load_prepared(cfg, tokenizer, path), path, weight) for path, weight in cfg.data.mixture_sources]
     return Corpus(
         train_tokens=prepared.ConcatTokens([c.train_tokens for c, _, _ in parts]),
         val_tokens=prepared.ConcatTokens([c.val_tokens for c, _, _ in parts]),  # every source's held-out text
@@ -48,14 +49,14 @@ def _load_mixture(cfg: LMConfig) -> Corpus:
     )
 
 
-def _load_prepared(cfg: LMConfig, path: str = "") -> Corpus:
+def _load_prepared(cfg: LMConfig, tokenizer: Tokenizer, path: str = "") -> Corpus:
     path = path or cfg.data.path
     if not prepared.is_prepared(path):
         raise UserError(f"data.mixture names {path!r}, which is not a prepared dataset (no index.json in it). Fix: "
                         f"prepare it with `systolic data prepare SRC --out {path}`.")
     # Checks every shard's size, and the SHA-256 of those not checked before or changed since (cache.py).
     dataset = prepared.PreparedDataset.open(path, trust_verified=True)
-    dataset.check_tokenizer(cfg.data.tokenizer)
+    dataset.check_tokenizer(tokenizer)
     split_at = dataset.index["val_percent"]
     if cfg.data.max_bytes or cfg.data.val_percent != split_at:
         raise UserError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import jax
 
 from systolic.data.sft import ChatCorpus
-from systolic.data.tokenizer import find_chat_template, store_in_run, tokenizer_for_training
+from systolic.data.tokenizer import find_chat_template, make_tokenizer, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.state import param_count
@@ -43,8 +42,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     # A run that resumes reads its own copy of the tokenizer; a fresh one stores a copy once its input checked out.
     spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=cfg.checkpoint.resume and has_checkpoints(run_dir))
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
-    prepared = build_task(cfg, mesh)
+    tokenizer = make_tokenizer(spec)
+    prepared = build_task(cfg, mesh, tokenizer)
     if jax.process_index() == 0:
         store_in_run(run_dir, spec)
     data = prepared.corpus
@@ -85,14 +84,14 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             f"wall time {result.wall_s:.1f} s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
-        template = find_chat_template(cfg.data.tokenizer) if chat else None
+        template = find_chat_template(tokenizer) if chat else None
         settings = f"temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}"
         params = model_params(result.state)
         if template is not None:
             reply = sample.chat_reply(prepared.graphdef, params, template, cfg.sample)
             say(f"sample reply ({settings}) to {cfg.sample.prompt!r}:\n{reply}")
         else:
-            text = sample.sample_text(cfg, prepared.graphdef, params, cfg.sample)
+            text = sample.sample_text(tokenizer, prepared.graphdef, params, cfg.sample)
             say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
@@ -122,7 +121,7 @@ def _trained(trainable: int, total: int, cfg: LMConfig) -> str:
 def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
     """The real train task on the configured mesh, made current for `systolic bench`."""
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    prepared = build_task(cfg, mesh)
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, prepared.rules):
         yield prepared.task
 
@@ -138,7 +137,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     from systolic.workloads.lm.train import abstract_batch, build_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, mesh)
+    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     inputs = (step.abstract, abstract_batch(cfg, step.batch_sharding))  # with packed documents' segment ids too
     with activate(mesh, step.rules):
         lowered = step.train_step.lower(*inputs)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.data import corpus, text
 from systolic.data.stream import place
-from systolic.data.tokenizer import Tokenizer, make_tokenizer
+from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 from systolic.observe.progress import ProgressReporter
 from systolic.runtime import mesh as mesh_lib
@@ -158,7 +158,7 @@ def text_batches(ids: np.ndarray, seq_len: int, rows: int) -> tuple[Iterator[Bat
 
 def score_text(run: LoadedRun, docs: Sequence[corpus.Document], *, rows: int) -> TextScore:
     """The summed negative log-likelihood of the documents, read as `text_ids` says, in windows of data.seq_len."""
-    ids = text_ids(docs, make_tokenizer(run.cfg.data.tokenizer))
+    ids = text_ids(docs, run.tokenizer)
     batches, count = text_batches(ids, run.cfg.data.seq_len, rows)
     sums = score_batches(run, batches, count, rows=rows, label="eval text")
     return TextScore(tokens=len(ids) - 1, bytes=sum(len(d.text.encode("utf-8")) for d in docs), nats=-float(sums.sum()))
@@ -302,7 +302,7 @@ def score_choices(run: LoadedRun, items: Sequence[Item], *, rows: int,
                   path: Path = Path("choices")) -> list[np.ndarray]:
     """Each item's summed log-likelihoods, float64 (choices,), in the file's order; `path` names the file in errors."""
     max_len = run.cfg.model.max_seq_len
-    pairs = make_pairs(items, make_tokenizer(run.cfg.data.tokenizer), max_len, path)
+    pairs = make_pairs(items, run.tokenizer, max_len, path)
     plan, count = pair_batches(pairs, max_len, rows)
     sums = score_batches(run, (pair_batch(pairs, idx, length, rows) for idx, length in plan), count, rows=rows,
                          label="eval choices")

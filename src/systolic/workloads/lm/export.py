@@ -122,10 +122,8 @@ def export_run(run_dir: Path, out: Path, *, what: str = "forward",
 
 def _manifest(run: LoadedRun, exported: dict[str, jax.export.Exported], files: dict[str, str], params_file: str,
               platforms: Sequence[str]) -> dict[str, Any]:
-    from systolic.data.tokenizer import make_tokenizer
-
     mcfg = run.cfg.model
-    tokenizer = make_tokenizer(run.cfg.data.tokenizer)
+    tokenizer = run.tokenizer
     dtype = str(resolve_dtype(mcfg.dtype))
     return {
         "format": "systolic-jaxexport-1",

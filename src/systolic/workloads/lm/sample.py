@@ -26,9 +26,8 @@ if TYPE_CHECKING:
     from systolic.data.chat import ChatTemplate
 
 
-def sample_text(cfg: LMConfig, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig) -> str:
+def sample_text(tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig) -> str:
     """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token."""
-    tokenizer = make_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(settings.prompt).astype(np.int32)
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
@@ -85,11 +84,11 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
     if chat:
-        template = chat_template(run_dir, cfg)
+        template = chat_template(run_dir, cfg)  # before the checkpoint is read: a run without one fails at once
         run = load_run(run_dir, command)
         return chat_reply(run.graphdef, run.params, template, settings, system=system)
     run = load_run(run_dir, command)
-    return settings.prompt + sample_text(run.cfg, run.graphdef, run.params, settings)
+    return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings)
 
 
 def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:
@@ -98,7 +97,7 @@ def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:
     from systolic.data.chat import CONFIG_FILE, TEMPLATE_FILE
 
     spec = run_tokenizer(run_dir, cfg.data.tokenizer)
-    template = find_chat_template(spec)
+    template = find_chat_template(make_tokenizer(spec))
     if template is None:
         lacks = ("uses the byte tokenizer" if spec == "byte" else
                  f"has no {TEMPLATE_FILE}, and no `chat_template` entry in a {CONFIG_FILE}, beside its tokenizer.json")
@@ -116,6 +115,7 @@ class LoadedRun:
     """A trained lm run's model: what `generate`, `export` and `eval` start from."""
 
     cfg: LMConfig
+    tokenizer: Tokenizer  # the run's own copy (RUN_DIR/tokenizer.json), or the byte tokenizer
     vocab: int  # embedding rows (the tokenizer's vocabulary, padded)
     graphdef: nnx.GraphDef
     params: Any  # pure dict of arrays: on the first device, or laid out on `mesh` by `rules`
@@ -138,10 +138,10 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
     with finished.open_run(run_dir, "lm", command) as run:
         cfg: LMConfig = run.cfg
         # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
-        tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)
-        cfg = dataclasses.replace(cfg, model=base_config(cfg.model),
-                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
-        vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+        spec = run_tokenizer(run_dir, cfg.data.tokenizer)
+        cfg = dataclasses.replace(cfg, model=base_config(cfg.model), data=dataclasses.replace(cfg.data, tokenizer=spec))
+        tokenizer = make_tokenizer(spec)
+        vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
         count = sizes.param_count(cfg.model, vocab)  # before tracing: config.yaml may have been edited
         memory.check_fits(4 * count, (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
                           what=f"{run_dir}'s model ({count:,} float32 parameters, from its config.yaml)",
@@ -155,8 +155,8 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
         else:
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
         params = run_params(run, with_shardings(abstract, shardings))
-    return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step, mesh=mesh, rules=rules,
-                     layout=layout)
+    return LoadedRun(cfg=cfg, tokenizer=tokenizer, vocab=vocab, graphdef=graphdef, params=params, step=run.step,
+                     mesh=mesh, rules=rules, layout=layout)
 
 
 def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.data import packed, sft, text
 from systolic.data.stream import DeviceStream, place
-from systolic.data.tokenizer import make_tokenizer
+from systolic.data.tokenizer import Tokenizer
 from systolic.engine.loop import Task
 from systolic.optim.adamw import make_schedule
 from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings, param_count
@@ -262,14 +262,15 @@ class Step:
     batch_sharding: NamedSharding
 
 
-def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
-    """Everything checkable is checked here, before any data is read or anything compiles."""
+def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
+    """Everything checkable is checked here, before any data is read or anything compiles. The embedding has a row
+    for each of `tokenizer`'s ids (padded: `model.padded_vocab`)."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     pipeline.check(cfg, mesh)
     with activate(mesh, rules):
         context.check_seq_len(cfg.data.seq_len, context.current_split())
-    vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+    vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
     sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
@@ -283,12 +284,14 @@ def build_step(cfg: LMConfig, mesh: Mesh) -> Step:
     return Step(rules, vocab, graphdef, init, abstract, train_step, batch_shard)
 
 
-def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
-    step = build_step(cfg, mesh)
+def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Prepared:
+    """The train task of `cfg` on `mesh`, its data read and encoded by `tokenizer` (data.tokenizer's, opened once
+    where the run starts)."""
+    step = build_step(cfg, mesh, tokenizer)
     rules, vocab, graphdef, init, abstract = step.rules, step.vocab, step.graphdef, step.init, step.abstract
     train_step, batch_shard = step.train_step, step.batch_sharding
-    data = sft.load_chat_corpus(cfg.data.path, cfg.data.tokenizer, seq_len=cfg.data.seq_len,
-                                val_percent=cfg.data.val_percent) if cfg.data.format == "chat" else corpus.load_corpus(cfg)
+    data = (sft.load_chat_corpus(cfg.data.path, tokenizer, seq_len=cfg.data.seq_len, val_percent=cfg.data.val_percent)
+            if cfg.data.format == "chat" else corpus.load_corpus(cfg, tokenizer))
 
     # Each process reads only the rows of the global batch that its devices hold.
     lo, hi = mesh_lib.local_rows(batch_shard, cfg.train.batch_size)
@@ -301,7 +304,7 @@ def build_task(cfg: LMConfig, mesh: Mesh) -> Prepared:
         bytes_per_token = None  # chat reports nats per assistant token (make_evaluate)
     else:
         # The end-of-document id marks where documents start in a window, for batches that keep attention within them.
-        eot_id = make_tokenizer(cfg.data.tokenizer).eot_id if cfg.data.packing == "documents" else None
+        eot_id = tokenizer.eot_id if cfg.data.packing == "documents" else None
         shares |= dict(seq_len=cfg.data.seq_len, eot_id=eot_id)
         if data.mixture:
             iterator = text.make_mixture_iterator([t for _, t, _ in data.mixture], [w for _, _, w in data.mixture],
