@@ -30,7 +30,10 @@ EVAL_SEED = 1234  # evaluation noise is fixed, so a resumed run evaluates identi
 
 
 @dataclasses.dataclass
-class Prepared:
+class BuiltGANTask:
+    """What `build_task` returns: the engine's `Task`, and beside it what the entry reports (sizes, the data, the
+    evaluation's reference scores)."""
+
     task: Task
     mesh: Mesh
     rules: Rules
@@ -56,7 +59,7 @@ def make_step(cfg: GANConfig, channels: int, mesh: Mesh):
     return rules, nets, init, abstract, batch_shard, train_step
 
 
-def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
+def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> BuiltGANTask:
     """`run_dir` None: no evaluation (tests)."""
     images = load_images(cfg)
     rules, nets, init, abstract, batch_shard, train_step = make_step(cfg, images.channels, mesh)
@@ -75,8 +78,8 @@ def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> Prepared:
         items_per_step=cfg.train.batch_size, item_unit="images",
         meta={"workload": "gan", "channels": images.channels, "image_size": cfg.image.size},
     )
-    return Prepared(task=task, mesh=mesh, rules=rules, images=images, nets=nets,
-                    param_count=param_count(abstract.params), references=references)
+    return BuiltGANTask(task=task, mesh=mesh, rules=rules, images=images, nets=nets,
+                        param_count=param_count(abstract.params), references=references)
 
 
 def make_evaluate(cfg: GANConfig, nets: Networks, images: ImageSet, run_dir: Path):

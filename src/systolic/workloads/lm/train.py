@@ -238,7 +238,10 @@ def make_evaluate(graphdef: nnx.GraphDef, eval_batches: list[Any], bytes_per_tok
 
 
 @dataclasses.dataclass
-class Prepared:
+class BuiltLMTask:
+    """What `build_task` returns: the engine's `Task`, and beside it what the entry reports at the start (sizes,
+    data) and uses at the end (the model's structure for sampling, the corpus for the unigram baseline)."""
+
     task: Task
     mesh: Mesh
     rules: Rules
@@ -284,7 +287,7 @@ def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
     return Step(rules, vocab, graphdef, init, abstract, train_step, batch_shard)
 
 
-def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Prepared:
+def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
     """The train task of `cfg` on `mesh`, its data read and encoded by `tokenizer` (data.tokenizer's, opened once
     where the run starts)."""
     step = build_step(cfg, mesh, tokenizer)
@@ -338,5 +341,5 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Prepared:
         notes=pipeline.notes(cfg, mesh),
     )
     trainable = param_count(abstract.params)
-    return Prepared(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,
-                    param_count=trainable + param_count(abstract.frozen), trainable_count=trainable)
+    return BuiltLMTask(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,
+                       param_count=trainable + param_count(abstract.frozen), trainable_count=trainable)

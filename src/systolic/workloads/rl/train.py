@@ -89,7 +89,10 @@ def seed_keys(key: jax.Array, num_seeds: int) -> jax.Array:
 
 
 @dataclasses.dataclass
-class Prepared:
+class BuiltRLTask:
+    """What `build_task` returns: the engine's `Task`, and beside it the environment and the layout the entry
+    reports."""
+
     task: Task
     env: Env
     layout: str  # "seeds" or "envs": what is split over the data-parallel devices
@@ -195,7 +198,7 @@ def eval_summary(returns: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
     return out
 
 
-def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
+def build_task(cfg: RLConfig, mesh: Mesh) -> BuiltRLTask:
     env = make_env(cfg.env)
     layout = choose_layout(cfg, mesh)
     init, step, abstract, _ = make_state_fns(cfg, env, mesh, layout)
@@ -221,5 +224,5 @@ def build_task(cfg: RLConfig, mesh: Mesh) -> Prepared:
         nonfinite_advice=algorithm_for(cfg, env).nonfinite_advice,
         meta={"workload": "rl", "env": cfg.env.name, "algo": cfg.algo},
     )
-    return Prepared(task=task, env=env, layout=layout)
+    return BuiltRLTask(task=task, env=env, layout=layout)
 
