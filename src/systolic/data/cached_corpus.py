@@ -40,7 +40,8 @@ def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: Tokenizer)
 
     Returns the dataset and a one-line note for the start-up output saying where the tokens came from."""
     docs = corpus.read_documents(path, max_bytes=max_bytes)
-    key = corpus_key(docs, max_bytes=max_bytes, val_percent=val_percent, tokenizer_sha256=prepared.tokenizer_digest(tokenizer.name))
+    key = corpus_key(docs, max_bytes=max_bytes, val_percent=val_percent,
+                     tokenizer_sha256=prepared.tokenizer_digest(tokenizer.name))
     entry = cache_root() / "data" / key
     redone = ""
     if entry.exists():

@@ -184,9 +184,9 @@ class _Encoder:
             self._template, self._looked = find_chat_template(self.tokenizer), True
         if self._template is None:
             raise UserError(
-                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.tokenizer.name!r} has no chat "
-                "template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so there is "
-                "no format to write it in. Fix: fine-tune a model imported from a Hugging Face folder that has its "
+                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.tokenizer.name!r} has "
+                "no chat template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so "
+                "there is no format to write it in. Fix: fine-tune a model imported from a Hugging Face folder that has its "
                 "template (`systolic convert from-hf MODEL runs/NAME`, then init.from=runs/NAME), copy the model's "
                 "chat_template.jinja and tokenizer_config.json beside the tokenizer.json, or write the records as "
                 "prompt/completion text."

@@ -2,13 +2,13 @@
 
 The byte tokenizer needs no training and no file. A BPE tokenizer (`systolic.data.bpe`) is a Hugging Face
 tokenizer.json, trained by `systolic tokenizer train` or shipped with a model. A run trained with one keeps a
-copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate.
-
-A spec becomes a `Tokenizer` once, by `make_tokenizer`, where a run or a config is opened (training starts,
-`lm/sample.load_run`, `systolic plan`, `data prepare`, an import from Hugging Face); everything below takes that
-object. The functions of this module that read a run directory decide which spec to open. A model's
+copy as RUN_DIR/tokenizer.json, so the run directory alone is enough to resume and to generate. A model's
 tokenizer.json comes with companion files (its special tokens and chat template, `systolic.data.chat`), which
 travel with it into the run and back out to Hugging Face.
+
+A spec becomes a `Tokenizer` by `make_tokenizer` once, where a run or a config is opened (training starts,
+`lm/sample.load_run`, `systolic plan` and `bench`, `data prepare`, an import from Hugging Face); everything below
+that takes the object. The functions here that read a run directory only decide which spec to open.
 """
 
 from __future__ import annotations

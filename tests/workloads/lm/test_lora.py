@@ -166,7 +166,8 @@ def test_only_the_adapters_train_and_the_loss_falls(imported, corpus_dir, tmp_pa
     bit as imported, and the held-out loss falls."""
     cfg = finetune_cfg(imported, corpus_dir, tmp_path / "new")
     assert cfg.model.lora.rank == 8 and cfg.model.d_model == 64  # the source's model, this run's adapters
-    prepared = build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), make_tokenizer(cfg.data.tokenizer))
+    mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     abstract = prepared.task.abstract_state
     assert prepared.trainable_count == param_count(abstract.params) == expected_count(cfg.model)
     print(f"trainable {prepared.trainable_count:,} of {prepared.param_count:,} parameters")
@@ -284,7 +285,8 @@ def test_export_merges_the_adapters(imported, lora_run, corpus_dir, tmp_path, ca
 def test_a_lora_run_as_a_source_gives_its_merged_weights(imported, lora_run, corpus_dir, tmp_path):
     cfg = finetune_cfg(lora_run, corpus_dir, tmp_path / "next")
     merged = load_run(lora_run, "test").params
-    prepared = build_task(cfg, mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]), make_tokenizer(cfg.data.tokenizer))
+    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     state = prepared.task.init_state()
     for a, b in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(merged), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -135,7 +135,8 @@ def test_the_loss_is_on_the_assistant_turns_and_completions_only(tokenizer_dir, 
 
 def test_prompt_completion_is_plain_text_with_the_byte_tokenizer(tmp_path):
     records = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
-    data = sft.load_chat_corpus(str(write_jsonl(tmp_path / "sums.jsonl", records)), ByteTokenizer(), seq_len=32, val_percent=50)
+    data = sft.load_chat_corpus(str(write_jsonl(tmp_path / "sums.jsonl", records)), ByteTokenizer(), seq_len=32,
+                                val_percent=50)
     decode = lambda ids: "".join(chr(i) if i < 256 else f"<{i}>" for i in ids.tolist())  # noqa: E731
     runs = sorted(learnt_runs(data.train, decode) + learnt_runs(data.val, decode))
     assert runs == [" 4<256>", " 6<256>"]  # the completion and the end-of-document id, never the prompt
