@@ -28,7 +28,7 @@ from systolic.optim.adamw import standard_promotion
 from systolic.workloads.rl import q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 def td_targets(rewards: jax.Array, next_q_target: jax.Array, terminated: jax.Array, *, gamma: float) -> jax.Array:

@@ -23,7 +23,7 @@ from systolic.workloads.rl import episodes as episodes_lib
 from systolic.workloads.rl import policy
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 # GAE AND LOSS -------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import optax
 from systolic.workloads.rl import policy, ppo, recurrent
 from systolic.workloads.rl.algorithm import ENV_FIELDS, Actor, Algorithm
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 class SeedState(NamedTuple):
