@@ -106,15 +106,16 @@ def jit_frame_step(advance: Callable, shardings: TrainState, mesh: Mesh, cfg: Si
 
 def state_shardings(mesh: Mesh, field_shardings: dict[str, NamedSharding]) -> TrainState:
     replicated = NamedSharding(mesh, P())
-    return TrainState(step=replicated, params=field_shardings, opt_state={"none": replicated}, rng=replicated,
+    return TrainState(step=replicated, params=field_shardings, opt_state={}, rng=replicated,
                       extra={"time": replicated})
 
 
 def new_state(fields: dict[str, jax.Array], rng: jax.Array, dtype: jnp.dtype) -> TrainState:
-    # The engine's Checkpointer saves `opt_state` as its own Orbax item and Orbax rejects an empty one ("Found
-    # empty item"), so a simulation, which has no optimizer, stores a placeholder.
-    no_optimizer = {"none": jnp.zeros((), jnp.int32)}
-    return TrainState(step=jnp.zeros((), jnp.int32), params=fields, opt_state=no_optimizer, rng=rng,
+    """A simulation's state at frame 0. The fields are its `params`, not its `extra`: they are what every frame
+    changes, what the engine's guard checks for NaN and Inf, and what a checkpoint stores as its own item, so run
+    directories of every version resume. There is no optimizer: `opt_state` is empty, and the Checkpointer writes
+    no item for it (checkpoints from before held a placeholder there, which a restore does not read)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=fields, opt_state={}, rng=rng,
                       extra={"time": jnp.zeros((), dtype)})
 
 
