@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.engine.state import TrainState, make_sharded_state
 from systolic.errors import ConfigError
+from systolic.runtime import mesh as mesh_lib
 from systolic.workloads.sim import finite_difference as fd
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
@@ -22,9 +23,6 @@ from systolic.workloads.sim.simulation import (Simulation, check_grid_fits, fixe
                                                real_dtype, state_shardings)
 from systolic.workloads.sim.slab import Slab
 from systolic.workloads.sim.solver_3d import make_turbulence
-
-MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")  # the spectral slabs are split over all of them, flattened
-
 
 def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
     """The simulation `sim.equation` names on `mesh`, after checking that its grid fits in the mesh's memory."""
@@ -48,7 +46,7 @@ def make_slab(cfg: SimConfig, mesh: Mesh) -> Slab:
             f"kept wavenumbers over all {parts} devices, so n must be a multiple of 2 x {parts} = {2 * parts}. "
             f"Fix: grid.n={good} (any multiple of {2 * parts})."
         )
-    return Slab(n, MESH_AXES, parts)
+    return Slab(n, mesh_lib.AXES, parts)  # every mesh axis, flattened: one slab per device
 
 
 def make_forcing(cfg: SimConfig, spec: ns_lib.Spectrum) -> ns_lib.Forcing | None:
