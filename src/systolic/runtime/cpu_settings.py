@@ -1,7 +1,8 @@
 """Which CPU-only choices are on: one settings object, read once from the environment.
 
 - `xla_flags`: XNNPACK's dot fusion in XLA_FLAGS for the workloads measured faster with it (runtime/cpu_tuning.py).
-- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/model/cpu.py), read at trace time.
+- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/model/cpu.py), read at
+  trace time.
 - `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads
   it measured faster for.
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import (AdamConfig, CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, ShardingConfig, TrainConfig,
-                             check_positive)
+from systolic.config import (AdamConfig, CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, ShardingConfig,
+                             TrainConfig, check_positive)
 from systolic.errors import ConfigError
 
 IMAGE_SIZES = (8, 16, 32, 64)

@@ -1,7 +1,8 @@
 """The environment adapters: `make_env` picks one by `env.name`; this module is the one place that knows gymnax.
 
 Names that start with `brax/` are Brax environments (brax_envs.py, an optional dependency); every other name is a
-gymnax one. Both adapters have the interface that `env_api.Env` declares, so the algorithms never know which simulator runs.
+gymnax one. Both adapters have the interface that `env_api.Env` declares, so the algorithms never know which
+simulator runs.
 
 gymnax 1.0.1's API (pinned in pyproject.toml): `reset(key, params) -> (obs, state)` and
 `step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. Its `step` is

@@ -168,8 +168,8 @@ def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
     of the run."""
     ppo = cfg.ppo
     adam_steps = cfg.rl.num_updates * ppo.update_epochs * ppo.num_minibatches
-    return optimization.make_optimizer(partial(optax.adam, eps=ppo.adam_eps), lr=ppo.lr, max_grad_norm=ppo.max_grad_norm,
-                                       anneal_steps=adam_steps if ppo.anneal_lr else 0)
+    return optimization.make_optimizer(partial(optax.adam, eps=ppo.adam_eps), lr=ppo.lr,
+                                       max_grad_norm=ppo.max_grad_norm, anneal_steps=adam_steps if ppo.anneal_lr else 0)
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):

@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import Literal
 
-from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, check_positive, check_seed
+from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, check_positive,
+                             check_seed)
 from systolic.errors import ConfigError
 
 

@@ -1,9 +1,9 @@
 """From a config and a mesh to a runnable 3-D turbulence simulation (`sim.equation=navier_stokes_3d`).
 
-The same contract as the 2-D solvers (`simulation.py`, `solver.py`): a sharded initial state and one jitted frame step for the
-engine's loop, plus what only 3-D has: the energy spectrum E(k) of each frame, and a plane of the vorticity
-magnitude as the picture (x = length / 2, the workshop's x = -pi face of [-pi, pi)^3, moved by the period). The
-velocity lives in the pencil's spectral layout, split over both axes of the 2-D device mesh.
+The same contract as the 2-D solvers (simulation.py's `Simulation`): a sharded initial state and one jitted frame
+step for the engine's loop, plus what only 3-D has: the energy spectrum E(k) of each frame, and a plane of the
+vorticity magnitude as the picture (x = length / 2, the workshop's x = -pi face of [-pi, pi)^3, moved by the period).
+The velocity lives in the pencil's spectral layout, split over both axes of the 2-D device mesh.
 """
 
 from __future__ import annotations
