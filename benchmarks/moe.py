@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from systolic.runtime import cpu_tuning
+from systolic.runtime import cpu_settings, cpu_tuning
 
 cpu_tuning.apply_at_start(workload="lm", stepping=True)  # before jax starts: the CLI's XLA:CPU flags and allocator setting
 
@@ -40,17 +40,17 @@ BATCH, SEQ = 16, 128
 @contextlib.contextmanager
 def grouped_rewrite(on: bool):
     """Traces with lm/model/cpu.py's tiled grouped matmul on or off (SYSTOLIC_CPU_TWEAKS, read at trace time)."""
-    before = os.environ.get(cpu_tuning.TWEAKS_ENV)
+    before = os.environ.get(cpu_settings.TWEAKS_ENV)
     if not on:
-        os.environ[cpu_tuning.TWEAKS_ENV] = "flatten,attention,barrier,malloc"
-    cpu_tuning.settings.cache_clear()
+        os.environ[cpu_settings.TWEAKS_ENV] = "flatten,attention,barrier,malloc"
+    cpu_settings.settings.cache_clear()
     try:
         yield
     finally:
-        os.environ.pop(cpu_tuning.TWEAKS_ENV, None)
+        os.environ.pop(cpu_settings.TWEAKS_ENV, None)
         if before is not None:
-            os.environ[cpu_tuning.TWEAKS_ENV] = before
-        cpu_tuning.settings.cache_clear()
+            os.environ[cpu_settings.TWEAKS_ENV] = before
+        cpu_settings.settings.cache_clear()
 
 
 def variants() -> dict[str, tuple[nnx.Module, bool]]:

@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from systolic.runtime.cpu_tuning import FLAGS_ENV, TWEAKS_ENV, XNN_DOT_FLAGS
+from systolic.runtime.cpu_settings import FLAGS_ENV, TWEAKS_ENV
+from systolic.runtime.cpu_tuning import XNN_DOT_FLAGS
 
 QUIET = ["observe.progress=off", "observe.tensorboard=false", "observe.plot=false"]
 # Each workload's default recipe, shortened to about half a minute of stepping on a 2-core CPU.

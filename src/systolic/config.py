@@ -129,7 +129,7 @@ class TrainConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        _positive(self, "train", ("steps", "batch_size", "eval_every"))
+        check_positive(self, "train", ("steps", "batch_size", "eval_every"))
         check_seed("train.seed", self.seed)
 
 
@@ -144,9 +144,8 @@ class AdamConfig:
     clip_norm: float = 1.0
 
     def validate(self) -> None:
-        _positive(self, "optim", ("lr", "eps", "clip_norm"))
-        _in_range(self, "optim", "b1", 0.0, 1.0)
-        _in_range(self, "optim", "b2", 0.0, 1.0)
+        check_positive(self, "optim", ("lr", "eps", "clip_norm"))
+        check_in_range(self, "optim", ("b1", "b2"), 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +158,7 @@ class OptimConfig(AdamConfig):
 
     def validate(self) -> None:
         super().validate()
-        _in_range(self, "optim", "min_lr_ratio", 0.0, 1.0)
+        check_in_range(self, "optim", ("min_lr_ratio",), 0.0, 1.0)
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ConfigError(
                 f"optim.warmup_steps={self.warmup_steps} and optim.weight_decay={self.weight_decay} must both be "
@@ -178,7 +177,7 @@ class CheckpointConfig:
     resume: bool = True
 
     def validate(self) -> None:
-        _positive(self, "checkpoint", ("every_steps", "keep"))
+        check_positive(self, "checkpoint", ("every_steps", "keep"))
         if self.every_minutes < 0:
             raise ConfigError(f"checkpoint.every_minutes={self.every_minutes} must be >= 0 (0 = off).")
 
@@ -201,7 +200,7 @@ class ObserveConfig:
         return int(first), int(last or first)
 
     def validate(self) -> None:
-        _positive(self, "observe", ("log_every",))
+        check_positive(self, "observe", ("log_every",))
         try:
             rng = self.profile_range
         except ValueError:
@@ -214,25 +213,32 @@ class ObserveConfig:
 
 
 # VALIDATION HELPERS -------------------------------------------------------------------------------------------
+# Every section's `validate()` uses these (the workloads' sections too), so a bad value reads the same everywhere.
 
 
-def _positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
+def check_positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
+    """A ConfigError for the first of `names` that is not greater than 0, suggesting the field's default."""
     for name in names:
         value = getattr(section, name)
         if value <= 0:
+            default = field_default(section, name)
+            kind = "integer" if isinstance(default, int) else "value"
             raise ConfigError(
-                f"{prefix}.{name}={value} must be greater than 0. Fix: pass a positive value, e.g. "
-                f"{prefix}.{name}={_field_default(section, name)}."
+                f"{prefix}.{name}={value} must be greater than 0. Fix: pass a positive {kind}, e.g. "
+                f"{prefix}.{name}={default}."
             )
 
 
-def _in_range(section: Any, prefix: str, name: str, low: float, high: float) -> None:
-    value = getattr(section, name)
-    if not low <= value <= high:
-        raise ConfigError(
-            f"{prefix}.{name}={value} is outside the allowed range [{low}, {high}]. Fix: pass a value in that "
-            f"range, e.g. {prefix}.{name}={_field_default(section, name)}."
-        )
+def check_in_range(section: Any, prefix: str, names: tuple[str, ...], low: float, high: float, why: str = "") -> None:
+    """A ConfigError for the first of `names` outside [low, high] (`why`: what the bounds mean, if it helps),
+    suggesting the field's default."""
+    for name in names:
+        value = getattr(section, name)
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{prefix}.{name}={value} is outside [{low:g}, {high:g}]{f'; {why}' if why else ''}. Fix: pass a "
+                f"value in that range, e.g. {prefix}.{name}={field_default(section, name)}."
+            )
 
 
 MAX_SEED = 2**32 - 1
@@ -251,11 +257,9 @@ def divisor_near(n: int, target: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
 
 
-def _field_default(section: Any, name: str) -> Any:
-    for f in dataclasses.fields(section):
-        if f.name == name:
-            return f.default
-    return None
+def field_default(section: Any, name: str) -> Any:
+    """The default of field `name` of a config section (a dataclass or its instance)."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 # LOADING ------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from importlib import metadata
 import pytest
 
 from systolic.runtime import cpu_tuning
-from systolic.runtime.cpu_tuning import CpuTuning
+from systolic.runtime.cpu_settings import CpuTuning
 
 
 def test_importing_systolic_leaves_xla_flags_alone():

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from systolic.runtime import host_memory
-from systolic.runtime.cpu_tuning import CpuTuning
+from systolic.runtime.cpu_settings import CpuTuning
 
 # 60 warm-up calls let the heap reach about its steady size (it can still grow now and then); then count the
 # minor page faults of 20 more calls.

@@ -1,70 +1,38 @@
-"""Every CPU-only choice systolic makes, read once from the environment, and the one call that applies them.
+"""The CPU tuning applied at start: the one call that applies every CPU-only choice (runtime/cpu_settings.py says
+which are on), and XLA:CPU's optimisation level for run-once code.
 
-- `xla_flags`: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`), for the workloads
+- XLA flags: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`), for the workloads
   that measure faster with them (`XNN_DOT_WORKLOADS`). On the 2026-12-05 host none did (rl 0.68x, lm 0.91-0.93x on
   three model sizes, gan and sim level), so the set is empty; lm had it while an earlier host measured +8-15%. They are
   experimental XLA flags and an unknown flag aborts XLA at start-up, so they are added only for jaxlib versions
   where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
   XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
   programs are unaffected, so the choice is per workload and needs no platform check.
-- `flatten`, `attention`, `barrier`, `grouped`: the lm model's CPU rewrites (workloads/lm/model/cpu.py), read at trace time.
-- `malloc`: the host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads
-  it measured faster for (`MALLOC_WORKLOADS`; the rl workload's PPO ran at 0.56-0.65x with it).
+- The host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads it
+  measured faster for (`MALLOC_WORKLOADS`; the rl workload's PPO ran at 0.56-0.65x with it).
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
   where LLVM's optimisation costs more compile time than it saves.
 
-SYSTOLIC_CPU_TWEAKS switches the rewrites and the allocator setting for ablations: `all` (the default), `none`,
-or comma-separated names. Nothing happens at import: a library user's XLA_FLAGS stay theirs. The CLI calls
-`apply_at_start` before JAX starts; a Python program that wants the CLI's speed calls it first thing. Why each
-choice, and its measured effect: docs/benchmarks.md, "CPU tuning choices".
+Nothing happens at import: a library user's XLA_FLAGS stay theirs. The CLI calls `apply_at_start` before JAX
+starts; a Python program that wants the CLI's speed calls it first thing. Why each choice, and its measured
+effect: docs/benchmarks.md, "CPU tuning choices".
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, NamedTuple
 
+from systolic.runtime import cpu_settings, host_memory
+
 VERIFIED_JAXLIB = ("0.10.",)
 XNN_DOT_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimental_xnn_fusion_type=dot")
-FLAGS_ENV = "SYSTOLIC_XLA_CPU_FLAGS"
 # The workloads whose steps run faster with XNN_DOT_FLAGS on this project's CPU, each measured with and without them
 # (benchmarks/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
 XNN_DOT_WORKLOADS: frozenset[str] = frozenset()  # re-measure on a new host: the benchmark, docs/benchmarks.md
 # The workloads whose steps run faster with the host allocator setting (same benchmark, `--setting malloc`).
 MALLOC_WORKLOADS = frozenset({"lm"})
-TWEAKS_ENV = "SYSTOLIC_CPU_TWEAKS"
-
-
-@dataclass(frozen=True)
-class CpuTuning:
-    """Which CPU-only choices are on (each applies only where the CPU is the compute platform)."""
-
-    xla_flags: bool = True
-    flatten: bool = True
-    attention: bool = True
-    barrier: bool = True
-    grouped: bool = True
-    malloc: bool = True
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> CpuTuning:
-        flags_on = environ.get(FLAGS_ENV, "").lower() not in ("off", "0", "false", "none")
-        tweaks = environ.get(TWEAKS_ENV, "all").strip()
-        names = {s.strip() for s in tweaks.split(",")}
-        on = lambda name: tweaks == "all" or name in names  # noqa: E731
-        return cls(xla_flags=flags_on, flatten=on("flatten"), attention=on("attention"), barrier=on("barrier"),
-                   grouped=on("grouped"), malloc=on("malloc"))
-
-
-@functools.cache
-def settings() -> CpuTuning:
-    """The process's CPU tuning, read from the environment on the first call. A test that changes
-    SYSTOLIC_CPU_TWEAKS or SYSTOLIC_XLA_CPU_FLAGS calls `settings.cache_clear()` to have it read again."""
-    return CpuTuning.from_env(os.environ)
 
 
 class Applied(NamedTuple):
@@ -72,18 +40,16 @@ class Applied(NamedTuple):
     malloc: bool  # the host allocator setting was made
 
 
-def apply_at_start(*, workload: str | None, stepping: bool, tuning: CpuTuning | None = None) -> Applied:
+def apply_at_start(*, workload: str | None, stepping: bool, tuning: cpu_settings.CpuTuning | None = None) -> Applied:
     """Adds `workload`'s XLA:CPU flags to XLA_FLAGS and, for a process that runs many steps (`stepping`) of a
     workload in MALLOC_WORKLOADS, sets the host allocator, each where allowed (module docstring). `workload` None (a command that runs no workload): no
     flags. Call before JAX creates its backend: XLA reads XLA_FLAGS once, and a thread keeps the malloc arena it
     started with."""
-    from systolic.runtime import host_memory  # here: host_memory imports this module
-
-    tuning = tuning or settings()
+    tuning = tuning or cpu_settings.settings()
     return Applied(xla_flags=_add_xla_flags(tuning, workload), malloc=stepping and workload in MALLOC_WORKLOADS and host_memory.apply(tuning))
 
 
-def _add_xla_flags(tuning: CpuTuning, workload: str | None) -> bool:
+def _add_xla_flags(tuning: cpu_settings.CpuTuning, workload: str | None) -> bool:
     if not tuning.xla_flags or workload not in XNN_DOT_WORKLOADS:
         return False
     try:

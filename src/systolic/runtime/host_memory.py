@@ -24,14 +24,14 @@ import importlib.util
 import os
 import sys
 
-from systolic.runtime import cpu_tuning
+from systolic.runtime import cpu_settings
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
-def wanted(tuning: cpu_tuning.CpuTuning) -> bool:
+def wanted(tuning: cpu_settings.CpuTuning) -> bool:
     """Whether the settings apply here (see the module docstring)."""
     if not tuning.malloc:
         return False
@@ -53,10 +53,10 @@ def _jax_started() -> bool:
         return True
 
 
-def apply(tuning: cpu_tuning.CpuTuning | None = None) -> bool:
-    """Sets the glibc malloc options when `wanted` (by `tuning`, default the process's `cpu_tuning.settings()`)
+def apply(tuning: cpu_settings.CpuTuning | None = None) -> bool:
+    """Sets the glibc malloc options when `wanted` (by `tuning`, default the process's `cpu_settings.settings()`)
     and JAX has not started; returns whether they were set. Programs call `cpu_tuning.apply_at_start`."""
-    if not wanted(tuning or cpu_tuning.settings()) or _jax_started():
+    if not wanted(tuning or cpu_settings.settings()) or _jax_started():
         return False
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them

@@ -1,8 +1,16 @@
-"""Logical axis names -> mesh axes: the one table that decides how every array is split.
+"""Logical axis names -> mesh axes: the rule tables that decide how the models' arrays are split.
 
-Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). This table
+Layers name the axes of their parameters and activations logically (`embed`, `mlp`, `heads`, ...). A rule set
 maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert`, `context` and `tensor`; change the table, not
 the layers, to change the parallelism layout. A name mapped to None is replicated.
+
+What the tables cover: the lm and gan workloads' parameters, activations and batches (`RULE_SETS`, chosen by
+`sharding.rules`) and the 3-D sim grid's pencils (`GRID_RULES`). What they do not: the rl workload splits its seed
+or environment axis over `data` x `fsdp` itself (workloads/rl/train.py; its networks are too small to split, and its
+config refuses the other axes), and the 2-D sim solvers split their grids in their own modules, the spectral slabs
+over every mesh axis flattened (workloads/sim/solver.py) and the finite-difference blocks over
+`finite_difference.BLOCK_AXES`: each is the one layout its algorithm's collectives are written for, with no layer
+to annotate.
 
 Default layout (2-D/3-D combinations follow from the mesh shape alone):
 - `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel

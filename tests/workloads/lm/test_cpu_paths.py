@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from systolic.runtime import cpu_tuning
+from systolic.runtime import cpu_settings
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.model.cpu import causal_attention, gradient_barrier, project
 from systolic.workloads.lm.model.transformer import Transformer
@@ -54,10 +54,10 @@ def set_cpu_tweaks(monkeypatch):
 
     def set_(value: str) -> None:
         monkeypatch.setenv("SYSTOLIC_CPU_TWEAKS", value)
-        cpu_tuning.settings.cache_clear()
+        cpu_settings.settings.cache_clear()
 
     yield set_
-    cpu_tuning.settings.cache_clear()
+    cpu_settings.settings.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

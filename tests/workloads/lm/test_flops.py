@@ -56,11 +56,11 @@ def test_moe_counts_the_active_experts(tiles, monkeypatch):
     expert's rows to whole tiles and computes every tile, and XLA:CPU's own ragged_dot (the CPU rewrite off) computes
     one matmul per expert over all rows, E times the work. Expected: formula + masked attention half + the routed
     experts' active FLOPs x (rows computed / rows routed - 1)."""
-    from systolic.runtime import cpu_tuning
+    from systolic.runtime import cpu_settings
     from systolic.workloads.lm.model import cpu
     from systolic.workloads.lm.model.flops import moe_active_params
 
-    monkeypatch.setattr(cpu_tuning, "settings", lambda: cpu_tuning.CpuTuning(grouped=tiles))
+    monkeypatch.setattr(cpu_settings, "settings", lambda: cpu_settings.CpuTuning(grouped=tiles))
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
         "model.d_model=128", "model.layers=2", "model.heads=4", "model.max_seq_len=128", "data.seq_len=128",
         "model.moe.experts=4", "model.moe.top_k=2", "model.moe.mlp_dim=256", "model.moe.shared_experts=1",

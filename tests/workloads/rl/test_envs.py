@@ -9,7 +9,8 @@ import pytest
 
 from systolic.errors import ConfigError
 from systolic.workloads.rl.config import EnvConfig
-from systolic.workloads.rl.envs import Env, make_env
+from systolic.workloads.rl.env_api import Env
+from systolic.workloads.rl.envs import make_env
 
 
 def run(env: Env, actions, key=0):

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny import TINY_SIM as TINY
@@ -49,6 +50,23 @@ def test_simulate_writes_everything_and_a_resume_gives_the_identical_field(tmp_p
     assert step == 4 and not np.array_equal(halfway, reference)  # the check below compares different states
     np.testing.assert_array_equal(resumed, reference)
     assert [r["energy"] for r in records(split)] == [r["energy"] for r in records(whole)]
+
+
+def test_a_checkpoint_with_the_placeholder_optimizer_state_of_earlier_versions_resumes(tmp_path, sim_config):
+    """Simulations have no optimizer; earlier versions stored a placeholder optimizer state ({"none": 0}) in every
+    checkpoint. Such a checkpoint still restores onto today's state, which has none: the placeholder is not read."""
+    cfg = sim_config("grid.n=32", "navier_stokes.initial_wavenumber=3", "checkpoint.async_save=false")
+    sim = make_simulation(cfg, make_mesh(cfg.mesh))
+    state = sim.initial_state()
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    ckpt.save(state.replace(opt_state={"none": jnp.zeros((), jnp.int32)}), None, {"workload": "sim"})
+    ckpt.wait()
+    assert (tmp_path / "0" / "opt_state").is_dir()  # the layout of the earlier versions' checkpoints
+    restored, _, step = ckpt.restore_latest(sim.abstract_state, "sim")
+    ckpt.close()
+    assert step == 0 and restored.opt_state == {}
+    np.testing.assert_array_equal(np.asarray(restored.params["w_hat"]), np.asarray(state.params["w_hat"]))
+    assert float(restored.extra["time"]) == 0.0
 
 
 @pytest.mark.slow

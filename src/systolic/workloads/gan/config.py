@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import AdamConfig, CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, ShardingConfig, TrainConfig
+from systolic.config import (AdamConfig, CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, ShardingConfig,
+                             TrainConfig, check_positive)
 from systolic.errors import ConfigError
 
 IMAGE_SIZES = (8, 16, 32, 64)
@@ -22,9 +23,7 @@ class ModelConfig:
     spectral_norm: bool = False  # spectral normalisation of the discriminator's weights (one power iteration per step)
 
     def validate(self) -> None:
-        for name in ("latent_dim", "g_channels", "d_channels"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        check_positive(self, "model", ("latent_dim", "g_channels", "d_channels"))
 
 
 @dataclasses.dataclass(frozen=True)

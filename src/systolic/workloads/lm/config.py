@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
-                             TrainConfig, check_seed, divisor_near)
+                             TrainConfig, check_positive, check_seed, divisor_near)
 from systolic.errors import ConfigError
 
 
@@ -242,9 +242,7 @@ class ModelConfig:
         return -(-vocab // self.vocab_multiple) * self.vocab_multiple
 
     def validate(self) -> None:
-        for name in ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive integer.")
+        check_positive(self, "model", ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"))
         if self.layers > MAX_LAYERS:
             raise ConfigError(
                 f"model.layers={self.layers} is more than {MAX_LAYERS} layers. The deepest published decoders have "
@@ -438,8 +436,7 @@ class DataConfig:
                 f"data.mixture={self.mixture!r} and data.path={self.path!r} are both set; a run reads one or the other. "
                 "Fix: drop data.path, or data.mixture."
             )
-        if self.seq_len <= 0:
-            raise ConfigError(f"data.seq_len={self.seq_len} must be greater than 0. Fix: e.g. data.seq_len=256.")
+        check_positive(self, "data", ("seq_len",))
         if not 0 < self.val_percent < 100:
             raise ConfigError(f"data.val_percent={self.val_percent} must be between 0 and 100 (exclusive). Fix: e.g. data.val_percent=5.")
         if self.max_bytes < 0:

@@ -1,4 +1,4 @@
-"""Brax environments behind envs.Env's interface: `env.name: brax/<name>`, e.g. `brax/inverted_pendulum`.
+"""Brax environments behind env_api.Env's interface: `env.name: brax/<name>`, e.g. `brax/inverted_pendulum`.
 
 Brax (an optional dependency: `pip install 'systolic[control]'`) simulates MuJoCo models in jax, so its environments
 run on device, vmapped and jitted with the policy, as gymnax's do. Physics: Brax's `generalized` pipeline, its default
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from systolic.errors import ConfigError
 from systolic.workloads.rl.config import EnvConfig
-from systolic.workloads.rl.envs import EnvSpec, EnvStep, as_obs, strong_array, unknown_name_error
+from systolic.workloads.rl.env_api import EnvSpec, EnvStep, as_obs, strong_array
 
 PREFIX = "brax/"
 BACKEND = "generalized"
@@ -54,24 +54,29 @@ def names() -> list[str]:
     return [] if envs is None else [PREFIX + n for n in sorted(envs._envs)]  # Brax's registry has no public listing
 
 
+def require(name: str) -> Any:
+    """`brax.envs`; a ConfigError saying how to install Brax where it is missing (`name`: the env.name asked for)."""
+    envs = _brax_envs()
+    if envs is None:
+        raise ConfigError(f"env.name={name!r} is a Brax environment, and Brax, an optional dependency, is not "
+                          f"installed. Fix: {INSTALL} (Brax and MuJoCo at the versions systolic is tested with), "
+                          "or choose a gymnax environment such as env.name=Pendulum-v1.")
+    return envs
+
+
 def names_note() -> str:
     """For the unknown-name error: how to get Brax's environments where they are missing."""
     return "" if _brax_envs() is not None else f" (and Brax's, as brax/<name>, after {INSTALL})"
 
 
 class BraxEnv:
-    """A Brax environment behind `envs.Env`'s interface."""
+    """A Brax environment behind `env_api.Env`'s interface."""
 
     simulator = "Brax"
 
     def __init__(self, cfg: EnvConfig):
-        envs = _brax_envs()
-        if envs is None:
-            raise ConfigError(f"env.name={cfg.name!r} is a Brax environment, and Brax, an optional dependency, is not "
-                              f"installed. Fix: {INSTALL} (Brax and MuJoCo at the versions systolic is tested with), "
-                              "or choose a gymnax environment such as env.name=Pendulum-v1.")
-        if cfg.name.removeprefix(PREFIX) not in envs._envs:
-            raise unknown_name_error(cfg.name)
+        """`cfg.name` one of `names()` (make_env checks)."""
+        envs = require(cfg.name)
         episode_steps = cfg.max_episode_steps or DEFAULT_EPISODE_STEPS
         with warnings.catch_warnings():
             # Brax warns at every model load that its own pipelines are no longer developed; true, and not the

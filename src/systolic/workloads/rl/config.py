@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, check_seed, divisor_near
+from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, check_in_range, check_positive,
+                             check_seed, divisor_near)
 from systolic.errors import ConfigError
 
 
@@ -94,14 +95,8 @@ class PPOConfig:
     reward_scale: float = 1.0  # rewards are multiplied by this before GAE (returns reported unscaled)
 
     def validate(self) -> None:
-        for name in ("lr", "adam_eps", "max_grad_norm", "clip_eps", "reward_scale"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"ppo.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
-                                  f"value, e.g. ppo.{name}={_default(PPOConfig, name)}.")
-        for name in ("gamma", "gae_lambda"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"ppo.{name}={getattr(self, name)} is outside [0, 1]; it is a discount factor. Fix: "
-                                  f"e.g. ppo.{name}={_default(PPOConfig, name)}.")
+        check_positive(self, "ppo", ("lr", "adam_eps", "max_grad_norm", "clip_eps", "reward_scale"))
+        check_in_range(self, "ppo", ("gamma", "gae_lambda"), 0, 1, why="it is a discount factor")
         if self.ent_coef < 0 or self.vf_coef < 0:
             raise ConfigError(f"ppo.ent_coef={self.ent_coef} and ppo.vf_coef={self.vf_coef} must both be >= 0. Fix: "
                               "use 0 to switch a term off.")
@@ -129,14 +124,8 @@ class PQNConfig:
     reward_scale: float = 1.0  # rewards are multiplied by this before the targets (returns reported unscaled)
 
     def validate(self) -> None:
-        for name in ("lr", "max_grad_norm", "reward_scale", "eps_decay"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"pqn.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
-                                  f"value, e.g. pqn.{name}={_default(PQNConfig, name)}.")
-        for name in ("gamma", "q_lambda", "eps_start", "eps_finish"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"pqn.{name}={getattr(self, name)} is outside [0, 1]. Fix: e.g. "
-                                  f"pqn.{name}={_default(PQNConfig, name)}.")
+        check_positive(self, "pqn", ("lr", "max_grad_norm", "reward_scale", "eps_decay"))
+        check_in_range(self, "pqn", ("gamma", "q_lambda", "eps_start", "eps_finish"), 0, 1)
         if self.update_epochs <= 0 or self.num_minibatches <= 0:
             raise ConfigError(f"pqn.update_epochs={self.update_epochs} and pqn.num_minibatches={self.num_minibatches} "
                               "must both be greater than 0. Fix: e.g. pqn.update_epochs=4 pqn.num_minibatches=16.")
@@ -163,15 +152,9 @@ class DQNConfig:
     eps_decay: float = 0.5  # ...over this fraction of the run's updates, then stays
 
     def validate(self) -> None:
-        for name in ("lr", "max_grad_norm", "eps_decay", "buffer_size", "batch_size", "gradient_steps",
-                     "target_update_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"dqn.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
-                                  f"value, e.g. dqn.{name}={_default(DQNConfig, name)}.")
-        for name in ("gamma", "eps_start", "eps_finish"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"dqn.{name}={getattr(self, name)} is outside [0, 1]. Fix: e.g. "
-                                  f"dqn.{name}={_default(DQNConfig, name)}.")
+        check_positive(self, "dqn", ("lr", "max_grad_norm", "eps_decay", "buffer_size", "batch_size", "gradient_steps",
+                                     "target_update_every"))
+        check_in_range(self, "dqn", ("gamma", "eps_start", "eps_finish"), 0, 1)
         if self.learning_starts < 0:
             raise ConfigError(f"dqn.learning_starts={self.learning_starts} must be >= 0 (0: learn from the first "
                               "update). Fix: e.g. dqn.learning_starts=10000.")
@@ -209,10 +192,8 @@ class RunConfig:
         return self.env_steps_per_update * self.updates_per_chunk
 
     def validate(self) -> None:
-        for name in ("num_seeds", "num_envs", "num_steps", "total_env_steps", "updates_per_chunk", "eval_episodes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"rl.{name}={getattr(self, name)} must be greater than 0. Fix: pass a positive "
-                                  f"integer, e.g. rl.{name}={_default(RunConfig, name)}.")
+        check_positive(self, "rl", ("num_seeds", "num_envs", "num_steps", "total_env_steps", "updates_per_chunk",
+                                    "eval_episodes"))
         check_seed("rl.seed", self.seed)
         if self.eval_every < 0:
             raise ConfigError(f"rl.eval_every={self.eval_every} must be >= 0 (0 = evaluate only at the end). Fix: "
@@ -302,7 +283,3 @@ class RLConfig:
                 f"update cannot be split into {key}={num_minibatches} equal minibatches. Fix: choose sizes whose "
                 f"product is a multiple of {num_minibatches}, or set {key}={divisor_near(batch, num_minibatches)}."
             )
-
-
-def _default(schema: type, name: str) -> object:
-    return next(f.default for f in dataclasses.fields(schema) if f.name == name)

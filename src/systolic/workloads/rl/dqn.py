@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.optim.adamw import standard_promotion
-from systolic.workloads.rl import q_chunk, qnetwork, replay
+from systolic.workloads.rl import optimization, q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 def td_targets(rewards: jax.Array, next_q_target: jax.Array, terminated: jax.Array, *, gamma: float) -> jax.Array:
@@ -56,8 +55,9 @@ class SeedState(NamedTuple):
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
     """Adam with global-norm clipping; with `dqn.anneal_lr` the learning rate decays linearly to 0 over the run."""
     dqn = cfg.dqn
-    lr = optax.linear_schedule(dqn.lr, 0.0, cfg.rl.num_updates * dqn.gradient_steps) if dqn.anneal_lr else dqn.lr
-    return standard_promotion(optax.chain(optax.clip_by_global_norm(dqn.max_grad_norm), optax.adam(lr)))
+    steps = cfg.rl.num_updates * dqn.gradient_steps
+    return optimization.make_optimizer(optax.adam, lr=dqn.lr, max_grad_norm=dqn.max_grad_norm,
+                                       anneal_steps=steps if dqn.anneal_lr else 0)
 
 
 def make_epsilon(cfg: RLConfig) -> optax.Schedule:

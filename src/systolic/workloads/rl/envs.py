@@ -1,7 +1,8 @@
 """The environment adapters: `make_env` picks one by `env.name`; this module is the one place that knows gymnax.
 
 Names that start with `brax/` are Brax environments (brax_envs.py, an optional dependency); every other name is a
-gymnax one. Both adapters have the interface `Env` declares, so the algorithms never know which simulator runs.
+gymnax one. Both adapters have the interface that `env_api.Env` declares, so the algorithms never know which
+simulator runs.
 
 gymnax 1.0.1's API (pinned in pyproject.toml): `reset(key, params) -> (obs, state)` and
 `step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. Its `step` is
@@ -27,14 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from systolic.errors import ConfigError
+from systolic.workloads.rl import brax_envs
 from systolic.workloads.rl.config import EnvConfig
+from systolic.workloads.rl.env_api import Env, EnvSpec, EnvStep, as_obs, strong_array
 
 # Gymnasium's own reward thresholds for "solved" (its registry's `reward_threshold`); Pendulum-v1 has none there,
 # so the issue's target stands in. Used for reporting only.
@@ -49,54 +52,15 @@ SOLVED_AT = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.
 _NEEDS_DOWNLOAD = {"MNISTBandit-bsuite"}
 
 
-@dataclasses.dataclass(frozen=True)
-class EnvSpec:
-    """What the policy and the run need to know about an environment."""
-
-    name: str
-    obs_shape: tuple[int, ...]
-    discrete: bool
-    action_dim: int  # discrete: number of actions; continuous: size of the action vector
-    action_low: tuple[float, ...]  # continuous only: bounds the environment clips to
-    action_high: tuple[float, ...]
-    max_episode_steps: int
-
-    @property
-    def obs_size(self) -> int:
-        size = 1
-        for d in self.obs_shape:
-            size *= d
-        return size
-
-
-class EnvStep(NamedTuple):
-    """One transition of a (single, unbatched) environment; vmap the adapter's `step` for a batch."""
-
-    obs: jax.Array  # the next observation to act on (a new episode's first one after a reset)
-    state: dict[str, jax.Array]
-    reward: jax.Array  # float32 ()
-    terminated: jax.Array  # bool (): the episode reached a terminal state; do not bootstrap
-    truncated: jax.Array  # bool (): the time limit cut the episode; bootstrap from final_obs
-    final_obs: jax.Array  # the observation the transition really led to (pre-reset), for bootstrapping
-
-
-class Env(Protocol):
-    """What an environment adapter offers (one unbatched environment; vmap `reset` and `step` for a batch)."""
-
-    spec: EnvSpec
-    simulator: str  # as printed: "gymnax", "Brax"
-
-    def reset(self, key: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]: ...
-
-    def step(self, key: jax.Array, state: dict[str, jax.Array], action: jax.Array,
-             reset: tuple[jax.Array, dict[str, jax.Array]]) -> EnvStep: ...
-
-
 def make_env(cfg: EnvConfig) -> Env:
-    """The adapter for `cfg.name`: a Brax environment for `brax/<name>`, else a gymnax one."""
-    from systolic.workloads.rl import brax_envs
-
-    env = brax_envs.BraxEnv(cfg) if cfg.name.startswith(brax_envs.PREFIX) else GymnaxEnv(cfg)
+    """The adapter for `cfg.name`: a Brax environment for `brax/<name>`, else a gymnax one; a ConfigError naming the
+    closest name for one that neither simulator has (the adapters take known names only)."""
+    brax = cfg.name.startswith(brax_envs.PREFIX)
+    if brax:
+        brax_envs.require(cfg.name)  # without Brax, how to install it comes before any talk of names
+    if cfg.name not in (brax_envs.names() if brax else gymnax_names()):
+        raise unknown_name_error(cfg.name)
+    env = brax_envs.BraxEnv(cfg) if brax else GymnaxEnv(cfg)
     return HiddenObs(env, cfg.hide_obs) if cfg.hide_obs else env
 
 
@@ -142,15 +106,18 @@ class HiddenObs:
         return out._replace(obs=self._view(out.obs), final_obs=self._view(out.final_obs))
 
 
+def gymnax_names() -> list[str]:
+    """The gymnax environments the adapter can build on every machine."""
+    import gymnax
+
+    return [n for n in gymnax.registered_envs if n not in _NEEDS_DOWNLOAD]
+
+
 def unknown_name_error(name: str) -> ConfigError:
     """The error for a name that neither gymnax nor Brax has, naming the closest one there is."""
     import difflib
 
-    import gymnax
-
-    from systolic.workloads.rl import brax_envs
-
-    names = [n for n in gymnax.registered_envs if n not in _NEEDS_DOWNLOAD] + brax_envs.names()
+    names = gymnax_names() + brax_envs.names()
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"env.name={name!r} is not an environment the rl workload can build.{hint} Available: "
@@ -164,10 +131,9 @@ class GymnaxEnv:
     simulator = "gymnax"
 
     def __init__(self, cfg: EnvConfig):
+        """`cfg.name` one of `gymnax_names()` (make_env checks)."""
         import gymnax
 
-        if cfg.name in _NEEDS_DOWNLOAD or cfg.name not in gymnax.registered_envs:
-            raise unknown_name_error(cfg.name)
         self._env, params = gymnax.make(cfg.name)
         if cfg.max_episode_steps:
             params = params.replace(max_steps_in_episode=cfg.max_episode_steps)
@@ -218,12 +184,3 @@ class GymnaxEnv:
     def _from_dict(self, state: dict[str, jax.Array]) -> Any:
         return self._state_type(**state)
 
-
-def strong_array(x: Any) -> jax.Array:
-    """The same array without a weak type (see the module docstring): `astype` to its own dtype drops it."""
-    x = jnp.asarray(x)
-    return x.astype(x.dtype)
-
-
-def as_obs(obs: jax.Array) -> jax.Array:
-    return jnp.asarray(obs, jnp.float32)

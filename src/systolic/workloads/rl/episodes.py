@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from systolic.workloads.rl.algorithm import Actor
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 def make_episode_fn(env: Env, actor: Actor, episodes: int):

@@ -24,7 +24,8 @@ from systolic.runtime.sharding import activate
 from systolic.workloads.rl import render
 from systolic.workloads.rl.algorithm import Actor
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import SOLVED_AT, Env, make_env, obs_view
+from systolic.workloads.rl.env_api import Env
+from systolic.workloads.rl.envs import SOLVED_AT, make_env, obs_view
 from systolic.workloads.rl.train import algorithm_for, make_seed_evaluator, make_state_fns
 
 # gymnax name -> Gymnasium id of the same environment (same observations, actions, rewards and time limit).

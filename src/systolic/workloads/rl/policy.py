@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.workloads.rl.config import NetworkConfig
-from systolic.workloads.rl.envs import EnvSpec
+from systolic.workloads.rl.env_api import EnvSpec
 
 _LOG_2PI = math.log(2 * math.pi)
 

@@ -12,18 +12,18 @@ Bootstrapping: an episode that *terminated* has no future (the target is the las
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.optim.adamw import standard_promotion
 from systolic.workloads.rl import episodes as episodes_lib
-from systolic.workloads.rl import policy
+from systolic.workloads.rl import optimization, policy
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 # GAE AND LOSS -------------------------------------------------------------------------------------------------
@@ -164,15 +164,12 @@ class ChunkMetrics(NamedTuple):  # per seed, scalars
 
 
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
-    """Adam with global-norm clipping; the learning rate decays linearly to 0 over all Adam steps of the run."""
+    """Adam with global-norm clipping; with `ppo.anneal_lr` the learning rate decays linearly to 0 over all Adam steps
+    of the run."""
     ppo = cfg.ppo
-    if ppo.anneal_lr:
-        adam_steps = cfg.rl.num_updates * ppo.update_epochs * ppo.num_minibatches
-        lr = optax.linear_schedule(ppo.lr, 0.0, adam_steps)
-    else:
-        lr = ppo.lr
-    return standard_promotion(optax.chain(optax.clip_by_global_norm(ppo.max_grad_norm),
-                                          optax.adam(lr, eps=ppo.adam_eps)))
+    adam_steps = cfg.rl.num_updates * ppo.update_epochs * ppo.num_minibatches
+    return optimization.make_optimizer(partial(optax.adam, eps=ppo.adam_eps), lr=ppo.lr,
+                                       max_grad_norm=ppo.max_grad_norm, anneal_steps=adam_steps if ppo.anneal_lr else 0)
 
 
 def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
@@ -183,7 +180,6 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     n_obs_axes = len(spec.obs_shape)
     n_envs, n_steps = run.num_envs, run.num_steps
     batch_size = n_envs * n_steps
-    minibatch_size = batch_size // ppo.num_minibatches
     low = jnp.asarray(spec.action_low, jnp.float32) if not spec.discrete else None
     high = jnp.asarray(spec.action_high, jnp.float32) if not spec.discrete else None
     maybe_normalize = normalize_obs if ppo.normalize_obs else (lambda stats, obs: obs)
@@ -251,16 +247,10 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         batch = {"obs": traj.obs, "action": traj.action, "log_prob": traj.log_prob, "value": traj.value,
                  "advantages": advantages, "returns": returns}
         flat = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), batch)  # (T*N, ...)
-
-        def epoch(params_and_opt, order):
-            # A fresh shuffle of the whole rollout each epoch, cut into equal minibatches.
-            minibatches = jax.tree.map(
-                lambda x: x[order].reshape(ppo.num_minibatches, minibatch_size, *x.shape[1:]), flat)  # (M, B/M, ...)
-            return jax.lax.scan(adam_step, params_and_opt, minibatches)
-
-        orders = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(
-            jax.random.split(epoch_key, ppo.update_epochs))  # (epochs, T*N)
-        (params, opt_state), (losses, stats) = jax.lax.scan(epoch, (carry.params, carry.opt_state), orders)
+        # Each epoch a fresh shuffle of the whole rollout, cut into equal minibatches (M, T*N/M, ...).
+        (params, opt_state), (losses, stats) = optimization.shuffled_epochs(
+            adam_step, (carry.params, carry.opt_state), flat, key=epoch_key, epochs=ppo.update_epochs,
+            minibatches=ppo.num_minibatches)
         carry = carry._replace(params=params, opt_state=opt_state)
         episodes = traj.done.sum()
         return carry, (losses.mean(), jax.tree.map(jnp.mean, stats), traj.finished_return.sum(),

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.workloads.rl import policy, ppo, recurrent
+from systolic.workloads.rl import optimization, policy, ppo, recurrent
 from systolic.workloads.rl.algorithm import ENV_FIELDS, Actor, Algorithm
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 
 class SeedState(NamedTuple):
@@ -130,7 +130,6 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     spec, ppo_cfg, run = env.spec, cfg.ppo, cfg.rl
     graphdef = recurrent.make_graphdef(spec, cfg.model)
     n_obs_axes = len(spec.obs_shape)
-    envs_per_minibatch = run.num_envs // ppo_cfg.num_minibatches
     rollout = make_rollout(cfg, env)
 
     def loss_fn(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, ppo.LossStats]:
@@ -161,18 +160,13 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         # UPDATE NETWORK: minibatches of whole environments, time kept in order.
         sequences = {"obs": traj.obs, "done": traj.done, "action": traj.action, "log_prob": traj.log_prob,
                      "value": traj.value, "advantages": advantages, "returns": returns}  # (T, N, ...)
-
-        def epoch(params_and_opt, order):
-            # A fresh shuffle of the environments each epoch, cut into equal groups.
-            split = lambda x: jnp.swapaxes(  # noqa: E731  (T, N, ...) -> (M, T, N/M, ...)
-                x[:, order].reshape(x.shape[0], ppo_cfg.num_minibatches, envs_per_minibatch, *x.shape[2:]), 0, 1)
-            minibatches = jax.tree.map(split, sequences)
-            minibatches["hidden"] = first_hidden[order].reshape(ppo_cfg.num_minibatches, envs_per_minibatch, -1)
-            return jax.lax.scan(adam_step, params_and_opt, minibatches)
-
-        orders = jax.vmap(lambda k: jax.random.permutation(k, run.num_envs))(
-            jax.random.split(epoch_key, ppo_cfg.update_epochs))  # (epochs, N)
-        (params, opt_state), (losses, stats) = jax.lax.scan(epoch, (carry.params, carry.opt_state), orders)
+        # Each epoch a fresh shuffle of the environments, cut into equal groups: sequences (M, T, N/M, ...), the
+        # hidden states they start from (M, N/M, H).
+        data = {**sequences, "hidden": first_hidden}
+        axes = {**{name: 1 for name in sequences}, "hidden": 0}
+        (params, opt_state), (losses, stats) = optimization.shuffled_epochs(
+            adam_step, (carry.params, carry.opt_state), data, key=epoch_key, epochs=ppo_cfg.update_epochs,
+            minibatches=ppo_cfg.num_minibatches, axes=axes)
         carry = carry._replace(params=params, opt_state=opt_state)
         return carry, (losses.mean(), jax.tree.map(jnp.mean, stats), traj.finished_return.sum(),
                        traj.finished_length.sum(), traj.done.sum())

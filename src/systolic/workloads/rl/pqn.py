@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from systolic.optim.adamw import standard_promotion
-from systolic.workloads.rl import q_chunk, qnetwork
+from systolic.workloads.rl import optimization, q_chunk, qnetwork
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env
+from systolic.workloads.rl.env_api import Env
 
 # Q(LAMBDA) TARGETS --------------------------------------------------------------------------------------------
 
@@ -88,14 +87,12 @@ class Transition(NamedTuple):  # each (T, N, ...) after the rollout scan
 
 
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
-    """RAdam with global-norm clipping, as purejaxql; the learning rate decays linearly to 0 over all steps."""
+    """RAdam with global-norm clipping, as purejaxql; with `pqn.anneal_lr` the learning rate decays linearly to 0 over
+    all steps."""
     pqn = cfg.pqn
-    if pqn.anneal_lr:
-        steps = cfg.rl.num_updates * pqn.update_epochs * pqn.num_minibatches
-        lr = optax.linear_schedule(pqn.lr, 0.0, steps)
-    else:
-        lr = pqn.lr
-    return standard_promotion(optax.chain(optax.clip_by_global_norm(pqn.max_grad_norm), optax.radam(lr)))
+    steps = cfg.rl.num_updates * pqn.update_epochs * pqn.num_minibatches
+    return optimization.make_optimizer(optax.radam, lr=pqn.lr, max_grad_norm=pqn.max_grad_norm,
+                                       anneal_steps=steps if pqn.anneal_lr else 0)
 
 
 def make_epsilon(cfg: RLConfig) -> optax.Schedule:
@@ -110,7 +107,6 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
     graphdef = qnetwork.make_graphdef(spec, cfg.model)
     n_envs, n_steps = run.num_envs, run.num_steps
     batch_size = n_envs * n_steps
-    minibatch_size = batch_size // pqn.num_minibatches
     epsilon = make_epsilon(cfg)
 
     def q_values(params: Any, obs: jax.Array) -> jax.Array:
@@ -173,16 +169,10 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         # UPDATE NETWORK
         batch = {"obs": traj.obs, "action": traj.action, "target": targets}
         flat = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), batch)  # (T*N, ...)
-
-        def epoch(params_and_opt, order):
-            # A fresh shuffle of the whole rollout each epoch, cut into equal minibatches.
-            minibatches = jax.tree.map(
-                lambda x: x[order].reshape(pqn.num_minibatches, minibatch_size, *x.shape[1:]), flat)  # (M, B/M, ...)
-            return jax.lax.scan(radam_step, params_and_opt, minibatches)
-
-        orders = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(
-            jax.random.split(epoch_key, pqn.update_epochs))  # (epochs, T*N)
-        (params, opt_state), losses = jax.lax.scan(epoch, (carry.params, carry.opt_state), orders)
+        # Each epoch a fresh shuffle of the whole rollout, cut into equal minibatches (M, T*N/M, ...).
+        (params, opt_state), losses = optimization.shuffled_epochs(
+            radam_step, (carry.params, carry.opt_state), flat, key=epoch_key, epochs=pqn.update_epochs,
+            minibatches=pqn.num_minibatches)
         carry = carry._replace(params=params, opt_state=opt_state, updates=carry.updates + 1)
         return carry, (losses.mean(), traj.q_taken.mean(), eps, traj.finished_return.sum(),
                        traj.finished_length.sum(), traj.done.sum())

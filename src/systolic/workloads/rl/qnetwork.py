@@ -20,7 +20,7 @@ from flax import nnx
 
 from systolic.errors import ConfigError
 from systolic.workloads.rl.config import NetworkConfig
-from systolic.workloads.rl.envs import EnvSpec
+from systolic.workloads.rl.env_api import EnvSpec
 
 
 class QNetwork(nnx.Module):

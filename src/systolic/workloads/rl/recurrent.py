@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.workloads.rl.config import NetworkConfig
-from systolic.workloads.rl.envs import EnvSpec
+from systolic.workloads.rl.env_api import EnvSpec
 from systolic.workloads.rl.policy import MLP, Categorical, DiagGaussian, Distribution
 
 

@@ -36,7 +36,8 @@ from systolic.runtime.cpu_tuning import cpu_compiler_options
 from systolic.workloads.rl import algorithm as algorithm_lib
 from systolic.workloads.rl.algorithm import Algorithm
 from systolic.workloads.rl.config import RLConfig
-from systolic.workloads.rl.envs import Env, make_env
+from systolic.workloads.rl.env_api import Env
+from systolic.workloads.rl.envs import make_env
 from systolic.workloads.rl.episodes import make_episode_fn
 
 DATA_AXES = ("data", "fsdp")  # the mesh axes that carry independent experience

@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import Literal
 
-from systolic.config import CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, check_seed
+from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, check_positive,
+                             check_seed)
 from systolic.errors import ConfigError
 
 
@@ -33,9 +34,7 @@ class GridConfig:
                 f"grid.n={self.n} is not a usable grid size. Expected an even number >= 8 (the spectral solver "
                 "keeps n/2 wavenumbers per row and splits them over the devices). Fix: e.g. grid.n=256."
             )
-        if not self.length > 0:
-            raise ConfigError(f"grid.length={self.length} must be greater than 0. Fix: e.g. "
-                              "grid.length=6.283185307179586 (2 pi).")
+        check_positive(self, "grid", ("length",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,8 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.workloads import Workload
 from systolic.workloads.sim import inverse, outputs, taylor_green
 from systolic.workloads.sim.config import SimConfig
-from systolic.workloads.sim.solver import Simulation, make_simulation, precision, to_host
+from systolic.workloads.sim.simulation import Simulation, precision, to_host
+from systolic.workloads.sim.solver import make_simulation
 
 
 _COLORMAPS = {"vorticity": "RdBu_r", "vorticity magnitude": "inferno"}

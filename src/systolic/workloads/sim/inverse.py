@@ -28,8 +28,8 @@ from systolic.runtime.cpu_tuning import compile_once
 from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.slab import Slab
-from systolic.workloads.sim.solver import (check_grid_fits, fixed_steps, make_forcing, make_initial_vorticity, make_slab,
-                                          real_dtype)
+from systolic.workloads.sim.simulation import check_grid_fits, fixed_steps, real_dtype
+from systolic.workloads.sim.solver import make_forcing, make_initial_vorticity, make_slab
 
 
 def check_fit_config(cfg: SimConfig) -> None:

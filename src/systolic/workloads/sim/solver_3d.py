@@ -1,9 +1,9 @@
 """From a config and a mesh to a runnable 3-D turbulence simulation (`sim.equation=navier_stokes_3d`).
 
-The same contract as the 2-D solvers (`solver.py`): a sharded initial state and one jitted frame step for the
-engine's loop, plus what only 3-D has: the energy spectrum E(k) of each frame, and a plane of the vorticity
-magnitude as the picture (x = length / 2, the workshop's x = -pi face of [-pi, pi)^3, moved by the period). The
-velocity lives in the pencil's spectral layout, split over both axes of the 2-D device mesh.
+The same contract as the 2-D solvers (simulation.py's `Simulation`): a sharded initial state and one jitted frame
+step for the engine's loop, plus what only 3-D has: the energy spectrum E(k) of each frame, and a plane of the
+vorticity magnitude as the picture (x = length / 2, the workshop's x = -pi face of [-pi, pi)^3, moved by the period).
+The velocity lives in the pencil's spectral layout, split over both axes of the 2-D device mesh.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from systolic.engine.state import TrainState, make_sharded_state
 from systolic.workloads.sim import navier_stokes_3d as ns3
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.pencil import make_pencil
-from systolic.workloads.sim.solver import (Simulation, fixed_steps, jit_frame_step, new_state, real_dtype,
-                                           state_shardings)
+from systolic.workloads.sim.simulation import (Simulation, fixed_steps, jit_frame_step, new_state, real_dtype,
+                                               state_shardings)
 
 
 def make_turbulence(cfg: SimConfig, mesh: Mesh) -> Simulation:

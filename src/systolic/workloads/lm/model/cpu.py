@@ -15,7 +15,7 @@ rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_
   belongs to one group, and the tiles multiply their group's matrix in one batched matmul (`tiled_matmul`).
 
 `SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations,
-read once into `runtime/cpu_tuning.settings()`.
+read once into `runtime/cpu_settings.settings()`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from systolic.runtime import cpu_tuning
+from systolic.runtime import cpu_settings
 from systolic.runtime.platform import compile_platform
 from systolic.workloads.lm.parallel import context
 
@@ -37,7 +37,7 @@ def cpu_tweak(name: str) -> bool:
     """Whether the CPU rewrite `name` (one of REWRITES) is on: only when compiling for the CPU (not when
     `systolic plan` traces for a TPU or GPU on a CPU host), and as the CPU tuning says."""
     assert name in REWRITES, name
-    return compile_platform() == "cpu" and getattr(cpu_tuning.settings(), name)
+    return compile_platform() == "cpu" and getattr(cpu_settings.settings(), name)
 
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:

@@ -1,0 +1,158 @@
+"""The package's import graph keeps its shape: no import circles, and no import that runs back up the layers.
+
+Every `import` in src/systolic counts, at module level or inside a function (a function-level import hides a
+circle from Python's import machinery, not from a reader). Modules belong to units (a package such as `runtime`, a
+workload such as `workloads.rl`, a top-level module such as `config`), and units to layers, lowest first. A module
+may import its own unit and the units of lower layers, never a higher layer nor a sibling unit of its own layer: so
+one workload never imports another, and engine, runtime, data, observe and optim never import a workload or the CLI.
+A new top-level module or package fails the test until it is given a place in LAYERS.
+"""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "systolic"
+
+# Lowest first. A unit is a dotted prefix under systolic ("" is the package itself); a module belongs to the unit
+# with its longest matching prefix.
+LAYERS: list[tuple[str, ...]] = [
+    ("", "errors"),
+    ("safe_json", "safe_yaml", "outfile"),
+    ("config",),
+    ("runtime",),
+    ("data", "observe"),
+    ("optim",),
+    ("engine",),
+    ("plan",),
+    ("workloads",),  # the Workload record and the registry, which finds each workload by its module's name
+    ("workloads.lm", "workloads.gan", "workloads.rl", "workloads.sim"),
+    ("cli",),
+]
+# Modules that sit in another unit than their package's: the commands that the CLI runs over the workloads.
+UNIT_OF = {"__main__": "cli", "plan.command": "cli"}
+# Known upward imports, each to be removed, not added to. engine/finished.py looks a finished run's workload up in
+# the registry; it is being changed to take the workload from its caller (issue 29), and this line goes with it.
+KNOWN_UPWARD = {("systolic.engine.finished", "systolic.workloads")}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The systolic modules that `module` imports anywhere in its file (a package for `from package import name`
+    when `name` is not a module of its own)."""
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up `level - 1` packages
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name not in known and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in known and name != module:
+                targets.add(name)
+    return targets
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {module: imported(module, path, known) for module, path in known.items()}
+
+
+def unit(module: str) -> str:
+    relative = module.removeprefix(PACKAGE).removeprefix(".")
+    units = [u for layer in LAYERS for u in layer] + list(UNIT_OF)
+    prefix = max((u for u in units if relative == u or relative.startswith(u + ".") or u == ""), key=len)
+    return UNIT_OF.get(prefix, prefix)
+
+
+def rank(unit_name: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if unit_name in layer)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_every_module_has_a_layer():
+    placed = {u for layer in LAYERS for u in layer}
+    unplaced = sorted(m for m in modules() if unit(m) not in placed)
+    assert not unplaced, f"modules outside every layer (give their package a place in LAYERS): {unplaced}"
+
+
+def test_no_import_circles():
+    found = circles(import_graph())
+    assert not found, "import circles (move what both sides need into a module of its own):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_no_import_runs_back_up_the_layers():
+    graph = import_graph()
+    upward = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if unit(a) != unit(b) and rank(unit(b)) >= rank(unit(a)))
+    unexpected = [f"{a} -> {b} ({unit(a) or PACKAGE}, layer {rank(unit(a))}, imports {unit(b) or PACKAGE}, layer "
+                  f"{rank(unit(b))})" for a, b in upward if (a, b) not in KNOWN_UPWARD]
+    assert not unexpected, "imports that run up or across the layers:\n" + "\n".join(unexpected)
+    gone = KNOWN_UPWARD - set(upward)
+    assert not gone, f"known upward imports that no longer exist (drop them from KNOWN_UPWARD): {sorted(gone)}"
+
+
+def test_the_checks_see_function_level_imports_and_circles(tmp_path):
+    """An import inside a function is an edge of the graph, as a relative one is, and a circle through them is found."""
+    module = tmp_path / "module.py"
+    module.write_text("from .. import config\n\ndef f():\n    from systolic.runtime import mesh\n    return mesh\n")
+    known = {"systolic.engine.module": module, "systolic.config": module, "systolic.runtime.mesh": module}
+    assert imported("systolic.engine.module", module, known) == {"systolic.config", "systolic.runtime.mesh"}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
