@@ -60,7 +60,7 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
         if jax.process_index() == 0:
             outputs.save_snapshot(run_dir, frame, field, cfg.output.image_pixels)
 
-    return loop.Task(
+    task = loop.Task(
         workload="sim", abstract_state=sim.abstract_state, init_state=sim.initial_state, train_step=sim.frame_step,
         data=None, check=None, items_metric="steps", item_unit="steps",
         meta={"workload": "sim", "equation": cfg.sim.equation, "grid_n": cfg.grid.n, "dtype": cfg.sim.dtype},
@@ -68,7 +68,9 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
         nonfinite_advice="the simulation blew up: the step was too large for the scheme's stability or the grid too "
                          "coarse for the flow. Lower sim.cfl or sim.dt, raise grid.n or the viscosity/diffusivity, "
                          "and start again in a new --run-dir (the checkpoints here hold states from before the blow-up)",
-        initial_metrics=sim.measure, after_step=snapshot)
+        initial_metrics=sim.measure)
+    task.add_hook(snapshot, every=1)
+    return task
 
 
 def draw(final: np.ndarray | None, sim: Simulation, cfg: SimConfig, run_dir: Path,
