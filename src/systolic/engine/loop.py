@@ -8,8 +8,15 @@ Reliability contract (docs/reliability.md): a run killed at any point resumes fr
 checkpoint and continues bit for bit; SIGTERM or a first Ctrl-C finishes the current step, checkpoints and
 exits cleanly; a non-finite update is discarded and either halts the run or is skipped, by config (guard.py).
 
-Hooks: `after_step(step, state)` runs after every step (and after step 0 of a fresh run), e.g. a simulation's
-snapshots; `initial_metrics(state)` is written as step 0 of a fresh run; `evaluate(state)` every eval_every steps.
+`train` is made of small pieces, in the order a step meets them: `_restore_or_init` and `_begin` (a fresh run's
+step 0), `_Stepper` (one step with --debug's checks, the recompilation warning and the profiler), the task's hooks,
+`_MetricsWindow` (rows, throughput, the guard's verdicts), `agree_across_processes` (stop and timed checkpoints),
+`_evaluate` and `_Saving`.
+
+Hooks, as Levanter's `trainer.add_hook(fn, every=N)`: `task.add_hook(fn, every=N)` runs `fn(step, state)` after
+every step that is a multiple of N (e.g. a simulation's snapshots), and on the initial state of a fresh run as
+step 0. The loop's own concerns (evaluation every `eval_every` steps, `initial_metrics` as the step-0 row,
+`step_metrics` in every train row) stay `Task` fields: they make rows and results the loop writes and returns.
 """
 
 from __future__ import annotations
@@ -46,6 +53,21 @@ class DataStream(Protocol):
     def set_state(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """`fn(step, state)`, run by the loop right after each step that is a multiple of `every` (Task.add_hook)."""
+
+    fn: Callable[[int, TrainState], None]
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"Hook(every={self.every}): a hook runs every N >= 1 steps. Fix: pass every=1 or more.")
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+
 @dataclasses.dataclass
 class Task:
     """What a workload hands the loop."""
@@ -69,11 +91,17 @@ class Task:
     nonfinite_advice: str = ("lower optim.lr, raise optim.warmup_steps or check the data near this step, then rerun the "
                              "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
-    after_step: Callable[[int, TrainState], None] | None = None  # after every step, and step 0 of a fresh run
     # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
     # each train row: no state to checkpoint, so a resumed run writes the same values.
     step_metrics: Callable[[int], dict[str, float]] | None = None
     notes: tuple[str, ...] = ()  # lines `systolic bench` prints under its table (an lm pipeline's schedule and bubble)
+    hooks: list[Hook] = dataclasses.field(default_factory=list)  # in the order they run; see add_hook
+
+    def add_hook(self, fn: Callable[[int, TrainState], None], every: int = 1) -> None:
+        """Runs `fn(step, state)` after each step that is a multiple of `every`, and on a fresh run's initial
+        state as step 0. Steps are the run's own numbers, so a resumed run calls `fn` at the steps an
+        uninterrupted run would have (its start state was seen by the invocation that reached it)."""
+        self.hooks.append(Hook(fn, every))
 
     @property
     def throughput_key(self) -> str:
@@ -138,130 +166,31 @@ class StopSignals:
 
 
 def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
+    """Runs `task` from its newest checkpoint (or its initial state) to step `settings.steps`, or to an earlier
+    stop: `loop.stop_at_step`, or a stop signal on any process."""
     t_begin = time.perf_counter()
     is_writer = jax.process_index() == 0
-    total = settings.steps
-    stop = min(settings.loop.stop_at_step or total, total)
     ckpt = Checkpointer(run_dir / "checkpoints", settings.checkpoint)
     progress = writer = None
     profiler = _Profiler(settings.observe.profile_range, run_dir / "profile")
     try:
         state, resumed_from = _restore_or_init(task, settings, ckpt, run_dir)
         start = int(jax.device_get(state.step))
-        progress = ProgressReporter(total=total, start=start, mode=settings.observe.progress, quiet=settings.quiet,
-                                    enabled=is_writer, description=task.label)
+        progress = ProgressReporter(total=settings.steps, start=start, mode=settings.observe.progress,
+                                    quiet=settings.quiet, enabled=is_writer, description=task.label)
         if resumed_from is None and is_writer:
             truncate_after(run_dir, -1)  # starting at step 0: rows of a run that never checkpointed are not history
         writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
         if resumed_from is not None:
             progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
-            rows = [r for r in read_metrics(run_dir) if r.get("split") == task.split] if is_writer else []
-            first = _numbers(rows[0]) if rows else {}
-            last = _numbers(rows[-1]) if rows else {}
-        else:
-            first = last = {}
-            if task.initial_metrics is not None:
-                first = last = _floats(task.initial_metrics(state))
-                writer.write(0, task.split, first)
-            if task.after_step is not None:
-                task.after_step(0, state)
+        first, last = _begin(task, state, resumed_from is None, writer, run_dir)
         guard = NonFiniteGuard(settings.loop, task.check, task.abstract_state.params, task.nonfinite_advice)
-        pending: list[tuple[int, dict[str, jax.Array]]] = []
-        eval_metrics: dict[str, float] = {}
-        compile_s = None
-        checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug: under checkify
-        recompiles = debug.RecompileWatch(checked or task.train_step)
-        items_done = timed_items = timed_s = 0.0  # steady-state stepping only: no compile, no evaluation
-        t_mark, step_mark = time.perf_counter(), start
-        last_save = time.monotonic()
-        every_s = settings.checkpoint.every_minutes * 60
-        multi = jax.process_count() > 1
-        preempted = False
-
-        def save(state: TrainState) -> None:
-            nonlocal last_save
-            ckpt.save(state, task.data.get_state() if task.data is not None else None, task.meta)
-            last_save = time.monotonic()
-
+        stepper = _Stepper(task, profiler, progress)
+        window = _MetricsWindow(task, guard, writer, progress, start, last)
+        saving = _Saving(task, ckpt, settings.checkpoint)
         with StopSignals() as signals, debug.value_checks():
-            step = start
-            while step < stop:
-                step += 1
-                batch = next(task.data) if task.data is not None else None
-                profiler.before(step)
-                args = {"state": state, "batch": batch}  # kept for the recompilation report (donated: metadata only)
-                with jax.profiler.StepTraceAnnotation(task.label, step_num=step), _floating_point_errors(step):
-                    state, metrics = checked(state, batch, step) if checked else task.train_step(state, batch)
-                if (recompiled := recompiles.check(step, args)) is not None:
-                    progress.log(f"[yellow]warning:[/] {recompiled}")
-                del args
-                profiler.after(step, state, progress)
-                pending.append((step, metrics))
-                if task.after_step is not None:
-                    with _floating_point_errors(step):
-                        task.after_step(step, state)
-                if step == start + 1:
-                    # The first call compiles; time it separately so throughput reflects steady state.
-                    jax.block_until_ready(state)
-                    compile_s = time.perf_counter() - t_mark
-                    t_mark, step_mark = time.perf_counter(), step
-                    progress.log(f"first step (compile + run) took {compile_s:.1f} s")
-                    progress.restart_clock(step)
-                # Stop and timed-checkpoint decisions must be the same on every process (each one's save and
-                # next step are collective); with several processes they are agreed on at log steps only.
-                regular_log = step % settings.observe.log_every == 0 or step == stop
-                stop_now, timed = agree_across_processes(signals.received is not None,
-                                         every_s > 0 and time.monotonic() - last_save > every_s, multi and not regular_log)
-                if stop_now:
-                    preempted = step < stop
-                    stop = step
-                save_now = step % settings.checkpoint.every_steps == 0 or step == stop or timed
-                # Every step up to a checkpoint is on disk before the checkpoint is: a crash can then lose only
-                # metrics of steps that the resumed run redoes.
-                if regular_log or save_now:
-                    fetched = jax.device_get([m for _, m in pending])  # waits for the window's last step
-                    # Windows tile the time: this one ends here and the next starts here, so the host's writing
-                    # and logging below count in the next window's rate.
-                    t_fetched = time.perf_counter()
-                    elapsed = t_fetched - t_mark
-                    window_items = 0.0
-                    for (s, _), values in zip(pending, fetched):
-                        guard.check_step(s, values)
-                        last = _floats({k: v for k, v in values.items() if k not in VERDICT_KEYS})
-                        if task.step_metrics is not None:
-                            last |= task.step_metrics(s)
-                        items = last[task.items_metric] if task.items_metric else task.items_per_step
-                        items_done += items
-                        if s > step_mark:  # since the clock last started: not the compiling step
-                            window_items += items
-                        # The window's rate goes into its last row; a window of only the compiling step has none.
-                        if s == step and step > step_mark and elapsed > 0:
-                            last[task.throughput_key] = window_items / elapsed
-                        writer.write(s, task.split, last | ({"skipped_total": guard.skipped} if guard.skipped else {}))
-                    pending.clear()
-                    writer.flush()
-                    stats: dict[str, float | str] = {k: last[k] for k in task.progress_keys if k in last}
-                    if step > step_mark and elapsed > 0:
-                        timed_items, timed_s = timed_items + window_items, timed_s + elapsed
-                        stats[f"{task.item_unit}/s"] = window_items / elapsed
-                        if task.flops_per_step and task.peak_flops:
-                            stats["mfu"] = task.flops_per_step * (step - step_mark) / elapsed / task.peak_flops
-                    if guard.skipped:
-                        stats["skipped"] = f"{guard.skipped}"
-                    progress.update(step, stats)
-                    t_mark, step_mark = t_fetched, step
-                if task.evaluate is not None and (step % settings.eval_every == 0 or step == total):
-                    with _floating_point_errors(step):
-                        eval_metrics = task.evaluate(state)
-                    writer.write(step, "eval", eval_metrics)
-                    writer.flush()
-                    progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-                    t_mark, step_mark = time.perf_counter(), step  # evaluation is not throughput
-                if save_now:
-                    save(state)
-            if preempted:
-                progress.log(f"stopped at step {step} on {signals.received or 'a signal on another process'}; "
-                             "checkpoint written. Run the same command again to continue.")
+            state, eval_metrics, preempted = _run_steps(task, settings, state, start, stepper, window, saving,
+                                                        signals, writer, progress)
             ckpt.wait()
     finally:
         profiler.stop()
@@ -272,9 +201,197 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     if is_writer and settings.observe.plot:
         plot_losses(run_dir)
     return RunResult(state=state, start_step=start, final_step=int(jax.device_get(state.step)),
-                     eval_metrics=eval_metrics, first_metrics=first, last_metrics=last, compile_s=compile_s,
-                     items_per_s=timed_items / timed_s if timed_s else None, items_done=items_done,
+                     eval_metrics=eval_metrics, first_metrics=first, last_metrics=window.last,
+                     compile_s=window.compile_s, items_per_s=window.items_per_s, items_done=window.items_done,
                      wall_s=time.perf_counter() - t_begin, preempted=preempted)
+
+
+def _run_steps(task: Task, settings: LoopSettings, state: TrainState, start: int, stepper: _Stepper,
+               window: _MetricsWindow, saving: _Saving, signals: StopSignals, writer: MetricsWriter,
+               progress: ProgressReporter) -> tuple[TrainState, dict[str, float], bool]:
+    """Steps from `start` until the run's last step or an agreed stop: (state, the last evaluation's metrics,
+    whether it stopped early)."""
+    step = start
+    stop = min(settings.loop.stop_at_step or settings.steps, settings.steps)
+    multi = jax.process_count() > 1
+    eval_metrics: dict[str, float] = {}
+    preempted = False
+    while step < stop:
+        step += 1
+        state, metrics = stepper(state, step)
+        window.add(step, metrics)
+        _run_hooks(task.hooks, step, state)
+        if step == start + 1:
+            window.first_step_done(step, state)
+        # Stop and timed-checkpoint decisions must be the same on every process (each one's save and next step
+        # are collective); with several processes they are agreed on at log steps only.
+        regular_log = step % settings.observe.log_every == 0 or step == stop
+        stop_now, timed = agree_across_processes(signals.received is not None, saving.overdue(),
+                                                 multi and not regular_log)
+        if stop_now:
+            preempted = step < stop
+            stop = step
+        save_now = saving.due(step, stop) or timed
+        # Every step up to a checkpoint is on disk before the checkpoint is: a crash can then lose only metrics
+        # of steps that the resumed run redoes.
+        if regular_log or save_now:
+            window.flush(step)
+        if task.evaluate is not None and (step % settings.eval_every == 0 or step == settings.steps):
+            eval_metrics = _evaluate(task, step, state, writer, progress)
+            window.restart_clock(step)  # evaluation is not throughput
+        if save_now:
+            saving.save(state)
+    if preempted:
+        progress.log(f"stopped at step {step} on {signals.received or 'a signal on another process'}; "
+                     "checkpoint written. Run the same command again to continue.")
+    return state, eval_metrics, preempted
+
+
+def _begin(task: Task, state: TrainState, fresh: bool, writer: MetricsWriter,
+           run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The run's first and latest train rows: a fresh run writes its step 0 (and runs its hooks on the initial
+    state); a resumed one reads them back from metrics.jsonl (on process 0, which has it)."""
+    if not fresh:
+        rows = [r for r in read_metrics(run_dir) if r.get("split") == task.split] if jax.process_index() == 0 else []
+        return (_numbers(rows[0]), _numbers(rows[-1])) if rows else ({}, {})
+    first: dict[str, float] = {}
+    if task.initial_metrics is not None:
+        first = _floats(task.initial_metrics(state))
+        writer.write(0, task.split, first)
+    _run_hooks(task.hooks, 0, state)
+    return first, first
+
+
+def _run_hooks(hooks: list[Hook], step: int, state: TrainState) -> None:
+    for hook in hooks:
+        if hook.due(step):
+            with _floating_point_errors(step):
+                hook.fn(step, state)
+
+
+class _Stepper:
+    """One train step with what surrounds it: the next batch, --debug's checkify, the recompilation warning and
+    the profiler's trace."""
+
+    def __init__(self, task: Task, profiler: _Profiler, progress: ProgressReporter):
+        self.task, self.profiler, self.progress = task, profiler, progress
+        self.checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug
+        self.recompiles = debug.RecompileWatch(self.checked or task.train_step)
+
+    def __call__(self, state: TrainState, step: int) -> tuple[TrainState, dict[str, jax.Array]]:
+        task = self.task
+        batch = next(task.data) if task.data is not None else None
+        self.profiler.before(step)
+        args = {"state": state, "batch": batch}  # kept for the recompilation report (donated: metadata only)
+        with jax.profiler.StepTraceAnnotation(task.label, step_num=step), _floating_point_errors(step):
+            state, metrics = self.checked(state, batch, step) if self.checked else task.train_step(state, batch)
+        if (recompiled := self.recompiles.check(step, args)) is not None:
+            self.progress.log(f"[yellow]warning:[/] {recompiled}")
+        del args
+        self.profiler.after(step, state, self.progress)
+        return state, metrics
+
+
+class _MetricsWindow:
+    """The steps since the last log step. Their metrics stay on the device until `flush`, which fetches them in
+    one transfer, lets the guard read each step's verdict, writes one train row per step and shows the window's
+    rate (and MFU) on the progress bar. Windows tile the time, apart from the compiling first step and
+    evaluations (`restart_clock`), so their rates add up to the steady-state throughput."""
+
+    def __init__(self, task: Task, guard: NonFiniteGuard, writer: MetricsWriter, progress: ProgressReporter,
+                 start: int, last: dict[str, float]):
+        self.task, self.guard, self.writer, self.progress = task, guard, writer, progress
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+        self.last = last  # the latest train row
+        self.compile_s: float | None = None
+        self.items_done = self.timed_items = self.timed_s = 0.0  # timed_*: steady-state stepping only
+        self.restart_clock(start)
+
+    @property
+    def items_per_s(self) -> float | None:
+        """The steady-state rate: without the compiling first step and evaluations."""
+        return self.timed_items / self.timed_s if self.timed_s else None
+
+    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        self.pending.append((step, metrics))
+
+    def restart_clock(self, step: int) -> None:
+        self.t_mark, self.step_mark = time.perf_counter(), step
+
+    def first_step_done(self, step: int, state: TrainState) -> None:
+        """The first call compiles; it is timed apart so that throughput reflects the steady state."""
+        jax.block_until_ready(state)
+        self.compile_s = time.perf_counter() - self.t_mark
+        self.restart_clock(step)
+        self.progress.log(f"first step (compile + run) took {self.compile_s:.1f} s")
+        self.progress.restart_clock(step)
+
+    def flush(self, step: int) -> None:
+        task = self.task
+        fetched = jax.device_get([m for _, m in self.pending])  # waits for the window's last step
+        # This window ends here and the next starts here, so the host's writing and logging below count in the
+        # next window's rate.
+        t_fetched = time.perf_counter()
+        elapsed = t_fetched - self.t_mark
+        timed = step > self.step_mark and elapsed > 0  # not a window of only the compiling step
+        window_items = 0.0
+        for (s, _), values in zip(self.pending, fetched):
+            self.guard.check_step(s, values)
+            self.last = _floats({k: v for k, v in values.items() if k not in VERDICT_KEYS})
+            if task.step_metrics is not None:
+                self.last |= task.step_metrics(s)
+            items = self.last[task.items_metric] if task.items_metric else task.items_per_step
+            self.items_done += items
+            if s > self.step_mark:  # since the clock last started: not the compiling step
+                window_items += items
+            if s == step and timed:  # the window's rate goes into its last row
+                self.last[task.throughput_key] = window_items / elapsed
+            skipped = {"skipped_total": self.guard.skipped} if self.guard.skipped else {}
+            self.writer.write(s, task.split, self.last | skipped)
+        self.pending.clear()
+        self.writer.flush()
+        stats: dict[str, float | str] = {k: self.last[k] for k in task.progress_keys if k in self.last}
+        if timed:
+            self.timed_items, self.timed_s = self.timed_items + window_items, self.timed_s + elapsed
+            stats[f"{task.item_unit}/s"] = window_items / elapsed
+            if task.flops_per_step and task.peak_flops:
+                stats["mfu"] = task.flops_per_step * (step - self.step_mark) / elapsed / task.peak_flops
+        if self.guard.skipped:
+            stats["skipped"] = f"{self.guard.skipped}"
+        self.progress.update(step, stats)
+        self.t_mark, self.step_mark = t_fetched, step
+
+
+def _evaluate(task: Task, step: int, state: TrainState, writer: MetricsWriter,
+              progress: ProgressReporter) -> dict[str, float]:
+    """The task's evaluation of `state`, written as the step's eval row and logged."""
+    with _floating_point_errors(step):
+        metrics = task.evaluate(state)
+    writer.write(step, "eval", metrics)
+    writer.flush()
+    progress.log(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+class _Saving:
+    """When to checkpoint: every checkpoint.every_steps steps, at the run's stop, and when
+    checkpoint.every_minutes have passed since the last save (a decision `agree_across_processes` shares)."""
+
+    def __init__(self, task: Task, ckpt: Checkpointer, cfg: CheckpointConfig):
+        self.task, self.ckpt, self.every_steps = task, ckpt, cfg.every_steps
+        self.every_s = cfg.every_minutes * 60
+        self.last_save = time.monotonic()
+
+    def overdue(self) -> bool:
+        return self.every_s > 0 and time.monotonic() - self.last_save > self.every_s
+
+    def due(self, step: int, stop: int) -> bool:
+        return step % self.every_steps == 0 or step == stop
+
+    def save(self, state: TrainState) -> None:
+        data = self.task.data
+        self.ckpt.save(state, data.get_state() if data is not None else None, self.task.meta)
+        self.last_save = time.monotonic()
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

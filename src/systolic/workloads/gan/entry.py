@@ -10,6 +10,7 @@ import numpy as np
 from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
+from systolic.engine.run import Run
 from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
@@ -25,7 +26,8 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
     run_dir = Path(run_dir)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet)
+    say = run.say
     prepared = build_task(cfg, mesh, run_dir)
     images, refs = prepared.images, prepared.references
     say(f"gan: {prepared.param_count / 1e6:.2f}M parameters (G + D), {cfg.image.size}x{cfg.image.size}x"
@@ -40,15 +42,11 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             f"generator {refs['frechet_ceiling']:.2f}, uniform noise {refs['frechet_noise']:.2f} (ceilings)")
     else:
         say("evaluation: the images have no labels, so no classifier scores; every evaluation writes a sample grid")
-    settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
-                                 checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):
-        result = loop.train(prepared.task, settings, run_dir)
+        result = run.loop(prepared.task, run_dir)
     if jax.process_index() == 0 and cfg.observe.plot:
         plot_curves(run_dir)
-    if result.preempted or result.final_step < cfg.train.steps:
-        say(f"stopped at step {result.final_step} of {cfg.train.steps} with a checkpoint; run the same command "
-            "again to continue.")
+    if run.stopped(result):
         return result
     ev = result.eval_metrics
     if ev and refs:
@@ -56,9 +54,7 @@ def train(cfg: GANConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             f"real-vs-real floor ({refs['frechet_floor']:.3f}), {refs['frechet_ceiling'] / ev['frechet']:.0f}x below "
             f"the untrained generator ({refs['frechet_ceiling']:.2f}); {ev['confident']:.1%} of samples classified with "
             f"confidence >= 0.9 (real held-out images: {refs['confident_real']:.1%})")
-    if result.items_per_s:
-        say(f"throughput: {result.items_per_s:,.0f} img/s; first step (compile) {result.compile_s:.1f} s; "
-            f"wall time {result.wall_s:.1f} s")
+    run.say_throughput(result, "img/s")
     say(f"pictures: {run_dir / 'samples.png'}, {run_dir / 'curves.png'}")
     return result
 

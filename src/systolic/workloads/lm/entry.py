@@ -14,6 +14,7 @@ from systolic.data.sft import ChatCorpus
 from systolic.data.tokenizer import find_chat_template, make_tokenizer, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
+from systolic.engine.run import Run
 from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
@@ -47,7 +48,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     if jax.process_index() == 0:
         store_in_run(run_dir, spec)
     data = prepared.corpus
-    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet)
+    say = run.say
     trained = _trained(prepared.trainable_count, prepared.param_count, cfg)
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters, {trained} ({cfg.model.family}, {cfg.model.layers} layers, "
         f"d_model {cfg.model.d_model}{_moe_text(cfg, prepared.vocab)}) on mesh {mesh_lib.describe(mesh)} "
@@ -64,13 +66,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         total = sum(w for _, _, w in data.mixture)
         say("mixture: " + ", ".join(f"{path} {w / total:.0%} of rows ({len(t):,} training tokens)"
                                     for path, t, w in data.mixture))
-    settings = loop.LoopSettings(steps=cfg.train.steps, eval_every=cfg.train.eval_every, loop=cfg.loop,
-                                 checkpoint=cfg.checkpoint, observe=cfg.observe, quiet=quiet)
     with activate(mesh, prepared.rules):
-        result = loop.train(prepared.task, settings, run_dir)
-    if result.preempted or result.final_step < cfg.train.steps:
-        say(f"stopped at step {result.final_step} of {cfg.train.steps} with a checkpoint; run the same command "
-            "again to continue.")
+        result = run.loop(prepared.task, run_dir)
+    if run.stopped(result):
         return result
     ev = result.eval_metrics
     if ev and chat:
@@ -79,9 +77,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         baseline = baseline_nats_per_byte(data, prepared.vocab)
         say(f"validation: {ev['nats_per_byte']:.4f} nats/byte = {ev['bits_per_byte']:.4f} bits/byte "
             f"(unigram baseline {baseline:.4f} nats/byte = {baseline / math.log(2):.4f} bits/byte)")
-    if result.items_per_s:
-        say(f"throughput: {result.items_per_s:,.0f} tokens/s; first step (compile) {result.compile_s:.1f} s; "
-            f"wall time {result.wall_s:.1f} s")
+    run.say_throughput(result, "tokens/s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
         template = find_chat_template(tokenizer) if chat else None

@@ -10,6 +10,7 @@ import jax
 from systolic import outfile
 from systolic.config import check_seed
 from systolic.engine import loop
+from systolic.engine.run import Run
 from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.runtime import mesh as mesh_lib
@@ -25,38 +26,35 @@ from systolic.workloads.rl.train import algorithm_for, build_task
 def train(cfg: RLConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prepared = build_task(cfg, mesh)
-    run, spec = cfg.rl, prepared.env.spec
-    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    rl, spec = cfg.rl, prepared.env.spec
+    # The engine's loop counts steps in chunks; evaluation runs every rl.eval_every chunks and at the end.
+    run = Run.start(cfg, steps=rl.num_chunks, eval_every=rl.eval_every or rl.num_chunks, quiet=quiet,
+                    steps_key="rl.total_env_steps")
+    say = run.say
     algo = algorithm_for(cfg, prepared.env).name  # "PPO", "PPO (GRU)", ...
     hidden = f", observation components {list(cfg.env.hide_obs)} hidden" if cfg.env.hide_obs else ""
     say(f"rl: {algo} on {spec.name} ({'discrete' if spec.discrete else 'continuous'} actions{hidden}), "
-        f"{run.num_seeds} seeds x "
-        f"{run.num_envs} environments, {run.num_updates} updates of {run.env_steps_per_update} steps = "
-        f"{run.num_updates * run.env_steps_per_update:,} environment steps per seed, in {run.num_chunks} chunks of "
-        f"{run.updates_per_chunk} updates")
+        f"{rl.num_seeds} seeds x "
+        f"{rl.num_envs} environments, {rl.num_updates} updates of {rl.env_steps_per_update} steps = "
+        f"{rl.num_updates * rl.env_steps_per_update:,} environment steps per seed, in {rl.num_chunks} chunks of "
+        f"{rl.updates_per_chunk} updates")
     say(f"mesh {mesh_lib.describe(mesh)} ({jax.device_count()} {jax.default_backend()} devices), "
         f"{prepared.layout} split over the data axes; run directory {run_dir}")
-    # The engine's loop counts steps in chunks; evaluation runs every rl.eval_every chunks and at the end.
-    settings = loop.LoopSettings(steps=run.num_chunks, eval_every=run.eval_every or run.num_chunks, loop=cfg.loop,
-                                 checkpoint=cfg.checkpoint, observe=cfg.observe, steps_key="rl.total_env_steps",
-                                 quiet=quiet)
     with activate(mesh):
-        result = loop.train(prepared.task, settings, run_dir)
+        result = run.loop(prepared.task, run_dir)
         if not result.eval_metrics:  # the run was already complete: evaluate what the checkpoint holds
             result.eval_metrics = prepared.task.evaluate(result.state)
     ev = result.eval_metrics
-    per_seed = [ev[f"return/seed{i}"] for i in range(run.num_seeds)]
-    say(f"evaluation ({run.eval_episodes} episodes per seed, deterministic policy): mean return {ev['return']:.1f}, "
+    per_seed = [ev[f"return/seed{i}"] for i in range(rl.num_seeds)]
+    say(f"evaluation ({rl.eval_episodes} episodes per seed, deterministic policy): mean return {ev['return']:.1f}, "
         f"worst seed {ev['return_min']:.1f}; per seed: " + ", ".join(f"{r:.1f}" for r in per_seed))
     if spec.name in SOLVED_AT:
         target = SOLVED_AT[spec.name]
         solved = sum(r >= target for r in per_seed)
-        say(f"{solved}/{run.num_seeds} seeds reach the target mean return {target:g} on {spec.name}")
-    if result.items_per_s:
-        say(f"throughput: {result.items_per_s:,.0f} environment steps/s (all seeds); first chunk (compile + run) "
-            f"{result.compile_s:.1f} s; wall time {result.wall_s:.1f} s")
+        say(f"{solved}/{rl.num_seeds} seeds reach the target mean return {target:g} on {spec.name}")
+    run.say_throughput(result, "environment steps/s (all seeds)", first="first chunk (compile + run)")
     if jax.process_index() == 0 and cfg.observe.plot:
-        path = plot_returns(run_dir, run.num_seeds, run.env_steps_per_chunk, title=f"{algo} on {spec.name}")
+        path = plot_returns(run_dir, rl.num_seeds, rl.env_steps_per_chunk, title=f"{algo} on {spec.name}")
         if path is not None:
             say(f"return curves: {path}")
     return result

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from systolic.engine import loop
+from systolic.engine.run import Run
 from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.observe.plot import plot_losses
@@ -24,7 +25,9 @@ _COLORMAPS = {"vorticity": "RdBu_r", "vorticity magnitude": "inferno"}
 
 
 def simulate(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
-    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    run = Run.start(cfg, steps=cfg.output.frames, eval_every=cfg.output.frames, quiet=quiet,
+                    steps_key="output.frames", noun="frame")
+    say = run.say
     with precision(cfg):
         mesh = mesh_lib.make_mesh(cfg.mesh)
         sim = make_simulation(cfg, mesh)
@@ -32,17 +35,12 @@ def simulate(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResu
         say(f"sim: {cfg.sim.equation} ({cfg.sim.solver}), grid {cfg.grid.n}^{cfg.sim.dimensions}, {cfg.sim.dtype}, "
             f"t_end {cfg.sim.t_end:g} in {cfg.output.frames} frames, {step_text}; mesh {mesh_lib.describe(mesh)} "
             f"({jax.device_count()} {jax.default_backend()} devices); run directory {run_dir}")
-        settings = loop.LoopSettings(steps=cfg.output.frames, eval_every=cfg.output.frames, loop=cfg.loop,
-                                     checkpoint=cfg.checkpoint, observe=cfg.observe, steps_key="output.frames",
-                                     quiet=quiet)
-        result = loop.train(simulation_task(sim, cfg, run_dir), settings, run_dir)
-        if result.preempted or result.final_step < cfg.output.frames:
-            say(f"stopped at frame {result.final_step} of {cfg.output.frames} with a checkpoint; run the same "
-                "command again to continue.")
+        result = run.loop(simulation_task(sim, cfg, run_dir), run_dir)
+        if run.stopped(result):
             return result
         final = to_host(sim.picture(result.state)) if cfg.output.images else None  # a collective: all take part
         pictures = draw(final, sim, cfg, run_dir, result) if jax.process_index() == 0 else []
-    _report(say, result, pictures)
+    _report(run, result, pictures)
     if cfg.sim.equation == "navier_stokes_3d" and cfg.navier_stokes_3d.initial == "taylor_green":
         _report_taylor_green(say, cfg, run_dir)
     return result
@@ -61,7 +59,7 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
         if jax.process_index() == 0:
             outputs.save_snapshot(run_dir, frame, field, cfg.output.image_pixels)
 
-    return loop.Task(
+    task = loop.Task(
         workload="sim", abstract_state=sim.abstract_state, init_state=sim.initial_state, train_step=sim.frame_step,
         data=None, check=None, items_metric="steps", item_unit="steps",
         meta={"workload": "sim", "equation": cfg.sim.equation, "grid_n": cfg.grid.n, "dtype": cfg.sim.dtype},
@@ -69,7 +67,9 @@ def simulation_task(sim: Simulation, cfg: SimConfig, run_dir: Path) -> loop.Task
         nonfinite_advice="the simulation blew up: the step was too large for the scheme's stability or the grid too "
                          "coarse for the flow. Lower sim.cfl or sim.dt, raise grid.n or the viscosity/diffusivity, "
                          "and start again in a new --run-dir (the checkpoints here hold states from before the blow-up)",
-        initial_metrics=sim.measure, after_step=snapshot)
+        initial_metrics=sim.measure)
+    task.add_hook(snapshot, every=1)
+    return task
 
 
 def draw(final: np.ndarray | None, sim: Simulation, cfg: SimConfig, run_dir: Path,
@@ -115,22 +115,22 @@ def _report_taylor_green(say, cfg: SimConfig, run_dir: Path) -> None:
         f"{100 * found['peak_error']:+.2f}%, time {100 * found['peak_time_error']:+.2f}%")
 
 
-def _report(say, result: loop.RunResult, pictures: list[Path]) -> None:
-    first, last = result.first_metrics, result.last_metrics
+def _report(run: Run, result: loop.RunResult, pictures: list[Path]) -> None:
+    say, first, last = run.say, result.first_metrics, result.last_metrics
     changes = ", ".join(f"{k} {first[k]:.6g} -> {last[k]:.6g}" for k in last
                         if k not in ("step", "time", "steps", "dt", "error") and isinstance(first.get(k), (int, float)))
     say(f"t = {last.get('time', 0):.4g}: {changes}")
     if "error" in last:
         say(f"relative L2 error against the exact solution: {last['error']:.3e}")
-    if result.items_per_s:
-        say(f"throughput: {result.items_per_s:,.1f} steps/s ({result.items_done:.0f} steps this run); first frame "
-            f"(compile) {result.compile_s:.1f} s; wall time {result.wall_s:.1f} s")
+    run.say_throughput(result, f"steps/s ({result.items_done:.0f} steps this run)", first="first frame (compile)",
+                       digits=1)
     if pictures:
         say("pictures: " + ", ".join(str(p) for p in pictures))
 
 
 def fit(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
-    say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+    run = Run.start(cfg, steps=cfg.fit.steps, eval_every=cfg.fit.steps, quiet=quiet, steps_key="fit.steps")
+    say = run.say
     inverse.check_fit_config(cfg)
     with precision(cfg):
         mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -138,13 +138,9 @@ def fit(cfg: SimConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         say(f"fit: recover the viscosity (true {problem.true_viscosity:g}) from {cfg.output.frames} vorticity "
             f"snapshots ({cfg.grid.n}^2, noise {cfg.fit.noise:g} x rms) starting at {cfg.fit.initial_viscosity:g}; "
             f"{cfg.fit.steps} Adam steps on log(viscosity); mesh {mesh_lib.describe(mesh)}; run directory {run_dir}")
-        settings = loop.LoopSettings(steps=cfg.fit.steps, eval_every=cfg.fit.steps, loop=cfg.loop,
-                                     checkpoint=cfg.checkpoint, observe=cfg.observe, steps_key="fit.steps", quiet=quiet)
-        result = loop.train(task, settings, run_dir)
+        result = run.loop(task, run_dir)
         viscosity = float(jnp.exp(result.state.params["log_viscosity"]))
-    if result.preempted or result.final_step < cfg.fit.steps:
-        say(f"stopped at step {result.final_step} of {cfg.fit.steps} with a checkpoint; run the same command again "
-            "to continue.")
+    if run.stopped(result):
         return result
     if jax.process_index() == 0 and cfg.observe.plot:
         plot_losses(run_dir, out_name="viscosity.png", key="viscosity")

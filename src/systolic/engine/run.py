@@ -1,0 +1,65 @@
+"""The run driver: what every workload's run command (`train`, `simulate`, `fit`) does around the engine's loop.
+
+A workload's entry function says its own start-up lines, builds its `Task` and reports its own results; the
+rest is written once here: who prints (process 0, unless quiet), the loop's settings from the config sections
+every workload shares, the "stopped ... run the same command again" line of an unfinished run and the shape of
+the throughput line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import jax
+
+from systolic.config import CheckpointConfig, LoopConfig, ObserveConfig
+from systolic.engine.loop import LoopSettings, RunResult, Task, train
+
+Say = Callable[..., None]  # `print`, or a no-op
+
+
+class RunConfig(Protocol):
+    """The sections every workload's config shares, which the loop reads."""
+
+    loop: LoopConfig
+    checkpoint: CheckpointConfig
+    observe: ObserveConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One invocation of a run command: its printer and its loop settings."""
+
+    settings: LoopSettings
+    say: Say  # every process runs the same entry; one prints
+    noun: str = "step"  # what a loop step is called in messages ("frame" for a simulation)
+
+    @classmethod
+    def start(cls, cfg: RunConfig, *, steps: int, eval_every: int, quiet: bool, steps_key: str = "train.steps",
+              noun: str = "step") -> Run:
+        """`steps`: the run's last loop step, read from the setting `steps_key` (named in messages)."""
+        settings = LoopSettings(steps=steps, eval_every=eval_every, loop=cfg.loop, checkpoint=cfg.checkpoint,
+                                observe=cfg.observe, steps_key=steps_key, quiet=quiet)
+        say = (lambda *a: None) if quiet or jax.process_index() != 0 else print
+        return cls(settings, say, noun)
+
+    def loop(self, task: Task, run_dir: Path) -> RunResult:
+        return train(task, self.settings, run_dir)
+
+    def stopped(self, result: RunResult) -> bool:
+        """Whether the run ended before its last step (a signal, `loop.stop_at_step`); if so, says how to go on."""
+        if not result.preempted and result.final_step >= self.settings.steps:
+            return False
+        self.say(f"stopped at {self.noun} {result.final_step} of {self.settings.steps} with a checkpoint; run the "
+                 "same command again to continue.")
+        return True
+
+    def say_throughput(self, result: RunResult, unit: str, *, first: str = "first step (compile)",
+                       digits: int = 0) -> None:
+        """`throughput: <rate> <unit>; <first> <s> s; wall time <s> s`, when the run timed steady-state steps."""
+        if result.items_per_s:
+            self.say(f"throughput: {result.items_per_s:,.{digits}f} {unit}; {first} {result.compile_s:.1f} s; "
+                     f"wall time {result.wall_s:.1f} s")
