@@ -75,7 +75,7 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
     run_dir = Path(run_dir)
     if out is not None:  # the default, RUN_DIR/sample.png, is this command's own file
         outfile.check(out, option="--out", suffixes=(".png",), force=force)
-    with finished.open_run(run_dir, "gan", "systolic sample gan") as run:
+    with finished.open_run(run_dir, GANConfig, "systolic sample gan") as run:
         cfg: GANConfig = run.cfg
         channels = channels_for(cfg)
         mesh = mesh_lib.make_mesh(type(cfg.mesh)(data=1), jax.devices()[:1])
