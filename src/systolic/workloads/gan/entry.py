@@ -13,7 +13,6 @@ from systolic.engine import loop
 from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
-from systolic.workloads import Workload
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.pictures import plot_curves, save_grid
@@ -104,7 +103,3 @@ def plan(cfg: GANConfig, devices: list) -> StepProgram:
                        params=param_count(abstract.params), items_per_step=rows, item_unit="img",
                        model_flops_per_step=None, dtype="float32",
                        notes=("no FLOP formula for the gan workload: the MFU is taken from XLA's count",))
-
-
-WORKLOAD = Workload(name="gan", config=GANConfig, default_recipe="gan-digits",
-                    commands={"train": train, "sample": sample, "plan": plan})
