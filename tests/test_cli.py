@@ -38,3 +38,12 @@ def test_info_lists_devices(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "8 global devices" in out and "data=8" in out
+
+
+def test_the_parser_is_built_from_declarations_alone():
+    """`systolic -h` and the parse before every command read the workloads' declarations only: no jax, no model
+    code (workloads/*/entry.py is imported when its command runs)."""
+    code = ("import sys; from systolic import cli; cli._parser(); leaked = sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('jax', 'flax', 'numpy') or m.endswith('.entry')); assert not leaked, leaked")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,6 @@
 """Output files named by the user (systolic/outfile.py) and the CLI's error policy (cli.main, cli.entry)."""
 
+import dataclasses
 import errno
 import hashlib
 import subprocess
@@ -67,12 +68,13 @@ def test_the_cli_refuses_to_overwrite_with_tokenizer_train(tmp_path, capsys):
 
 
 def test_environment_errors_are_one_paragraph_and_bugs_say_so(tmp_path, monkeypatch, capsys):
-    from systolic import cli
+    from systolic import commands
 
     def disk_full(args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
 
-    monkeypatch.setitem(cli._HANDLERS, "info", disk_full)
+    monkeypatch.setattr(commands, "TOOLS", tuple(dataclasses.replace(c, run=disk_full) if c.name == "info" else c
+                                                 for c in commands.TOOLS))
     assert main(["info"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: [Errno 28] No space left on device") and "Traceback" not in err
@@ -81,8 +83,9 @@ def test_environment_errors_are_one_paragraph_and_bugs_say_so(tmp_path, monkeypa
     assert "Traceback" in capsys.readouterr().err  # what a bug report needs, on request
 
     # A bug: the real console command prints a line that says so, then the traceback; exit 1.
-    code = ("import sys; from systolic import cli; "
-            "cli._HANDLERS['info'] = lambda args: [][1]; sys.argv = ['systolic', 'info']; cli.entry()")
+    code = ("import dataclasses, sys; from systolic import cli, commands; commands.TOOLS = tuple(dataclasses.replace("
+            "c, run=lambda args: [][1]) if c.name == 'info' else c for c in commands.TOOLS); sys.argv = ['systolic', "
+            "'info']; cli.entry()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.startswith("internal error: a bug in systolic") and "IndexError" in proc.stderr

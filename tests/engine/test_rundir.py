@@ -1,4 +1,4 @@
-"""The run directory's guarantees (engine/rundir.py, cli.py `_transaction`, runtime/interrupts.py): only
+"""The run directory's guarantees (engine/rundir.py with its `transaction`, runtime/interrupts.py): only
 systolic's own folders are written, one writer at a time, and a failed command leaves no trace."""
 
 import hashlib

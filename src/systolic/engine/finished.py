@@ -3,7 +3,7 @@
 `systolic generate`, `export`, `convert to-hf`, `sample gan`, `eval rl` and `init.from` all start here, so they
 check the same things in the same order and say the same thing when one fails:
 
-    with open_run(run_dir, "lm", "systolic export") as run:   # config read, workload checked, step chosen
+    with open_run(run_dir, LMConfig, "systolic export") as run:   # config read, workload checked, step chosen
         params = run.restore_params(abstract_params)           # a UserError if they do not fit the config
 """
 
@@ -19,16 +19,19 @@ from systolic.engine.state import TrainState
 from systolic.errors import CheckpointMismatch, UserError
 
 
-def read_config(run_dir: Path, workload: str, command: str) -> Any:
-    """The run's config.yaml, read with its workload's schema; a UserError unless the run is a `workload` run.
-    `command` is what the user ran ("systolic generate", "init.from=RUN") and names it in the errors."""
-    from systolic import workloads
+def read_config(run_dir: Path, schema: type, command: str) -> Any:
+    """The run's config.yaml, read with `schema` (a workload's config class; its `workload` field names it); a
+    UserError unless the run is a run of that workload. `command` is what the user ran ("systolic generate",
+    "init.from=RUN") and names it in the errors."""
+    workload = schema.workload
 
-    cfg = rundir.load_config(run_dir, workloads.config_class)
-    if cfg.workload != workload:
-        raise UserError(f"{run_dir} holds a '{cfg.workload}' run; `{command}` needs the directory of a `systolic train "
-                        f"{workload}` run. Fix: pass one (by default runs/<recipe>).")
-    return cfg
+    def schema_for(declared: str | None) -> type:
+        if declared != workload:  # before its keys: another workload's sections would read as misspellings
+            raise UserError(f"{run_dir} holds a '{declared}' run; `{command}` needs the directory of a `systolic "
+                            f"train {workload}` run. Fix: pass one (by default runs/<recipe>).")
+        return schema
+
+    return rundir.load_config(run_dir, schema_for)
 
 
 @dataclasses.dataclass
@@ -78,11 +81,13 @@ class FinishedRun:
         self.close()
 
 
-def open_run(run_dir: Path, workload: str, command: str) -> FinishedRun:
-    """Reads the run's config, checks it is a `workload` run and picks its newest intact (checksum-verified)
-    checkpoint, warning about newer damaged ones. Raises a UserError when there is none."""
+def open_run(run_dir: Path, schema: type, command: str) -> FinishedRun:
+    """Reads the run's config with `schema` (a workload's config class), checks it is a run of that workload and
+    picks its newest intact (checksum-verified) checkpoint, warning about newer damaged ones. Raises a UserError
+    when there is none."""
     run_dir = Path(run_dir)
-    cfg = read_config(run_dir, workload, command)
+    cfg = read_config(run_dir, schema, command)
+    workload = schema.workload
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         raise _nothing_to_open(run_dir, workload, command, "")

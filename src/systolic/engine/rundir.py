@@ -7,9 +7,9 @@ Three guarantees (docs/reliability.md):
 - **One writer at a time.** A command that writes a run directory holds an OS file lock on `.lock` for its whole
   life; a second writer is refused with the holder's PID. The kernel drops the lock when its process dies, so a
   killed run's lock is taken over without a stale-lock check.
-- **A failed command leaves no trace.** `Prepared.rollback` returns an existing run directory to what it was
-  (its config, its metrics rows, no new files) and removes one the command created, up to the first folder it
-  created (`--run-dir a/b/c` where only `a` existed removes `a/b`).
+- **A failed command leaves no trace.** `transaction` runs a command so that, if it fails, `Prepared.rollback`
+  returns an existing run directory to what it was (its config, its metrics rows, no new files) and removes one
+  the command created, up to the first folder it created (`--run-dir a/b/c` where only `a` existed removes `a/b`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,23 @@ import fcntl
 import json
 import os
 import shutil
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from systolic import config as config_lib
 from systolic import safe_yaml
-from systolic.errors import UserError
+from systolic.errors import CheckpointWriteError, TrainingHalted, UserError
 
 CONFIG_FILE = "config.yaml"
 MARKER_FILE = ".systolic-run"
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"  # observe/metrics.py's; repeated here, which must not import observe
 METRICS_SAVED = ".metrics.jsonl.rollback"  # a hard link to metrics.jsonl while a command may roll back
+# The workloads of the versions before markers existed: only they can have left an unmarked run. A history, not a
+# second registry: a workload added since writes markers from its first run.
+LEGACY_WORKLOADS = ("lm", "rl", "gan", "sim")
 
 
 class Prepared:
@@ -129,6 +133,44 @@ def prepare(run_dir: Path, cfg: Any, *, must_match: tuple[str, ...] = ("workload
         raise
 
 
+def prepare_run(workload: Any, recipe: str | None, overrides: list[str], run_dir: Path | None,
+                dir_suffix: str = "") -> tuple[Any, Path, Prepared | None]:
+    """The config (`recipe` + `overrides`, completed by `workload.resolve_config`), the run directory (default
+    runs/<recipe><dir_suffix>) and, on process 0, that directory prepared for a run of `workload` (a
+    workloads.Workload, passed in: the engine does not import the workloads)."""
+    name = workload.name
+    # Check the recipe's workload before its keys: another workload's sections would read as misspellings.
+    recipe_path = config_lib.recipe_path(recipe or workload.default_recipe, name)
+    declared = config_lib.read_yaml(recipe_path).get("workload", name)
+    if declared != name:
+        raise UserError(f"Recipe '{recipe_path.stem}' is for the '{declared}' workload, not '{name}'. Fix: pick a "
+                        f"recipe for {name}, or run the {declared} workload (e.g. `systolic train {declared} --recipe "
+                        f"{recipe_path.stem}`).")
+    cfg, recipe = config_lib.load(workload.config, recipe, overrides, workload.default_recipe, name)
+    run_dir = run_dir or Path("runs") / f"{recipe}{dir_suffix}"
+    if workload.resolve_config is not None:  # settings taken from elsewhere, e.g. lm's init.from=RUN_DIR
+        cfg = workload.resolve_config(cfg, overrides, run_dir)
+    import jax
+
+    return cfg, run_dir, prepare(run_dir, cfg) if jax.process_index() == 0 else None
+
+
+def transaction(prepared: Prepared | None, run: Callable[[], Any]) -> None:
+    """Runs `run` so that a command that fails, for whatever reason (bad input found while starting, Ctrl-C, a
+    bug), leaves the run directory as it was: a new one is removed, an existing one gets back its config, metrics
+    rows and entries. Once the command has written a checkpoint, what it wrote is the run's history and stays (a
+    halt, a failed checkpoint write, or an interrupt then resumes from there). `prepared` is None on the
+    processes other than 0, which leave the directory to process 0."""
+    try:
+        run()
+    except (TrainingHalted, CheckpointWriteError):
+        raise  # what the run wrote up to its halt is the evidence the message points to
+    except BaseException:
+        if prepared is not None and not prepared.wrote_checkpoint():
+            prepared.rollback()
+        raise
+
+
 def _prepare_locked(run_dir: Path, cfg: Any, lock: RunLock, created: Path | None,
                     must_match: tuple[str, ...]) -> Prepared:
     marker = run_dir / MARKER_FILE
@@ -188,12 +230,6 @@ def check_owned(run_dir: Path) -> None:
         )
 
 
-def mark_created(run_dir: Path, workload: str) -> None:
-    """Marks a run directory that another command builds whole (convert from-hf) as systolic's own."""
-    (Path(run_dir) / MARKER_FILE).write_text(json.dumps({"workload": workload, "systolic": _version()}) + "\n",
-                                             encoding="utf-8")
-
-
 def _is_legacy_run(run_dir: Path) -> bool:
     """A run written before markers existed: a config.yaml naming a workload, beside a checkpoints folder."""
     path = run_dir / CONFIG_FILE
@@ -203,7 +239,7 @@ def _is_legacy_run(run_dir: Path) -> bool:
         tree = safe_yaml.read_file(path)
     except UserError:
         return False
-    return isinstance(tree, dict) and tree.get("workload") in ("lm", "rl", "gan", "sim")
+    return isinstance(tree, dict) and tree.get("workload") in LEGACY_WORKLOADS
 
 
 def _first_missing(path: Path) -> Path | None:

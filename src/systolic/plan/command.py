@@ -1,11 +1,14 @@
-"""`systolic plan`: a workload's step compiled for a target (TPU through libtpu's compile-only devices, GPU on fake
-CPU devices) without running it; `--search` bisects the lm batch size for each rematerialisation policy."""
+"""`systolic plan`, declared (`COMMAND`: its arguments, its platform) and run: a workload's step compiled for a
+target (TPU through libtpu's compile-only devices, GPU on fake CPU devices) without running it; `--search` bisects
+the lm batch size for each rematerialisation policy."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
+from systolic import workloads
+from systolic.command import Command, arg
 from systolic.errors import UserError
 
 MAX_PLAN_DEVICES = 8192  # fake or compile-only devices a plan may ask for: start-up and compile time grow with them
@@ -55,7 +58,7 @@ def plan_devices(args: argparse.Namespace) -> None:
     try:
         count = math.prod(int(o.split("=")[1]) for o in mesh_overrides(args.mesh) or ["x=1"])
     except UserError:
-        return  # reported properly in _plan
+        return  # reported properly in plan
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
@@ -67,7 +70,6 @@ def plan(args: argparse.Namespace) -> int:
     import jax
 
     from systolic import config as config_lib
-    from systolic import workloads
     from systolic.plan import targets
     from systolic.plan.planner import format_plan, plan_step
     from systolic.runtime import mesh as mesh_lib
@@ -147,3 +149,26 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
             print(f"its full plan (as `{command} model.remat={chosen.remat} train.batch_size={chosen.batch}`):")
             print(format_plan(chosen.plan))
     return 0
+
+
+COMMAND = Command(
+    "plan", help="will a recipe fit a TPU slice or GPUs, how fast, at what cost? (no accelerator needed)", run=plan,
+    platform=plan_devices,
+    description="Compile the real train step ahead of time for the target (TPU: with libtpu's compiler on "
+                "compile-only devices; GPU: XLA:CPU on fake devices) and report per-chip memory, FLOPs, collectives, "
+                "a roofline step time and the cost to train.",
+    args=(workloads.argument("plan"),
+          arg("overrides", nargs="*", metavar="KEY=VALUE"),
+          arg("--recipe"),
+          arg("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
+              "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)"),
+          arg("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2, fsdp=2,expert=4, fsdp=2,context=4 or "
+              "data=2,stage=4 (unset axes are 1; default: the recipe's mesh over all the target's chips)"),
+          arg("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, data "
+              "parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)"),
+          arg("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items (tokens "
+              "for lm), e.g. 20e9"),
+          arg("--price-per-chip-hour", type=float, help="USD, instead of the table's on-demand list price"),
+          arg("--search", action="store_true", help="lm: compile candidate per-chip batches (powers of 2, bisected) "
+              "x model.remat none/dots/full and report the largest batch that fits"),
+          arg("--json", action="store_true", help="print one JSON object with every figure")))

@@ -1,8 +1,8 @@
 """The workload protocol and registry.
 
-A workload is a declared record, `Workload`: its config class, its default recipe, and the commands it offers,
-each a plain function. The CLI dispatches from these records and never probes a module for what it might have.
-Command signatures, by name (the CLI calls them so):
+A workload is a declared record, `Workload`, in its light `commands.py`: its config class, its default recipe,
+the functions it offers by command name, and the commands only it has. The CLI builds its parser from these
+records and dispatches; it never probes a module for what it might have. Function signatures, by command name:
 
 - `train`, `simulate`, `fit`: `(cfg, run_dir, quiet) -> engine.loop.RunResult`; they run the engine's loop.
 - `eval`: `(run_dir, **options) -> str`, the report to print; `options` are the ones the workload declares in
@@ -15,11 +15,13 @@ Command signatures, by name (the CLI calls them so):
   target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
   plan/planner.py compiles it and weights its loops by their trip counts. Every workload offers one.
 
-`options` (optional) maps a command to a function that adds that command's own options to an argparse parser: the
-CLI parses them per workload, so an option of another workload's command (`systolic eval lm --episodes`) is an
-error, not ignored. `resolve_config(cfg, overrides, run_dir) -> cfg` (optional) completes a config from elsewhere before a run
-(lm's `init.from=RUN_DIR`). A finished run is opened through `engine.rundir` (config, workload check, newest
-intact checkpoint). Workload modules are imported lazily, so `systolic info` pays for no model code.
+`options` (optional) maps a command to its own options (`command.Arg`): the CLI parses them per workload, so an
+option of another workload's command (`systolic eval lm --episodes`) is an error, not ignored. `own_commands` are
+the commands only this workload has (lm: generate, export, convert, tokenizer; sim: simulate; gan: sample),
+declared whole: arguments, help and what runs them. `resolve_config(cfg, overrides, run_dir) -> cfg` (optional)
+completes a config from elsewhere before a run (lm's `init.from=RUN_DIR`). A finished run is opened through
+`engine.finished` (config, workload check, newest intact checkpoint). The functions are `command.Lazy`
+references, so `systolic info` and `systolic -h` import no model code.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from systolic.command import Arg, Command
 from systolic.errors import UserError
 
-WORKLOADS = {"lm": "systolic.workloads.lm.entry", "sim": "systolic.workloads.sim.entry",
-             "gan": "systolic.workloads.gan.entry", "rl": "systolic.workloads.rl.entry"}
+WORKLOADS = {"lm": "systolic.workloads.lm.commands", "sim": "systolic.workloads.sim.commands",
+             "gan": "systolic.workloads.gan.commands", "rl": "systolic.workloads.rl.commands"}
 
 # How each command is written on the command line, for the error that lists who offers it.
 USAGE = {"train": "systolic train {w} --recipe RECIPE", "simulate": "systolic simulate --recipe RECIPE",
@@ -49,13 +52,14 @@ class Workload:
     default_recipe: str
     commands: Mapping[str, Callable[..., Any]]  # command name -> function (signatures above)
     resolve_config: Callable[[Any, list[str], Any], Any] | None = None
-    options: Mapping[str, Callable[[Any], None]] = dataclasses.field(default_factory=dict)  # command -> add its options
+    options: Mapping[str, tuple[Arg, ...]] = dataclasses.field(default_factory=dict)  # command -> its own options
+    own_commands: tuple[Command, ...] = ()
 
     def command(self, name: str) -> Callable[..., Any]:
         """The function for `name`, or a UserError naming the workloads that offer it."""
         if name in self.commands:
             return self.commands[name]
-        able = [w for w in WORKLOADS if name in get(w).commands]
+        able = offering(name)
         example = USAGE.get(name, f"systolic {name} {{w}}").format(w=able[0]) if able else ""
         raise UserError(f"The '{self.name}' workload has no `{name}` command; the workloads that have one: "
                         f"{', '.join(able) or 'none'}. Fix: e.g. `{example}`.")
@@ -71,3 +75,16 @@ def get(name: str | None) -> Workload:
 
 def config_class(name: str | None) -> type:
     return get(name).config
+
+
+def offering(command: str) -> list[str]:
+    """The workloads that offer `command`, in registry order."""
+    return [name for name in WORKLOADS if command in get(name).commands]
+
+
+def argument(command: str, **settings: Any) -> Arg:
+    """The WORKLOAD positional of a command that names its workload (`systolic train lm`); its help lists the
+    workloads that offer the command."""
+    able = offering(command)
+    listed = f"{', '.join(able[:-1])} or {able[-1]}" if len(able) > 1 else able[0]
+    return Arg(("workload",), {"help": f"which workload: {listed}", **settings})

@@ -215,8 +215,8 @@ def test_lora_run_resumes_exactly_and_checkpoints_only_adapters(imported, lora_r
     assert sorted(whole) == [("eval", 4), ("train", 1), ("train", 2), ("train", 3), ("train", 4)]
     assert resumed == whole
     # The checkpoint holds the adapters (exactly: no other parameter) and their optimizer state, not the base.
-    cfg = finished.read_config(lora_run, "lm", "test").model
-    with finished.open_run(lora_run, "lm", "test") as opened:
+    cfg = finished.read_config(lora_run, LMConfig, "test").model
+    with finished.open_run(lora_run, LMConfig, "test") as opened:
         assert opened.step == 4
         assert opened.checkpointer.mismatch(4, {"params": lora.split(hf.abstract_params(cfg, VOCAB))[0]}) is None
     base, adapted = _bytes(imported / "checkpoints" / "0"), _bytes(lora_run / "checkpoints" / "4")
@@ -228,7 +228,7 @@ def test_lora_run_resumes_exactly_and_checkpoints_only_adapters(imported, lora_r
 
 def _adapters(run_dir: Path) -> dict:
     """The LoRA run's adapters as saved, on one device."""
-    with finished.open_run(run_dir, "lm", "test") as run:
+    with finished.open_run(run_dir, LMConfig, "test") as run:
         adapters, _ = lora.split(hf.abstract_params(run.cfg.model, VOCAB))
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return run.restore_params(with_shardings(adapters, jax.tree.map(lambda _: one, adapters)))
@@ -238,7 +238,7 @@ def test_export_merges_the_adapters(imported, lora_run, corpus_dir, tmp_path, ca
     import torch
     import transformers
 
-    cfg = finished.read_config(lora_run, "lm", "test").model
+    cfg = finished.read_config(lora_run, LMConfig, "test").model
     adapters, base = _adapters(lora_run), load_run(imported, "test").params
     ours = logits(cfg, lora.combine(adapters, base), TOKENS)  # the adapted model, not merged
     plain = logits(lora.base_config(cfg), base, TOKENS)

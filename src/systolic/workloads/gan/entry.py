@@ -14,7 +14,6 @@ from systolic.engine.run import Run
 from systolic.plan.planner import StepProgram
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
-from systolic.workloads import Workload
 from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.pictures import plot_curves, save_grid
@@ -71,7 +70,7 @@ def sample(run_dir: Path, count: int = 64, out: Path | None = None, seed: int = 
     run_dir = Path(run_dir)
     if out is not None:  # the default, RUN_DIR/sample.png, is this command's own file
         outfile.check(out, option="--out", suffixes=(".png",), force=force)
-    with finished.open_run(run_dir, "gan", "systolic sample gan") as run:
+    with finished.open_run(run_dir, GANConfig, "systolic sample gan") as run:
         cfg: GANConfig = run.cfg
         channels = channels_for(cfg)
         mesh = mesh_lib.make_mesh(type(cfg.mesh)(data=1), jax.devices()[:1])
@@ -100,7 +99,3 @@ def plan(cfg: GANConfig, devices: list) -> StepProgram:
                        params=param_count(abstract.params), items_per_step=rows, item_unit="img",
                        model_flops_per_step=None, dtype="float32",
                        notes=("no FLOP formula for the gan workload: the MFU is taken from XLA's count",))
-
-
-WORKLOAD = Workload(name="gan", config=GANConfig, default_recipe="gan-digits",
-                    commands={"train": train, "sample": sample, "plan": plan})

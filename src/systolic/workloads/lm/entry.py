@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
-from systolic.workloads import Workload
 from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
@@ -216,21 +214,3 @@ def evaluate(run_dir: Path, *, data: str | None, choices: Path | None, batch_siz
     from systolic.workloads.lm.evaluate import evaluate_run
 
     return evaluate_run(run_dir, data=data, choices=choices, batch_size=batch_size)
-
-
-def add_eval_options(parser: argparse.ArgumentParser) -> None:
-    """`systolic eval lm`'s own options (the arguments of `evaluate`)."""
-    parser.add_argument("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl "
-                        "with field 'text' or a .parquet, as data.path reads them): nats/token, nats/byte, bits/byte, "
-                        "perplexity")
-    parser.add_argument("--choices", type=Path, metavar="FILE.jsonl", help='score multiple choice: one {"context": '
-                        'str, "choices": [str, ...], "label": int} a line; accuracy and acc_norm')
-    parser.add_argument("--batch-size", type=int, metavar="N", help="rows per batch (default: the run's "
-                        "train.batch_size / train.grad_accum), rounded up to a multiple of the data-parallel devices")
-
-
-WORKLOAD = Workload(name="lm", config=LMConfig, default_recipe="lm-tiny",
-                    commands={"train": train, "generate": generate, "eval": evaluate, "bench": build_bench_task,
-                              "plan": plan},
-                    options={"eval": add_eval_options},
-                    resolve_config=init_from.resolve_config)  # with init.from: the source's model and tokenizer

@@ -76,7 +76,7 @@ def source_config(source: Path) -> LMConfig:
     if not (source / rundir.CONFIG_FILE).is_file():
         raise UserError(f"init.from={source} is not a systolic run directory (it has no {rundir.CONFIG_FILE}). Fix: pass "
                         "the directory of an lm run or of `systolic convert from-hf`.")
-    return finished.read_config(source, "lm", f"init.from={source}")
+    return finished.read_config(source, LMConfig, f"init.from={source}")
 
 
 def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
@@ -87,7 +87,7 @@ def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
     if conflicts:
         raise ConfigError(f"init.from={source}: this run's model differs from the source's ({'; '.join(conflicts)}). "
                           f"Fix: use the source's model settings (see {source / rundir.CONFIG_FILE}).")
-    with finished.open_run(source, "lm", f"init.from={source}") as run:
+    with finished.open_run(source, LMConfig, f"init.from={source}") as run:
         rows = run.meta().get("vocab")
         want = abstract_params["embed"].shape[0]
         if rows is not None and rows != want:

@@ -78,7 +78,7 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
         raise UserError("--chat needs --prompt: it is the user's message that the model replies to. Fix: e.g. "
                         "`systolic generate RUN --chat --prompt \"What is a monad?\"`.")
     command = "systolic generate --chat" if chat else "systolic generate"
-    cfg = finished.read_config(run_dir, "lm", command)  # the settings checked before the slow part
+    cfg = finished.read_config(run_dir, LMConfig, command)  # the settings checked before the slow part
     overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
@@ -135,7 +135,7 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
     from systolic.workloads.lm.model.lora import base_config
     from systolic.workloads.lm.train import model_graphdef, param_shardings
 
-    with finished.open_run(run_dir, "lm", command) as run:
+    with finished.open_run(run_dir, LMConfig, command) as run:
         cfg: LMConfig = run.cfg
         # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
         spec = run_tokenizer(run_dir, cfg.data.tokenizer)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import jax
@@ -15,7 +14,6 @@ from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
-from systolic.workloads import Workload
 from systolic.workloads.rl import evaluate as evaluate_lib
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.envs import SOLVED_AT
@@ -69,15 +67,6 @@ def evaluate(run_dir: Path, *, episodes: int, gymnasium: bool = False, gif: Path
     return evaluate_lib.evaluate_run(run_dir, episodes=episodes, use_gymnasium=gymnasium, gif=gif, seed=seed)
 
 
-def add_eval_options(parser: argparse.ArgumentParser) -> None:
-    """`systolic eval rl`'s own options (the arguments of `evaluate`)."""
-    parser.add_argument("--episodes", type=int, default=100, metavar="N", help="episodes per seed (default 100)")
-    parser.add_argument("--gymnasium", action="store_true", help="run the policy in Gymnasium's reference implementation")
-    parser.add_argument("--gif", type=Path, metavar="FILE.gif", help="also write a GIF of one episode to this path")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the evaluation episodes' start states")
-    parser.add_argument("--force", action="store_true", help="replace an existing --gif file")
-
-
 def plan(cfg: RLConfig, devices: list) -> StepProgram:
     """One chunk step (`rl.updates_per_chunk` updates of every seed: rollouts, targets, minibatch epochs) lowered
     from abstract inputs on a mesh of `devices`, for `systolic plan`."""
@@ -98,7 +87,3 @@ def plan(cfg: RLConfig, devices: list) -> StepProgram:
         notes=(f"one step is a chunk of {run.updates_per_chunk} {cfg.algo.upper()} updates x {run.num_seeds} seeds, "
                f"split by {layout} over the data axes; parameters are per seed; no FLOP formula for the rl workload: "
                "the MFU is taken from XLA's count",))
-
-
-WORKLOAD = Workload(name="rl", config=RLConfig, default_recipe="rl-cartpole",
-                    commands={"train": train, "eval": evaluate, "plan": plan}, options={"eval": add_eval_options})

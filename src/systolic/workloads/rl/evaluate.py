@@ -43,7 +43,7 @@ class RestoredRun:
 
 def restore_run(run_dir: Path) -> RestoredRun:
     """The run's config and its newest intact checkpoint, on one device (whatever mesh it was trained on)."""
-    with finished.open_run(run_dir, "rl", "systolic eval rl") as run:
+    with finished.open_run(run_dir, RLConfig, "systolic eval rl") as run:
         cfg: RLConfig = run.cfg
         env = make_env(cfg.env)
         mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])

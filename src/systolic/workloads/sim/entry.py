@@ -14,7 +14,6 @@ from systolic.engine.state import param_count
 from systolic.plan.planner import StepProgram
 from systolic.observe.plot import plot_losses
 from systolic.runtime import mesh as mesh_lib
-from systolic.workloads import Workload
 from systolic.workloads.sim import inverse, outputs, taylor_green
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.simulation import Simulation, precision, to_host
@@ -169,7 +168,3 @@ def plan(cfg: SimConfig, devices: list) -> StepProgram:
                   "is data-dependent, so XLA's count has its body once)")
                + "; 'parameters' counts the grid's values; no FLOP formula for the sim workload: the MFU is taken "
                  "from XLA's count",))
-
-
-WORKLOAD = Workload(name="sim", config=SimConfig, default_recipe="sim-turbulence",
-                    commands={"simulate": simulate, "fit": fit, "plan": plan})

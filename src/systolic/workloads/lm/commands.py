@@ -1,0 +1,138 @@
+"""The lm workload as the CLI sees it: its record, and the commands only lm has (generate, export, tokenizer
+train, convert from-hf / to-hf) with their arguments. Light: each command imports its modules when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from systolic.command import Command, Lazy, arg
+from systolic.errors import UserError
+from systolic.workloads import Workload
+from systolic.workloads.lm.config import LMConfig
+
+ENTRY = "systolic.workloads.lm.entry"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    print(WORKLOAD.command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                       args.top_p, args.seed, chat=args.chat, system=args.system))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm.export import export_run
+
+    platforms = [p.strip() for p in args.platforms.split(",")] if args.platforms else None
+    paths = export_run(args.run_dir, args.out, what=args.what, platforms=platforms, force=args.force)
+    print("wrote " + ", ".join(f"{p} ({p.stat().st_size / 1e6:.2f} MB)" for p in paths))
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from systolic import config as config_lib
+    from systolic.data.bpe import train_to_file
+
+    tree = config_lib.apply_overrides({}, args.overrides)
+    read = ("data.path=", "data.max_bytes=", "data.val_percent=")  # what a tokenizer is trained from
+    others = [item for item in args.overrides if not item.startswith(read)]
+    if others:
+        raise UserError(f"`systolic tokenizer train` reads only data.* settings (data.path, data.max_bytes, "
+                        f"data.val_percent), but got {', '.join(others)}. Fix: drop those overrides, e.g. "
+                        "`systolic tokenizer train --vocab-size 8192 data.path=corpus/ --out tok.json`.")
+    data = config_lib.from_dict(LMConfig, tree).data
+    print(train_to_file(data.path, max_bytes=data.max_bytes, val_percent=data.val_percent, vocab_size=args.vocab_size,
+                        out=args.out, force=args.force))
+    return 0
+
+
+def _from_hf(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm.hf import convert as hf
+
+    cfg = hf.import_run(args.src, args.run_dir, scan_layers=args.scan_layers)
+    print(f"converted {args.src} ({cfg.model.family}, {cfg.model.layers} layers, d_model {cfg.model.d_model}, "
+          f"vocabulary {cfg.model.vocab_size}) into {args.run_dir}; fine-tune with `systolic train lm "
+          f"init.from={args.run_dir} data.path=...`")
+    return 0
+
+
+def _to_hf(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm.hf import convert as hf
+
+    files = hf.export_run(args.run_dir, args.out, max_shard_bytes=hf.parse_size(args.max_shard_size))
+    print(f"wrote {args.out}: {', '.join(files)}")
+    return 0
+
+
+_GENERATE = Command(
+    "generate", help="sample text from a trained lm run directory", run=_generate,
+    args=(arg("run_dir", type=Path),
+          arg("--prompt", help="the text to continue; with --chat, the user's message"),
+          arg("--chat", action="store_true", help="render --prompt (and --system) with the run's chat template and "
+              "print only the assistant's reply"),
+          arg("--system", help="with --chat: the system message before the user's"),
+          arg("--max-new-tokens", type=int),
+          arg("--temperature", type=float, help="0 = greedy"),
+          arg("--top-k", type=int, help="0 = off"),
+          arg("--top-p", type=float, help="1.0 = off"),
+          arg("--seed", type=int)))
+
+_EXPORT = Command(
+    "export", help="write a trained lm as serialized StableHLO (jax.export) for deployment", run=_export,
+    description="Export the forward pass and/or the KV-cache decode step of a run's latest checkpoint, e.g. "
+                "`systolic export runs/lm-tiny --out model.jaxexport`; batch and length are symbolic. Loading needs "
+                "only jax: see docs/debugging.md.",
+    args=(arg("run_dir", type=Path),
+          arg("--out", type=Path, required=True, help="file to write, e.g. model.jaxexport (parameters go beside it "
+              "in model.params.npz, a description in model.json)"),
+          arg("--what", choices=("forward", "decode", "both"), default="forward",
+              help="forward: tokens -> logits (default); decode: tokens + KV cache -> logits + cache; both"),
+          arg("--platforms", help="comma-separated, of cpu, cuda, rocm, tpu (default: this machine's)"),
+          arg("--force", action="store_true", help="replace existing output files")))
+
+_TOKENIZER = Command(
+    "tokenizer", help="train a BPE tokenizer for the lm workload (then data.tokenizer=FILE)",
+    subcommands=(Command(
+        "train", help="train a byte-level BPE on a corpus and write its tokenizer.json", run=_train_tokenizer,
+        compiles=False,
+        description="Train a byte-level BPE on the training split of a corpus (data.* settings as for `systolic "
+                    "train lm`; default: the Python standard library), e.g. `systolic tokenizer train --vocab-size "
+                    "8192 data.path=corpus/ --out tok.json`, then `systolic train lm data.tokenizer=tok.json`.",
+        args=(arg("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. data.path=corpus/ data.max_bytes=5000000"),
+              arg("--vocab-size", type=int, required=True, help="ids in the vocabulary, e.g. 8192"),
+              arg("--out", type=Path, required=True, help="the tokenizer.json to write"),
+              arg("--force", action="store_true", help="replace an existing --out file"))),))
+
+_CONVERT = Command(
+    "convert", help="convert lm weights from or to Hugging Face (Llama, GPT-2)", metavar="DIRECTION",
+    description="Convert between Hugging Face folders (config.json + safetensors) and lm run directories, e.g. "
+                "`systolic convert from-hf ./hf-llama runs/llama`, then `systolic train lm init.from=runs/llama "
+                "data.path=notes/`.",
+    subcommands=(
+        Command("from-hf", help="a local Hugging Face folder -> a run directory (step-0 parameters)", run=_from_hf,
+                args=(arg("src", type=Path, help="folder with config.json and *.safetensors (and tokenizer.json)"),
+                      arg("run_dir", type=Path, help="the run directory to create"),
+                      arg("--scan-layers", action="store_true", help="stack the layers (model.scan_layers=true)"))),
+        Command("to-hf", help="a run directory's latest checkpoint -> a Hugging Face folder", run=_to_hf,
+                args=(arg("run_dir", type=Path),
+                      arg("out", type=Path, help="the folder to create (from_pretrained loads it)"),
+                      arg("--max-shard-size", default="5GB", help="split safetensors files above this size "
+                          "(default 5GB)")))))
+
+_EVAL_OPTIONS = (
+    arg("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl with field 'text' "
+        "or a .parquet, as data.path reads them): nats/token, nats/byte, bits/byte, perplexity"),
+    arg("--choices", type=Path, metavar="FILE.jsonl", help='score multiple choice: one {"context": str, "choices": '
+        '[str, ...], "label": int} a line; accuracy and acc_norm'),
+    arg("--batch-size", type=int, metavar="N", help="rows per batch (default: the run's train.batch_size / "
+        "train.grad_accum), rounded up to a multiple of the data-parallel devices"))
+
+WORKLOAD = Workload(
+    name="lm", config=LMConfig, default_recipe="lm-tiny",
+    commands={"train": Lazy(f"{ENTRY}:train"), "generate": Lazy(f"{ENTRY}:generate"),
+              "eval": Lazy(f"{ENTRY}:evaluate"), "bench": Lazy(f"{ENTRY}:build_bench_task"),
+              "plan": Lazy(f"{ENTRY}:plan")},
+    options={"eval": _EVAL_OPTIONS},
+    # With init.from: the source's model and tokenizer.
+    resolve_config=Lazy("systolic.workloads.lm.init_from:resolve_config"),
+    own_commands=(_GENERATE, _EXPORT, _TOKENIZER, _CONVERT))
