@@ -39,9 +39,8 @@ WORKLOADS = {"lm": "systolic.workloads.lm.commands", "sim": "systolic.workloads.
              "gan": "systolic.workloads.gan.commands", "rl": "systolic.workloads.rl.commands"}
 
 # How each command is written on the command line, for the error that lists who offers it.
-USAGE = {"train": "systolic train {w} --recipe RECIPE", "simulate": "systolic simulate --recipe RECIPE",
-         "fit": "systolic fit {w} --recipe RECIPE", "eval": "systolic eval {w} RUN_DIR",
-         "sample": "systolic sample {w} RUN_DIR --count 64 --out grid.png", "generate": "systolic generate RUN_DIR",
+USAGE = {"train": "systolic train {w} --recipe RECIPE", "fit": "systolic fit {w} --recipe RECIPE",
+         "eval": "systolic eval {w} RUN_DIR", "sample": "systolic sample {w} RUN_DIR --count 64 --out grid.png",
          "bench": "systolic bench {w} --recipe RECIPE", "plan": "systolic plan {w} --recipe RECIPE --target TARGET"}
 
 
