@@ -3,7 +3,6 @@ weights drawn by NumPy (jax.random under jit compiles slowly on CPU), the `gener
 feeds requests to an engine at given steps."""
 
 import collections
-import dataclasses
 import functools
 
 import jax
@@ -73,7 +72,3 @@ def drive(engine, arrivals: dict[int, list[tuple]], max_steps: int = 10_000) -> 
 
 def token_ids(events: list) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
-
-
-def replace_model(cfg: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(cfg, **changes)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from systolic.config import MeshConfig
+from systolic.config import MAX_SEED, MeshConfig
 from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer
 from systolic.engine import finished
 from systolic.errors import UserError
@@ -86,9 +86,9 @@ class _Request:
 
 
 def prng_key_data(seed: int) -> np.ndarray:
-    """jax.random.PRNGKey(seed) (threefry: the seed's high and low 32 bits) for -2**63 <= seed < 2**64, computed
-    on the host: a jax call here would compile a program per request shape."""
-    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+    """jax.random.PRNGKey(seed) for 0 <= seed <= MAX_SEED (threefry's key: the seed's high and low 32 bits),
+    computed on the host: a jax call per request would dispatch (and first compile) a program."""
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
 class InferenceEngine:
@@ -156,7 +156,7 @@ class InferenceEngine:
         """Queues a request; a UserError (nothing queued) when the prompt or the settings are out of range."""
         prompt = [int(t) for t in prompt_ids]
         self._check(request_id, prompt, params)
-        seed = int(self._seeds.integers(2**63)) if params.seed is None else params.seed
+        seed = int(self._seeds.integers(MAX_SEED + 1)) if params.seed is None else params.seed
         stop_ids = (self.tokenizer.eot_id,) if params.stop_token_ids is None else params.stop_token_ids
         seq = Sequence(request_id, prompt, len(prompt), self._arrivals)
         self._arrivals += 1
@@ -274,8 +274,9 @@ class InferenceEngine:
                 and math.isfinite(params.top_p) and 0 < params.top_p <= 1):
             return (f"temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} are out of range. "
                     "Fix: temperature >= 0 (0 is greedy), top_k >= 0 (0 keeps every id), 0 < top_p <= 1")
-        if params.seed is not None and not -2**63 <= params.seed < 2**64:
-            return f"seed={params.seed} is outside a 64-bit integer. Fix: a seed in [-2**63, 2**64)"
+        if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+            return (f"seed={params.seed} is not a usable seed (random keys take 32 bits). Fix: a seed from 0 to "
+                    f"2**32 - 1 = {MAX_SEED}")
         if any(not isinstance(s, str) or not s for s in params.stop):
             return f"stop={params.stop!r} holds an empty or non-text stop string. Fix: non-empty strings"
         if any(not 0 <= t < self.vocab for t in params.stop_token_ids or ()):
