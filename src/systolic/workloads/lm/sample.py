@@ -20,7 +20,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, rules_for, with_shardings
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import LMConfig, SampleConfig
-from systolic.workloads.lm.generate import generate
+from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 
 if TYPE_CHECKING:
     from systolic.data.chat import ChatTemplate
@@ -47,15 +47,21 @@ def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, sett
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
               settings: SampleConfig) -> str:
-    """The text that the model adds after the prompt `ids`, up to (not including) the first of `stop_ids`."""
-    new = generate(graphdef, params, ids[None, :], max_new_tokens=settings.max_new_tokens,
-                   temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                   key=jax.random.PRNGKey(settings.seed), vocab_limit=tokenizer.vocab_size)
-    new = np.asarray(jax.device_get(new))[0]
-    stop = np.flatnonzero(np.isin(new, stop_ids))
-    if stop.size:
-        new = new[: stop[0]]
-    return continuation_text(tokenizer, ids, new)
+    """The text that the model adds after the prompt `ids`, up to (not including) the first of `stop_ids`: one
+    request to the inference engine (lm/serve), which samples what `generate` samples with the same seed."""
+    if settings.max_new_tokens == 0:
+        return ""
+    model = nnx.merge(graphdef, params).cfg  # the model's config travels in its graphdef
+    page_size = 16
+    pages = -(-(len(ids) + settings.max_new_tokens - 1) // page_size) + 1  # the request's pages and the null page
+    engine = InferenceEngine(model, params, tokenizer, kv_pages=pages, page_size=page_size, max_seqs=1)
+    engine.add_request("sample", ids.tolist(), SamplingParams(
+        max_tokens=settings.max_new_tokens, temperature=settings.temperature, top_k=settings.top_k,
+        top_p=settings.top_p, seed=settings.seed, stop_token_ids=tuple(stop_ids)))
+    new = []
+    while engine.has_work():
+        new += [event.token_id for event in engine.step() if event.token_id not in stop_ids]
+    return continuation_text(tokenizer, ids, np.asarray(new, np.int64))
 
 
 def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:
@@ -126,11 +132,13 @@ class LoadedRun:
 
 
 def load_run(run_dir: Path, command: str, *, sharded: bool = False,
-             devices: list[jax.Device] | None = None) -> LoadedRun:
+             devices: list[jax.Device] | None = None,
+             layout: tuple[jax.sharding.Mesh, Rules] | None = None) -> LoadedRun:
     """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
     ("systolic export") names what the user ran in the errors. `sharded`: the parameters laid out over `devices`
-    (default: all) as `sharded_layout` chooses; otherwise on the first device. A LoRA run comes back merged: its
-    base (from its init.from) with the adapters folded in, and `cfg.model.lora` off."""
+    (default: all) as `sharded_layout` chooses; `layout`: on that (mesh, rules) (the inference engine's tensor
+    parallelism); otherwise on the first device. A LoRA run comes back merged: its base (from its init.from) with
+    the adapters folded in, and `cfg.model.lora` off."""
     from systolic.workloads.lm.init_from import run_params
     from systolic.workloads.lm.model.lora import base_config
     from systolic.workloads.lm.train import model_graphdef, param_shardings
@@ -143,20 +151,25 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
         vocab = cfg.model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
         count = sizes.param_count(cfg.model, vocab)  # before tracing: config.yaml may have been edited
+        if layout is not None:
+            devices, sharded = list(layout[0].devices.flat), True
         memory.check_fits(4 * count, (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
                           what=f"{run_dir}'s model ({count:,} float32 parameters, from its config.yaml)",
                           fix=f"check {run_dir}/config.yaml against the run's checkpoint, or use a machine with more memory.")
         graphdef = model_graphdef(cfg.model, vocab)
         abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
-        mesh, rules, layout = None, None, "one device"
-        if sharded:
-            mesh, rules, layout = sharded_layout(cfg, vocab, jax.devices() if devices is None else devices)
+        mesh, rules, layout_text = None, None, "one device"
+        if layout is not None:
+            (mesh, rules), layout_text = layout, f"mesh {mesh_lib.describe(layout[0])}"
+            shardings = param_shardings(cfg.model, vocab, mesh, rules)
+        elif sharded:
+            mesh, rules, layout_text = sharded_layout(cfg, vocab, jax.devices() if devices is None else devices)
             shardings = param_shardings(cfg.model, vocab, mesh, rules)
         else:
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
         params = run_params(run, with_shardings(abstract, shardings))
     return LoadedRun(cfg=cfg, vocab=vocab, graphdef=graphdef, params=params, step=run.step, mesh=mesh, rules=rules,
-                     layout=layout)
+                     layout=layout_text)
 
 
 def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:

@@ -1,0 +1,116 @@
+"""Attention over a paged KV cache for one engine step: a ragged batch of tokens from many sequences, each
+sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
+
+The pool is one array for all layers, (L, pages, page_size, 2 * KV, hd) in the compute dtype, keys and values
+interleaved along the head axis (k0, v0, k1, v1, ...): the layout of JAX's TPU ragged paged attention kernel
+(`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), whose inputs `RaggedBatch` also carries (kv_lens,
+page_indices, cu_q_lens, num_seqs). One array for the layers lets the compiled step update the pool in place: the
+layers' scan carries it whole, writes each layer's new keys and values with a scatter and reads pages with a
+gather, so no layer's pool is sliced out and copied.
+
+`ragged_paged_attention` is the plain-JAX formulation that runs on every platform: every token gathers its own
+sequence's pages, a block of pages at a time, and accumulates a softmax over them online (flash attention's
+running max and sum), so memory stays at one block per token whatever the context length; the loop runs only over
+the blocks that some token of this step can see (a sliding window skips the blocks before it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+KEYS_PER_BLOCK = 128  # keys each token reads per iteration of the online softmax (rounded to whole pages)
+
+
+class RaggedBatch(NamedTuple):
+    """Where the T token slots of one step (a bucket; the first `num_tokens` are real) come from and go to; S rows
+    (a bucket; the first `num_seqs` are real) are the sequences with a chunk in this step, in token order."""
+
+    positions: jax.Array  # (T,) int32: each token's position in its sequence (padding: 0)
+    rows: jax.Array  # (T,) int32: each token's row in [0, S) (padding: 0)
+    slots: jax.Array  # (T,) int32: page * page_size + offset where its key and value go (padding: the null page)
+    num_tokens: jax.Array  # () int32
+    page_table: jax.Array  # (S, pages_per_seq) int32: each row's pages in order (unused entries: the null page)
+    kv_lens: jax.Array  # (S,) int32: each row's positions in the cache after this step (padding rows: 0)
+    cu_q_lens: jax.Array  # (S + 1,) int32: row r's tokens are [cu_q_lens[r], cu_q_lens[r + 1])
+    num_seqs: jax.Array  # (1,) int32
+    last: jax.Array  # (S,) int32: the index of each row's last token, whose logits the step samples from
+
+
+def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: jnp.dtype,
+              sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """The zeroed pool (L, pages, page_size, 2 * KV, hd), created in place on its devices."""
+    shape = (layers, pages, page_size, 2 * kv_heads, head_dim)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+class PagedKV(NamedTuple):
+    """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
+    and values and attends over the pages."""
+
+    pool: jax.Array  # (L, pages, page_size, 2 * KV, hd)
+    layer: jax.Array | int  # this layer's index into the pool
+    batch: RaggedBatch
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int) -> tuple[jax.Array, PagedKV]:
+        """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
+        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
+        out = ragged_paged_attention(q, pool, self.layer, self.batch, window=window)
+        return out, self._replace(pool=pool)
+
+
+def write_kv(pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,)."""
+    T, KV, hd = k.shape
+    page_size = pool.shape[2]
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
+    return pool.at[layer, slots // page_size, slots % page_size].set(kv.astype(pool.dtype))
+
+
+def ragged_paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, batch: RaggedBatch, *,
+                           window: int = 0, keys_per_block: int = KEYS_PER_BLOCK) -> jax.Array:
+    """Causal attention of each token over its own sequence's cached positions up to its own (within the last
+    `window` positions when > 0): q (T, H, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value
+    head h // (H // KV)). The keys and values of this step's tokens must already be in the pool."""
+    T, H, hd = q.shape
+    page_size, KV = pool.shape[2], pool.shape[3] // 2
+    G = H // KV
+    block_pages = max(1, keys_per_block // page_size)
+    B = block_pages * page_size  # keys per block
+    tables = batch.page_table[batch.rows]  # (T, pages_per_seq): each token's sequence's pages
+    blocks = -(-tables.shape[1] // block_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, blocks * block_pages - tables.shape[1])))  # whole blocks: null pages
+    qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, G, hd)  # (T, KV, G, hd): a query group per key/value head
+    pos = batch.positions  # (T,)
+    real = jnp.arange(T) < batch.num_tokens
+    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) first visible key
+    lo = jnp.min(jnp.where(real, first // B, blocks))
+    hi = jnp.max(jnp.where(real, pos // B + 1, 0))
+
+    def block(j, carry):
+        m, l, acc = carry  # (T, KV, G), (T, KV, G), (T, KV, G, hd) float32
+        pages = jax.lax.dynamic_slice_in_dim(tables, j * block_pages, block_pages, axis=1)  # (T, bp)
+        kv = pool[layer, pages].reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
+        s = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, B)
+        keys = j * B + jnp.arange(B)  # (B,) key positions
+        visible = (keys[None] <= pos[:, None]) & (keys[None] >= first[:, None])  # (T, B)
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # (T, KV, G)
+        # -inf until a token has seen a visible key: subtract 0 then, so no inf - inf appears.
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])  # (T, KV, G, B); hidden keys give exactly 0
+        scale = jnp.exp(m - m_safe)  # (T, KV, G): rescales what earlier blocks summed
+        l = l * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("tkgs,tskd->tkgd", p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((T, KV, G), -jnp.inf, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
+            jnp.zeros((T, KV, G, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(lo, hi, block, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
+    return out.reshape(T, H, hd).astype(q.dtype)
