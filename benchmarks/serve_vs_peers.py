@@ -13,7 +13,8 @@ Each side runs in its own server process. Requests use greedy decoding and strea
 the level's wall time, time to first token (TTFT) and time per output token after the first (TPOT), p50/p99. The
 shared-prefix case sends prompts that share their first 3/4 (a system prompt) at concurrency 16. Sides alternate
 within every level and every round. Before timing, greedy replies are compared between the sides; after the
-servers stop, `systolic generate` (in-process, compiled) is timed against transformers' `generate` on one prompt.
+servers stop, `systolic generate`'s engine is timed against transformers' `generate` on one prompt (both loaded
+and compiled).
 
     PYTHONPATH=src python benchmarks/serve_vs_peers.py                  # about 10-20 minutes on 2 cores
     PYTHONPATH=src python benchmarks/serve_vs_peers.py --levels 1,4 --rounds 1 --sides systolic,transformers
@@ -68,7 +69,9 @@ def make_model(root: Path) -> tuple[Path, Path, Path]:
     import torch
     import transformers
 
-    hf = root / "hf"
+    hf, run = root / "hf", root / "run"
+    for folder in (hf, run):  # an earlier --keep run's
+        shutil.rmtree(folder, ignore_errors=True)
     tokenizer = _train_tokenizer()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOT, bos_token=EOT)
     fast.save_pretrained(hf)
@@ -85,7 +88,6 @@ def make_model(root: Path) -> tuple[Path, Path, Path]:
             p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0, 0.1)
         model.lm_head.weight[eot] = 0.0  # logit 0, never the argmax: replies run to max_tokens
     model.save_pretrained(hf)
-    run = root / "run"
     _check([sys.executable, "-m", "systolic", "convert", "from-hf", str(hf), str(run)], "systolic convert from-hf")
     gguf_path = root / "model-f32.gguf"
     write_gguf(model, tokenizer, gguf_path)
@@ -197,10 +199,16 @@ def free_port() -> int:
 def start(side: str, hf: Path, run: Path, gguf_path: Path, args, log_dir: Path) -> tuple[subprocess.Popen, str]:
     """A server process and its base URL, once it answers GET /v1/models."""
     port = free_port()
+    env = dict(os.environ)
     if side == "systolic":
-        code = ("import sys; from systolic.workloads.lm.serve.server import serve; "
+        # What `systolic serve` sets up before serve(): the XLA:CPU flags and allocator of a stepping lm process,
+        # the compile cache, no TPU probe.
+        code = ("import sys; from systolic.runtime import cpu_tuning, compile_cache; "
+                "cpu_tuning.apply_at_start(workload='lm', stepping=True); compile_cache.enable(); "
+                "from systolic.workloads.lm.serve.server import serve; "
                 f"serve(sys.argv[1], port={port}, max_seqs=64, max_queue=256)")
         argv = [sys.executable, "-c", code, str(run)]
+        env.setdefault("JAX_PLATFORMS", "cpu")
     elif side == "transformers":
         argv = ["transformers", "serve", str(hf), "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                 "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
@@ -209,12 +217,13 @@ def start(side: str, hf: Path, run: Path, gguf_path: Path, args, log_dir: Path) 
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port",
                 str(port), "--n_ctx", str(CONTEXT), "--n_threads", str(args.threads), "--n_batch", "512"]
     log = (log_dir / f"{side}.log").open("w")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{side} exited with {process.returncode}: {(log_dir / f'{side}.log').read_text()[-3000:]}")
+            log_text = (log_dir / f"{side}.log").read_text()
+            raise RuntimeError(f"{side} exited with {process.returncode}: {log_text[-3000:]}")
         try:
             urllib.request.urlopen(f"{url}/v1/models", timeout=5).read()
             return process, url
@@ -289,30 +298,36 @@ def greedy_texts(url: str, model: str, prompts: list[str], output: int) -> list[
 
 
 def generate_vs_transformers(hf: Path, run: Path, prompt: str, output: int) -> dict:
-    """Seconds for one greedy `generate` of `output` tokens after `prompt`, each side's second call (compiled and
-    warm), and whether the texts agree."""
+    """Seconds for one greedy reply of `output` tokens after `prompt` with the model loaded and compiled: the
+    inference engine that `systolic generate` runs (one request, max_seqs=1) against transformers' `generate`; each
+    side's second call. And whether the two replies are the same tokens."""
+    from systolic.runtime import cpu_tuning
+
+    cpu_tuning.apply_at_start(workload="lm", stepping=True)  # as the CLI does, before jax starts
     import torch
     import transformers
 
-    from systolic.workloads.lm.sample import generate_from_run
+    from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 
-    timings = {}
-    ours = None
-    for _ in range(2):
-        t = time.perf_counter()
-        ours = generate_from_run(run, prompt=prompt, max_new_tokens=output, temperature=0.0, top_k=None, top_p=None,
-                                 seed=0)
-        timings["systolic generate"] = time.perf_counter() - t
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids  # (1, P)
+    engine = InferenceEngine.from_run(run, max_seqs=1, say=lambda _: None)
+    engine.warmup()
+    seconds, ours = {}, []
+    for i in range(2):
+        t = time.perf_counter()
+        engine.add_request(f"r{i}", ids[0].tolist(), SamplingParams(max_tokens=output, temperature=0.0))
+        ours = []
+        while engine.has_work():
+            ours += [e.token_id for e in engine.step() if e.token_id is not None]
+        seconds["systolic (generate's engine)"] = time.perf_counter() - t
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         for _ in range(2):
             t = time.perf_counter()
             theirs = model.generate(ids, max_new_tokens=output, min_new_tokens=output, do_sample=False)
-            timings["transformers generate"] = time.perf_counter() - t
-    text = tokenizer.decode(theirs[0, ids.shape[1]:])
-    return {"seconds": timings, "same_text": ours == prompt + text}
+            seconds["transformers generate"] = time.perf_counter() - t
+    return {"seconds": seconds, "same_tokens": ours == theirs[0, ids.shape[1]:].tolist()}
 
 
 # THE RUN ------------------------------------------------------------------------------------------------------
@@ -410,7 +425,7 @@ def report(rows: list[dict], check: dict, gen: dict, failed: dict, args) -> None
     seconds = gen["seconds"]
     print(f"one prompt, {args.output} tokens: " + ", ".join(f"{k} {v:.3f} s ({args.output / v:.0f} tok/s)"
                                                            for k, v in seconds.items())
-          + f"; same text: {gen['same_text']}")
+          + f"; same tokens: {gen['same_tokens']}")
     print(json.dumps({"rows": rows, "greedy_equal": check, "generate": gen, "failed": failed}))
 
 

@@ -90,8 +90,10 @@ class Server:
     """`serve()` in a subprocess; its address is read from the line it prints once it listens."""
 
     def __init__(self, run_dir: Path, log: Path, **settings):
-        code = ("import json, sys; from systolic.workloads.lm.serve.server import serve; "
-                "serve(sys.argv[1], **json.loads(sys.argv[2]))")
+        # As the CLI does before a command: the compile cache (the session's, conftest.py), so that a second server
+        # of the same engine settings compiles nothing.
+        code = ("import json, sys; from systolic.runtime import compile_cache; compile_cache.enable(); "
+                "from systolic.workloads.lm.serve.server import serve; serve(sys.argv[1], **json.loads(sys.argv[2]))")
         self.log = log
         self.process = subprocess.Popen([sys.executable, "-c", code, str(run_dir), json.dumps({"port": 0, **settings})],
                                         stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
@@ -143,7 +145,7 @@ class Server:
 
 
 # One engine configuration for every server here: the session's compile cache compiles its programs once.
-SETTINGS = {"api_key": KEY, "max_seqs": 4, "max_queue": 2}
+SETTINGS = {"api_key": KEY, "max_seqs": 4, "max_queue": 2, "max_tokens_per_step": 32}  # 3 step sizes: 8, 16, 32
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +208,9 @@ def test_chat_with_the_openai_client(srv, model, run_dir):
 
 def test_seed_and_stop(srv, model):
     client = srv.client()
-    sample = [client.completions.create(model=model, prompt="Once", max_tokens=16, temperature=1.0, seed=7).choices[0].text
+    sample = [client.completions.create(model=model, prompt="Once", max_tokens=16, temperature=1.0, seed=7)
               for _ in range(2)]
-    assert sample[0] == sample[1]
+    assert sample[0].choices[0].text == sample[1].choices[0].text
     greedy = client.completions.create(model=model, prompt="Once", max_tokens=16, temperature=0).choices[0].text
     stop = greedy[4:6]
     assert stop.strip(), f"pick a stop string from the greedy text {greedy!r}"
@@ -217,7 +219,10 @@ def test_seed_and_stop(srv, model):
 
 
 def test_models_health_and_metrics(srv, model):
-    assert srv.client().completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+    hits = srv.metrics()["systolic_prefix_cache_hit_tokens_total"]
+    for _ in range(2):  # the second finds the first's full pages in the prefix cache
+        srv.client().completions.create(model=model, prompt="Once upon a time " * 8, max_tokens=2)
+    assert srv.metrics()["systolic_prefix_cache_hit_tokens_total"] >= hits + 16
     assert srv.get("/health").json() == {"status": "ok"}
     card = srv.get(f"/v1/models/{model}").json()
     assert card["id"] == model and card["max_model_len"] == CONTEXT

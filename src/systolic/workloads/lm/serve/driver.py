@@ -7,7 +7,9 @@ there is none. The server's handlers, on the asyncio event loop, talk to it thro
 engine's statistics (`on_stats`), so a cancelled request's pages show as free at once.
 
 Admission is bounded: at most `capacity` requests (the engine's batch plus the queue behind it) are in flight; past
-that `submit` raises `QueueFull` rather than let the queue, and every client's wait, grow without bound.
+that `submit` raises `QueueFull` rather than let the queue, and every client's wait, grow without bound. On
+shutdown, `drain` takes no new requests and gives those in flight a grace period; what is left then fails with a
+503, which the handlers send as an error event, so every stream still ends properly.
 """
 
 from __future__ import annotations
@@ -207,8 +209,9 @@ class EngineDriver:
             except Exception:
                 log.exception("the inference engine failed to take request %s", command.stream.request_id)
                 self._finished()
-                out.append((command.stream, RequestFailed(500, "The inference engine failed to take this request "
-                                                               "(a bug in systolic; the server log has the traceback).")))
+                failure = RequestFailed(500, "The inference engine failed to take this request (a bug in systolic; "
+                                             "the server log has the traceback).")
+                out.append((command.stream, failure))
         return out
 
     def _step(self) -> list[tuple[RequestStream, TokenEvent | RequestFailed]]:

@@ -1,10 +1,12 @@
 """What `systolic serve` reports at GET /metrics, in Prometheus' text format (prometheus_client).
 
 Counters: HTTP responses by route and status code, prompt and generated tokens, finished requests by finish
-reason (stop, length, cancelled: a client that went away or a shutdown). Histograms, per request: time to first
-token (from the request's arrival, queueing included), time per output token after the first ((last - first) /
-(tokens - 1)) and the whole request's latency. Gauges, from the engine after every step: requests running and
-waiting (the queue), KV-cache pages used and in the pool, and the batch of the last step.
+reason (stop, length, cancelled: a client that went away or a shutdown), preemptions (a sequence sent back to the
+queue when pages ran out, recomputed later) and prompt tokens found in the prefix cache. Histograms, per request:
+time to first token (from the request's arrival, queueing included), time per output token after the first
+((last - first) / (tokens - 1)) and the whole request's latency. Gauges, from the engine after every step: requests
+running and waiting (the queue), KV-cache pages held by requests, kept for their prefix (free to take, reusable by
+a request with the same beginning) and in the pool, and the tokens of the last step.
 
 Each server has its own registry (not prometheus_client's global one), so several can live in one process.
 """
@@ -47,8 +49,16 @@ class ServeMetrics:
         self.running = Gauge("systolic_requests_running", "Requests in the engine's batch", registry=r)
         self.waiting = Gauge("systolic_requests_waiting", "Requests queued for a place in the batch", registry=r)
         self.kv_pages_used = Gauge("systolic_kv_pages_used", "KV-cache pages held by requests", registry=r)
+        self.kv_pages_cached = Gauge("systolic_kv_pages_cached", "KV-cache pages held by no request, kept for the "
+                                     "prefix cache (taken back first when the pool runs out)", registry=r)
         self.kv_pages_total = Gauge("systolic_kv_pages_total", "KV-cache pages in the pool", registry=r)
-        self.batch_size = Gauge("systolic_batch_size", "Sequences in the engine's last step", registry=r)
+        self.batch_size = Gauge("systolic_batch_size", "Tokens in the engine's last step (prompt chunks and one per "
+                                "decoding request)", registry=r)
+        self.preemptions = Counter("systolic_preemptions", "Requests sent back to the queue when KV pages ran out "
+                                   "(recomputed later)", registry=r)
+        self.prefix_hit_tokens = Counter("systolic_prefix_cache_hit_tokens", "Prompt tokens whose KV pages came "
+                                         "from the prefix cache", registry=r)
+        self._engine_totals = {"preemptions": 0, "prefix_hit_tokens": 0}  # the engine's counts at the last update
 
     def count_response(self, path: str, status: int) -> None:
         self.responses.labels(path if path in ROUTES else "other", str(status)).inc()
@@ -58,8 +68,12 @@ class ServeMetrics:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"] + inbox)
         self.kv_pages_used.set(stats["kv_pages_used"])
+        self.kv_pages_cached.set(stats["kv_pages_cached"])
         self.kv_pages_total.set(stats["kv_pages_total"])
         self.batch_size.set(stats["batch_size"])
+        for name, counter in (("preemptions", self.preemptions), ("prefix_hit_tokens", self.prefix_hit_tokens)):
+            counter.inc(stats[name] - self._engine_totals[name])  # the engine counts from its start, as a counter does
+            self._engine_totals[name] = stats[name]
 
     def start_request(self, prompt_tokens: int) -> RequestTimer:
         self.prompt_tokens.inc(prompt_tokens)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 MAX_STOP_STRINGS = 4  # as OpenAI: each is matched against the decoded text after every token
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # developer: o1's name
+# "developer" is the system role's name for OpenAI's reasoning models; templates know "system".
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # A logprob of -inf (a token the sampler could not pick) has no JSON spelling; OpenAI writes this value instead.
 LOGPROB_FLOOR = -9999.0
 
@@ -87,8 +88,8 @@ class ChatRequest:
 _SHARED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "stream",
            "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user"}
 _COMPLETION_FIELDS = _SHARED | {"prompt", "best_of", "echo", "suffix"}
-_CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-                          "store"}
+_CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                          "tool_choice", "store"}
 
 
 def parse_completion(body: object) -> CompletionRequest:
@@ -153,7 +154,8 @@ def _sampling(fields: _Fields, limit: str, logprobs: bool) -> Sampling:
     )
 
 
-def sampling_params(sampling: Sampling, max_tokens: int, stop_token_ids: tuple[int, ...] | None = None) -> SamplingParams:
+def sampling_params(sampling: Sampling, max_tokens: int,
+                    stop_token_ids: tuple[int, ...] | None = None) -> SamplingParams:
     """The engine's settings; `stop_token_ids` None: the tokenizer's end of text (a chat passes its template's)."""
     return SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop, logprobs=sampling.logprobs,
@@ -356,9 +358,9 @@ def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer) -
 def chat_prompt_ids(messages: Sequence[Mapping[str, str]], template: ChatTemplate | None, model: str) -> np.ndarray:
     """The conversation rendered by the model's chat template, followed by the header of the assistant's reply."""
     if template is None:
-        raise bad_request(f"The model `{model}` has no chat template, so a conversation cannot be written in the format "
-                          "it was trained on. Fix: use /v1/completions with plain text, or serve a run that has one "
-                          "(a model imported with its chat_template.jinja).", param="messages")
+        raise bad_request(f"The model `{model}` has no chat template, so a conversation cannot be written in the "
+                          "format it was trained on. Fix: use /v1/completions with plain text, or serve a run that has "
+                          "one (a model imported with its chat_template.jinja).", param="messages")
     try:
         return template.encode(list(messages), add_generation_prompt=True).astype(np.int32)
     except UserError as e:  # the template raised: roles that do not alternate, a system message it does not allow
@@ -372,15 +374,15 @@ def token_budget(prompt_tokens: int, requested: int | None, max_context: int, *,
     room = max_context - prompt_tokens
     if room < 1:
         raise bad_request(f"This model's maximum context length is {max_context} tokens, but the prompt has "
-                          f"{prompt_tokens} tokens, which leaves no room for a reply. Fix: shorten the prompt to at most "
-                          f"{max_context - 1} tokens.", param=prompt_param, code="context_length_exceeded")
+                          f"{prompt_tokens} tokens, which leaves no room for a reply. Fix: shorten the prompt to at "
+                          f"most {max_context - 1} tokens.", param=prompt_param, code="context_length_exceeded")
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise bad_request(f"This model's maximum context length is {max_context} tokens, but {prompt_tokens + requested} "
-                          f"were requested ({prompt_tokens} in the prompt, {requested} for the completion). Fix: lower "
-                          f"{limit_param} to at most {room}, or shorten the prompt.", param=limit_param,
-                          code="context_length_exceeded")
+        raise bad_request(f"This model's maximum context length is {max_context} tokens, but "
+                          f"{prompt_tokens + requested} were requested ({prompt_tokens} in the prompt, {requested} for "
+                          f"the completion). Fix: lower {limit_param} to at most {room}, or shorten the prompt.",
+                          param=limit_param, code="context_length_exceeded")
     return requested
 
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -139,7 +140,7 @@ class _Handlers:
 
     # ONE REQUEST ----------------------------------------------------------------------------------------------
 
-    async def _answer(self, request: Request, ids, params: SamplingParams, sampling: api.Sampling,
+    async def _answer(self, request: Request, ids: np.ndarray, params: SamplingParams, sampling: api.Sampling,
                       shape: api.CompletionShape) -> Response:
         stream = self._submit(shape.id, ids, params)
         timer = self._metrics.start_request(len(ids))
@@ -163,7 +164,7 @@ class _Handlers:
             if not streaming:
                 answer.close()
 
-    def _submit(self, request_id: str, ids, params: SamplingParams) -> RequestStream:
+    def _submit(self, request_id: str, ids: np.ndarray, params: SamplingParams) -> RequestStream:
         try:
             return self.driver.submit(request_id, ids, params)
         except QueueFull:
@@ -381,7 +382,8 @@ def check_settings(*, host: str, port: int, api_key: str | None, max_queue: int,
             "reach the port could use it. Fix: add --api-key KEY (clients send it as a Bearer token), or keep the "
             f"default --host {DEFAULT_HOST}.")
     if not 0 <= port <= 65535:
-        raise UserError(f"--port {port} is not a TCP port. Expected 0 to 65535 (0: any free port). Fix: e.g. --port 8000.")
+        raise UserError(f"--port {port} is not a TCP port. Expected 0 to 65535 (0: any free port). Fix: e.g. --port "
+                        "8000.")
     if max_queue < 0 or not grace_s >= 0:
         raise UserError(f"--max-queue {max_queue} and --grace-s {grace_s} must be at least 0. Fix: e.g. --max-queue "
                         "64 --grace-s 20.")
