@@ -348,23 +348,42 @@ def test_a_full_queue_answers_429(srv, model):
     assert srv.post("/v1/completions", {**body, "max_tokens": 2}).status_code == 200
 
 
-def test_sigterm_finishes_the_request_in_flight_and_exits_0(run_dir, tmp_path):
-    s = Server(run_dir, tmp_path / "server.log", **SETTINGS, grace_s=60)
+def test_sigterm_finishes_or_cancels_the_requests_in_flight_and_exits_0(run_dir, tmp_path):
+    """Two streams in flight at SIGTERM: a short one finishes within the grace period; a long one finishes too or,
+    if the grace period ends first (a slow machine), ends with OpenAI's error event. Both end with [DONE]."""
+    s = Server(run_dir, tmp_path / "server.log", **SETTINGS, grace_s=10)
     model = s.client().models.list().data[0].id
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=120) as response:
-        lines = (line for line in response.iter_lines() if line)
-        first = next(lines)
-        s.process.send_signal(signal.SIGTERM)
-        rest = list(lines)
-    assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 64
-    assert json.loads(rest[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    started = threading.Barrier(3)
+    streams: dict[int, list[str]] = {}
+
+    def stream(max_tokens: int) -> None:
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, headers=s.headers, timeout=120) as response:
+            lines = (line.removeprefix("data: ") for line in response.iter_lines() if line)
+            streams[max_tokens] = [next(lines)]
+            started.wait()
+            streams[max_tokens] += list(lines)
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in (4, CONTEXT - 16)]
+    for thread in threads:
+        thread.start()
+    started.wait(START_TIMEOUT_S)  # both are generating
+    s.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(STOP_TIMEOUT_S)
     assert s.process.wait(STOP_TIMEOUT_S) == 0, s.log.read_text()[-5000:]
     assert "Traceback" not in s.log.read_text()
     with pytest.raises(httpx.ConnectError):
         s.get("/health")
+    short, long = streams[4], streams[CONTEXT - 16]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["usage"]["completion_tokens"] == 4
+    assert long[-1] == "[DONE]"
+    last = json.loads(long[-2])
+    if "error" in last:  # cancelled at the end of the grace period
+        assert last["error"]["type"] == "server_error" and "shut down" in last["error"]["message"]
+    else:
+        assert last["usage"]["completion_tokens"] == CONTEXT - 16
 
 
 # SETTINGS -----------------------------------------------------------------------------------------------------
