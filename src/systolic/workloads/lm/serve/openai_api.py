@@ -126,8 +126,8 @@ def parse_chat(body: object) -> ChatRequest:
 
 
 def _sampling(fields: _Fields, limit: str, logprobs: bool) -> Sampling:
-    fields.neutral("n", 1, "it asks for several choices; the server makes one per request. Fix: send separate "
-                   "requests (with different seeds)")
+    fields.neutral("n", 1, "it asks for several choices, and the server makes one per request (send several "
+                   "requests, with different seeds, for more)")
     fields.neutral("presence_penalty", 0, "the sampler has no penalties")
     fields.neutral("frequency_penalty", 0, "the sampler has no penalties")
     fields.neutral("logit_bias", {}, "the sampler has no logit biases")

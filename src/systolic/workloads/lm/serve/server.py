@@ -19,10 +19,10 @@ import errno
 import hmac
 import ipaddress
 import json
-import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,8 +44,6 @@ from systolic.workloads.lm.serve.metrics import CONTENT_TYPE, RequestTimer, Serv
 if TYPE_CHECKING:
     from systolic.data.chat import ChatTemplate
     from systolic.data.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 MAX_BODY_BYTES = 8 << 20  # far above any prompt that fits a context; a bound on what one request can make us hold
@@ -84,6 +82,7 @@ def make_app(info: ModelInfo, driver: EngineDriver, metrics: ServeMetrics, *, ap
 class _Handlers:
     def __init__(self, info: ModelInfo, driver: EngineDriver, metrics: ServeMetrics, api_key: str | None):
         self.info, self.driver, self._metrics, self._api_key = info, driver, metrics, api_key
+        self._started = int(time.time())  # the model card's "created"
 
     async def health(self, request: Request) -> Response:
         if not self.driver.alive:
@@ -126,7 +125,7 @@ class _Handlers:
         return await self._answer(request, ids, params, req.sampling, api.ChatShape(self.info.name))
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.info.name, "object": "model", "created": 0, "owned_by": "systolic",
+        return {"id": self.info.name, "object": "model", "created": self._started, "owned_by": "systolic",
                 "max_model_len": self.info.max_context}
 
     def _authorize(self, request: Request) -> None:
