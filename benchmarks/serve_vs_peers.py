@@ -214,8 +214,10 @@ def start(side: str, hf: Path, run: Path, gguf_path: Path, args, log_dir: Path) 
                 "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
         argv[0] = str(Path(sys.executable).with_name("transformers"))
     else:
+        # interrupt_requests off: by default a new request cuts off the one being generated (one at a time here).
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port",
-                str(port), "--n_ctx", str(CONTEXT), "--n_threads", str(args.threads), "--n_batch", "512"]
+                str(port), "--n_ctx", str(CONTEXT), "--n_threads", str(args.threads), "--n_batch", "512",
+                "--interrupt_requests", "False"]
     log = (log_dir / f"{side}.log").open("w")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -260,6 +262,8 @@ async def one_request(client, model: str, prompt: str, output: int) -> tuple[flo
         if chunk.choices and chunk.choices[0].text:
             last = time.perf_counter()
             first = first or last
+    if first is None:
+        raise RuntimeError("a stream ended without any text")
     return first - t0, (last - first) / (output - 1), last
 
 
@@ -395,7 +399,11 @@ def measure(servers: dict, tokenizer, levels: list[int], args) -> list[dict]:
             turn = (round_ + i) % len(order)
             for side in order[turn:] + order[:turn]:  # who goes first alternates
                 _, url, model = servers[side]
-                result = asyncio.run(run_level(url, model, prompts, concurrency, args.output))
+                try:
+                    result = asyncio.run(run_level(url, model, prompts, concurrency, args.output))
+                except Exception as e:  # a side that fails one level is reported, and measured at the others
+                    print(f"round {round_ + 1} {case} c={concurrency} {side}: failed: {e!r}", flush=True)
+                    continue
                 raw.setdefault((case, concurrency, side), []).append(result)
                 print(f"round {round_ + 1} {case} c={concurrency} {side}: {result['tokens_per_s']:.0f} tok/s",
                       flush=True)
