@@ -47,6 +47,8 @@ ROPE_THETA = 10000.0
 EOT = "<|endoftext|>"
 START_TIMEOUT_S = 900
 SIDES = ("systolic", "transformers", "llama.cpp")
+# llama-cpp-python's server applies a repetition penalty of 1.1 unless told otherwise: off, so greedy is greedy.
+EXTRA_BODY = {"llama.cpp": {"repeat_penalty": 1.0}}
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -215,9 +217,11 @@ def start(side: str, hf: Path, run: Path, gguf_path: Path, args, log_dir: Path) 
         argv[0] = str(Path(sys.executable).with_name("transformers"))
     else:
         # interrupt_requests off: by default a new request cuts off the one being generated (one at a time here).
+        # The KV cache in float32 (type 0), as the other sides keep it: llama.cpp's default float16 cache moves the
+        # logits by ~1e-2, which flips a greedy choice within 64 tokens.
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port",
                 str(port), "--n_ctx", str(CONTEXT), "--n_threads", str(args.threads), "--n_batch", "512",
-                "--interrupt_requests", "False"]
+                "--interrupt_requests", "False", "--type_k", "0", "--type_v", "0"]
     log = (log_dir / f"{side}.log").open("w")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -252,11 +256,11 @@ def model_id(url: str) -> str:
 # REQUESTS -----------------------------------------------------------------------------------------------------
 
 
-async def one_request(client, model: str, prompt: str, output: int) -> tuple[float, float, float]:
+async def one_request(client, side: str, model: str, prompt: str, output: int) -> tuple[float, float, float]:
     """(TTFT, TPOT, end) of one streamed greedy completion, in seconds from its start (end: perf_counter time)."""
     t0 = time.perf_counter()
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output, temperature=0,
-                                             stream=True)
+                                             stream=True, extra_body=EXTRA_BODY.get(side))
     first = last = None
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -267,7 +271,7 @@ async def one_request(client, model: str, prompt: str, output: int) -> tuple[flo
     return first - t0, (last - first) / (output - 1), last
 
 
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, output: int) -> dict:
+async def run_level(side: str, url: str, model: str, prompts: list[str], concurrency: int, output: int) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -275,7 +279,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 
     async def gated(prompt):
         async with gate:
-            return await one_request(client, model, prompt, output)
+            return await one_request(client, side, model, prompt, output)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in prompts))
@@ -285,14 +289,15 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
             "tpot": [r[1] for r in results]}
 
 
-def greedy_texts(url: str, model: str, prompts: list[str], output: int) -> list[tuple[str, int, int]]:
+def greedy_texts(side: str, url: str, model: str, prompts: list[str], output: int) -> list[tuple[str, int, int]]:
     """(text, prompt tokens, completion tokens) of each prompt's greedy completion, one request at a time."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     out = []
     for prompt in prompts:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=output, temperature=0)
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=output, temperature=0,
+                                      extra_body=EXTRA_BODY.get(side))
         out.append((r.choices[0].text, r.usage.prompt_tokens if r.usage else -1,
                     r.usage.completion_tokens if r.usage else -1))
     return out
@@ -377,7 +382,7 @@ def main(argv=None) -> int:
 
 def check_greedy(servers: dict, prompts: list[str], output: int) -> dict:
     """Each side's greedy replies, and whether they equal systolic's."""
-    replies = {side: greedy_texts(url, model, prompts, output) for side, (_, url, model) in servers.items()}
+    replies = {side: greedy_texts(side, url, model, prompts, output) for side, (_, url, model) in servers.items()}
     for side, answers in replies.items():
         counts = sorted({(p, c) for _, p, c in answers})
         print(f"{side}: (prompt, completion) tokens {counts}", flush=True)
@@ -391,7 +396,7 @@ def measure(servers: dict, tokenizer, levels: list[int], args) -> list[dict]:
         cases.append((f"shared prefix {3 * args.prompt // 4} of {args.prompt}", 16, 3 * args.prompt // 4))
     order = list(servers)
     for side, (_, url, model) in servers.items():  # warm-up: first requests, first allocations
-        asyncio.run(run_level(url, model, make_prompts(tokenizer, 4, args.prompt), 4, args.output))
+        asyncio.run(run_level(side, url, model, make_prompts(tokenizer, 4, args.prompt), 4, args.output))
     raw: dict[tuple, list[dict]] = {}
     for round_ in range(args.rounds):
         for i, (case, concurrency, shared) in enumerate(cases):
@@ -400,7 +405,7 @@ def measure(servers: dict, tokenizer, levels: list[int], args) -> list[dict]:
             for side in order[turn:] + order[:turn]:  # who goes first alternates
                 _, url, model = servers[side]
                 try:
-                    result = asyncio.run(run_level(url, model, prompts, concurrency, args.output))
+                    result = asyncio.run(run_level(side, url, model, prompts, concurrency, args.output))
                 except Exception as e:  # a side that fails one level is reported, and measured at the others
                     print(f"round {round_ + 1} {case} c={concurrency} {side}: failed: {e!r}", flush=True)
                     continue
