@@ -23,8 +23,9 @@ NEW = 10
 _rng = np.random.default_rng(1)
 _shared = _rng.integers(0, 256, 8)  # two full pages
 # Four prompts of 11 tokens: two share their first 8, the third repeats the first, the last is its own.
-PROMPTS = np.stack([np.concatenate([_shared, _rng.integers(0, 256, 3)]), np.concatenate([_shared, _rng.integers(0, 256, 3)]),
-                    np.zeros(11, np.int64), _rng.integers(0, 256, 11)])
+PROMPTS = np.stack([np.concatenate([_shared, _rng.integers(0, 256, 3)]),
+                    np.concatenate([_shared, _rng.integers(0, 256, 3)]), np.zeros(11, np.int64),
+                    _rng.integers(0, 256, 11)])
 PROMPTS[2] = PROMPTS[0]
 ARRIVALS = (0, 2, 2, 3)  # the step before which each arrives
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())  # `generate` never stops early

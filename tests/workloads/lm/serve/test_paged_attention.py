@@ -97,5 +97,5 @@ def test_pool_layout_and_empty_step():
     assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
     kv = jnp.ones((8, KV, HD))
-    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(jnp.ones((8, H, HD)), pool, batch)
+    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
     assert np.all(np.asarray(out) == 0)

@@ -173,9 +173,13 @@ class InferenceEngine:
             self._cancelled.append(request_id)
 
     def has_work(self) -> bool:
+        """Whether a step has anything to do or report."""
         return bool(self._requests or self._cancelled)
 
     def stats(self) -> dict[str, int]:
+        """The engine's state for metrics: KV pages held by requests (used), usable (total) and holding a cached
+        prefix no request uses (cached); requests running and waiting; the last step's tokens (batch_size); and
+        counts since the start: preemptions, prompt tokens found in the prefix cache."""
         cache = self.scheduler.cache
         return {"kv_pages_used": cache.used, "kv_pages_total": cache.total, "kv_pages_cached": cache.cached,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -258,7 +262,8 @@ class InferenceEngine:
                        "token, e.g. the tokenizer's end-of-text id")
         elif any(not 0 <= t < self.vocab for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < self.vocab)
-            problem = f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in [0, {self.vocab})"
+            problem = (f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in "
+                       f"[0, {self.vocab})")
         elif params.max_tokens < 1 or n + params.max_tokens > limit:
             problem = (f"a prompt of {n} tokens with max_tokens={params.max_tokens} needs {n + params.max_tokens} "
                        f"positions, but max_tokens must be >= 1 and the model attends over at most {limit} (its "
