@@ -285,7 +285,8 @@ class InferenceEngine:
         if any(not isinstance(s, str) or not s for s in params.stop):
             return f"stop={params.stop!r} holds an empty or non-text stop string. Fix: non-empty strings"
         if any(not 0 <= t < self.vocab for t in params.stop_token_ids or ()):
-            return f"stop_token_ids={params.stop_token_ids} holds an id outside [0, {self.vocab})"
+            return (f"stop_token_ids={params.stop_token_ids} holds an id outside the model's {self.vocab} ids. Fix: ids "
+                    f"in [0, {self.vocab})")
         cache = self.scheduler.cache
         need = cache.pages_for(prompt_len + params.max_tokens - 1)  # the last token is never fed back
         if need > cache.total:
@@ -309,8 +310,8 @@ def tensor_layout(model: ModelConfig, tensor: int) -> tuple[jax.sharding.Mesh, R
     value heads that do not split over `tensor` (fewer of them than devices) are replicated instead, as vLLM does."""
     devices = jax.devices()
     if not 1 <= tensor <= len(devices):
-        raise UserError(f"--tensor {tensor} asks for more devices than the {len(devices)} here. Fix: --tensor "
-                        f"between 1 and {len(devices)}.")
+        raise UserError(f"Tensor parallelism over mesh.tensor={tensor} devices needs that many, but there are "
+                        f"{len(devices)} here. Fix: mesh.tensor between 1 and {len(devices)}.")
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices[:tensor])
     split_kv = model.n_kv_heads % tensor == 0
     rules = tuple((name, None if name == "kv_heads" and not split_kv else axes) for name, axes in RULE_SETS["tp"])
