@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
