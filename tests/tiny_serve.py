@@ -36,7 +36,8 @@ VARIANTS = {
 def tiny_model(*extra: str) -> ModelConfig:
     """TINY_LM's model (2 layers, 4 query heads sharing 2 key/value heads, 32 positions) in float32, with `extra`
     overrides."""
-    return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, "model.dtype=float32", *extra])).model
+    overrides = [*TINY_LM, "model.dtype=float32", *extra]
+    return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides)).model
 
 
 @functools.cache

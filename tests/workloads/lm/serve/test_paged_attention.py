@@ -67,15 +67,15 @@ def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("window", [0, 3, 6], ids=["causal", "window-3", "window-6"])
-@pytest.mark.parametrize("keys_per_block", [pa.KEYS_PER_BLOCK, 8], ids=["one-block", "blocks-of-8"])
-def test_ragged_paged_attention_matches_dense_float64(window, keys_per_block):
+@pytest.mark.parametrize("block_keys", [64, 8], ids=["one-block", "blocks-of-8"])
+def test_ragged_paged_attention_matches_dense_float64(window, block_keys):
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
 
     @jax.jit
     def run(pool, q, k, v, batch):
         pool = pa.write_kv(pool, 0, k, v, batch.slots)
-        return pa.ragged_paged_attention(q, pool, 0, batch, window=window, keys_per_block=keys_per_block), pool
+        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys), pool
 
     out, written = run(f32(pool), f32(q), f32(new_k), f32(new_v), batch)
     want = dense_reference(q, full_k, full_v, window)
@@ -96,5 +96,6 @@ def test_pool_layout_and_empty_step():
     pool = pa.make_pool(3, 5, PAGE, KV, HD, jnp.float32)
     assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
-    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, pool, 1, b))(jnp.ones((8, H, HD)), pool, batch)
+    kv = jnp.ones((8, KV, HD))
+    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
     assert np.all(np.asarray(out) == 0)

@@ -194,10 +194,7 @@ class Attention(nnx.Module):
             q = q * self.q_scale
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         split = context.current_split() if kv is None else None
-        if isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
-            out, kv = kv.attend(q[0], k[0], v[0], window=self.window)  # (T, H, hd)
-            out = out[None]  # (1, T, H, hd)
-        elif split is not None:  # the sequence split over the context axis (lm/parallel/context.py), in its balanced order
+        if split is not None:  # the sequence split over the context axis (lm/parallel/context.py), in its balanced order
             out = context.attention(q, k, v, segment_ids, split=split, variant=self.context_attention,
                                     window=self.window)  # (B, T, H, hd)
         elif kv is None:
@@ -205,6 +202,9 @@ class Attention(nnx.Module):
                                     segments=segment_ids is not None)
             out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids,
                                              window=self.window)  # (B, T, H, hd)
+        elif isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
+            out, kv = kv.attend(q[0], k[0], v[0], window=self.window)  # (T, H, hd)
+            out = out[None]  # (1, T, H, hd)
         else:
             assert segment_ids is None, "decoding attends over one document per row"
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:

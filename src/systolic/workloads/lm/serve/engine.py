@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -173,9 +174,13 @@ class InferenceEngine:
             self._cancelled.append(request_id)
 
     def has_work(self) -> bool:
+        """Whether a step has anything to do or report."""
         return bool(self._requests or self._cancelled)
 
     def stats(self) -> dict[str, int]:
+        """The engine's state for metrics: KV pages held by requests (used), usable (total) and holding a cached
+        prefix no request uses (cached); requests running and waiting; the last step's tokens (batch_size); and
+        counts since the start: preemptions, prompt tokens found in the prefix cache."""
         cache = self.scheduler.cache
         return {"kv_pages_used": cache.used, "kv_pages_total": cache.total, "kv_pages_cached": cache.cached,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -258,7 +263,8 @@ class InferenceEngine:
                        "token, e.g. the tokenizer's end-of-text id")
         elif any(not 0 <= t < self.vocab for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < self.vocab)
-            problem = f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in [0, {self.vocab})"
+            problem = (f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in "
+                       f"[0, {self.vocab})")
         elif params.max_tokens < 1 or n + params.max_tokens > limit:
             problem = (f"a prompt of {n} tokens with max_tokens={params.max_tokens} needs {n + params.max_tokens} "
                        f"positions, but max_tokens must be >= 1 and the model attends over at most {limit} (its "
@@ -280,7 +286,8 @@ class InferenceEngine:
         if any(not isinstance(s, str) or not s for s in params.stop):
             return f"stop={params.stop!r} holds an empty or non-text stop string. Fix: non-empty strings"
         if any(not 0 <= t < self.vocab for t in params.stop_token_ids or ()):
-            return f"stop_token_ids={params.stop_token_ids} holds an id outside [0, {self.vocab})"
+            return (f"stop_token_ids={params.stop_token_ids} holds an id outside the model's {self.vocab} ids. Fix: ids "
+                    f"in [0, {self.vocab})")
         cache = self.scheduler.cache
         need = cache.pages_for(prompt_len + params.max_tokens - 1)  # the last token is never fed back
         if need > cache.total:
@@ -304,8 +311,8 @@ def tensor_layout(model: ModelConfig, tensor: int) -> tuple[jax.sharding.Mesh, R
     value heads that do not split over `tensor` (fewer of them than devices) are replicated instead, as vLLM does."""
     devices = jax.devices()
     if not 1 <= tensor <= len(devices):
-        raise UserError(f"--tensor {tensor} asks for more devices than the {len(devices)} here. Fix: --tensor "
-                        f"between 1 and {len(devices)}.")
+        raise UserError(f"Tensor parallelism over mesh.tensor={tensor} devices needs that many, but there are "
+                        f"{len(devices)} here. Fix: mesh.tensor between 1 and {len(devices)}.")
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices[:tensor])
     split_kv = model.n_kv_heads % tensor == 0
     rules = tuple((name, None if name == "kv_heads" and not split_kv else axes) for name, axes in RULE_SETS["tp"])

@@ -51,11 +51,19 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: jax.Array, tokens: ja
         return sample_logits(row_logits[None], key, temperature=temperature, top_k=top_k, top_p=top_p,
                              vocab_limit=vocab_limit)[0]
 
-    ids = jax.vmap(sample_row)(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)  # (S,)
     V = logits.shape[-1]
-    logp = jax.nn.log_softmax(jnp.where(jnp.arange(V) < vocab_limit, logits, -jnp.inf), axis=-1)  # (S, V)
+    limited = jnp.where(jnp.arange(V) < vocab_limit, logits, -jnp.inf)  # (S, V)
+    # An all-greedy step skips sampling's sort of the vocabulary (the same ids: greedy rows take the argmax).
+    ids = jax.lax.cond(jnp.all(sampling.temperature == 0),
+                       lambda: jnp.argmax(limited, axis=-1).astype(jnp.int32),
+                       lambda: jax.vmap(sample_row)(logits, keys, sampling.temperature, sampling.top_k,
+                                                    sampling.top_p))  # (S,)
+    logp = jax.nn.log_softmax(limited, axis=-1)  # (S, V)
     chosen = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # (S,)
     return StepOutput(pool, ids, chosen)
+
+
+_engine_step_jit = jax.jit(engine_step, static_argnums=0, donate_argnums=2)
 
 
 def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
@@ -63,11 +71,10 @@ def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: 
     """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit).
     The pool is donated (updated in place). On a mesh, the shardings in and out are fixed, so no call after the
     first of a shape compiles again, and the batch arrives replicated."""
-    step = functools.partial(engine_step, graphdef)
-    if mesh is None:
-        return jax.jit(step, donate_argnums=1)
+    if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
+        return functools.partial(_engine_step_jit, graphdef)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    compiled = jax.jit(step, donate_argnums=1,
+    compiled = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1,
                        in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
                        out_shardings=StepOutput(pool_sharding, replicated, replicated))
 
