@@ -93,14 +93,14 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
 
 
 def test_an_unexpected_error_rolls_back_a_new_nested_directory_and_an_existing_run(tmp_path, monkeypatch):
-    from systolic.workloads.lm import entry
+    from systolic.engine import run as run_driver
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
     nested = tmp_path / "nest" / "a" / "b"
     (tmp_path / "nest").mkdir()
-    monkeypatch.setattr(entry.loop, "train", broken)
+    monkeypatch.setattr(run_driver, "train", broken)
     with pytest.raises(RuntimeError):
         train(nested)
     assert list((tmp_path / "nest").iterdir()) == []  # nest/a went too; nest was there before
@@ -110,15 +110,15 @@ def test_an_unexpected_error_rolls_back_a_new_nested_directory_and_an_existing_r
     assert train(run, "train.steps=3") == 0
     (run / "config.yaml").unlink()  # a user deleted it
     before = tree_hashes(run)
-    monkeypatch.setattr(entry.loop, "train", broken)
+    monkeypatch.setattr(run_driver, "train", broken)
     with pytest.raises(RuntimeError):
         train(run, "train.steps=6", "train.seed=7")
     assert tree_hashes(run) == before  # no config.yaml written, nothing else changed
 
 
 def test_interrupted_start_of_an_existing_run_restores_its_config_and_metrics(tmp_path, monkeypatch):
+    from systolic.engine import run as run_driver
     from systolic.runtime.interrupts import Interrupted
-    from systolic.workloads.lm import entry
 
     run = tmp_path / "run"
     assert train(run, "train.steps=3") == 0
@@ -127,7 +127,7 @@ def test_interrupted_start_of_an_existing_run_restores_its_config_and_metrics(tm
     def interrupted(*args, **kwargs):
         raise Interrupted("SIGTERM")
 
-    monkeypatch.setattr(entry.loop, "train", interrupted)
+    monkeypatch.setattr(run_driver, "train", interrupted)
     assert train(run, "train.steps=6", "train.eval_every=2") == 143
     assert tree_hashes(run) == before
 
