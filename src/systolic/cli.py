@@ -86,15 +86,10 @@ def _parse(argv: list[str] | None):
         command.platform(args)  # before anything initialises a jax backend
     else:
         startup.cpu_only_host()
-    startup.prepare(workload=_workload_of(args), stepping=command.stepping, compiles=command.compiles)
+    # args.workload: the workload the command names or whose own command it is (None for info, data, launch),
+    # known before JAX starts so its XLA:CPU flags apply.
+    startup.prepare(workload=args.workload, stepping=command.stepping, compiles=command.compiles)
     return args, lambda: command.run(args)
-
-
-def _workload_of(args: argparse.Namespace) -> str | None:
-    """The workload a command runs, known before JAX starts (for its XLA:CPU flags): the one it names, or the one
-    whose own command it is; None for the commands that run none (info, data, launch: a launched process reads
-    its own)."""
-    return args.workload
 
 
 def _interrupted(name: str) -> int:
