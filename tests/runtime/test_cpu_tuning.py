@@ -56,4 +56,4 @@ def test_the_cli_knows_each_command_s_workload_before_jax_starts(argv, workload)
     from systolic import cli
 
     args, _ = cli._parser().parse_known_args(argv)
-    assert cli._workload_of(args) == workload
+    assert args.workload == workload  # what cli.main hands startup.prepare
