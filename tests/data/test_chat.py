@@ -312,12 +312,13 @@ def test_generate_chat_without_a_template_or_with_wrong_flags(chat_run, tmp_path
 def test_generate_chat_stops_at_the_end_of_turn(chat_run, monkeypatch):
     """The reply ends before the template's end-of-turn token, whatever the model writes after it (a random model
     never gets there by itself, so the sampler is replaced by one that writes a known reply)."""
-    from systolic.workloads.lm import sample
+    from systolic.workloads.lm.serve.engine import InferenceEngine
 
     _, folder, run = chat_run
     tokenizer = ours(folder).tokenizer
     end = tokenizer.token_id("<|im_end|>")
     written = np.concatenate([tokenizer.encode("Paris."), [end], tokenizer.encode(" Junk")])
-    monkeypatch.setattr(sample, "generate", lambda *args, **kwargs: written[None, :].astype(np.int32))
+    steps = iter(written.tolist())  # the engine's step samples one token of the request: these, one a step
+    monkeypatch.setattr(InferenceEngine, "_run", lambda self, chunks: (np.array([next(steps)]), np.zeros(1)))
     code, out, err = call("generate", str(run), "--chat", "--prompt", "Capital?", "--max-new-tokens", str(len(written)))
     assert code == 0 and out == "Paris.\n", err

@@ -7,7 +7,7 @@ tokenizer.json comes with companion files (its special tokens and chat template,
 travel with it into the run and back out to Hugging Face.
 
 A spec becomes a `Tokenizer` by `make_tokenizer` once, where a run or a config is opened (training starts,
-`lm/sample.load_run`, `systolic plan` and `bench`, `data prepare`, an import from Hugging Face); everything below
+`lm/loaded_run.load_run`, `systolic plan` and `bench`, `data prepare`, an import from Hugging Face); everything below
 that takes the object. The functions here that read a run directory only decide which spec to open.
 """
 

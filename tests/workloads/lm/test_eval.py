@@ -13,7 +13,7 @@ import yaml
 from systolic import cli
 from systolic.data.tokenizer import ByteTokenizer
 from systolic.workloads.lm import evaluate
-from systolic.workloads.lm.sample import load_run
+from systolic.workloads.lm.loaded_run import load_run
 from tiny_hf import make_hf_model
 
 torch = pytest.importorskip("torch")

@@ -18,7 +18,7 @@ from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
 from systolic.workloads.lm.model.transformer import make_model
-from systolic.workloads.lm.sample import load_run
+from systolic.workloads.lm.loaded_run import load_run
 
 LOADER = Path(__file__).parents[3] / "examples" / "run_exported.py"
 NEW = 4  # tokens greedy-decoded by the loader

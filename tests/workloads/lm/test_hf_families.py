@@ -26,7 +26,7 @@ from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
-from systolic.workloads.lm.sample import load_run
+from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.train import model_graphdef, param_shardings
 
 torch = pytest.importorskip("torch")

@@ -33,7 +33,8 @@ from systolic.workloads.lm import init_from
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.config import LMConfig, ModelConfig
-from systolic.workloads.lm.sample import generate_from_run, load_run
+from systolic.workloads.lm.loaded_run import load_run
+from systolic.workloads.lm.sample import generate_from_run
 from systolic.workloads.lm.train import build_task, init_params, model_graphdef, param_shardings
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))  # for the imported model

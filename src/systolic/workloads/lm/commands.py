@@ -1,4 +1,4 @@
-"""The lm workload as the CLI sees it: its record, and the commands only lm has (generate, export, tokenizer
+"""The lm workload as the CLI sees it: its record, and the commands only lm has (generate, serve, export, tokenizer
 train, convert from-hf / to-hf) with their arguments. Light: each command imports its modules when it runs."""
 
 from __future__ import annotations
@@ -119,6 +119,35 @@ _CONVERT = Command(
                       arg("--max-shard-size", default="5GB", help="split safetensors files above this size "
                           "(default 5GB)")))))
 
+API_KEY_ENV = "SYSTOLIC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
+
+_SERVE = Command(
+    "serve", help="serve an lm run over HTTP with the OpenAI API (continuous batching, paged KV cache)",
+    run=Lazy("systolic.workloads.lm.serve.command:run"), stepping=True,
+    description="Serve a run's latest checkpoint with the OpenAI API (/v1/completions, /v1/chat/completions, "
+                "/v1/models, /health, /metrics), e.g. `systolic serve runs/lm-tiny --port 8000`, then "
+                "`curl localhost:8000/v1/completions -d '{\"model\": \"lm-tiny\", \"prompt\": \"def \"}'`. "
+                "See README, \"Serve a model\".",
+    args=(arg("run_dir", type=Path, help="an lm run directory (trained, fine-tuned, LoRA or imported)"),
+          arg("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; any "
+              "other needs --api-key)"),
+          arg("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)"),
+          arg("--api-key", help=f"clients must send `Authorization: Bearer KEY` (default: ${API_KEY_ENV})"),
+          arg("--max-queue", type=int, default=64, help="requests that may wait for a place in the batch; past "
+              "that a request gets 429 with Retry-After (default 64)"),
+          arg("--grace-s", type=float, default=20.0, help="on SIGTERM or Ctrl-C, seconds to let requests in flight "
+              "finish before cancelling them (default 20)"),
+          arg("--kv-memory-gib", type=float, help="memory for the KV cache's pages (default: a fraction of the "
+              "device's free memory)"),
+          arg("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)"),
+          arg("--max-seqs", type=int, default=16, help="requests generating together (default 16)"),
+          arg("--max-tokens-per-step", type=int, default=256, help="prompt and decode tokens in one step "
+              "(default 256); longer prompts are prefilled in chunks"),
+          arg("--no-prefix-caching", dest="prefix_caching", action="store_false",
+              help="do not share the KV pages of prompts' common beginnings between requests"),
+          arg("--mesh-tensor", type=int, default=1, help="devices to split the model over (tensor parallelism; "
+              "default 1)")))
+
 _EVAL_OPTIONS = (
     arg("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl with field 'text' "
         "or a .parquet, as data.path reads them): nats/token, nats/byte, bits/byte, perplexity"),
@@ -135,4 +164,4 @@ WORKLOAD = Workload(
     options={"eval": _EVAL_OPTIONS},
     # With init.from: the source's model and tokenizer.
     resolve_config=Lazy("systolic.workloads.lm.init_from:resolve_config"),
-    own_commands=(_GENERATE, _EXPORT, _TOKENIZER, _CONVERT))
+    own_commands=(_GENERATE, _SERVE, _EXPORT, _TOKENIZER, _CONVERT))

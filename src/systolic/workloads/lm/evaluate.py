@@ -5,7 +5,7 @@ into the non-overlapping windows of `data.seq_len` that training uses (`text.Tok
 padded, masked window, so every token is a target exactly once. A multiple-choice item scores each continuation by
 the summed log-likelihood of its tokens after the context, tokenized as lm-evaluation-harness does; rows are padded
 to a few bucket lengths (powers of two) so only a few shapes compile. Batches are split over the data axes of the
-run's mesh and the parameters laid out by its sharding rules (`sample.load_run(sharded=True)`).
+run's mesh and the parameters laid out by its sharding rules (`loaded_run.load_run(sharded=True)`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from systolic.errors import UserError
 from systolic.observe.progress import ProgressReporter
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, logical_to_spec
-from systolic.workloads.lm.sample import LoadedRun, load_run
+from systolic.workloads.lm.loaded_run import LoadedRun, load_run
 
 COMMAND = "systolic eval lm"
 Batch = dict[str, np.ndarray]  # inputs, targets int32 (B, T); mask bool (B, T): which targets count

@@ -36,7 +36,7 @@ from flax import nnx
 from systolic import outfile
 from systolic.errors import UserError
 from systolic.workloads.lm.model.transformer import KVCache, resolve_dtype
-from systolic.workloads.lm.sample import LoadedRun, load_run
+from systolic.workloads.lm.loaded_run import LoadedRun, load_run
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 WHAT = {"forward": ("forward",), "decode": ("decode",), "both": ("forward", "decode")}

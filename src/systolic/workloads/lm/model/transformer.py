@@ -43,6 +43,7 @@ from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
 from systolic.workloads.lm.model.rope import apply_rope, rope_tables
+from systolic.workloads.lm.serve.paged_attention import PagedKV
 
 ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -174,9 +175,10 @@ class Attention(nnx.Module):
         self.wo_lora = _adapter(cfg, "wo", (h, hd), (d,), ("heads", "head_dim"), ("embed",), rngs)
 
     def __call__(self, x, rope, mask, start, kv, segment_ids=None):
-        """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given) or
-        this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`. Returns
-        (y (B, T, D), updated kv or None)."""
+        """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given),
+        this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`, or an
+        inference engine step's paged cache (lm/serve/paged_attention.py; B = 1 row of T tokens from many
+        sequences). Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
         q = _adapted(x, project(x, self.wq[...].astype(dt)), self.wq_lora)  # (B, T, H, hd)
         k = _adapted(x, project(x, self.wk[...].astype(dt)), self.wk_lora)  # (B, T, KV, hd)
@@ -200,6 +202,9 @@ class Attention(nnx.Module):
                                     segments=segment_ids is not None)
             out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids,
                                              window=self.window)  # (B, T, H, hd)
+        elif isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
+            out, kv = kv.attend(q[0], k[0], v[0], window=self.window)  # (T, H, hd)
+            out = out[None]  # (1, T, H, hd)
         else:
             assert segment_ids is None, "decoding attends over one document per row"
             # is_causal aligns the diagonal at key 0, which is wrong once the cache holds earlier positions:
@@ -365,6 +370,32 @@ class Transformer(nnx.Module):
         a step: T = 1). Returns logits float32 (B, T, vocab) and the cache with their keys/values appended."""
         logits, cache, _ = self._forward(tokens, cache)
         return logits, cache
+
+    def decode_paged(self, tokens: jax.Array, kv: PagedKV) -> tuple[jax.Array, jax.Array]:
+        """One inference engine step (lm/serve): tokens (T,) of many sequences, at kv.batch.positions, against the
+        paged pool kv.pool (L, pages, page_size, 2 * KV, hd). Returns the logits float32 (S, V) of each row's last
+        token (kv.batch.last) and the pool with the tokens' keys and values written."""
+        cfg = self.cfg
+        positions = kv.batch.positions[None]  # (1, T)
+        x = self.embed_tokens(tokens[None], positions)  # (1, T, D)
+        rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
+
+        def apply(block: Block, carry, layer):
+            x, pool = carry
+            x, paged, _ = block(x, rope, None, None, kv._replace(pool=pool, layer=layer))
+            return x, paged.pool
+
+        carry = (x, kv.pool)
+        if cfg.scan_layers:  # the pool rides in the carry: each layer updates it in place
+            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
+                             transform_metadata={nnx.PARTITION_NAME: "layers"})
+            carry = apply(self.blocks, carry, jnp.arange(cfg.layers))
+        else:
+            for i, block in enumerate(self.blocks):
+                carry = apply(block, carry, i)
+        x, pool = carry
+        logits = self.readout(x[:, kv.batch.last])  # (1, S, V)
+        return logits[0], pool
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to `max_len` positions."""

@@ -1,0 +1,143 @@
+"""The inference engine alone (no HTTP): output tokens/s, time to first token and time per output token of a
+recipe's model with random weights, at several numbers of requests in flight. The serving row of
+`benchmarks/gpu.sh`; on CPU it says what the engine gives before the server's own costs
+(`benchmarks/serve_vs_peers.py` measures those, against other servers).
+
+    PYTHONPATH=src python benchmarks/serve_engine.py                                # lm-tiny-sized Llama, CPU
+    PYTHONPATH=src python benchmarks/serve_engine.py --recipe llama-1b --dtype bfloat16 --levels 1,16,64,128
+
+Per level N: 2N requests of --prompt random ids and exactly --output new tokens (no end token is sampled: the
+sampler's vocabulary limit stops short of it), greedy, N in flight at a time (a finished one is replaced at
+once). Every step size is compiled before timing. tokens/s counts output tokens over the level's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+# A CPU default as small as the CLI's benchmark model (benchmarks/serve_vs_peers.py): 4 x 256, 4 heads, 2 KV heads.
+CPU_MODEL = ["model.family=llama", "model.layers=4", "model.d_model=256", "model.heads=4", "model.kv_heads=2",
+             "model.mlp_dim=704", "model.max_seq_len=1024", "model.vocab_size=4096", "model.vocab_multiple=64"]
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", help="an lm recipe whose model to serve (default: a 4 x 256 Llama)")
+    p.add_argument("--dtype", default="float32", help="model.dtype (default float32)")
+    p.add_argument("--levels", default="1,4,16,64", help="requests in flight (default 1,4,16,64)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--output", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--max-seqs", type=int, default=64, help="engine batch (default 64)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-tokens-per-step", type=int, default=256)
+    p.add_argument("--json", help="also write one JSON line per level to this file")
+    return p.parse_args(argv)
+
+
+def build_engine(args):
+    """An engine over random weights (std 0.02, drawn on the host: jax.random under jit compiles slowly on CPU)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from systolic import config as config_lib
+    from systolic.data.tokenizer import ByteTokenizer
+    from systolic.workloads.lm.config import LMConfig
+    from systolic.workloads.lm.model.transformer import make_model, resolve_dtype
+    from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages
+
+    overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL)
+    cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \
+        config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+    model = cfg.model
+    vocab = model.padded_vocab(model.vocab_size or 32768)  # a 32k tokenizer where the recipe derives it
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
+    rng = np.random.default_rng(0)
+    dtype = resolve_dtype(model.dtype)
+    params = jax.tree.map(lambda x: jax.device_put(rng.normal(0, 0.02, x.shape).astype(x.dtype)), abstract)
+    need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
+    pages, text = pool_pages(model, args.page_size, kv_memory_gib=None, max_seqs=args.max_seqs,
+                             device=jax.devices()[0], split=1)
+    print(text)
+    tokenizer = ByteTokenizer()
+    engine = InferenceEngine(model, params, tokenizer, kv_pages=max(min(pages, 4 * need), need),
+                             page_size=args.page_size, max_seqs=args.max_seqs,
+                             max_tokens_per_step=args.max_tokens_per_step)
+    engine.vocab_limit = np.int32(vocab - 1)  # any id but the last: random prompts, no end-of-text stop
+    engine.tokenizer = tokenizer
+    print(f"model: {model.layers} layers x {model.d_model}, {model.heads} heads ({model.n_kv_heads} KV), "
+          f"vocabulary {vocab}, {dtype.__name__ if hasattr(dtype, '__name__') else dtype}; {jax.devices()[0]}")
+    return engine, vocab
+
+
+def run_level(engine, vocab: int, n: int, args) -> dict:
+    import numpy as np
+
+    from systolic.workloads.lm.serve.engine import SamplingParams
+
+    rng = np.random.default_rng(n)
+    total, submitted, arrival, first, last, done = 2 * n, 0, {}, {}, {}, 0
+    tokens = 0
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, stop_token_ids=())
+
+    def submit():
+        nonlocal submitted
+        rid = f"r{n}-{submitted}"
+        engine.add_request(rid, rng.integers(0, vocab - 1, args.prompt).tolist(), params)
+        arrival[rid] = time.perf_counter()
+        submitted += 1
+
+    start = time.perf_counter()
+    for _ in range(min(n, total)):
+        submit()
+    while done < total:
+        events = engine.step()
+        now = time.perf_counter()
+        for e in events:
+            if e.token_id is not None:
+                tokens += 1
+                first.setdefault(e.request_id, now)
+                last[e.request_id] = now
+            if e.finish_reason is not None:
+                done += 1
+                if submitted < total:
+                    submit()
+    wall = time.perf_counter() - start
+    ttft = [first[r] - arrival[r] for r in first]
+    tpot = [(last[r] - first[r]) / (args.output - 1) for r in first if args.output > 1]
+    q = lambda xs, p: float(np.percentile(xs, p)) * 1e3  # noqa: E731
+    return {"in_flight": n, "requests": total, "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_p50_ms": q(ttft, 50), "ttft_p99_ms": q(ttft, 99), "tpot_p50_ms": q(tpot, 50),
+            "tpot_p99_ms": q(tpot, 99), "mean_tpot_ms": statistics.fmean(tpot) * 1e3}
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    from systolic.runtime import compile_cache, cpu_tuning
+
+    cpu_tuning.apply_at_start(workload="lm", stepping=True)  # as `systolic serve` does, before jax starts
+    compile_cache.enable()
+    engine, vocab = build_engine(args)
+    t = time.perf_counter()
+    engine.warmup()
+    print(f"warm-up (every step size compiled): {time.perf_counter() - t:.1f} s")
+    rows = []
+    print(f"{'in flight':>9} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)")
+    for n in (int(x) for x in args.levels.split(",")):
+        row = run_level(engine, vocab, n, args)
+        rows.append(row)
+        print(f"{n:>9} {row['tok_s']:>9.0f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} "
+              f"{row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>9.1f}", flush=True)
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype, **row}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

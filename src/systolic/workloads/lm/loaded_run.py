@@ -1,0 +1,108 @@
+"""A trained lm run's model, loaded: the newest intact checkpoint's parameters with the run's config and tokenizer,
+on one device or laid out over a mesh. What `generate`, `serve`, `export`, `eval` and `convert to-hf` start from."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from systolic.config import MeshConfig
+from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
+from systolic.engine import finished
+from systolic.errors import ConfigError
+from systolic.runtime import memory
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import Rules, rules_for, with_shardings
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model import sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A trained lm run's model: what `generate`, `export` and `eval` start from."""
+
+    cfg: LMConfig
+    tokenizer: Tokenizer  # the run's own copy (RUN_DIR/tokenizer.json), or the byte tokenizer
+    vocab: int  # embedding rows (the tokenizer's vocabulary, padded)
+    graphdef: nnx.GraphDef
+    params: Any  # pure dict of arrays: on the first device, or laid out on `mesh` by `rules`
+    step: int  # the checkpoint's step
+    mesh: jax.sharding.Mesh | None = None  # None: the parameters sit on the first device
+    rules: Rules | None = None
+    layout: str = "one device"  # which mesh, and why: for reports
+
+
+def load_run(run_dir: Path, command: str, *, sharded: bool = False,
+             devices: list[jax.Device] | None = None,
+             layout: tuple[jax.sharding.Mesh, Rules] | None = None) -> LoadedRun:
+    """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
+    ("systolic export") names what the user ran in the errors. `sharded`: the parameters laid out over `devices`
+    (default: all) as `sharded_layout` chooses; `layout`: on that (mesh, rules) (the inference engine's tensor
+    parallelism); otherwise on the first device. A LoRA run comes back merged: its base (from its init.from) with
+    the adapters folded in, and `cfg.model.lora` off."""
+    from systolic.workloads.lm.init_from import run_params
+    from systolic.workloads.lm.model.lora import base_config
+    from systolic.workloads.lm.train import model_graphdef, param_shardings
+
+    with finished.open_run(run_dir, LMConfig, command) as run:
+        cfg: LMConfig = run.cfg
+        # The run's own copy of its tokenizer, not data.tokenizer's original path (relative to another folder, or gone).
+        spec = run_tokenizer(run_dir, cfg.data.tokenizer)
+        cfg = dataclasses.replace(cfg, model=base_config(cfg.model), data=dataclasses.replace(cfg.data, tokenizer=spec))
+        tokenizer = make_tokenizer(spec)
+        vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
+        count = sizes.param_count(cfg.model, vocab)  # before tracing: config.yaml may have been edited
+        if layout is not None:
+            devices, sharded = list(layout[0].devices.flat), True
+        memory.check_fits(4 * count, (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
+                          what=f"{run_dir}'s model ({count:,} float32 parameters, from its config.yaml)",
+                          fix=f"check {run_dir}/config.yaml against the run's checkpoint, or use a machine with more memory.")
+        graphdef = model_graphdef(cfg.model, vocab)
+        abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
+        mesh, rules, layout_text = None, None, "one device"
+        if layout is not None:
+            (mesh, rules), layout_text = layout, f"mesh {mesh_lib.describe(layout[0])}"
+            shardings = param_shardings(cfg.model, vocab, mesh, rules)
+        elif sharded:
+            mesh, rules, layout_text = sharded_layout(cfg, vocab, jax.devices() if devices is None else devices)
+            shardings = param_shardings(cfg.model, vocab, mesh, rules)
+        else:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+        params = run_params(run, with_shardings(abstract, shardings))
+    return LoadedRun(cfg=cfg, tokenizer=tokenizer, vocab=vocab, graphdef=graphdef, params=params, step=run.step,
+                     mesh=mesh, rules=rules, layout=layout_text)
+
+
+def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:
+    """The run's own mesh and sharding rules when they fit `devices` (a different count, or sizes that do not
+    divide, do not; nor does a mesh that splits sequences over mesh.context, as scored texts and choices have any
+    length); otherwise every device data-parallel with the parameters replicated, which fits any count.
+    Returns (mesh, rules, a description for reports)."""
+    from systolic.workloads.lm.train import param_shardings
+
+    if cfg.mesh.context != 1:  # scoring rows and choices of any length: the sequence stays whole
+        mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices)
+        return mesh, rules_for("dp", mesh), (
+            f"mesh {mesh_lib.describe(mesh)} (every device data-parallel: the run split its sequences over "
+            f"mesh.context={cfg.mesh.context}, which is for training)")
+    try:
+        mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+        rules = rules_for(cfg.sharding.rules, mesh)
+        param_shardings(cfg.model, vocab, mesh, rules)  # a ConfigError when a dimension does not divide
+        return mesh, rules, f"mesh {mesh_lib.describe(mesh)} (the run's, sharding.rules={cfg.sharding.rules})"
+    except ConfigError:
+        mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices)
+        m = cfg.mesh
+        return mesh, rules_for("dp", mesh), (
+            f"mesh {mesh_lib.describe(mesh)} (every device data-parallel: the run's mesh data={m.data} fsdp={m.fsdp} "
+            f"tensor={m.tensor} does not fit these {len(devices)} device(s))")
+
+
+def _model(cfg: LMConfig, vocab: int):
+    from systolic.workloads.lm.model.transformer import Transformer
+
+    return Transformer(cfg.model, vocab, rngs=nnx.Rngs(0))

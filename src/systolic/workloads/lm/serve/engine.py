@@ -1,0 +1,360 @@
+"""The inference engine: requests in, tokens out, one scheduler step at a time (single-threaded; the server
+drives it from one thread).
+
+    engine = InferenceEngine.from_run("runs/lm-tiny")      # prints the KV pool's size
+    engine.warmup()                                         # compiles every step size once
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_work():
+        for event in engine.step():                         # TokenEvents: one per sampled token, then the end
+            ...
+
+Each `step` runs one ragged batch (scheduler.py): prefill chunks and decodes of the running requests, laid out in
+the paged KV cache (kv_cache.py, paged_attention.py), compiled once per token bucket (step.py). A request ends with
+a finish reason: "stop" (an end token or a stop string), "length" (max_tokens) or "cancelled". Greedy outputs are
+`generate`'s; so are samples with the same seed, whatever else runs beside them.
+
+Mixture-of-experts models run dropless here, whatever their model.moe.capacity_factor: dropping assignments over a
+capacity would make a token's output depend on the other requests in its step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from systolic.config import MAX_SEED, MeshConfig
+from systolic.data.tokenizer import Tokenizer, find_chat_template
+from systolic.engine import finished
+from systolic.errors import UserError
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.memory import gib
+from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
+from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.loaded_run import load_run
+from systolic.workloads.lm.model.lora import base_config
+from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.serve.detokenize import TextStream
+from systolic.workloads.lm.serve.kv_cache import PageCache
+from systolic.workloads.lm.serve.paged_attention import make_pool
+from systolic.workloads.lm.serve.scheduler import Chunk, Scheduler, Sequence, layout, token_buckets
+from systolic.workloads.lm.serve.step import RowSampling, make_step
+
+KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for the pool, when no budget is given
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: `generate`'s settings, plus stop strings (the text ends before the first one) and
+    the log-probability of each chosen token. `stop_token_ids`: the ids that end the request (not part of its
+    text); None is the tokenizer's end-of-text id (a chat passes its template's `stop_ids`)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    stop_token_ids: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token of a request, or its end. `text` is the new text (text that may begin a stop string is
+    held back until the next tokens decide); `finish_reason` is None while the request runs, then "stop",
+    "length" or "cancelled" (a cancelled request's one event has no token)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    key: np.ndarray  # (2,) uint32: jax.random.PRNGKey(seed)
+    stop_ids: frozenset[int]
+    stream: TextStream
+
+
+def prng_key_data(seed: int) -> np.ndarray:
+    """jax.random.PRNGKey(seed) for 0 <= seed <= MAX_SEED (threefry's key: the seed's high and low 32 bits),
+    computed on the host: a jax call per request would dispatch (and first compile) a program."""
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+class InferenceEngine:
+    """Continuous batching over a paged KV cache of `kv_pages` pages (page 0 reserved) of `page_size` tokens."""
+
+    def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int, page_size: int = 16,
+                 max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
+                 mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None, model_name: str = "model",
+                 chat_template: Any = None):
+        """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given."""
+        from systolic.workloads.lm.train import model_graphdef, param_shardings
+
+        _check_sizes(kv_pages, page_size, max_seqs, max_tokens_per_step)
+        self.model_cfg = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))
+        self.vocab = int(params["embed"].shape[0])
+        self.tokenizer, self.chat_template, self.model_name = tokenizer, chat_template, model_name
+        self.max_context = model.max_seq_len
+        self.page_size, self.max_seqs = page_size, max_seqs
+        self.pages_per_seq = -(-self.max_context // page_size)
+        self.buckets = token_buckets(max_tokens_per_step)
+        self.vocab_limit = np.int32(min(tokenizer.vocab_size, self.vocab))
+        shardings = None if mesh is None else param_shardings(self.model_cfg, self.vocab, mesh, rules)
+        self.params = jax.device_put(params, shardings)
+        pool_sharding = _pool_sharding(self.params, mesh, rules)
+        self.pool = make_pool(model.layers, kv_pages, page_size, model.n_kv_heads, model.d_head,
+                              resolve_dtype(model.dtype), pool_sharding)
+        self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
+                               param_shardings=shardings, pool_sharding=pool_sharding)
+        self.scheduler = Scheduler(PageCache(kv_pages, page_size, prefix_caching=prefix_caching), max_seqs=max_seqs,
+                                   max_tokens_per_step=max_tokens_per_step)
+        self._requests: dict[str, _Request] = {}
+        self._cancelled: list[str] = []
+        self._arrivals = 0
+        self._batch_tokens = 0
+        self._seeds = np.random.default_rng()
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int = 16,
+                 max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
+                 mesh_tensor: int = 1, say: Callable[[str], None] = print) -> InferenceEngine:
+        """The engine of the lm run `run_dir` (trained, fine-tuned with LoRA: merged, or imported), its parameters
+        split over `mesh_tensor` devices (Megatron tensor parallelism) when > 1. The pool holds `kv_memory_gib`
+        GiB (all its devices together), or by default KV_MEMORY_FRACTION of a device's free memory (on CPU, which
+        reports none: room for max_seqs sequences of the full context); `say` prints its size."""
+        run_dir = Path(run_dir)
+        command = "systolic serve"
+        model = base_config(finished.read_config(run_dir, LMConfig, command).model)
+        mesh, rules = tensor_layout(model, mesh_tensor) if mesh_tensor > 1 else (None, None)
+        run = load_run(run_dir, command, layout=None if mesh is None else (mesh, rules))
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        kv_split = mesh_tensor if model.n_kv_heads % mesh_tensor == 0 else 1  # tensor_layout's choice
+        pages, text = pool_pages(model, page_size, kv_memory_gib=kv_memory_gib, max_seqs=max_seqs,
+                                 device=devices[0], split=kv_split)
+        say(text)
+        return cls(run.cfg.model, run.params, run.tokenizer, kv_pages=pages, page_size=page_size,
+                   max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, prefix_caching=prefix_caching,
+                   mesh=mesh, rules=rules, model_name=run_dir.name, chat_template=find_chat_template(run.tokenizer))
+
+    # REQUESTS
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request; a UserError (nothing queued) when the prompt or the settings are out of range."""
+        prompt = [int(t) for t in prompt_ids]
+        self._check(request_id, prompt, params)
+        seed = int(self._seeds.integers(MAX_SEED + 1)) if params.seed is None else params.seed
+        stop_ids = (self.tokenizer.eot_id,) if params.stop_token_ids is None else params.stop_token_ids
+        seq = Sequence(request_id, prompt, len(prompt), self._arrivals)
+        self._arrivals += 1
+        self._requests[request_id] = _Request(seq, params, prng_key_data(seed), frozenset(stop_ids),
+                                              TextStream(self.tokenizer, prompt, params.stop))
+        self.scheduler.add(seq)
+
+    def cancel(self, request_id: str) -> None:
+        """Ends a request now and frees its pages; the next step reports it ("cancelled"). Unknown or finished
+        ids are ignored: a client may go away just as its request ends."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.remove(request.seq)
+            self._cancelled.append(request_id)
+
+    def has_work(self) -> bool:
+        """Whether a step has anything to do or report."""
+        return bool(self._requests or self._cancelled)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's state for metrics: KV pages held by requests (used), usable (total) and holding a cached
+        prefix no request uses (cached); requests running and waiting; the last step's tokens (batch_size); and
+        counts since the start: preemptions, prompt tokens found in the prefix cache."""
+        cache = self.scheduler.cache
+        return {"kv_pages_used": cache.used, "kv_pages_total": cache.total, "kv_pages_cached": cache.cached,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "batch_size": self._batch_tokens, "preemptions": self.scheduler.preemptions,
+                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens}
+
+    # STEPS
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step: the chunks of prompts and the decodes of every running request, in one batch.
+        Returns the events of this step: sampled tokens, finished and cancelled requests."""
+        events = [TokenEvent(rid, None, "", None, "cancelled") for rid in self._cancelled]
+        self._cancelled.clear()
+        chunks = self.scheduler.schedule()
+        self._batch_tokens = sum(c.count for c in chunks)
+        if not chunks:
+            return events
+        tokens, logprobs = self._run(chunks)
+        self.scheduler.advance(chunks)
+        for row, chunk in enumerate(chunks):
+            if chunk.samples:
+                events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row])))
+        return events
+
+    def warmup(self) -> None:
+        """Compiles the step for every token bucket (an empty batch: padding writes only the null page), so no
+        request compiles anything."""
+        for size in self.buckets:
+            self._run([], tokens=size)
+
+    def _run(self, chunks: list[Chunk], tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Runs the chunks in the smallest bucket that holds them; (sampled ids (S,), their log-probs (S,))."""
+        n = sum(c.count for c in chunks)
+        T = tokens or next(b for b in self.buckets if b >= n)
+        S = min(T, self.max_seqs)
+        ids, batch = layout(chunks, tokens=T, rows=S, page_size=self.page_size, pages_per_seq=self.pages_per_seq)
+        out = self._step(self.params, self.pool, ids, batch, self._row_sampling(chunks, S), self.vocab_limit)
+        self.pool = out.pool
+        return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+    def _row_sampling(self, chunks: list[Chunk], rows: int) -> RowSampling:
+        """Each row's settings; rows that do not sample this step (and padding rows) are greedy."""
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, draw = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        key = np.zeros((rows, 2), np.uint32)
+        for r, chunk in enumerate(chunks):
+            if chunk.samples:
+                request = self._requests[chunk.seq.request_id]
+                p = request.params
+                temperature[r], top_k[r], top_p[r] = p.temperature, p.top_k, p.top_p
+                key[r], draw[r] = request.key, chunk.seq.generated
+        return RowSampling(temperature, top_k, top_p, key, draw)
+
+    def _accept(self, seq: Sequence, token: int, logprob: float) -> TokenEvent:
+        """Appends a sampled token to its request; ends the request on a stop token, a stop string or max_tokens."""
+        request = self._requests[seq.request_id]
+        seq.tokens.append(token)
+        finish = None
+        if token in request.stop_ids:
+            text, finish = request.stream.finish(), "stop"
+        else:
+            text, stopped = request.stream.add(token)
+            if stopped:
+                finish = "stop"
+            elif seq.generated >= request.params.max_tokens:
+                text, finish = text + request.stream.finish(), "length"
+        if finish is not None:
+            del self._requests[seq.request_id]
+            self.scheduler.remove(seq)
+        return TokenEvent(seq.request_id, token, text, logprob if request.params.logprobs else None, finish)
+
+    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """A UserError naming the first thing wrong with a request."""
+        n, limit = len(prompt), self.max_context
+        problem = None
+        if request_id in self._requests:
+            problem = f"a request with id {request_id!r} is already running. Fix: give each request its own id"
+        elif n == 0:
+            problem = ("the prompt is empty; a model needs at least one token to condition on. Fix: send at least one "
+                       "token, e.g. the tokenizer's end-of-text id")
+        elif any(not 0 <= t < self.vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.vocab)
+            problem = (f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in "
+                       f"[0, {self.vocab})")
+        elif params.max_tokens < 1 or n + params.max_tokens > limit:
+            problem = (f"a prompt of {n} tokens with max_tokens={params.max_tokens} needs {n + params.max_tokens} "
+                       f"positions, but max_tokens must be >= 1 and the model attends over at most {limit} (its "
+                       f"model.max_seq_len). Fix: max_tokens between 1 and {max(limit - n, 1)}, or a shorter prompt")
+        else:
+            problem = self._check_sampling(params, n)
+        if problem is not None:
+            raise UserError(f"Request {request_id!r} was refused: {problem}.")
+
+    def _check_sampling(self, params: SamplingParams, prompt_len: int) -> str | None:
+        """What is wrong with the sampling settings, or None."""
+        if not (math.isfinite(params.temperature) and params.temperature >= 0 and params.top_k >= 0
+                and math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+            return (f"temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} are out of range. "
+                    "Fix: temperature >= 0 (0 is greedy), top_k >= 0 (0 keeps every id), 0 < top_p <= 1")
+        if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+            return (f"seed={params.seed} is not a usable seed (random keys take 32 bits). Fix: a seed from 0 to "
+                    f"2**32 - 1 = {MAX_SEED}")
+        if any(not isinstance(s, str) or not s for s in params.stop):
+            return f"stop={params.stop!r} holds an empty or non-text stop string. Fix: non-empty strings"
+        if any(not 0 <= t < self.vocab for t in params.stop_token_ids or ()):
+            return (f"stop_token_ids={params.stop_token_ids} holds an id outside the model's {self.vocab} ids. Fix: ids "
+                    f"in [0, {self.vocab})")
+        cache = self.scheduler.cache
+        need = cache.pages_for(prompt_len + params.max_tokens - 1)  # the last token is never fed back
+        if need > cache.total:
+            return (f"it needs {need} pages of {self.page_size} tokens, but the whole KV cache holds {cache.total}. "
+                    "Fix: fewer tokens, or a larger cache (--kv-memory-gib)")
+        return None
+
+
+def _check_sizes(kv_pages: int, page_size: int, max_seqs: int, max_tokens_per_step: int) -> None:
+    if kv_pages < 2 or page_size < 1 or max_seqs < 1 or max_tokens_per_step < max_seqs:
+        raise UserError(
+            f"Engine sizes out of range: {kv_pages} KV pages of {page_size} tokens, max_seqs={max_seqs}, "
+            f"max_tokens_per_step={max_tokens_per_step}. Expected at least 2 pages (one is reserved) of at least 1 "
+            "token, max_seqs >= 1 and max_tokens_per_step >= max_seqs (every running request decodes one token a "
+            "step). Fix: e.g. --page-size 16 --max-seqs 16 --max-tokens-per-step 256, and a larger --kv-memory-gib."
+        )
+
+
+def tensor_layout(model: ModelConfig, tensor: int) -> tuple[jax.sharding.Mesh, Rules]:
+    """A mesh of `tensor` devices on the tensor axis and the tp rules (Megatron: heads and MLP columns split). Key/
+    value heads that do not split over `tensor` (fewer of them than devices) are replicated instead, as vLLM does."""
+    devices = jax.devices()
+    if not 1 <= tensor <= len(devices):
+        raise UserError(f"Tensor parallelism over mesh.tensor={tensor} devices needs that many, but there are "
+                        f"{len(devices)} here. Fix: mesh.tensor between 1 and {len(devices)}.")
+    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices[:tensor])
+    split_kv = model.n_kv_heads % tensor == 0
+    rules = tuple((name, None if name == "kv_heads" and not split_kv else axes) for name, axes in RULE_SETS["tp"])
+    return mesh, rules
+
+
+def _pool_sharding(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> jax.sharding.Sharding:
+    """The pool's layout: on a mesh, its key/value head axis split as the rules split kv_heads; otherwise on the
+    parameters' devices (replicated when they are spread over several: the end-of-training sample)."""
+    if mesh is not None:
+        return NamedSharding(mesh, P(None, None, None, logical_to_spec(("kv_heads",), rules)[0], None))
+    home = jax.tree.leaves(params)[0].sharding
+    return NamedSharding(home.mesh, P()) if isinstance(home, NamedSharding) else home
+
+
+def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | None, max_seqs: int,
+               device: jax.Device, split: int) -> tuple[int, str]:
+    """(pages of the pool, a line that says its size and why). `split`: the devices the pool is split over."""
+    page_bytes = model.layers * page_size * 2 * model.n_kv_heads * model.d_head * resolve_dtype(model.dtype).itemsize
+    full = -(-model.max_seq_len // page_size)  # pages of one full-length sequence
+    if kv_memory_gib is not None:
+        if not (math.isfinite(kv_memory_gib) and kv_memory_gib > 0):
+            raise UserError(f"--kv-memory-gib {kv_memory_gib} must be a positive number of GiB. Fix: e.g. 1.")
+        pages, why = int(kv_memory_gib * 2**30 // page_bytes), f"--kv-memory-gib {kv_memory_gib:g}"
+    elif (free := _free_bytes(device)) is None:
+        pages = max_seqs * full + 1
+        why = (f"room for max_seqs={max_seqs} sequences of {model.max_seq_len} tokens ({device.platform} reports no "
+               "free memory; --kv-memory-gib sets the size)")
+    else:
+        pages = int(KV_MEMORY_FRACTION * free * split // page_bytes)
+        why = f"{KV_MEMORY_FRACTION:.0%} of the {gib(free)} free on each of {split} {device.platform} device(s)"
+    if pages < 2:
+        raise UserError(f"The KV cache would hold {pages} page(s) of {page_size} tokens ({why}); it needs at least 2 "
+                        f"(one is reserved). Fix: a larger --kv-memory-gib (one page is {page_bytes:,} bytes).")
+    return pages, (f"KV cache: {pages - 1:,} pages of {page_size} tokens = {(pages - 1) * page_size:,} tokens, "
+                   f"{(pages - 1) / full:.1f} full-length sequences ({gib(pages * page_bytes)}), from {why}")
+
+
+def _free_bytes(device: jax.Device) -> int | None:
+    """A device's free memory, where its runtime says (GPU, TPU); None on CPU."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 (some runtimes raise instead of returning None)
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

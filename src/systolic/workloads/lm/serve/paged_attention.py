@@ -1,0 +1,153 @@
+"""Attention over a paged KV cache for one engine step: a ragged batch of tokens from many sequences, each
+sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
+
+The pool is one array for all layers, (L, pages, page_size, 2 * KV, hd) in the compute dtype, keys and values
+interleaved along the head axis (k0, v0, k1, v1, ...): the layout of JAX's TPU ragged paged attention kernel
+(`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), whose inputs `RaggedBatch` also carries (kv_lens,
+page_indices, cu_q_lens, num_seqs). One array for the layers lets the compiled step update the pool in place: the
+layers' scan carries it whole, writes each layer's new keys and values with a scatter and reads pages with a
+gather, so no layer's pool is sliced out and copied.
+
+`ragged_paged_attention` is the plain-JAX formulation that runs on every platform, one online softmax (flash
+attention's running max and sum) over two sets of keys:
+- this step's own tokens: each token against the earlier tokens of its own chunk, one dense (T, T) score matrix
+  masked to the same sequence (a prefill chunk costs a matmul, not a gather per token);
+- the positions before each chunk, from the pool: every token gathers its own sequence's pages, a block at a time,
+  so memory stays at one block per token whatever the context length; the loop runs only over the blocks some
+  token of this step needs (none for a fresh prompt; a sliding window skips the blocks before it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from systolic.runtime.platform import compile_platform
+
+
+def keys_per_block() -> int:
+    """Keys each token reads per iteration of the online softmax (rounded to whole pages). On XLA:CPU a block that
+    stays in cache is worth more iterations: 16 keys ran 16 decodes over 600 positions 2-3x faster than 64 or 128
+    (heads of a 256-wide model); an accelerator prefers fewer, larger blocks."""
+    return 16 if compile_platform() == "cpu" else 256
+
+
+class RaggedBatch(NamedTuple):
+    """Where the T token slots of one step (a bucket; the first `num_tokens` are real) come from and go to; S rows
+    (a bucket; the first `num_seqs` are real) are the sequences with a chunk in this step, in token order."""
+
+    positions: jax.Array  # (T,) int32: each token's position in its sequence (padding: 0)
+    rows: jax.Array  # (T,) int32: each token's row in [0, S) (padding: 0)
+    slots: jax.Array  # (T,) int32: page * page_size + offset where its key and value go (padding: the null page)
+    num_tokens: jax.Array  # () int32
+    page_table: jax.Array  # (S, pages_per_seq) int32: each row's pages in order (unused entries: the null page)
+    kv_lens: jax.Array  # (S,) int32: each row's positions in the cache after this step (padding rows: 0)
+    cu_q_lens: jax.Array  # (S + 1,) int32: row r's tokens are [cu_q_lens[r], cu_q_lens[r + 1])
+    num_seqs: jax.Array  # (1,) int32
+    last: jax.Array  # (S,) int32: the index of each row's last token, whose logits the step samples from
+
+
+def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: jnp.dtype,
+              sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """The zeroed pool (L, pages, page_size, 2 * KV, hd), created in place on its devices."""
+    shape = (layers, pages, page_size, 2 * kv_heads, head_dim)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+class PagedKV(NamedTuple):
+    """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
+    and values and attends over the pages."""
+
+    pool: jax.Array  # (L, pages, page_size, 2 * KV, hd)
+    layer: jax.Array | int  # this layer's index into the pool
+    batch: RaggedBatch
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int) -> tuple[jax.Array, PagedKV]:
+        """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
+        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
+        out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window)
+        return out, self._replace(pool=pool)
+
+
+def write_kv(pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,)."""
+    T, KV, hd = k.shape
+    page_size = pool.shape[2]
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
+    return pool.at[layer, slots // page_size, slots % page_size].set(kv.astype(pool.dtype))
+
+
+def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array | int,
+                           batch: RaggedBatch, *, window: int = 0, block_keys: int | None = None) -> jax.Array:
+    """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
+    positions when > 0): q (T, H, hd), this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query
+    head h reads key/value head h // (H // KV)). The positions before each sequence's chunk are read from the
+    pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v."""
+    T, H, hd = q.shape
+    KV = k.shape[1]
+    qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
+    pos = batch.positions  # (T,)
+    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
+    real = jnp.arange(T) < batch.num_tokens
+    carry = _chunk_attention(qg, k, v, batch, first, real)
+    chunk_start = (batch.kv_lens - jnp.diff(batch.cu_q_lens))[batch.rows]  # (T,) positions before: in the pages
+    _, l, acc = _page_attention(qg, pool, layer, batch, first, chunk_start, real, carry, block_keys)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
+    return out.reshape(T, H, hd).astype(q.dtype)
+
+
+def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real):
+    """The online softmax's state (m, l, acc) after the keys of this step's own tokens: every token against the
+    earlier tokens of its own chunk, dense, as one (T, T) score matrix per head (a prefill chunk's keys are the bulk
+    of its context; the pages would give each token its own copy of them)."""
+    pos, rows = batch.positions, batch.rows
+    s = jnp.einsum("tkgd,skd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, T)
+    visible = ((rows[:, None] == rows[None]) & (pos[None] <= pos[:, None]) & (pos[None] >= first[:, None])
+               & real[None])  # (T, T): same sequence, causal, in the window; padding tokens are no keys
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # (T, KV, G): -inf only for padding tokens, which see nothing
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])  # (T, KV, G, T); hidden keys give exactly 0
+    acc = jnp.einsum("tkgs,skd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # (T, KV, G, hd)
+    return m, jnp.sum(p, axis=-1), acc
+
+
+def _page_attention(qg, pool, layer, batch: RaggedBatch, first, end, real, carry, block_keys):
+    """Continues the online softmax `carry` over each token's keys at positions [first, end) in its sequence's
+    pages, a block at a time, over the blocks some token of this step needs."""
+    T, KV, G, hd = qg.shape
+    L, P, page_size = pool.shape[:3]
+    block_pages = max(1, (block_keys or keys_per_block()) // page_size)
+    B = block_pages * page_size  # keys per block
+    # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
+    # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
+    # be split over the mesh).
+    pages = pool.reshape(L * P, page_size, 2 * KV, hd)
+    tables = batch.page_table[batch.rows] + layer * P  # (T, pages_per_seq): each token's sequence's pages
+    blocks = -(-tables.shape[1] // block_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, blocks * block_pages - tables.shape[1])))  # whole blocks: null pages
+    lo = jnp.min(jnp.where(real, first // B, blocks))
+    hi = jnp.max(jnp.where(real, (end + B - 1) // B, 0))
+
+    def block(j, carry):
+        m, l, acc = carry  # (T, KV, G), (T, KV, G), (T, KV, G, hd) float32
+        ids = jax.lax.dynamic_slice_in_dim(tables, j * block_pages, block_pages, axis=1)  # (T, bp)
+        kv = jnp.take(pages, ids, axis=0).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
+        s = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, B)
+        keys = j * B + jnp.arange(B)  # (B,) key positions
+        visible = (keys[None] < end[:, None]) & (keys[None] >= first[:, None])  # (T, B)
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # (T, KV, G)
+        # -inf while a token has seen no key (padding): subtract 0 then, so no inf - inf appears.
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])  # (T, KV, G, B); hidden keys give exactly 0
+        scale = jnp.exp(m - m_safe)  # (T, KV, G): rescales what the earlier keys summed
+        l = l * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("tkgs,tskd->tkgd", p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    return jax.lax.fori_loop(lo, hi, block, carry)

@@ -1,0 +1,195 @@
+"""Continuous batching: which tokens of which sequences run in the next engine step, and their layout.
+
+Every step is one ragged batch of at most `max_tokens_per_step` tokens from at most `max_seqs` sequences. A
+sequence is its known tokens (prompt, then the tokens sampled so far) and how many of them have their keys and
+values in the cache (`computed`); a step computes the next chunk of the rest. One left is a decode; more are a
+prefill, cut into chunks that fit the step's budget, so a long prompt shares its steps with the running decodes
+instead of stalling them. The order of a step's budget:
+
+1. one token for each running sequence that is decoding;
+2. the next chunk of each running sequence that is still prefilling, oldest first;
+3. new sequences from the waiting queue, first come first served, while rows, tokens and pages last. A new
+   sequence starts after its longest cached prefix (kv_cache.py), so a shared system prompt is prefilled once.
+
+When the pool has no page for a running sequence's chunk, the newest running sequence (by arrival) is preempted:
+its pages are given back (cached pages stay in the prefix cache) and it returns to the front of the queue with
+every token it has, prompt and sampled, to be recomputed as one longer prompt when pages free up. Its sampled
+tokens are kept, so no request is dropped and none is answered twice.
+
+The compiled step has one shape per token bucket (`token_buckets`): T tokens padded to the next bucket, and
+S = min(T, max_seqs) rows, so a fixed set of programs serves every mix of requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable
+from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+
+SMALLEST_BUCKET = 8  # the fewest token slots a step has: tinier steps cost the same on every platform
+
+
+def token_buckets(max_tokens_per_step: int) -> tuple[int, ...]:
+    """The step sizes that are compiled: powers of two from SMALLEST_BUCKET, and max_tokens_per_step itself."""
+    sizes = []
+    size = min(SMALLEST_BUCKET, max_tokens_per_step)
+    while size < max_tokens_per_step:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_tokens_per_step)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's tokens and its place in the cache."""
+
+    request_id: str
+    tokens: list[int]  # prompt, then the sampled tokens
+    prompt_len: int
+    arrival: int  # the order of add_request: the largest is the newest
+    computed: int = 0  # tokens[:computed] have their keys and values in the cache
+    table: PageTable = dataclasses.field(default_factory=PageTable)
+    preemptions: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """Known tokens not yet computed: 1 while decoding."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, start + count) of `seq` run in this step; its last token's logits are sampled when
+    `samples` (the chunk ends at the last known token)."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == len(self.seq.tokens)
+
+
+class Scheduler:
+    """The waiting queue and the running sequences, over the pages of `cache`."""
+
+    def __init__(self, cache: PageCache, *, max_seqs: int, max_tokens_per_step: int):
+        self.cache = cache
+        self.max_seqs = max_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+        self.waiting: list[Sequence] = []  # by arrival
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished or cancelled sequence and gives its pages back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.release(seq.table)
+
+    def schedule(self) -> list[Chunk]:
+        """The next step's chunks (possibly none), pages allocated for them; preempts when pages run out."""
+        planned: dict[int, Chunk] = {}  # by arrival
+        decoding = [s for s in self.running if s.remaining == 1]
+        prefilling = [s for s in self.running if s.remaining > 1]
+        for seq in decoding + prefilling:
+            budget = self.max_tokens_per_step - sum(c.count for c in planned.values())
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted for an older sequence's pages
+                continue
+            count = min(seq.remaining, budget)
+            if self._fit(seq, seq.computed + count, planned):
+                planned[seq.arrival] = Chunk(seq, seq.computed, count)
+        chunks = list(planned.values())
+        self._admit(chunks)
+        return chunks
+
+    def _fit(self, seq: Sequence, tokens: int, planned: dict[int, Chunk]) -> bool:
+        """Grows seq's pages to `tokens` positions, preempting the newest running sequences until they fit;
+        False when seq itself was the newest and is preempted."""
+        while not self.cache.grow(seq.table, tokens):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim)
+            planned.pop(victim.arrival, None)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq.table)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _admit(self, chunks: list[Chunk]) -> None:
+        """Moves waiting sequences to running, first come first served, while rows, tokens and pages last."""
+        budget = self.max_tokens_per_step - sum(c.count for c in chunks)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            hit = self.cache.match_prefix(seq.table, seq.tokens)
+            count = min(len(seq.tokens) - hit, budget)
+            if not self.cache.grow(seq.table, hit + count):
+                self.cache.release(seq.table)  # the matched pages go back to the cache
+                return
+            self.waiting.pop(0)
+            self.running.append(seq)
+            seq.computed = hit
+            self.prefix_hit_tokens += hit
+            chunks.append(Chunk(seq, hit, count))
+            budget -= count
+
+    def advance(self, chunks: list[Chunk]) -> None:
+        """Records that the step ran: the chunks' tokens are computed, and their pages that became full are
+        keyed in the prefix cache."""
+        for chunk in chunks:
+            chunk.seq.computed = chunk.start + chunk.count
+            self.cache.register(chunk.seq.table, chunk.seq.tokens, chunk.seq.computed)
+
+
+def layout(chunks: list[Chunk], *, tokens: int, rows: int, page_size: int, pages_per_seq: int
+           ) -> tuple[np.ndarray, RaggedBatch]:
+    """The chunks laid out in `tokens` token slots and `rows` rows (a bucket), one contiguous run of tokens per row
+    in the chunks' order: (token ids (T,) int32, the batch as host arrays). Padding tokens write into the null
+    page."""
+    ids = np.zeros(tokens, np.int32)
+    positions = np.zeros(tokens, np.int32)
+    token_rows = np.zeros(tokens, np.int32)
+    slots = np.full(tokens, NULL_PAGE * page_size, np.int32)
+    page_table = np.full((rows, pages_per_seq), NULL_PAGE, np.int32)
+    kv_lens = np.zeros(rows, np.int32)
+    cu_q_lens = np.zeros(rows + 1, np.int32)
+    last = np.zeros(rows, np.int32)
+    t = 0
+    for r, chunk in enumerate(chunks):
+        seq, n = chunk.seq, chunk.count
+        pos = np.arange(chunk.start, chunk.start + n)
+        pages = np.asarray(seq.table.pages, np.int32)
+        ids[t:t + n] = seq.tokens[chunk.start:chunk.start + n]
+        positions[t:t + n] = pos
+        token_rows[t:t + n] = r
+        slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
+        page_table[r, :len(pages)] = pages
+        kv_lens[r] = chunk.start + n
+        t += n
+        cu_q_lens[r + 1:] = t
+        last[r] = t - 1
+    return ids, RaggedBatch(positions, token_rows, slots, np.int32(t), page_table, kv_lens, cu_q_lens,
+                            np.array([len(chunks)], np.int32), last)

@@ -1,0 +1,446 @@
+"""`systolic serve RUN_DIR`: the OpenAI API over HTTP in front of the inference engine, as a Starlette app on uvicorn.
+
+Routes: POST /v1/completions and /v1/chat/completions (`stream: true` as server-sent events ending in
+`data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus). Handlers never touch the engine: they parse
+and check the request (openai_api.py), tokenize it, submit it to the driver thread (driver.py) and await its
+events. Every refusal is OpenAI's JSON error body with its status; a bug is a 500 with the same body (the
+traceback goes to the server's log, never to the client).
+
+A client that disconnects cancels its request, which frees its KV-cache pages at once. SIGTERM or Ctrl-C stops
+accepting connections, lets the requests in flight finish for up to `grace_s` seconds, cancels the rest and
+returns (exit code 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import hmac
+import ipaddress
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from systolic.errors import UserError
+from systolic.workloads.lm.serve import openai_api as api
+from systolic.workloads.lm.serve.driver import EngineDriver, QueueFull, RequestFailed, RequestStream, Stopped
+from systolic.workloads.lm.serve.engine import SamplingParams, TokenEvent
+from systolic.workloads.lm.serve.metrics import CONTENT_TYPE, RequestTimer, ServeMetrics
+
+if TYPE_CHECKING:
+    from systolic.data.chat import ChatTemplate
+    from systolic.data.tokenizer import Tokenizer
+
+DEFAULT_HOST = "127.0.0.1"
+MAX_BODY_BYTES = 8 << 20  # far above any prompt that fits a context; a bound on what one request can make us hold
+RETRY_AFTER_S = 1  # a full queue drains as requests finish: seconds on a CPU, less on an accelerator
+SHUTDOWN_MARGIN_S = 5.0  # after the grace period: for the last error events to reach their clients
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away: counted, never seen by anyone
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the handlers need to know of the engine's model (the engine itself belongs to the driver thread)."""
+
+    name: str
+    max_context: int  # prompt + generated tokens
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+
+
+def make_app(info: ModelInfo, driver: EngineDriver, metrics: ServeMetrics, *, api_key: str | None) -> Starlette:
+    """The ASGI app. With `api_key`, /v1/* and /metrics need `Authorization: Bearer <api_key>`; /health never does
+    (load balancers and orchestrators probe it)."""
+    handlers = _Handlers(info, driver, metrics, api_key)
+    routes = [
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/metrics", handlers.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(_CountResponses, metrics=metrics)],
+                     exception_handlers={api.APIError: _api_error, HTTPException: _http_error, Exception: _bug})
+
+
+class _Handlers:
+    def __init__(self, info: ModelInfo, driver: EngineDriver, metrics: ServeMetrics, api_key: str | None):
+        self.info, self.driver, self._metrics, self._api_key = info, driver, metrics, api_key
+        self._started = int(time.time())  # the model card's "created"
+
+    async def health(self, request: Request) -> Response:
+        if not self.driver.alive:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        self._authorize(request)
+        return Response(self._metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        api.check_model(request.path_params["model"], self.info.name)
+        return JSONResponse(self._card())
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = api.parse_completion(await _json_body(request))
+        api.check_model(req.model, self.info.name)
+        ids = api.completion_prompt_ids(req.prompt, self.info.tokenizer)
+        budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context,
+                                  default=api.COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt",
+                                  limit_param="max_tokens")
+        return await self._answer(request, ids, api.sampling_params(req.sampling, budget), req.sampling,
+                                  api.CompletionShape(self.info.name))
+
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        req = api.parse_chat(await _json_body(request))
+        api.check_model(req.model, self.info.name)
+        ids = api.chat_prompt_ids(req.messages, self.info.chat_template, self.info.name)
+        budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context, default=None,
+                                  prompt_param="messages", limit_param="max_tokens")
+        # The reply ends at the template's end of turn (<|im_end|>, <|eot_id|>) as well as at the end of text.
+        params = api.sampling_params(req.sampling, budget, stop_token_ids=self.info.chat_template.stop_ids)
+        return await self._answer(request, ids, params, req.sampling, api.ChatShape(self.info.name))
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.info.name, "object": "model", "created": self._started, "owned_by": "systolic",
+                "max_model_len": self.info.max_context}
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise api.APIError(401, "Incorrect or missing API key. This server needs the header `Authorization: "
+                               "Bearer <key>` with the key it was started with (--api-key). Fix: pass it, e.g. "
+                               "OpenAI(api_key=...).", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    # ONE REQUEST ----------------------------------------------------------------------------------------------
+
+    async def _answer(self, request: Request, ids: np.ndarray, params: SamplingParams, sampling: api.Sampling,
+                      shape: api.CompletionShape) -> Response:
+        stream = self._submit(shape.id, ids, params)
+        timer = self._metrics.start_request(len(ids))
+        answer = _Answer(self, stream, timer, shape, sampling, len(ids))
+        streaming = False
+        try:
+            if sampling.stream:
+                # The first token before the headers: a request the engine refuses still gets its 400.
+                first = answer.checked(await _unless_disconnected(request, stream.next()))
+                streaming = True
+                return _EventStream(answer.chunks(first), on_close=answer.close, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            events = [answer.checked(e) for e in await _unless_disconnected(request, stream.collect())]
+            return JSONResponse(answer.whole(events))
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except RequestFailed as e:
+            timer.finish("error")
+            raise _failure(e) from None
+        finally:
+            if not streaming:
+                answer.close()
+
+    def _submit(self, request_id: str, ids: np.ndarray, params: SamplingParams) -> RequestStream:
+        try:
+            return self.driver.submit(request_id, ids, params)
+        except QueueFull:
+            raise api.APIError(
+                429, f"The server is at capacity: {self.driver.capacity} requests in flight (the batch and the queue "
+                "behind it). Fix: retry after the Retry-After seconds, or start the server with a larger --max-queue.",
+                type="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except Stopped:
+            raise api.APIError(503, "The server is shutting down. Fix: send the request again once it is back.",
+                               type="server_error", code="shutting_down") from None
+
+
+class _Answer:
+    """One request's reply: its events turned into the endpoint's JSON, and its accounting."""
+
+    def __init__(self, handlers: _Handlers, stream: RequestStream, timer: RequestTimer, shape: api.CompletionShape,
+                 sampling: api.Sampling, prompt_tokens: int):
+        self.handlers, self.stream, self.timer, self.shape = handlers, stream, timer, shape
+        self.sampling, self.prompt_tokens = sampling, prompt_tokens
+
+    def checked(self, event: TokenEvent) -> TokenEvent:
+        if event.finish_reason == "cancelled":  # not one the client asked for: the engine dropped it
+            raise RequestFailed(503, "The request was cancelled on the server before it finished. Fix: send it again.")
+        self.timer.tokens_arrived(int(event.token_id is not None))
+        if event.finish_reason is not None:
+            self.timer.finish(event.finish_reason)
+        return event
+
+    def whole(self, events: list[TokenEvent]) -> dict[str, Any]:
+        return self.shape.response("".join(e.text for e in events), self._logprobs(events), events[-1].finish_reason,
+                                   api.usage(self.prompt_tokens, self.timer.tokens))
+
+    async def chunks(self, first: TokenEvent) -> AsyncIterator[str]:
+        """The stream's server-sent events: the opening chunk, one chunk per batch of tokens that arrived together,
+        the usage chunk when asked for, and [DONE]; a failure midway is an error event, as OpenAI sends one."""
+        for chunk in self.shape.opening():
+            yield _sse(chunk)
+        events = [first]
+        try:
+            while True:
+                text, finish = "".join(e.text for e in events), events[-1].finish_reason
+                if text or finish or self.sampling.logprobs:
+                    yield _sse(self.shape.chunk(text, self._logprobs(events), finish))
+                if self.stream.finished:
+                    break
+                events = [self.checked(await self.stream.next())]
+                events += [self.checked(e) for e in self.stream.ready()]
+        except RequestFailed as e:
+            self.timer.finish("error")
+            yield _sse(_failure(e).body())
+        else:
+            if self.sampling.include_usage:
+                yield _sse(self.shape.usage_chunk(api.usage(self.prompt_tokens, self.timer.tokens)))
+        yield "data: [DONE]\n\n"
+
+    def close(self) -> None:
+        """After the reply, whatever ended it: a request still running (its client left) is cancelled."""
+        if not self.stream.finished:
+            self.handlers.driver.cancel(self.stream.request_id)
+            self.timer.finish("cancelled")
+
+    def _logprobs(self, events: list[TokenEvent]) -> list[tuple[str, float | None]] | None:
+        return api.token_logprobs(events, self.handlers.info.tokenizer) if self.sampling.logprobs else None
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends, even when the client left before the first
+    chunk (a body iterator that never started runs no finally block of its own)."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """`work`'s result; raises _ClientGone when the client disconnects first (and cancels `work`). Starlette does
+    not notice a disconnect while a handler waits, only while it streams."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    finished = False
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finished = task.done()
+    finally:  # also when this handler is cancelled (uvicorn's shutdown past its grace period)
+        watch.cancel()
+        if not finished:
+            task.cancel()
+    if not finished:
+        raise _ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _failure(e: RequestFailed) -> api.APIError:
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    return api.APIError(e.status, e.message, type=kind)
+
+
+async def _json_body(request: Request) -> object:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise api.APIError(413, f"The request body is over {MAX_BODY_BYTES >> 20} MiB. Fix: send a shorter prompt "
+                               "(it must fit the model's context anyway).", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise api.bad_request(f"The request body is not valid JSON ({type(e).__name__}: {str(e)[:200]}). Fix: send a "
+                              "JSON object with Content-Type: application/json.") from None
+
+
+# ERRORS AND COUNTS --------------------------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, api.APIError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    what = {404: f"There is no route {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
+    message = (f"{what.get(exc.status_code, exc.detail)}. This server answers POST /v1/completions, POST "
+               "/v1/chat/completions, GET /v1/models, GET /health and GET /metrics.")
+    error = api.APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    # Starlette logs the traceback after this response is sent (uvicorn's "Exception in ASGI application").
+    error = api.APIError(500, f"Internal server error ({type(exc).__name__}): a bug in systolic, not in the request. "
+                         "The server's log has the traceback; it goes on serving.", type="server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+class _CountResponses:
+    """ASGI middleware: counts every response by route and status code (metrics.responses)."""
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+# THE PROCESS --------------------------------------------------------------------------------------------------
+
+
+def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
+          kv_memory_gib: float | None = None, page_size: int = 16, max_seqs: int = 16, max_tokens_per_step: int = 256,
+          max_queue: int = 64, prefix_caching: bool = True, mesh_tensor: int = 1, grace_s: float = 20.0) -> None:
+    """Serves the lm run `run_dir` until SIGTERM or Ctrl-C. Binds `host` (loopback by default; any other address
+    needs `api_key`) and `port` (0: a free one); prints the address once the model is loaded and compiled. At most
+    `max_seqs` requests generate together and `max_queue` more wait; past that a request gets 429. The engine
+    settings (kv_memory_gib ... mesh_tensor) are `InferenceEngine.from_run`'s."""
+    check_settings(host=host, port=port, api_key=api_key, max_queue=max_queue, grace_s=grace_s)
+    from systolic.workloads.lm.serve.engine import InferenceEngine
+
+    engine = InferenceEngine.from_run(Path(run_dir), kv_memory_gib=kv_memory_gib, page_size=page_size,
+                                      max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step,
+                                      prefix_caching=prefix_caching, mesh_tensor=mesh_tensor)
+    engine.warmup()
+    info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template)
+    metrics = ServeMetrics()
+    driver = EngineDriver(engine, capacity=max_seqs + max_queue, on_stats=metrics.observe_engine)
+    sock = _listen(host, port)
+    url = _url(host, sock.getsockname()[1])
+    driver.start()
+    print(f"serving {info.name} (context {info.max_context} tokens) at {url}/v1 (OpenAI API), metrics at "
+          f"{url}/metrics; SIGTERM or Ctrl-C stops it", flush=True)
+    try:
+        _run_uvicorn(make_app(info, driver, metrics, api_key=api_key), sock, driver, grace_s)
+    finally:
+        driver.stop()
+        sock.close()
+    print("stopped", flush=True)
+
+
+def check_settings(*, host: str, port: int, api_key: str | None, max_queue: int, grace_s: float) -> None:
+    """The server's own settings (the engine checks its own), before anything slow."""
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key is empty. Fix: pass the key that clients must send (a long random string, e.g. "
+                        "from `python -c \"import secrets; print(secrets.token_urlsafe())\"`).")
+    if api_key is None and not is_loopback(host):
+        raise UserError(
+            f"--host {host} would let other machines reach the server, but no --api-key is set, so anyone who can "
+            "reach the port could use it. Fix: add --api-key KEY (clients send it as a Bearer token), or keep the "
+            f"default --host {DEFAULT_HOST}.")
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port. Expected 0 to 65535 (0: any free port). Fix: e.g. --port "
+                        "8000.")
+    if max_queue < 0 or not grace_s >= 0:
+        raise UserError(f"--max-queue {max_queue} and --grace-s {grace_s} must be at least 0. Fix: e.g. --max-queue "
+                        "64 --grace-s 20.")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, so clients that connect before uvicorn starts wait in its
+    backlog instead of being refused."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        return sock
+    except OSError as e:
+        fix = ("another process listens on it: stop it, or pick another --port (0: any free one)"
+               if e.errno == errno.EADDRINUSE else "pass an address of this machine, e.g. --host 127.0.0.1")
+        raise UserError(f"Cannot listen on {host} port {port}: {e.strerror or e}. Fix: {fix}.") from None
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _run_uvicorn(app: Starlette, sock: socket.socket, driver: EngineDriver, grace_s: float) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # The driver ends what is left at the grace period's end with an error event, so every stream closes
+            # properly; uvicorn's own timeout, a little later, is only the backstop.
+            driver.drain(grace_s)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=grace_s + SHUTDOWN_MARGIN_S)
+    server = Server(config)
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises that signal again
+    # (to die "as the signal would have"): a no-op handler here makes the stop an ordinary return, exit code 0.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    pass

@@ -1,0 +1,90 @@
+"""The engine's compiled step: the model over one ragged batch of tokens (writing their keys and values into the
+paged pool), then one sampled token per row, with its log-probability.
+
+Sampling is `generate`'s (`lm/generate.py` `sample_logits`), applied to each row alone with the row's own settings
+and key, so a request samples what `generate` samples for it alone: its i-th token is drawn with
+`fold_in(PRNGKey(seed), i)`, which is `split(PRNGKey(seed), n)[i]` for any n (threefry's partitionable split,
+jax's default), the key `generate` uses for its i-th token. Because a token's key depends only on its request and
+its index, batching, preemption and recomputation change no sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from systolic.runtime.sharding import Rules, activate
+from systolic.workloads.lm.generate import sample_logits
+from systolic.workloads.lm.serve.paged_attention import PagedKV, RaggedBatch
+
+
+class RowSampling(NamedTuple):
+    """Each row's sampling settings (S rows; padding rows are greedy and ignored)."""
+
+    temperature: jax.Array  # (S,) float32; 0 is greedy
+    top_k: jax.Array  # (S,) int32; 0 keeps every id
+    top_p: jax.Array  # (S,) float32; 1 keeps every id
+    key: jax.Array  # (S, 2) uint32: the request's PRNGKey(seed)
+    draw: jax.Array  # (S,) int32: how many tokens the request has sampled before this one
+
+
+class StepOutput(NamedTuple):
+    pool: jax.Array  # the updated pool
+    tokens: jax.Array  # (S,) int32: each row's sampled token
+    logprobs: jax.Array  # (S,) float32: its log-probability under the model (before temperature, top-k, top-p)
+
+
+def engine_step(graphdef: nnx.GraphDef, params: Any, pool: jax.Array, tokens: jax.Array, batch: RaggedBatch,
+                sampling: RowSampling, vocab_limit: jax.Array) -> StepOutput:
+    """tokens (T,) laid out by `batch` -> the next token of each row. Ids >= vocab_limit (the embedding's padding
+    rows) are never sampled."""
+    model = nnx.merge(graphdef, params)
+    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch))  # (S, V) float32
+    keys = jax.vmap(jax.random.fold_in)(sampling.key, sampling.draw)  # (S, 2)
+
+    def sample_row(row_logits, key, temperature, top_k, top_p):
+        return sample_logits(row_logits[None], key, temperature=temperature, top_k=top_k, top_p=top_p,
+                             vocab_limit=vocab_limit)[0]
+
+    V = logits.shape[-1]
+    limited = jnp.where(jnp.arange(V) < vocab_limit, logits, -jnp.inf)  # (S, V)
+    # An all-greedy step skips sampling's sort of the vocabulary (the same ids: greedy rows take the argmax).
+    ids = jax.lax.cond(jnp.all(sampling.temperature == 0),
+                       lambda: jnp.argmax(limited, axis=-1).astype(jnp.int32),
+                       lambda: jax.vmap(sample_row)(logits, keys, sampling.temperature, sampling.top_k,
+                                                    sampling.top_p))  # (S,)
+    logp = jax.nn.log_softmax(limited, axis=-1)  # (S, V)
+    chosen = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # (S,)
+    return StepOutput(pool, ids, chosen)
+
+
+# One compiled step per model (and shape) for every engine of a process: the jitted closures by graphdef. Not
+# jit's static_argnums: that hashes the graphdef on every call, which cost more than the step itself (10-20 ms on
+# XLA:CPU for a 4-layer model).
+_STEPS: dict[nnx.GraphDef, Callable[..., StepOutput]] = {}
+
+
+def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
+              param_shardings: Any, pool_sharding: jax.sharding.Sharding | None) -> Callable[..., StepOutput]:
+    """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit).
+    The pool is donated (updated in place). On a mesh, the shardings in and out are fixed, so no call after the
+    first of a shape compiles again, and the batch arrives replicated."""
+    if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
+        if graphdef not in _STEPS:
+            _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1)
+        return _STEPS[graphdef]
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    compiled = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1,
+                       in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
+                       out_shardings=StepOutput(pool_sharding, replicated, replicated))
+
+    def run(*args):
+        with activate(mesh, rules):  # the layers' logical axis names resolve to the mesh while tracing
+            return compiled(*args)
+
+    return run

@@ -1,0 +1,231 @@
+"""The inference engine against `generate`: greedy tokens equal with requests arriving at different steps, with
+prefix sharing on and off, with preemption forced by a tiny pool, for every model the lm workload has, on one
+device and on a tensor=4 mesh; samples and their log-probabilities as `generate` draws them; stop tokens, stop
+strings and lengths; cancellation; bad requests; and no compilation after warm-up across 200 random requests."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tiny_serve import LIMIT, PAGE, VARIANTS, drive, random_params, reference, tiny_model, token_ids
+
+from systolic.data.tokenizer import ByteTokenizer
+from systolic.errors import UserError
+from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.sample import continuation_text
+from systolic.workloads.lm.serve.engine import (InferenceEngine, SamplingParams, pool_pages, prng_key_data,
+                                               tensor_layout)
+
+NEW = 10
+_rng = np.random.default_rng(1)
+_shared = _rng.integers(0, 256, 8)  # two full pages
+# Four prompts of 11 tokens: two share their first 8, the third repeats the first, the last is its own.
+PROMPTS = np.stack([np.concatenate([_shared, _rng.integers(0, 256, 3)]),
+                    np.concatenate([_shared, _rng.integers(0, 256, 3)]), np.zeros(11, np.int64),
+                    _rng.integers(0, 256, 11)])
+PROMPTS[2] = PROMPTS[0]
+ARRIVALS = (0, 2, 2, 3)  # the step before which each arrives
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())  # `generate` never stops early
+
+
+def make_engine(cfg, *, kv_pages=64, prefix_caching=True, mesh=None, rules=None, **sizes):
+    _, params = random_params(cfg)
+    sizes = {"max_seqs": 4, "max_tokens_per_step": 8, **sizes}  # one bucket of 8 tokens: prompts are chunked
+    return InferenceEngine(cfg, params, ByteTokenizer(), kv_pages=kv_pages, page_size=PAGE,
+                           prefix_caching=prefix_caching, mesh=mesh, rules=rules, **sizes)
+
+
+def greedy_arrivals(params=GREEDY) -> dict[int, list]:
+    arrivals = collections.defaultdict(list)
+    for i, step in enumerate(ARRIVALS):
+        arrivals[step].append((f"r{i}", PROMPTS[i].tolist(), params))
+    return arrivals
+
+
+def assert_greedy_matches(engine, cfg):
+    events = drive(engine, greedy_arrivals())
+    want = reference(cfg, PROMPTS, NEW)
+    for i in range(len(PROMPTS)):
+        assert token_ids(events[f"r{i}"]) == want[i].tolist(), f"request r{i}"
+        assert [e.finish_reason for e in events[f"r{i}"]] == [None] * (NEW - 1) + ["length"]
+    assert len(np.unique(want)) > 3  # not a degenerate continuation
+    assert engine.stats()["kv_pages_used"] == 0 and not engine.has_work()
+    return engine.stats()
+
+
+@pytest.mark.parametrize("prefix_caching, kv_pages", [(True, 64), (False, 64), (True, 8)],
+                         ids=["prefix-cache", "no-prefix-cache", "tiny-pool"])
+def test_greedy_matches_generate(prefix_caching, kv_pages):
+    cfg = tiny_model()
+    stats = assert_greedy_matches(make_engine(cfg, kv_pages=kv_pages, prefix_caching=prefix_caching), cfg)
+    # r1 and r2 find r0's two full pages of the shared prompt (r2 repeats it: the same two, its last token computed).
+    assert (stats["prefix_hit_tokens"] >= 16) == prefix_caching and (stats["prefix_hit_tokens"] == 0) != prefix_caching
+    # 7 usable pages, 5 per request: the newest are preempted and recomputed.
+    assert (stats["preemptions"] > 0) == (kv_pages == 8)
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS if v != "gqa"])
+def test_every_model_matches_generate(variant):
+    cfg = tiny_model(*VARIANTS[variant])
+    assert_greedy_matches(make_engine(cfg, kv_pages=10), cfg)  # prefix sharing and preemption both happen
+
+
+def test_tensor_parallel_matches_one_device():
+    cfg = tiny_model()
+    mesh, rules = tensor_layout(cfg, 4)
+    engine = make_engine(cfg, kv_pages=10, mesh=mesh, rules=rules)
+    assert engine.pool.sharding.spec[3] is None  # 2 key/value heads do not split 4 ways: replicated
+    assert engine.params["layers" if cfg.scan_layers else "blocks"][0]["attn"]["wq"].sharding.spec[1] == "tensor"
+    assert_greedy_matches(engine, cfg)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_the_pool_by_key_value_heads():
+    cfg = tiny_model(*VARIANTS["gpt2"])  # 4 key/value heads
+    mesh, rules = tensor_layout(cfg, 4)
+    engine = make_engine(cfg, mesh=mesh, rules=rules)
+    assert engine.pool.sharding.spec[3] == "tensor"
+    assert_greedy_matches(engine, cfg)
+
+
+def test_samples_and_logprobs_match_generate():
+    cfg = tiny_model()
+    graphdef, params = random_params(cfg)
+    settings = dict(temperature=1.3, top_k=30, top_p=0.9)
+    seeds = (5, 2**32 - 1)
+    arrivals = {0: [(f"s{seed}", PROMPTS[3].tolist(),
+                     SamplingParams(max_tokens=NEW, seed=seed, logprobs=True, stop_token_ids=(), **settings))
+                    for seed in seeds], 1: [("greedy", PROMPTS[0].tolist(), GREEDY)]}
+    events = drive(make_engine(cfg), arrivals)
+    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    for seed in seeds:
+        want = gen.generate(graphdef, params, jnp.asarray(PROMPTS[3:4], jnp.int32), max_new_tokens=NEW,
+                            key=jax.random.PRNGKey(seed), vocab_limit=LIMIT, **settings)
+        got = token_ids(events[f"s{seed}"])
+        assert got == np.asarray(want)[0].tolist()
+        # Each token's log-probability under the model (all LIMIT ids, before temperature and truncation).
+        seq = jnp.asarray([PROMPTS[3].tolist() + got], jnp.int32)
+        logits = np.asarray(full(params, seq))[0, len(PROMPTS[3]) - 1:-1, :LIMIT].astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        np.testing.assert_allclose([e.logprob for e in events[f"s{seed}"]], logp[np.arange(NEW), got], atol=1e-4)
+    assert token_ids(events["s5"]) != token_ids(events[f"s{2**32 - 1}"])
+    assert all(e.logprob is None for e in events["greedy"])
+    for seed in (0, 7, 2**31 + 3, 2**32 - 1):
+        np.testing.assert_array_equal(prng_key_data(seed), jax.random.PRNGKey(seed))
+
+
+def test_stop_tokens_stop_strings_and_lengths():
+    cfg = tiny_model()
+    want = reference(cfg, PROMPTS, NEW)[3].tolist()
+    prompt = PROMPTS[3].tolist()
+    text = continuation_text(ByteTokenizer(), np.asarray(prompt), np.asarray(want))
+    stop_string = text[len(text) // 2]
+    stop_token = want[4]
+    arrivals = {0: [("length", prompt, GREEDY),
+                    ("token", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=(stop_token,))),
+                    ("string", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, stop=(stop_string,),
+                                                      stop_token_ids=()))]}
+    events = drive(make_engine(cfg), arrivals)
+    assert "".join(e.text for e in events["length"]) == text and events["length"][-1].finish_reason == "length"
+    cut = want.index(stop_token)
+    assert token_ids(events["token"]) == want[:cut + 1] and events["token"][-1].finish_reason == "stop"
+    assert "".join(e.text for e in events["token"]) == continuation_text(ByteTokenizer(), np.asarray(prompt),
+                                                                          np.asarray(want[:cut]))
+    assert "".join(e.text for e in events["string"]) == text[:text.index(stop_string)]
+    assert events["string"][-1].finish_reason == "stop" and len(events["string"]) < NEW
+
+
+def test_cancel_frees_pages_at_once():
+    cfg = tiny_model()
+    engine = make_engine(cfg)
+    for rid in ("a", "b"):
+        engine.add_request(rid, PROMPTS[0].tolist(), SamplingParams(max_tokens=20, temperature=0.0))
+    engine.add_request("queued", PROMPTS[3].tolist(), SamplingParams(max_tokens=5))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats()["kv_pages_used"]
+    engine.cancel("a")
+    engine.cancel("queued")
+    engine.cancel("no-such-request")  # ignored
+    assert engine.stats()["kv_pages_used"] < used
+    events = engine.step()
+    cancelled = [e for e in events if e.finish_reason == "cancelled"]
+    assert sorted(e.request_id for e in cancelled) == ["a", "queued"] and all(e.token_id is None for e in cancelled)
+    assert all(e.request_id == "b" for e in events if e.token_id is not None)
+    engine.cancel("b")
+    engine.step()
+    assert engine.stats()["kv_pages_used"] == 0 and not engine.has_work()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "the prompt is empty"),
+    ([1] * 30, SamplingParams(max_tokens=3), "the model attends over at most 32"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+    ([1, 400], SamplingParams(), "token id 400"),
+    ([1], SamplingParams(temperature=float("nan")), "temperature=nan"),
+    ([1], SamplingParams(top_p=0.0), "top_p=0.0"),
+    ([1], SamplingParams(top_k=-1), "top_k=-1"),
+    ([1], SamplingParams(seed=2**32), "seed=4294967296"),
+    ([1], SamplingParams(stop=("",)), "empty or non-text stop string"),
+    ([1] * 20, SamplingParams(max_tokens=12), "the whole KV cache holds 3"),
+], ids=["empty", "too-long", "no-tokens", "bad-id", "nan", "top-p", "top-k", "seed", "stop", "pool"])
+def test_bad_requests_are_refused(prompt, params, message):
+    engine = make_engine(tiny_model(), kv_pages=4)
+    with pytest.raises(UserError, match="refused") as err:
+        engine.add_request("x", prompt, params)
+    assert message in str(err.value) and "Fix:" in str(err.value)
+    assert not engine.has_work()
+
+
+def test_duplicate_ids_are_refused():
+    engine = make_engine(tiny_model())
+    engine.add_request("x", [1, 2], SamplingParams())
+    with pytest.raises(UserError, match="already running"):
+        engine.add_request("x", [1, 2], SamplingParams())
+
+
+def test_no_compilation_after_warmup_across_200_requests():
+    cfg = tiny_model()
+    engine = make_engine(cfg, kv_pages=16, max_seqs=8, max_tokens_per_step=16)  # buckets of 8 and 16 tokens
+    engine.warmup()
+    rng = np.random.default_rng(0)
+    arrivals = collections.defaultdict(list)
+    for i in range(200):
+        n = int(rng.integers(1, 21))
+        params = SamplingParams(max_tokens=int(rng.integers(1, min(8, 32 - n) + 1)),
+                                temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
+                                top_p=float(rng.choice([1.0, 0.9])), stop=("a",) if i % 7 == 0 else (),
+                                logprobs=bool(i % 2))
+        prompt = rng.integers(0, 256, n) if i % 3 else np.concatenate([PROMPTS[0], rng.integers(0, 256, 9)])[:n]
+        arrivals[int(rng.integers(0, 150))].append((f"q{i}", prompt.tolist(), params))
+    compiles = []
+
+    def count(event: str, duration: float, **kwargs):
+        if event.startswith("/jax/core/compile/"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        events = drive(engine, arrivals)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+    assert len(events) == 200 and all(e[-1].finish_reason in ("stop", "length") for e in events.values())
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0 and stats["kv_pages_used"] == 0
+
+
+def test_pool_size_from_a_budget_or_the_sequences():
+    cfg = tiny_model()  # 2 layers x 2 key/value heads x 8 wide x 2 (keys, values) x 4 bytes = 256 bytes a position
+    pages, line = pool_pages(cfg, 16, kv_memory_gib=1 / 1024, max_seqs=4, device=jax.devices()[0], split=1)
+    assert pages == 2**20 // (256 * 16) and line.startswith(f"KV cache: {pages - 1} pages of 16 tokens")
+    pages, line = pool_pages(cfg, 16, kv_memory_gib=None, max_seqs=4, device=jax.devices()[0], split=1)
+    assert pages == 4 * 2 + 1 and "room for max_seqs=4 sequences of 32 tokens" in line  # CPU reports no free memory
+    for budget in (0.0, float("nan"), 1e-9):
+        with pytest.raises(UserError, match="kv-memory-gib"):
+            pool_pages(cfg, 16, kv_memory_gib=budget, max_seqs=4, device=jax.devices()[0], split=1)

@@ -1,0 +1,101 @@
+"""Attention over pages against a float64 NumPy dense reference: one ragged batch that mixes a prefill chunk after
+cached positions, a decode, and a prefill from the start, on pages in shuffled order (every chunk crosses page
+boundaries), with padding tokens, with and without a sliding window, in one block of keys and in several."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from systolic.workloads.lm.serve import paged_attention as pa
+from systolic.workloads.lm.serve.kv_cache import PageTable
+from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
+
+H, KV, HD, PAGE, PAGES, T, S, PER_SEQ = 4, 2, 8, 4, 16, 24, 4, 5
+# (tokens cached before this step, tokens in this step): a prefill chunk after 5 cached positions, a decode at
+# position 13, a prefill of 9 from position 0.
+CHUNKS = ((5, 7), (13, 1), (0, 9))
+
+
+def make_case(seed: int = 0):
+    """A pool holding random keys/values for the cached positions, the step's layout, its q, k, v, and each
+    sequence's full keys and values (L=1 layer) for the reference."""
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(np.arange(1, PAGES)))  # shuffled pages, none the null page
+    chunks, full_k, full_v = [], [], []
+    pool = np.zeros((1, PAGES, PAGE, 2 * KV, HD))
+    for i, (cached, n) in enumerate(CHUNKS):
+        length = cached + n
+        pages = [int(free.pop()) for _ in range(-(-length // PAGE))]
+        k, v = rng.normal(size=(length, KV, HD)), rng.normal(size=(length, KV, HD))
+        for p in range(cached):  # what earlier steps wrote
+            pool[0, pages[p // PAGE], p % PAGE, 0::2] = k[p]
+            pool[0, pages[p // PAGE], p % PAGE, 1::2] = v[p]
+        seq = Sequence(f"s{i}", list(rng.integers(0, 50, length)), length, i, table=PageTable(pages=pages))
+        chunks.append(Chunk(seq, cached, n))
+        full_k.append(k)
+        full_v.append(v)
+    _, batch = layout(chunks, tokens=T, rows=S, page_size=PAGE, pages_per_seq=PER_SEQ)
+    n_real = sum(n for _, n in CHUNKS)
+    q = rng.normal(size=(T, H, HD))
+    new_k = np.zeros((T, KV, HD))
+    new_v = np.zeros((T, KV, HD))
+    t = 0
+    for (cached, n), k, v in zip(CHUNKS, full_k, full_v):
+        new_k[t:t + n], new_v[t:t + n] = k[cached:], v[cached:]
+        t += n
+    new_k[n_real:] = rng.normal(size=(T - n_real, KV, HD))  # padding tokens: written to the null page, never read
+    new_v[n_real:] = rng.normal(size=(T - n_real, KV, HD))
+    return pool, batch, q, new_k, new_v, full_k, full_v
+
+
+def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
+    """float64 attention of each real token over its own sequence's positions up to its own (within the window)."""
+    out = []
+    t = 0
+    for (cached, n), k, v in zip(CHUNKS, full_k, full_v):
+        for pos in range(cached, cached + n):
+            keys = np.arange(pos + 1)
+            if window:
+                keys = keys[keys > pos - window]
+            for h in range(H):
+                s = k[keys, h // (H // KV)] @ q[t, h] / np.sqrt(HD)
+                p = np.exp(s - s.max())
+                out.append(p / p.sum() @ v[keys, h // (H // KV)])
+            t += 1
+    return np.asarray(out).reshape(t, H, HD)
+
+
+@pytest.mark.parametrize("window", [0, 3, 6], ids=["causal", "window-3", "window-6"])
+@pytest.mark.parametrize("block_keys", [64, 8], ids=["one-block", "blocks-of-8"])
+def test_ragged_paged_attention_matches_dense_float64(window, block_keys):
+    pool, batch, q, new_k, new_v, full_k, full_v = make_case()
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+    @jax.jit
+    def run(pool, q, k, v, batch):
+        pool = pa.write_kv(pool, 0, k, v, batch.slots)
+        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys), pool
+
+    out, written = run(f32(pool), f32(q), f32(new_k), f32(new_v), batch)
+    want = dense_reference(q, full_k, full_v, window)
+    n = want.shape[0]
+    np.testing.assert_allclose(np.asarray(out)[:n], want, atol=2e-5, rtol=2e-5)
+    assert np.all(np.isfinite(np.asarray(out)))  # padding tokens too
+    # The step's keys and values landed in their pages (interleaved k0, v0, k1, v1), nothing else changed but the
+    # null page, where the padding tokens write.
+    written = np.asarray(written)
+    for (cached, n_new), k, chunk_pages in zip(CHUNKS, full_k, [np.asarray(r) for r in batch.page_table]):
+        for p in range(cached + n_new):
+            np.testing.assert_allclose(written[0, chunk_pages[p // PAGE], p % PAGE, 0::2], k[p], rtol=1e-6)
+    untouched = [p for p in range(1, PAGES) if p not in np.asarray(batch.page_table)]
+    np.testing.assert_array_equal(written[0, untouched], pool[0, untouched])
+
+
+def test_pool_layout_and_empty_step():
+    pool = pa.make_pool(3, 5, PAGE, KV, HD, jnp.float32)
+    assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and not np.any(np.asarray(pool))
+    _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
+    kv = jnp.ones((8, KV, HD))
+    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
+    assert np.all(np.asarray(out) == 0)
