@@ -9,7 +9,7 @@ import pytest
 
 from systolic.workloads.lm.serve import paged_attention as pa
 from systolic.workloads.lm.serve.kv_cache import PageTable
-from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
+from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout, pages_first
 
 H, KV, HD, PAGE, PAGES, T, S, PER_SEQ = 4, 2, 8, 4, 16, 24, 4, 5
 # (tokens cached before this step, tokens in this step): a prefill chunk after 5 cached positions, a decode at
@@ -67,15 +67,20 @@ def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("window", [0, 3, 6], ids=["causal", "window-3", "window-6"])
-@pytest.mark.parametrize("block_keys", [64, 8], ids=["one-block", "blocks-of-8"])
-def test_ragged_paged_attention_matches_dense_float64(window, block_keys):
+@pytest.mark.parametrize("block_keys, page_tokens", [(64, None), (8, None), (8, 8)],
+                         ids=["one-block", "blocks-of-8", "blocks-of-8-pages-for-the-first-8"])
+def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_tokens):
+    """page_tokens=8: only the first 8 tokens (the chunk after cached positions and the decode, which the scheduler
+    puts first) read pages; the fresh prompt after them needs none."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
+    assert [c.start for c in pages_first([Chunk(None, s, n) for s, n in CHUNKS])] == [s for s, _ in CHUNKS]
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
 
     @jax.jit
     def run(pool, q, k, v, batch):
         pool = pa.write_kv(pool, 0, k, v, batch.slots)
-        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys), pool
+        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys,
+                                         page_tokens=page_tokens), pool
 
     out, written = run(f32(pool), f32(q), f32(new_k), f32(new_v), batch)
     want = dense_reference(q, full_k, full_v, window)

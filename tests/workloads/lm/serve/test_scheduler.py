@@ -4,7 +4,8 @@ choices (decodes before prefill chunks, first come first served, the newest pree
 import numpy as np
 
 from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable, page_hashes
-from systolic.workloads.lm.serve.scheduler import Chunk, Scheduler, Sequence, layout, token_buckets
+from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
+                                                    pages_first, token_buckets)
 
 
 def test_pages_are_taken_and_given_back():
@@ -127,3 +128,11 @@ def test_token_buckets():
     assert token_buckets(256) == (8, 16, 32, 64, 128, 256)
     assert token_buckets(100) == (8, 16, 32, 64, 100)
     assert token_buckets(4) == (4,)
+
+
+def test_page_buckets_and_the_rows_that_read_pages_first():
+    assert page_buckets(256) == (16, 64, 256) and page_buckets(8) == (8,) and page_buckets(96) == (24, 96)
+    assert [page_bucket(256, n) for n in (0, 16, 17, 64, 65, 256)] == [16, 16, 64, 64, 256, 256]
+    a, b, c = (Sequence(name, list(range(8)), 4, i) for i, name in enumerate("abc"))
+    order = pages_first([Chunk(a, 0, 4), Chunk(b, 5, 1), Chunk(c, 2, 3)])
+    assert [ch.seq.request_id for ch in order] == ["b", "c", "a"]  # positions before them first, arrival order kept

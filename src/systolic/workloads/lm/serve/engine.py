@@ -43,7 +43,8 @@ from systolic.workloads.lm.model.transformer import resolve_dtype
 from systolic.workloads.lm.serve.detokenize import TextStream
 from systolic.workloads.lm.serve.kv_cache import PageCache
 from systolic.workloads.lm.serve.paged_attention import make_pool
-from systolic.workloads.lm.serve.scheduler import Chunk, Scheduler, Sequence, layout, token_buckets
+from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
+                                                    pages_first, token_buckets)
 from systolic.workloads.lm.serve.step import RowSampling, make_step
 
 KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for the pool, when no budget is given
@@ -192,7 +193,7 @@ class InferenceEngine:
         Returns the events of this step: sampled tokens, finished and cancelled requests."""
         events = [TokenEvent(rid, None, "", None, "cancelled") for rid in self._cancelled]
         self._cancelled.clear()
-        chunks = self.scheduler.schedule()
+        chunks = pages_first(self.scheduler.schedule())
         self._batch_tokens = sum(c.count for c in chunks)
         if not chunks:
             return events
@@ -207,15 +208,19 @@ class InferenceEngine:
         """Compiles the step for every token bucket (an empty batch: padding writes only the null page), so no
         request compiles anything."""
         for size in self.buckets:
-            self._run([], tokens=size)
+            for reading in page_buckets(size):
+                self._run([], tokens=size, page_tokens=reading)
 
-    def _run(self, chunks: list[Chunk], tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Runs the chunks in the smallest bucket that holds them; (sampled ids (S,), their log-probs (S,))."""
+    def _run(self, chunks: list[Chunk], tokens: int | None = None,
+             page_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Runs the chunks (`pages_first` order) in the smallest bucket that holds them; (sampled ids (S,), their
+        log-probs (S,))."""
         n = sum(c.count for c in chunks)
         T = tokens or next(b for b in self.buckets if b >= n)
         S = min(T, self.max_seqs)
+        reading = page_tokens or page_bucket(T, sum(c.count for c in chunks if c.start > 0))
         ids, batch = layout(chunks, tokens=T, rows=S, page_size=self.page_size, pages_per_seq=self.pages_per_seq)
-        out = self._step(self.params, self.pool, ids, batch, self._row_sampling(chunks, S), self.vocab_limit)
+        out = self._step(self.params, self.pool, ids, batch, self._row_sampling(chunks, S), self.vocab_limit, reading)
         self.pool = out.pool
         return np.asarray(out.tokens), np.asarray(out.logprobs)
 

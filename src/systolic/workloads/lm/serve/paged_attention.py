@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from systolic.runtime.platform import compile_platform
+from systolic.workloads.lm.serve.kv_cache import NULL_PAGE
 
 
 def keys_per_block() -> int:
@@ -64,11 +65,13 @@ class PagedKV(NamedTuple):
     pool: jax.Array  # (L, pages, page_size, 2 * KV, hd)
     layer: jax.Array | int  # this layer's index into the pool
     batch: RaggedBatch
+    page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int) -> tuple[jax.Array, PagedKV]:
         """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
         pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
-        out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window)
+        out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window,
+                                     page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
 
 
@@ -81,20 +84,27 @@ def write_kv(pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array
 
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array | int,
-                           batch: RaggedBatch, *, window: int = 0, block_keys: int | None = None) -> jax.Array:
+                           batch: RaggedBatch, *, window: int = 0, block_keys: int | None = None,
+                           page_tokens: int | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
     positions when > 0): q (T, H, hd), this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query
     head h reads key/value head h // (H // KV)). The positions before each sequence's chunk are read from the
-    pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v."""
+    pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v.
+    `page_tokens` (static): only the first this many tokens have positions before their chunk (the scheduler puts
+    decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
+    prompts beside a few decodes reads the decodes' pages, not a copy per prompt token."""
     T, H, hd = q.shape
     KV = k.shape[1]
     qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
     pos = batch.positions  # (T,)
     first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
     real = jnp.arange(T) < batch.num_tokens
-    carry = _chunk_attention(qg, k, v, batch, first, real)
+    m, l, acc = _chunk_attention(qg, k, v, batch, first, real)
     chunk_start = (batch.kv_lens - jnp.diff(batch.cu_q_lens))[batch.rows]  # (T,) positions before: in the pages
-    _, l, acc = _page_attention(qg, pool, layer, batch, first, chunk_start, real, carry, block_keys)
+    n = T if page_tokens is None else page_tokens
+    _, l_paged, acc_paged = _page_attention(qg[:n], pool, layer, batch.page_table[batch.rows[:n]], first[:n],
+                                            chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys)
+    l, acc = l.at[:n].set(l_paged), acc.at[:n].set(acc_paged)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
     return out.reshape(T, H, hd).astype(q.dtype)
 
@@ -114,9 +124,10 @@ def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real):
     return m, jnp.sum(p, axis=-1), acc
 
 
-def _page_attention(qg, pool, layer, batch: RaggedBatch, first, end, real, carry, block_keys):
+def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys):
     """Continues the online softmax `carry` over each token's keys at positions [first, end) in its sequence's
-    pages, a block at a time, over the blocks some token of this step needs."""
+    pages (`tables` (T, pages_per_seq): each token's sequence's page table), a block at a time, over the blocks some
+    token of this step needs."""
     T, KV, G, hd = qg.shape
     L, P, page_size = pool.shape[:3]
     block_pages = max(1, (block_keys or keys_per_block()) // page_size)
@@ -125,15 +136,20 @@ def _page_attention(qg, pool, layer, batch: RaggedBatch, first, end, real, carry
     # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
     # be split over the mesh).
     pages = pool.reshape(L * P, page_size, 2 * KV, hd)
-    tables = batch.page_table[batch.rows] + layer * P  # (T, pages_per_seq): each token's sequence's pages
+    null = layer * P + NULL_PAGE  # this layer's null page
+    tables = tables + layer * P  # (T, pages_per_seq)
     blocks = -(-tables.shape[1] // block_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, blocks * block_pages - tables.shape[1])))  # whole blocks: null pages
+    tables = jnp.pad(tables, ((0, 0), (0, blocks * block_pages - tables.shape[1])), constant_values=null)
     lo = jnp.min(jnp.where(real, first // B, blocks))
     hi = jnp.max(jnp.where(real, (end + B - 1) // B, 0))
 
     def block(j, carry):
         m, l, acc = carry  # (T, KV, G), (T, KV, G), (T, KV, G, hd) float32
         ids = jax.lax.dynamic_slice_in_dim(tables, j * block_pages, block_pages, axis=1)  # (T, bp)
+        # A token with no key in this block reads the null page instead of its own: one page that stays in cache,
+        # where the step's shorter sequences would each fetch pages from memory only to mask them.
+        needed = real & (j * B < end) & ((j + 1) * B > first)  # (T,)
+        ids = jnp.where(needed[:, None], ids, null)
         kv = jnp.take(pages, ids, axis=0).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
         s = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, B)

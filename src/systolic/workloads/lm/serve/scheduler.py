@@ -43,6 +43,27 @@ def token_buckets(max_tokens_per_step: int) -> tuple[int, ...]:
     return (*sizes, max_tokens_per_step)
 
 
+def page_buckets(tokens: int) -> tuple[int, ...]:
+    """How many of a `tokens`-slot step's tokens may read pages, as compiled: tokens, tokens / 4, tokens / 16, ...
+    down to SMALLEST_BUCKET. A step uses the smallest that holds its decodes and continued prompts (`layout` puts
+    them first), so new prompts prefilled beside a few decodes do not each gather the decodes' pages."""
+    sizes = [tokens]
+    while sizes[-1] % 4 == 0 and sizes[-1] // 4 >= SMALLEST_BUCKET:
+        sizes.append(sizes[-1] // 4)
+    return tuple(sorted(sizes))
+
+
+def page_bucket(tokens: int, reading: int) -> int:
+    """The compiled count of page-reading tokens for `reading` such tokens in a step of `tokens` slots."""
+    return next(b for b in page_buckets(tokens) if b >= reading)
+
+
+def pages_first(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks with positions before them in the cache (decodes, continued prompts, prompts that start after a
+    cached prefix) first, then prompts that start at position 0: the order of a step's rows."""
+    return sorted(chunks, key=lambda c: c.start == 0)
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One request's tokens and its place in the cache."""

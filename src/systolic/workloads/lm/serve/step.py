@@ -40,11 +40,11 @@ class StepOutput(NamedTuple):
 
 
 def engine_step(graphdef: nnx.GraphDef, params: Any, pool: jax.Array, tokens: jax.Array, batch: RaggedBatch,
-                sampling: RowSampling, vocab_limit: jax.Array) -> StepOutput:
+                sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None) -> StepOutput:
     """tokens (T,) laid out by `batch` -> the next token of each row. Ids >= vocab_limit (the embedding's padding
-    rows) are never sampled."""
+    rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py)."""
     model = nnx.merge(graphdef, params)
-    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch))  # (S, V) float32
+    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens))  # (S, V) float32
     keys = jax.vmap(jax.random.fold_in)(sampling.key, sampling.draw)  # (S, 2)
 
     def sample_row(row_logits, key, temperature, top_k, top_p):
@@ -71,15 +71,16 @@ _STEPS: dict[nnx.GraphDef, Callable[..., StepOutput]] = {}
 
 def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
               param_shardings: Any, pool_sharding: jax.sharding.Sharding | None) -> Callable[..., StepOutput]:
-    """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit).
+    """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit,
+    page_tokens), page_tokens static.
     The pool is donated (updated in place). On a mesh, the shardings in and out are fixed, so no call after the
     first of a shape compiles again, and the batch arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
         if graphdef not in _STEPS:
-            _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1)
+            _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)
         return _STEPS[graphdef]
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    compiled = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1,
+    compiled = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6,
                        in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
                        out_shardings=StepOutput(pool_sharding, replicated, replicated))
 
