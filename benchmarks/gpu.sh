@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Step time, tokens/s and MFU of gpt2-124m and llama-1b on one NVIDIA GPU in bfloat16 with cuDNN attention, plus
 # cuDNN against XLA attention (llama-1b) and a scanned against a looped layer stack (gpt2-124m): the rows and
-# batch sizes are in benchmarks/gpu_bench.py. Under 8 minutes on one H200. Not yet run on a GPU.
+# batch sizes are in benchmarks/gpu_bench.py; then the inference engine's output tokens/s (benchmarks/serve_engine.py,
+# at most 4 more minutes). Under 12 minutes on one H200. Not yet run on a GPU.
 #
 # It needs nothing but this tree, a python3 with jax and its CUDA plugin, flax, optax, orbax-checkpoint,
 # tokenizers, rich, matplotlib and pyyaml (the GPU machine's image), and the wheels that benchmarks/gpu-wheels.sh
@@ -16,7 +17,7 @@
 #
 # With the device tool (a session that is lent an nvidia-h200), after `bash benchmarks/gpu-wheels.sh` in the
 # root of the session's own checkout (the one the tool sends):
-#   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=540)
+#   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=600)
 # $OUT's three files come back; put the table into docs/benchmarks.md ("GPU (H200)").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" benchmarks/gpu_bench.py
+status=0
+"$PY" benchmarks/gpu_bench.py || status=$?
+# The serving row: the inference engine alone (benchmarks/serve_engine.py) on llama-1b in bfloat16 with random
+# weights, 16 and 64 requests in flight; its table follows the training table, JSON lines in $OUT/serve-engine.jsonl.
+OUT_DIR=${OUT:-/tmp/gpu-bench}
+mkdir -p "$OUT_DIR"
+if [ -n "${SYSTOLIC_GPU_SH_DRY_RUN:-}" ]; then serve_args=(--levels 1,4); else serve_args=(--recipe llama-1b --dtype bfloat16 --levels 16,64 --output 128); fi
+timeout 240 "$PY" benchmarks/serve_engine.py "${serve_args[@]}" --json "$OUT_DIR/serve-engine.jsonl" || { [ "$status" = 0 ] && status=1; }
+exit "$status"
