@@ -12,9 +12,9 @@ Each side runs in its own server process. Requests use greedy decoding and strea
 (1, 4, 16, 64 requests in flight; 2 x concurrency requests, at least 4) the script measures output tokens/s over
 the level's wall time, time to first token (TTFT) and time per output token after the first (TPOT), p50/p99. The
 shared-prefix case sends prompts that share their first 3/4 (a system prompt) at concurrency 16. Sides alternate
-within every level and every round. Before timing, greedy replies are compared between the sides; after the
-servers stop, `systolic generate`'s engine is timed against transformers' `generate` on one prompt (both loaded
-and compiled).
+within every level and every round, and while one side is measured the others are paused (SIGSTOP). Before
+timing, greedy replies are compared between the sides; after the servers stop, `systolic generate`'s engine is
+timed against transformers' `generate` on one prompt (both loaded and compiled).
 
     PYTHONPATH=src python benchmarks/serve_vs_peers.py                  # about 10-20 minutes on 2 cores
     PYTHONPATH=src python benchmarks/serve_vs_peers.py --levels 1,4 --rounds 1 --sides systolic,transformers
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -393,6 +394,20 @@ def check_greedy(servers: dict, prompts: list[str], output: int) -> dict:
             for side, answers in replies.items()}
 
 
+@contextlib.contextmanager
+def alone(servers: dict, side: str):
+    """The other servers paused (SIGSTOP to their process groups) while `side` is measured: an idle server's
+    threads (polling loops, thread pools) would otherwise take CPU from the one under load."""
+    others = [process for name, (process, _, _) in servers.items() if name != side and process.poll() is None]
+    for process in others:
+        os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in others:
+            os.killpg(process.pid, signal.SIGCONT)
+
+
 def measure(servers: dict, tokenizer, levels: list[int], args) -> list[dict]:
     cases = [(f"{args.prompt} in / {args.output} out", c, 0) for c in levels]
     if 16 in levels:
@@ -408,7 +423,8 @@ def measure(servers: dict, tokenizer, levels: list[int], args) -> list[dict]:
             for side in order[turn:] + order[:turn]:  # who goes first alternates
                 _, url, model = servers[side]
                 try:
-                    result = asyncio.run(run_level(side, url, model, prompts, concurrency, args.output))
+                    with alone(servers, side):
+                        result = asyncio.run(run_level(side, url, model, prompts, concurrency, args.output))
                 except Exception as e:  # a side that fails one level is reported, and measured at the others
                     print(f"round {round_ + 1} {case} c={concurrency} {side}: failed: {e!r}", flush=True)
                     continue
