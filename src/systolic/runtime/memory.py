@@ -51,11 +51,8 @@ def available(devices: Sequence[Any]) -> tuple[int, str] | None:
         return (total, "host memory (os.sysconf), shared by the CPU devices") if total else None
     limits = []
     for device in devices:
-        try:
-            stats = device.memory_stats()
-        except Exception:  # noqa: BLE001 (some runtimes raise instead of returning None)
-            return None
-        if not stats or "bytes_limit" not in stats:
+        stats = memory_stats(device)
+        if stats is None:
             return None
         limits.append(int(stats["bytes_limit"]))
     return sum(limits), f"the memory of {len(limits)} {devices[0].platform} device(s) (memory_stats bytes_limit)"
@@ -72,3 +69,12 @@ def check_fits(need_bytes: float, devices: Sequence[Any], *, what: str, fix: str
 
 def gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB" if n < 2**60 else f"{n:.2e} bytes"
+
+
+def memory_stats(device: Any) -> dict[str, Any] | None:
+    """A device's memory statistics when its runtime reports a limit (GPU, TPU); None otherwise (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 (some runtimes raise instead of returning None)
+        return None
+    return stats if stats and "bytes_limit" in stats else None

@@ -34,7 +34,7 @@ from systolic.data.tokenizer import Tokenizer, find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.memory import gib
+from systolic.runtime.memory import gib, memory_stats
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
@@ -356,10 +356,5 @@ def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | Non
 
 def _free_bytes(device: jax.Device) -> int | None:
     """A device's free memory, where its runtime says (GPU, TPU); None on CPU."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 (some runtimes raise instead of returning None)
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    stats = memory_stats(device)
+    return None if stats is None else int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
