@@ -47,7 +47,7 @@ def build_engine(args):
     from systolic import config as config_lib
     from systolic.data.tokenizer import ByteTokenizer
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.model.transformer import make_model, resolve_dtype
+    from systolic.workloads.lm.model.transformer import make_model
     from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL)
@@ -57,20 +57,18 @@ def build_engine(args):
     vocab = model.padded_vocab(model.vocab_size or 32768)  # a 32k tokenizer where the recipe derives it
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
     rng = np.random.default_rng(0)
-    dtype = resolve_dtype(model.dtype)
     params = jax.tree.map(lambda x: jax.device_put(rng.normal(0, 0.02, x.shape).astype(x.dtype)), abstract)
+    # The pool: what `systolic serve` would take on this device, cut to 4x what max_seqs requests of prompt + output
+    # hold (the levels use no more) and never less than that.
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
-    pages, text = pool_pages(model, args.page_size, kv_memory_gib=None, max_seqs=args.max_seqs,
-                             device=jax.devices()[0], split=1)
-    print(text)
-    tokenizer = ByteTokenizer()
-    engine = InferenceEngine(model, params, tokenizer, kv_pages=max(min(pages, 4 * need), need),
-                             page_size=args.page_size, max_seqs=args.max_seqs,
-                             max_tokens_per_step=args.max_tokens_per_step)
+    pages, _ = pool_pages(model, args.page_size, kv_memory_gib=None, max_seqs=args.max_seqs,
+                          device=jax.devices()[0], split=1)
+    pages = max(min(pages, 4 * need), need)
+    engine = InferenceEngine(model, params, ByteTokenizer(), kv_pages=pages, page_size=args.page_size,
+                             max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step)
     engine.vocab_limit = np.int32(vocab - 1)  # any id but the last: random prompts, no end-of-text stop
-    engine.tokenizer = tokenizer
     print(f"model: {model.layers} layers x {model.d_model}, {model.heads} heads ({model.n_kv_heads} KV), "
-          f"vocabulary {vocab}, {dtype.__name__ if hasattr(dtype, '__name__') else dtype}; {jax.devices()[0]}")
+          f"vocabulary {vocab}, {model.dtype}; KV cache {pages - 1:,} pages of {args.page_size}; {jax.devices()[0]}")
     return engine, vocab
 
 
