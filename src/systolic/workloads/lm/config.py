@@ -187,6 +187,10 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
     remat: Literal["none", "full", "dots"] = "none"
+    # The projections' operands (lm/model/quant.py, through Qwix): int8 / fp8 quantize activations and weights
+    # (per row, per output channel) into an int8 x int8 (fp8) dot; in training the backward pass goes straight
+    # through to the float32 weights (quantization-aware training); float32 master weights and optimizer state.
+    quant: Literal["none", "int8", "fp8"] = "none"
     # training attention: auto = splash on TPU, cuDNN on GPU, lm/model/cpu.py on CPU (see workloads/lm/model/attention.py)
     attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
     # attention when mesh.context > 1 splits the sequence (workloads/lm/parallel/context.py): ring = key/value blocks passed

@@ -39,6 +39,7 @@ from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.parallel import pipeline as pipeline_lib
 from systolic.workloads.lm.config import ModelConfig, PipelineConfig
+from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
@@ -138,7 +139,18 @@ class Norm(nnx.Module):
         return (h * self.scale[...] + self.bias[...]).astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class _Projecting(nnx.Module):
+    """What Attention and MLP share: x times one of their weights in the compute dtype, with model.quant's operands
+    (a weight may be stored quantized for serving: lm/model/quant.py)."""
+
+    dtype: jnp.dtype
+    quant: str
+
+    def _project(self, x: jax.Array, w: nnx.Param, contract: int = 1) -> jax.Array:
+        return quant_lib.project(x, w[...].astype(self.dtype), contract, self.quant)
+
+
+class Attention(_Projecting):
     """Causal grouped-query attention, within `model.sliding_window` positions when set: in training by
     `model.attention`'s implementation (`lm/model/attention.py`), against a KV cache through
     `jax.nn.dot_product_attention` with an explicit mask. Qwen2's q/k/v biases (`qkv_bias`) and Qwen3's per-head
@@ -148,6 +160,7 @@ class Attention(nnx.Module):
         d, h, kv, hd = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.d_head
         std = cfg.init_std * hidden_init_scale(cfg)  # muP: variance 1/fan_in (1 under the standard parametrization)
         self.dtype = resolve_dtype(cfg.dtype)
+        self.quant = cfg.quant
         self.attention_setting = cfg.attention
         self.context_attention = cfg.context_attention
         self.window = cfg.sliding_window
@@ -180,9 +193,9 @@ class Attention(nnx.Module):
         inference engine step's paged cache (lm/serve/paged_attention.py; B = 1 row of T tokens from many
         sequences). Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
-        q = _adapted(x, project(x, self.wq[...].astype(dt)), self.wq_lora)  # (B, T, H, hd)
-        k = _adapted(x, project(x, self.wk[...].astype(dt)), self.wk_lora)  # (B, T, KV, hd)
-        v = _adapted(x, project(x, self.wv[...].astype(dt)), self.wv_lora)  # (B, T, KV, hd)
+        q = _adapted(x, self._project(x, self.wq), self.wq_lora)  # (B, T, H, hd)
+        k = _adapted(x, self._project(x, self.wk), self.wk_lora)  # (B, T, KV, hd)
+        v = _adapted(x, self._project(x, self.wv), self.wv_lora)  # (B, T, KV, hd)
         if self.bq is not None:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.q_norm is not None:
@@ -213,18 +226,19 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
             out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
-        y = _adapted(out, project(out, self.wo[...].astype(dt), contract=2), self.wo_lora)  # (B, T, D)
+        y = _adapted(out, self._project(out, self.wo, contract=2), self.wo_lora)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
         return y, kv
 
 
-class MLP(nnx.Module):
+class MLP(_Projecting):
     """SwiGLU (llama) or GELU-tanh with biases (gpt2); `width` overrides model.mlp_dim (MoE's shared experts)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int = 0):
         d, m, std = cfg.d_model, width or cfg.d_mlp, cfg.init_std * hidden_init_scale(cfg)  # muP: variance 1/fan_in
         self.dtype = resolve_dtype(cfg.dtype)
+        self.quant = cfg.quant
         self.llama = cfg.family == "llama"
         out_std = std / math.sqrt(2 * cfg.layers)
         if self.llama:
@@ -247,13 +261,13 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         if self.llama:
-            gate = _adapted(x, project(x, self.w_gate[...].astype(dt)), self.w_gate_lora)  # (B, T, M)
-            up = _adapted(x, project(x, self.w_up[...].astype(dt)), self.w_up_lora)  # (B, T, M)
+            gate = _adapted(x, self._project(x, self.w_gate), self.w_gate_lora)  # (B, T, M)
+            up = _adapted(x, self._project(x, self.w_up), self.w_up_lora)  # (B, T, M)
             h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-            return _adapted(h, project(h, self.w_down[...].astype(dt)), self.w_down_lora)  # (B, T, D)
-        h = _adapted(x, project(x, self.w_fc[...].astype(dt)), self.w_fc_lora) + self.b_fc[...].astype(dt)  # (B, T, M)
+            return _adapted(h, self._project(h, self.w_down), self.w_down_lora)  # (B, T, D)
+        h = _adapted(x, self._project(x, self.w_fc), self.w_fc_lora) + self.b_fc[...].astype(dt)  # (B, T, M)
         h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
-        y = _adapted(h, project(h, self.w_proj[...].astype(dt)), self.w_proj_lora)  # (B, T, D)
+        y = _adapted(h, self._project(h, self.w_proj), self.w_proj_lora)  # (B, T, D)
         return y + self.b_proj[...].astype(dt)
 
 
@@ -502,8 +516,7 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = quant_lib.readout(x, self.lm_head[...].astype(self.dtype))
         if self.logit_scale != 1:
             logits = logits * self.logit_scale  # muP's readout multiplier 1/m
         return constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
