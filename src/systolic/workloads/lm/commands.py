@@ -16,7 +16,8 @@ ENTRY = "systolic.workloads.lm.entry"
 
 def _generate(args: argparse.Namespace) -> int:
     print(WORKLOAD.command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                       args.top_p, args.seed, chat=args.chat, system=args.system))
+                                       args.top_p, args.seed, chat=args.chat, system=args.system,
+                                       quantize=args.quantize))
     return 0
 
 
@@ -26,6 +27,16 @@ def _export(args: argparse.Namespace) -> int:
     platforms = [p.strip() for p in args.platforms.split(",")] if args.platforms else None
     paths = export_run(args.run_dir, args.out, what=args.what, platforms=platforms, force=args.force)
     print("wrote " + ", ".join(f"{p} ({p.stat().st_size / 1e6:.2f} MB)" for p in paths))
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from systolic.workloads.lm.model.quant import param_bytes
+    from systolic.workloads.lm.quantize import quantize_run
+
+    run = quantize_run(args.run_dir, args.out, args.scheme)
+    print(f"wrote {args.out}: {args.run_dir}'s step {run.step} with {args.scheme} weights ({param_bytes(run.params) / 1e6:.2f} "
+          f"MB of parameters); serve it with `systolic serve {args.out}`")
     return 0
 
 
@@ -64,6 +75,12 @@ def _to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+# The weights quantized after loading (lm/model/quant.py SCHEMES; a run `systolic quantize` wrote needs none).
+_SCHEMES = ("int8", "w8a8", "fp8")
+_SCHEMES_HELP = ("int8: int8 weights (per output channel); w8a8: int8 weights and activations; fp8: float8_e4m3fn "
+                 "weights and activations (GPU/TPU)")
+_QUANTIZE = arg("--quantize", choices=_SCHEMES, help=f"quantize the weights after loading ({_SCHEMES_HELP})")
+
 _GENERATE = Command(
     "generate", help="sample text from a trained lm run directory", run=_generate,
     args=(arg("run_dir", type=Path),
@@ -75,7 +92,8 @@ _GENERATE = Command(
           arg("--temperature", type=float, help="0 = greedy"),
           arg("--top-k", type=int, help="0 = off"),
           arg("--top-p", type=float, help="1.0 = off"),
-          arg("--seed", type=int)))
+          arg("--seed", type=int),
+          _QUANTIZE))
 
 _EXPORT = Command(
     "export", help="write a trained lm as serialized StableHLO (jax.export) for deployment", run=_export,
@@ -89,6 +107,15 @@ _EXPORT = Command(
               help="forward: tokens -> logits (default); decode: tokens + KV cache -> logits + cache; both"),
           arg("--platforms", help="comma-separated, of cpu, cuda, rocm, tpu (default: this machine's)"),
           arg("--force", action="store_true", help="replace existing output files")))
+
+_QUANTIZE_CMD = Command(
+    "quantize", help="store an lm run's weights quantized (int8, fp8) as a run directory to serve", run=_quantize,
+    description="Quantize a run's latest checkpoint through Qwix and write it as a new run directory that `systolic "
+                "serve`, `generate` and `eval lm` load without the float weights, e.g. `systolic quantize runs/lm-small "
+                "--scheme int8 --out runs/lm-small-int8`. See docs/quantization.md.",
+    args=(arg("run_dir", type=Path, help="an lm run directory (trained, fine-tuned, LoRA or imported)"),
+          arg("--scheme", choices=_SCHEMES, required=True, help=_SCHEMES_HELP),
+          arg("--out", type=Path, required=True, help="the run directory to create")))
 
 _TOKENIZER = Command(
     "tokenizer", help="train a BPE tokenizer for the lm workload (then data.tokenizer=FILE)",
@@ -146,7 +173,8 @@ _SERVE = Command(
           arg("--no-prefix-caching", dest="prefix_caching", action="store_false",
               help="do not share the KV pages of prompts' common beginnings between requests"),
           arg("--mesh-tensor", type=int, default=1, help="devices to split the model over (tensor parallelism; "
-              "default 1)")))
+              "default 1)"),
+          _QUANTIZE))
 
 _EVAL_OPTIONS = (
     arg("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl with field 'text' "
@@ -154,7 +182,8 @@ _EVAL_OPTIONS = (
     arg("--choices", type=Path, metavar="FILE.jsonl", help='score multiple choice: one {"context": str, "choices": '
         '[str, ...], "label": int} a line; accuracy and acc_norm'),
     arg("--batch-size", type=int, metavar="N", help="rows per batch (default: the run's train.batch_size / "
-        "train.grad_accum), rounded up to a multiple of the data-parallel devices"))
+        "train.grad_accum), rounded up to a multiple of the data-parallel devices"),
+    _QUANTIZE)
 
 WORKLOAD = Workload(
     name="lm", config=LMConfig, default_recipe="lm-tiny",
@@ -164,4 +193,4 @@ WORKLOAD = Workload(
     options={"eval": _EVAL_OPTIONS},
     # With init.from: the source's model and tokenizer.
     resolve_config=Lazy("systolic.workloads.lm.init_from:resolve_config"),
-    own_commands=(_GENERATE, _SERVE, _EXPORT, _TOKENIZER, _CONVERT))
+    own_commands=(_GENERATE, _SERVE, _QUANTIZE_CMD, _EXPORT, _TOKENIZER, _CONVERT))

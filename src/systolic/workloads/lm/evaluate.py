@@ -327,7 +327,7 @@ def accuracies(items: Sequence[Item], loglikelihoods: Sequence[np.ndarray]) -> d
 
 
 def evaluate_run(run_dir: Path, *, data: str | None = None, choices: Path | None = None, batch_size: int | None = None,
-                 devices: list[jax.Device] | None = None) -> str:
+                 devices: list[jax.Device] | None = None, quantize: str | None = None) -> str:
     """`systolic eval lm RUN_DIR --data FILE | --choices FILE.jsonl`: a short table, then the figures as one JSON
     object on the last line. `devices` (default: all) is for tests."""
     if (data is None) == (choices is None):
@@ -340,10 +340,11 @@ def evaluate_run(run_dir: Path, *, data: str | None = None, choices: Path | None
     # Bad input first, before the checkpoint is read and anything compiles.
     docs = read_text(data) if data is not None else None
     items = read_choices(choices) if choices is not None else None
-    run = load_run(Path(run_dir), COMMAND, sharded=True, devices=devices)
+    run = load_run(Path(run_dir), COMMAND, sharded=True, devices=devices, quantize=quantize)
     # Default: training's micro-batch, which its own evaluation uses and which fits in memory (forward only, less).
     rows = batch_rows(run, batch_size or run.cfg.train.batch_size // run.cfg.train.grad_accum)
-    head = f"{COMMAND} {run_dir}: checkpoint step {run.step}; {run.layout}; batches of {rows} rows"
+    weights = f"; {run.quantized} weights" if run.quantized else ""
+    head = f"{COMMAND} {run_dir}: checkpoint step {run.step}{weights}; {run.layout}; batches of {rows} rows"
     if docs is not None:
         score = score_text(run, docs, rows=rows)
         figures = score.metrics()

@@ -108,6 +108,7 @@ def export_run(run_dir: Path, out: Path, *, what: str = "forward",
     for path in (*paths.values(), params_path, manifest_path):  # the files written beside it
         outfile.check(path, option="--out", suffixes=(), force=force)
     run = load_run(run_dir, "systolic export")
+    run.require_float(run_dir, "systolic export", "the exported functions take float32 parameters")
     exported = export_functions(run, WHAT[what], platforms)
     flat = {k: np.asarray(v) for k, v in zip(param_names(run.params), jax.device_get(jax.tree.leaves(run.params)))}
     buffer = io.BytesIO()

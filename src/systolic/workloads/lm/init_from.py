@@ -30,11 +30,11 @@ from systolic.engine.checkpoint import Checkpointer, has_checkpoints
 from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime.sharding import Rules, activate
-from systolic.workloads.lm.model import lora
+from systolic.workloads.lm.model import lora, quant
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.model.transformer import Transformer
 
-COMPUTE_ONLY = ("dtype", "remat", "attention")  # model settings that do not change the parameters
+COMPUTE_ONLY = ("dtype", "remat", "attention", "quant")  # model settings that do not change the parameters
 OWN = (*COMPUTE_ONLY, "lora")  # model settings of this run, not the source's: the adapters sit beside its weights
 
 
@@ -88,6 +88,10 @@ def load_params(source: Path, model: ModelConfig, abstract_params: Any) -> Any:
         raise ConfigError(f"init.from={source}: this run's model differs from the source's ({'; '.join(conflicts)}). "
                           f"Fix: use the source's model settings (see {source / rundir.CONFIG_FILE}).")
     with finished.open_run(source, LMConfig, f"init.from={source}") as run:
+        if run.meta().get(quant.META_KEY):
+            raise UserError(f"init.from={source} holds weights quantized for inference (`systolic quantize` wrote "
+                            "it); training needs the float weights. Fix: init.from the float run it was quantized "
+                            "from (to train with quantized matmuls, set model.quant=int8).")
         rows = run.meta().get("vocab")
         want = abstract_params["embed"].shape[0]
         if rows is not None and rows != want:

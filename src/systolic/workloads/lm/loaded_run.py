@@ -4,6 +4,7 @@ on one device or laid out over a mesh. What `generate`, `serve`, `export`, `eval
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,12 @@ from flax import nnx
 from systolic.config import MeshConfig
 from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
 from systolic.engine import finished
-from systolic.errors import ConfigError
+from systolic.errors import ConfigError, UserError
 from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, rules_for, with_shardings
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import sizes
+from systolic.workloads.lm.model import quant, sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +35,26 @@ class LoadedRun:
     mesh: jax.sharding.Mesh | None = None  # None: the parameters sit on the first device
     rules: Rules | None = None
     layout: str = "one device"  # which mesh, and why: for reports
+    quantized: str | None = None  # the scheme of weights stored quantized (lm/model/quant.py SCHEMES), else None
+
+    def require_float(self, run_dir: Path, command: str, needs: str) -> None:
+        """A UserError when the weights are quantized: `command` needs float weights (`needs` says why)."""
+        if self.quantized is not None:
+            raise UserError(f"{run_dir} holds weights quantized with the {self.quantized} scheme, but `{command}` "
+                            f"needs float weights: {needs}. Fix: pass the float run (the one `systolic quantize` "
+                            "read), without --quantize.")
 
 
 def load_run(run_dir: Path, command: str, *, sharded: bool = False,
              devices: list[jax.Device] | None = None,
-             layout: tuple[jax.sharding.Mesh, Rules] | None = None) -> LoadedRun:
+             layout: tuple[jax.sharding.Mesh, Rules] | None = None, quantize: str | None = None) -> LoadedRun:
     """The newest intact checkpoint's parameters and the run's config, with the run's own tokenizer; `command`
     ("systolic export") names what the user ran in the errors. `sharded`: the parameters laid out over `devices`
     (default: all) as `sharded_layout` chooses; `layout`: on that (mesh, rules) (the inference engine's tensor
     parallelism); otherwise on the first device. A LoRA run comes back merged: its base (from its init.from) with
-    the adapters folded in, and `cfg.model.lora` off."""
+    the adapters folded in, and `cfg.model.lora` off. `quantize`: a scheme of lm/model/quant.py SCHEMES, the
+    weights quantized after loading and model.quant set to the scheme's; a run written by `systolic quantize`
+    comes back quantized as it was saved, without `quantize`."""
     from systolic.workloads.lm.init_from import run_params
     from systolic.workloads.lm.model.lora import base_config
     from systolic.workloads.lm.train import model_graphdef, param_shardings
@@ -55,11 +66,14 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
         cfg = dataclasses.replace(cfg, model=base_config(cfg.model), data=dataclasses.replace(cfg.data, tokenizer=spec))
         tokenizer = make_tokenizer(spec)
         vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
+        stored = stored_scheme(run)
         count = sizes.param_count(cfg.model, vocab)  # before tracing: config.yaml may have been edited
         if layout is not None:
             devices, sharded = list(layout[0].devices.flat), True
-        memory.check_fits(4 * count, (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
-                          what=f"{run_dir}'s model ({count:,} float32 parameters, from its config.yaml)",
+        # A stored quantized weight takes a byte a parameter (a lower bound: norms and embeddings stay float32).
+        memory.check_fits((1 if stored else 4) * count,
+                          (jax.devices() if devices is None else devices) if sharded else jax.devices()[:1],
+                          what=f"{run_dir}'s model ({count:,} {stored or 'float32'} parameters, from its config.yaml)",
                           fix=f"check {run_dir}/config.yaml against the run's checkpoint, or use a machine with more memory.")
         graphdef = model_graphdef(cfg.model, vocab)
         abstract = nnx.eval_shape(lambda: nnx.to_pure_dict(nnx.state(_model(cfg, vocab), nnx.Param)))
@@ -72,9 +86,41 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
             shardings = param_shardings(cfg.model, vocab, mesh, rules)
         else:
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+        if stored:
+            abstract = jax.eval_shape(functools.partial(quant.quantize_params, scheme=stored,
+                                                        stacked=cfg.model.scan_layers), abstract)
+            shardings = quant.quantized_shardings(shardings, abstract)
         params = run_params(run, with_shardings(abstract, shardings))
+    if quantize is not None and stored is not None:
+        raise UserError(f"{run_dir} holds weights already quantized with the {stored} scheme (written by `systolic "
+                        f"quantize`), so they cannot be quantized again ({quantize}). Fix: use them as they are "
+                        "(without --quantize), or quantize the float run they came from.")
+    scheme = stored or quantize
+    if quantize is not None and stored is None:
+        params = _quantized(params, quantize, cfg.model.scan_layers, shardings)
+    if scheme is not None:  # the activations as the scheme says (weight-only int8: float)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=quant.SCHEMES[scheme][1]))
+        graphdef = model_graphdef(cfg.model, vocab)
     return LoadedRun(cfg=cfg, tokenizer=tokenizer, vocab=vocab, graphdef=graphdef, params=params, step=run.step,
-                     mesh=mesh, rules=rules, layout=layout_text)
+                     mesh=mesh, rules=rules, layout=layout_text, quantized=scheme)
+
+
+def stored_scheme(run: finished.FinishedRun) -> str | None:
+    """The quantization scheme of an open run whose checkpoint `systolic quantize` wrote, else None."""
+    scheme = run.meta().get(quant.META_KEY)
+    if scheme is not None and scheme not in quant.SCHEMES:
+        raise UserError(f"{run.run_dir}'s checkpoint says its weights are quantized with {scheme!r}, which this "
+                        f"systolic does not know (it knows {', '.join(quant.SCHEMES)}). Fix: use the systolic version "
+                        "that wrote it, or quantize the float run again.")
+    return scheme
+
+
+def _quantized(params: Any, scheme: str, stacked: bool, shardings: Any) -> Any:
+    """The float parameters (laid out by `shardings`) quantized as `scheme` says, each where its weight lives; the
+    float ones are donated."""
+    fn = functools.partial(quant.quantize_params, scheme=scheme, stacked=stacked)
+    out = quant.quantized_shardings(shardings, jax.eval_shape(fn, params))
+    return jax.jit(fn, out_shardings=out, donate_argnums=0)(params)
 
 
 def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tuple[jax.sharding.Mesh, Rules, str]:

@@ -68,8 +68,9 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.
 
 def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
                       top_k: int | None, top_p: float | None, seed: int | None, chat: bool = False,
-                      system: str | None = None) -> str:
-    """The prompt followed by its continuation; unset arguments take the run's `sample` settings. With `chat`, the
+                      system: str | None = None, quantize: str | None = None) -> str:
+    """The prompt followed by its continuation; unset arguments take the run's `sample` settings; `quantize` a
+    scheme for the weights (lm/model/quant.py). With `chat`, the
     assistant's reply alone, to the user message `prompt` after the optional system message `system`, rendered
     with the run's chat template and ended by its end-of-turn token."""
     if system is not None and not chat:
@@ -86,9 +87,9 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     settings.validate()
     if chat:
         template = chat_template(run_dir, cfg)  # before the checkpoint is read: a run without one fails at once
-        run = load_run(run_dir, command)
+        run = load_run(run_dir, command, quantize=quantize)
         return chat_reply(run.graphdef, run.params, template, settings, system=system)
-    run = load_run(run_dir, command)
+    run = load_run(run_dir, command, quantize=quantize)
     return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings)
 
 

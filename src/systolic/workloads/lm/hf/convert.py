@@ -295,6 +295,7 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     out = Path(out)
     _check_free(out)
     run = load_run(Path(run_dir), "systolic convert to-hf")
+    run.require_float(Path(run_dir), "systolic convert to-hf", "Hugging Face folders hold float weights")
     hf = hf_config.hf_config(run.cfg.model, run.vocab, run.tokenizer.eot_id)  # the run's own tokenizer
     params = parametrization.to_standard(run.cfg.model, jax.device_get(run.params))  # muP's multipliers folded in
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")

@@ -37,6 +37,8 @@ SCHEMES: dict[str, tuple[str, Literal["none", "int8", "fp8"]]] = {
     "w8a8": ("int8", "int8"),  # int8 weights and int8 activations: an int8 x int8 dot
     "fp8": ("fp8", "fp8"),  # float8_e4m3fn weights and activations
 }
+# The checkpoint metadata's key that names the scheme of weights stored quantized (`systolic quantize`).
+META_KEY = "quantized"
 # Each quantized weight by name -> how many of its leading axes a projection contracts (the rest are output
 # channels, each with its own scale).
 QUANTIZED = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1, "w_fc": 1, "w_proj": 1,

@@ -38,6 +38,7 @@ from systolic.runtime.memory import gib, memory_stats
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
+from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.transformer import resolve_dtype
 from systolic.workloads.lm.serve.detokenize import TextStream
@@ -113,7 +114,9 @@ class InferenceEngine:
         self.pages_per_seq = -(-self.max_context // page_size)
         self.buckets = token_buckets(max_tokens_per_step)
         self.vocab_limit = np.int32(min(tokenizer.vocab_size, self.vocab))
-        shardings = None if mesh is None else param_shardings(self.model_cfg, self.vocab, mesh, rules)
+        # Weights stored quantized (lm/model/quant.py) keep their weight's layout; their scales follow it.
+        shardings = None if mesh is None else quant.quantized_shardings(
+            param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
         self.params = jax.device_put(params, shardings)
         pool_sharding = _pool_sharding(self.params, mesh, rules)
         self.pool = make_pool(model.layers, kv_pages, page_size, model.n_kv_heads, model.d_head,
@@ -131,16 +134,19 @@ class InferenceEngine:
     @classmethod
     def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int = 16,
                  max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
-                 mesh_tensor: int = 1, say: Callable[[str], None] = print) -> InferenceEngine:
+                 mesh_tensor: int = 1, quantize: str | None = None,
+                 say: Callable[[str], None] = print) -> InferenceEngine:
         """The engine of the lm run `run_dir` (trained, fine-tuned with LoRA: merged, or imported), its parameters
         split over `mesh_tensor` devices (Megatron tensor parallelism) when > 1. The pool holds `kv_memory_gib`
         GiB (all its devices together), or by default KV_MEMORY_FRACTION of a device's free memory (on CPU, which
-        reports none: room for max_seqs sequences of the full context); `say` prints its size."""
+        reports none: room for max_seqs sequences of the full context); `say` prints its size. `quantize`: the
+        weights quantized after loading, as lm/model/quant.py's scheme of that name (a run written by `systolic
+        quantize` comes quantized without it)."""
         run_dir = Path(run_dir)
         command = "systolic serve"
         model = base_config(finished.read_config(run_dir, LMConfig, command).model)
         mesh, rules = tensor_layout(model, mesh_tensor) if mesh_tensor > 1 else (None, None)
-        run = load_run(run_dir, command, layout=None if mesh is None else (mesh, rules))
+        run = load_run(run_dir, command, layout=None if mesh is None else (mesh, rules), quantize=quantize)
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         kv_split = mesh_tensor if model.n_kv_heads % mesh_tensor == 0 else 1  # tensor_layout's choice
         pages, text = pool_pages(model, page_size, kv_memory_gib=kv_memory_gib, max_seqs=max_seqs,
