@@ -57,20 +57,24 @@ def project(x: jax.Array, w: jax.Array | qwix.QArray, contract: int = 1, quant: 
     # Contract the axes where they are (no flattening): a reshape of a QArray must keep its scales' blocks whole.
     dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
     rows = tuple(range(x.ndim - contract))  # each activation row (token) has its own scale
-    if not is_quantized(w):  # quantization-aware training: quantized forward, straight-through backward
-        qt = DotGeneralQtConfig(lhs_qtype=QTYPES[quant], rhs_qtype=QTYPES[quant])
-        return dot_general_qt(x, w, dims, qt).astype(x.dtype)
-    dtype = x.dtype
-    if quant != "none":
-        x = qwix.quantize(x, QTYPES[quant], channelwise_axes=rows)
-    return qwix.dot_general(x, w, dims).astype(dtype)
+    # Qwix multiplies its int32 products by float scales: standard promotion, whatever the caller's setting.
+    with jax.numpy_dtype_promotion("standard"):
+        if not is_quantized(w):  # quantization-aware training: quantized forward, straight-through backward
+            qt = DotGeneralQtConfig(lhs_qtype=QTYPES[quant], rhs_qtype=QTYPES[quant])
+            return dot_general_qt(x, w, dims, qt).astype(x.dtype)
+        dtype = x.dtype
+        if quant != "none":
+            x = qwix.quantize(x, QTYPES[quant], channelwise_axes=rows)
+        return qwix.dot_general(x, w, dims).astype(dtype)
 
 
 def readout(x: jax.Array, w: jax.Array | qwix.QArray) -> jax.Array:
     """The LM head: x (B, T, D) @ w (D, V) -> logits float32 (B, T, V), float32 accumulation (a stored
     quantized head is dequantized: weight-only)."""
     if is_quantized(w):
-        return qwix.dot_general(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.float32)
+        with jax.numpy_dtype_promotion("standard"):
+            return qwix.dot_general(x, w, (((2,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32).astype(jnp.float32)
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
 
 
