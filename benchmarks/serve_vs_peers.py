@@ -18,6 +18,7 @@ timed against transformers' `generate` on one prompt (both loaded and compiled).
 
     PYTHONPATH=src python benchmarks/serve_vs_peers.py                  # about 10-20 minutes on 2 cores
     PYTHONPATH=src python benchmarks/serve_vs_peers.py --levels 1,4 --rounds 1 --sides systolic,transformers
+    PYTHONPATH=src python benchmarks/serve_vs_peers.py --levels 16 --rounds 3 --sides systolic,systolic-int8,systolic-w8a8
 
 Needs the `bench` extra: pip install -e '.[bench]' (transformers[serving], llama-cpp-python[server], gguf, openai).
 """
@@ -48,6 +49,9 @@ ROPE_THETA = 10000.0
 EOT = "<|endoftext|>"
 START_TIMEOUT_S = 900
 SIDES = ("systolic", "transformers", "llama.cpp")
+# systolic serving the same run with its weights quantized after loading (`systolic serve RUN --quantize SCHEME`):
+# not run by default; name them in --sides to compare against float32 systolic.
+QUANTIZED_SIDES = {"systolic-int8": "int8", "systolic-w8a8": "w8a8"}
 # llama-cpp-python's server applies a repetition penalty of 1.1 unless told otherwise: off, so greedy is greedy.
 EXTRA_BODY = {"llama.cpp": {"repeat_penalty": 1.0}}
 
@@ -58,7 +62,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--output", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"which servers (default {','.join(SIDES)})")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"which servers (default {','.join(SIDES)}; also "
+                   f"{', '.join(QUANTIZED_SIDES)}: systolic with its weights quantized)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for llama.cpp (default: all)")
     p.add_argument("--keep", type=Path, help="write the model files here and keep them (default: a temp dir)")
     return p.parse_args(argv)
@@ -203,13 +208,13 @@ def start(side: str, hf: Path, run: Path, gguf_path: Path, args, log_dir: Path) 
     """A server process and its base URL, once it answers GET /v1/models."""
     port = free_port()
     env = dict(os.environ)
-    if side == "systolic":
+    if side == "systolic" or side in QUANTIZED_SIDES:
         # What `systolic serve` sets up before serve(): the XLA:CPU flags and allocator of a stepping lm process,
         # the compile cache, no TPU probe.
         code = ("import sys; from systolic.runtime import cpu_tuning, compile_cache; "
                 "cpu_tuning.apply_at_start(workload='lm', stepping=True); compile_cache.enable(); "
                 "from systolic.workloads.lm.serve.server import serve; "
-                f"serve(sys.argv[1], port={port}, max_seqs=64, max_queue=256)")
+                f"serve(sys.argv[1], port={port}, max_seqs=64, max_queue=256, quantize={QUANTIZED_SIDES.get(side)!r})")
         argv = [sys.executable, "-c", code, str(run)]
         env.setdefault("JAX_PLATFORMS", "cpu")
     elif side == "transformers":
