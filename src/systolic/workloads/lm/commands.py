@@ -16,7 +16,8 @@ ENTRY = "systolic.workloads.lm.entry"
 
 def _generate(args: argparse.Namespace) -> int:
     print(WORKLOAD.command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                       args.top_p, args.seed, chat=args.chat, system=args.system))
+                                       args.top_p, args.seed, chat=args.chat, system=args.system,
+                                       kv_cache=args.kv_cache))
     return 0
 
 
@@ -64,6 +65,11 @@ def _to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+KV_CACHES = ("auto", "int8")  # how the KV cache stores keys and values (serve/kv_pool.py): generate's and serve's
+_KV_CACHE = dict(choices=KV_CACHES, default="auto", help="how the KV cache stores keys and values: auto (the "
+                 "model's compute dtype, default) or int8 (a float32 scale per token and head: about half of "
+                 "bfloat16's memory, so about twice the tokens fit)")
+
 _GENERATE = Command(
     "generate", help="sample text from a trained lm run directory", run=_generate,
     args=(arg("run_dir", type=Path),
@@ -75,7 +81,8 @@ _GENERATE = Command(
           arg("--temperature", type=float, help="0 = greedy"),
           arg("--top-k", type=int, help="0 = off"),
           arg("--top-p", type=float, help="1.0 = off"),
-          arg("--seed", type=int)))
+          arg("--seed", type=int),
+          arg("--kv-cache", **_KV_CACHE)))
 
 _EXPORT = Command(
     "export", help="write a trained lm as serialized StableHLO (jax.export) for deployment", run=_export,
@@ -146,7 +153,8 @@ _SERVE = Command(
           arg("--no-prefix-caching", dest="prefix_caching", action="store_false",
               help="do not share the KV pages of prompts' common beginnings between requests"),
           arg("--mesh-tensor", type=int, default=1, help="devices to split the model over (tensor parallelism; "
-              "default 1)")))
+              "default 1)"),
+          arg("--kv-cache", **_KV_CACHE)))
 
 _EVAL_OPTIONS = (
     arg("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl with field 'text' "
