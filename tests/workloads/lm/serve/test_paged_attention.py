@@ -174,20 +174,3 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     assert np.all(error <= quantization_bound(q, full_k, full_v, window) + 2e-5)
     assert error.max() > 1e-4  # the int8 path quantized
 
-
-def test_int8_pool_layout_and_bytes():
-    """An int8 pool: int8 values in the float pool's layout and a float32 scale per row; per cached token 2 x layers x
-    kv_heads x (hd + 4) bytes against 2 x layers x kv_heads x hd x 4 in float32 and x 2 in bfloat16."""
-    cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
-    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "int8"))
-    assert pool.qvalue.shape == (3, 5, PAGE, 2 * KV, HD) and pool.qvalue.dtype == jnp.int8
-    assert pool.scale.shape == (3, 5, PAGE, 2 * KV, 1) and pool.scale.dtype == jnp.float32
-    assert kv_pool.token_bytes(cfg, "auto") == 2 * 3 * KV * HD * 4
-    assert kv_pool.token_bytes(cfg, "int8") == 2 * 3 * KV * (HD + 4)
-    bf16 = ModelConfig(d_model=2048, layers=16, heads=32, kv_heads=8, dtype="bfloat16")  # llama-1b's attention
-    assert kv_pool.token_bytes(bf16, "auto") == 2 * 16 * 8 * 64 * 2  # 32 KiB a token
-    assert kv_pool.token_bytes(bf16, "int8") == 2 * 16 * 8 * (64 + 4)  # 0.53x
-    _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
-    kv = jnp.ones((8, KV, HD))
-    out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
-    assert np.all(np.asarray(out) == 0)
