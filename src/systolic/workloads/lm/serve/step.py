@@ -73,8 +73,9 @@ def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: 
               param_shardings: Any, pool_sharding: Any) -> Callable[..., StepOutput]:
     """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit,
     page_tokens), page_tokens static.
-    The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a mesh, the shardings in and out are fixed, so no call after the
-    first of a shape compiles again, and the batch arrives replicated."""
+    The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a
+    mesh, the shardings in and out are fixed, so no call after the first of a shape compiles again, and the batch
+    arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
         if graphdef not in _STEPS:
             _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)
