@@ -5,6 +5,7 @@ recipe's model with random weights, at several numbers of requests in flight. Th
 
     PYTHONPATH=src python benchmarks/serve_engine.py                                # lm-tiny-sized Llama, CPU
     PYTHONPATH=src python benchmarks/serve_engine.py --recipe llama-1b --dtype bfloat16 --levels 1,16,64,128
+    PYTHONPATH=src python benchmarks/serve_engine.py --kv-cache int8                 # keys and values in int8
 
 Per level N: 2N requests of --prompt random ids and exactly --output new tokens (no end token is sampled: the
 sampler's vocabulary limit stops short of it), greedy, N in flight at a time (a finished one is replaced at
@@ -25,9 +26,13 @@ CPU_MODEL = ["model.family=llama", "model.layers=4", "model.d_model=256", "model
 
 
 def _args(argv=None) -> argparse.Namespace:
+    from systolic.workloads.lm.commands import KV_CACHES  # light: no jax before the CPU tuning
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", help="an lm recipe whose model to serve (default: a 4 x 256 Llama)")
     p.add_argument("--dtype", default="float32", help="model.dtype (default float32)")
+    p.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="as `systolic serve --kv-cache` "
+                   "(default auto: the compute dtype)")
     p.add_argument("--levels", default="1,4,16,64", help="requests in flight (default 1,4,16,64)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--output", type=int, default=64, help="output tokens per request (default 64)")
@@ -62,13 +67,15 @@ def build_engine(args):
     # hold (the levels use no more) and never less than that.
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
     pages, _ = pool_pages(model, args.page_size, kv_memory_gib=None, max_seqs=args.max_seqs,
-                          device=jax.devices()[0], split=1)
+                          device=jax.devices()[0], split=1, kv_cache=args.kv_cache)
     pages = max(min(pages, 4 * need), need)
     engine = InferenceEngine(model, params, ByteTokenizer(), kv_pages=pages, page_size=args.page_size,
-                             max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step)
+                             max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
+                             kv_cache=args.kv_cache)
     engine.vocab_limit = np.int32(vocab - 1)  # any id but the last: random prompts, no end-of-text stop
     print(f"model: {model.layers} layers x {model.d_model}, {model.heads} heads ({model.n_kv_heads} KV), "
-          f"vocabulary {vocab}, {model.dtype}; KV cache {pages - 1:,} pages of {args.page_size}; {jax.devices()[0]}")
+          f"vocabulary {vocab}, {model.dtype}; KV cache {pages - 1:,} pages of {args.page_size} ({args.kv_cache}); "
+          f"{jax.devices()[0]}")
     return engine, vocab
 
 
@@ -133,7 +140,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for row in rows:
-                f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype, **row}) + "\n")
+                f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype,
+                                    "kv_cache": args.kv_cache, **row}) + "\n")
     return 0
 
 

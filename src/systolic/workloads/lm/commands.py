@@ -17,7 +17,7 @@ ENTRY = "systolic.workloads.lm.entry"
 def _generate(args: argparse.Namespace) -> int:
     print(WORKLOAD.command("generate")(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                        args.top_p, args.seed, chat=args.chat, system=args.system,
-                                       quantize=args.quantize))
+                                       quantize=args.quantize, kv_cache=args.kv_cache))
     return 0
 
 
@@ -80,6 +80,10 @@ _SCHEMES = ("int8", "w8a8", "fp8")
 _SCHEMES_HELP = ("int8: int8 weights (per output channel); w8a8: int8 weights and activations; fp8: float8_e4m3fn "
                  "weights and activations (GPU/TPU)")
 _QUANTIZE = arg("--quantize", choices=_SCHEMES, help=f"quantize the weights after loading ({_SCHEMES_HELP})")
+KV_CACHES = ("auto", "int8")  # how the KV cache stores keys and values (serve/kv_pool.py): generate's and serve's
+_KV_CACHE = dict(choices=KV_CACHES, default="auto", help="how the KV cache stores keys and values: auto (the "
+                 "model's compute dtype, default) or int8 (a float32 scale per token and head: about half of "
+                 "bfloat16's memory, so about twice the tokens fit)")
 
 _GENERATE = Command(
     "generate", help="sample text from a trained lm run directory", run=_generate,
@@ -93,7 +97,8 @@ _GENERATE = Command(
           arg("--top-k", type=int, help="0 = off"),
           arg("--top-p", type=float, help="1.0 = off"),
           arg("--seed", type=int),
-          _QUANTIZE))
+          _QUANTIZE,
+          arg("--kv-cache", **_KV_CACHE)))
 
 _EXPORT = Command(
     "export", help="write a trained lm as serialized StableHLO (jax.export) for deployment", run=_export,
@@ -174,7 +179,8 @@ _SERVE = Command(
               help="do not share the KV pages of prompts' common beginnings between requests"),
           arg("--mesh-tensor", type=int, default=1, help="devices to split the model over (tensor parallelism; "
               "default 1)"),
-          _QUANTIZE))
+          _QUANTIZE,
+          arg("--kv-cache", **_KV_CACHE)))
 
 _EVAL_OPTIONS = (
     arg("--data", metavar="FILE", help="score this text (a file, a folder of text files, a .jsonl with field 'text' "

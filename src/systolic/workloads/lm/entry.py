@@ -204,9 +204,10 @@ def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
 
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int | None, *, chat: bool = False,
-             system: str | None = None, quantize: str | None = None) -> str:
+             system: str | None = None, quantize: str | None = None, kv_cache: str = "auto") -> str:
     return sample.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system, quantize=quantize)
+                                    top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system, quantize=quantize,
+                                    kv_cache=kv_cache)
 
 
 def evaluate(run_dir: Path, *, data: str | None, choices: Path | None, batch_size: int | None,

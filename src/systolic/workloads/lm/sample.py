@@ -21,26 +21,28 @@ if TYPE_CHECKING:
     from systolic.data.chat import ChatTemplate
 
 
-def sample_text(tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig) -> str:
-    """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token."""
+def sample_text(tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig, *,
+                kv_cache: str = "auto") -> str:
+    """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token; the KV cache
+    stores keys and values as `kv_cache` says (serve/kv_pool.py)."""
     ids = tokenizer.encode(settings.prompt).astype(np.int32)
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
-    return _continue(graphdef, params, tokenizer, ids, (tokenizer.eot_id,), settings)
+    return _continue(graphdef, params, tokenizer, ids, (tokenizer.eot_id,), settings, kv_cache)
 
 
 def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, settings: SampleConfig, *,
-               system: str | None = None) -> str:
+               system: str | None = None, kv_cache: str = "auto") -> str:
     """The assistant's reply to the user message `settings.prompt` (after the system message `system`, if any),
     rendered with `template` and ended by its end-of-turn token."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": settings.prompt})
     ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
-    return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings)
+    return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings, kv_cache)
 
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
-              settings: SampleConfig) -> str:
+              settings: SampleConfig, kv_cache: str) -> str:
     """The text that the model adds after the prompt `ids`, up to (not including) the first of `stop_ids`: one
     request to the inference engine (lm/serve), which samples what `generate` samples with the same seed."""
     if settings.max_new_tokens == 0:
@@ -48,7 +50,8 @@ def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np
     model = nnx.merge(graphdef, params).cfg  # the model's config travels in its graphdef
     page_size = 16
     pages = -(-(len(ids) + settings.max_new_tokens - 1) // page_size) + 1  # the request's pages and the null page
-    engine = InferenceEngine(model, params, tokenizer, kv_pages=pages, page_size=page_size, max_seqs=1)
+    engine = InferenceEngine(model, params, tokenizer, kv_pages=pages, page_size=page_size, max_seqs=1,
+                             kv_cache=kv_cache)
     engine.add_request("sample", ids.tolist(), SamplingParams(
         max_tokens=settings.max_new_tokens, temperature=settings.temperature, top_k=settings.top_k,
         top_p=settings.top_p, seed=settings.seed, stop_token_ids=tuple(stop_ids)))
@@ -68,11 +71,12 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.
 
 def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
                       top_k: int | None, top_p: float | None, seed: int | None, chat: bool = False,
-                      system: str | None = None, quantize: str | None = None) -> str:
+                      system: str | None = None, quantize: str | None = None, kv_cache: str = "auto") -> str:
     """The prompt followed by its continuation; unset arguments take the run's `sample` settings; `quantize` a
-    scheme for the weights (lm/model/quant.py). With `chat`, the
+    scheme for the weights (lm/model/quant.py), `kv_cache` how the KV cache stores keys and values. With `chat`, the
     assistant's reply alone, to the user message `prompt` after the optional system message `system`, rendered
-    with the run's chat template and ended by its end-of-turn token."""
+    with the run's chat template and ended by its end-of-turn token. `kv_cache`: how the KV cache stores keys and
+    values (serve/kv_pool.py)."""
     if system is not None and not chat:
         raise UserError("--system sets the system message of a chat, but --chat is not set, so it would be ignored. "
                         "Fix: add --chat (the run needs a chat template), or drop --system.")
@@ -88,9 +92,9 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     if chat:
         template = chat_template(run_dir, cfg)  # before the checkpoint is read: a run without one fails at once
         run = load_run(run_dir, command, quantize=quantize)
-        return chat_reply(run.graphdef, run.params, template, settings, system=system)
+        return chat_reply(run.graphdef, run.params, template, settings, system=system, kv_cache=kv_cache)
     run = load_run(run_dir, command, quantize=quantize)
-    return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings)
+    return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings, kv_cache=kv_cache)
 
 
 def chat_template(run_dir: Path, cfg: LMConfig) -> ChatTemplate:

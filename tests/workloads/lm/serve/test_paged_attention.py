@@ -1,12 +1,15 @@
 """Attention over pages against a float64 NumPy dense reference: one ragged batch that mixes a prefill chunk after
 cached positions, a decode, and a prefill from the start, on pages in shuffled order (every chunk crosses page
-boundaries), with padding tokens, with and without a sliding window, in one block of keys and in several."""
+boundaries), with padding tokens, with and without a sliding window, in one block of keys and in several; the same
+over an int8 pool (`--kv-cache int8`), within the bound that its quantization error implies."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.serve import kv_pool
 from systolic.workloads.lm.serve import paged_attention as pa
 from systolic.workloads.lm.serve.kv_cache import PageTable
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout, pages_first
@@ -98,9 +101,76 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
 
 
 def test_pool_layout_and_empty_step():
-    pool = pa.make_pool(3, 5, PAGE, KV, HD, jnp.float32)
-    assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and not np.any(np.asarray(pool))
+    cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
+    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "auto"))
+    assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
     kv = jnp.ones((8, KV, HD))
     out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
     assert np.all(np.asarray(out) == 0)
+
+
+def stored(pool: pa.Pool) -> np.ndarray:
+    """An int8 pool's keys and values as it gives them back, in float64."""
+    return np.asarray(pool.qvalue, np.float64) * np.asarray(pool.scale, np.float64)
+
+
+def quantization_bound(q, full_k, full_v, window: int) -> np.ndarray:
+    """For each real token and head, the most its output can move when every cached key and value element moves by
+    up to its row's absmax / 255 (symmetric int8, half a step of absmax / 127.5): a score by eps <= |q / sqrt(hd)|_1
+    * max absmax(k) / 255, so each softmax weight by a factor within exp(+-2 eps) and the weights' L1 norm by at most
+    exp(2 eps) - 1, times the largest |value|; plus the values' own error, max absmax(v) / 255."""
+    bound = []
+    t = 0
+    for (cached, n), k, v in zip(CHUNKS, full_k, full_v):
+        for pos in range(cached, cached + n):
+            keys = np.arange(pos + 1)
+            if window:
+                keys = keys[keys > pos - window]
+            for h in range(H):
+                kk, vv = k[keys, h // (H // KV)], v[keys, h // (H // KV)]  # (keys, hd)
+                dk, dv = np.abs(kk).max(-1) / 255, np.abs(vv).max(-1) / 255  # (keys,) per-element error bounds
+                eps = np.abs(q[t, h]).sum() / np.sqrt(HD) * dk.max()
+                bound.append(np.expm1(2 * eps) * (np.abs(vv).max() + dv.max()) + dv.max())
+            t += 1
+    return np.asarray(bound).reshape(t, H, 1)
+
+
+@pytest.mark.parametrize("window", [0, 6], ids=["causal", "window-6"])
+@pytest.mark.parametrize("block_keys, page_tokens", [(64, None), (8, 8)],
+                         ids=["one-block", "blocks-of-8-pages-for-the-first-8"])
+def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, block_keys, page_tokens):
+    """The pool holds int8 values and a float32 scale per (token, key/value head). Three checks: every stored element
+    is within absmax / 255 of its row's true value; attention over what the pool stores (the step's own keys and
+    values read as stored too) matches float64 to float32 rounding (2e-5); and against the exact keys and values
+    the output is within `quantization_bound` (plus 2e-5), and moved at all."""
+    pool, batch, q, new_k, new_v, full_k, full_v = make_case()
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    cached = jax.jit(pa.quantize_kv)(f32(pool))  # (1, PAGES, PAGE, 2KV, hd) int8 and (..., 1) float32: earlier steps'
+    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, 2 * KV, 1)
+
+    @jax.jit
+    def run(pool, q, k, v, batch):
+        pool = pa.write_kv(pool, 0, k, v, batch.slots)
+        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys,
+                                         page_tokens=page_tokens), pool
+
+    out, written = run(cached, f32(q), f32(new_k), f32(new_v), batch)
+    out = np.asarray(out)
+    back = stored(written)[0]  # (PAGES, PAGE, 2KV, hd)
+    got_k, got_v = [], []
+    for (cached_n, n_new), k, v, pages in zip(CHUNKS, full_k, full_v, [np.asarray(r) for r in batch.page_table]):
+        rows = np.stack([back[pages[p // PAGE], p % PAGE] for p in range(cached_n + n_new)])  # (len, 2KV, hd)
+        got_k.append(rows[:, 0::2])
+        got_v.append(rows[:, 1::2])
+        for exact, read in ((k, got_k[-1]), (v, got_v[-1])):
+            # 1e-6: float32's rounding of the value and its scale (the bound is hit: the absmax element saturates)
+            assert np.all(np.abs(read - exact) <= np.abs(exact).max(-1, keepdims=True) * (1 / 255 + 1e-6))
+    want_stored = dense_reference(q, got_k, got_v, window)
+    n = want_stored.shape[0]
+    np.testing.assert_allclose(out[:n], want_stored, atol=2e-5, rtol=2e-5)
+    assert np.all(np.isfinite(out))
+    error = np.abs(out[:n] - dense_reference(q, full_k, full_v, window))
+    assert np.all(error <= quantization_bound(q, full_k, full_v, window) + 2e-5)
+    assert error.max() > 1e-4  # the int8 path quantized
+

@@ -1,7 +1,7 @@
 """`systolic serve` over real HTTP: the server started through `serve()` in a subprocess on a free loopback port,
 talked to with the `openai` client unchanged (completions, chat, streaming) and with raw httpx requests for every
 kind of bad input; a client that disconnects frees its pages (seen through /metrics); a full queue answers 429;
-SIGTERM lets the request in flight finish and exits 0.
+SIGTERM lets the request in flight finish and exits 0; `systolic generate --kv-cache int8` on the same model.
 
 The model: a tiny random Llama (2 layers, 256 positions) with a byte-level BPE and a ChatML chat template, written
 as a Hugging Face folder without torch and imported with `systolic convert from-hf`."""
@@ -406,5 +406,16 @@ def test_command_line_options_reach_serve(monkeypatch, tmp_path):
     assert main(["serve", str(tmp_path), "--port", "0", "--max-seqs", "2", "--no-prefix-caching"]) == 0
     assert seen == {"run_dir": tmp_path, "host": "127.0.0.1", "port": 0, "api_key": "from-env", "kv_memory_gib": None,
                     "page_size": 16, "max_seqs": 2, "max_tokens_per_step": 256, "max_queue": 64,
-                    "prefix_caching": False, "mesh_tensor": 1, "grace_s": 20.0}
+                    "prefix_caching": False, "mesh_tensor": 1, "kv_cache": "auto", "grace_s": 20.0}
+    assert main(["serve", str(tmp_path), "--kv-cache", "int8"]) == 0 and seen["kv_cache"] == "int8"
 
+
+def test_generate_with_an_int8_kv_cache(run_dir, capsys):
+    """`systolic generate --kv-cache int8` on the served model, greedy: the reply float's cache gives (this model's
+    std-0.2 weights leave no near-ties for int8's error to flip)."""
+    replies = {}
+    for kv_cache in ("auto", "int8"):
+        assert main(["generate", str(run_dir), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                     "--temperature", "0", "--kv-cache", kv_cache]) == 0
+        replies[kv_cache] = capsys.readouterr().out
+    assert replies["int8"] == replies["auto"] and len(replies["auto"]) > len("Once upon a time\n")

@@ -15,5 +15,5 @@ def run(args: argparse.Namespace) -> int:
     serve(args.run_dir, host=args.host, port=args.port, api_key=api_key,
           kv_memory_gib=args.kv_memory_gib, page_size=args.page_size, max_seqs=args.max_seqs,
           max_tokens_per_step=args.max_tokens_per_step, max_queue=args.max_queue, prefix_caching=args.prefix_caching,
-          mesh_tensor=args.mesh_tensor, grace_s=args.grace_s, quantize=args.quantize)
+          mesh_tensor=args.mesh_tensor, kv_cache=args.kv_cache, grace_s=args.grace_s, quantize=args.quantize)
     return 0

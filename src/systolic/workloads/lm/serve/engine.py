@@ -40,10 +40,9 @@ from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.lora import base_config
-from systolic.workloads.lm.model.transformer import resolve_dtype
 from systolic.workloads.lm.serve.detokenize import TextStream
 from systolic.workloads.lm.serve.kv_cache import PageCache
-from systolic.workloads.lm.serve.paged_attention import make_pool
+from systolic.workloads.lm.serve.kv_pool import make_pool, pool_shape, pool_shardings, token_bytes
 from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
                                                     pages_first, token_buckets)
 from systolic.workloads.lm.serve.step import RowSampling, make_step
@@ -96,12 +95,13 @@ def prng_key_data(seed: int) -> np.ndarray:
 
 
 class InferenceEngine:
-    """Continuous batching over a paged KV cache of `kv_pages` pages (page 0 reserved) of `page_size` tokens."""
+    """Continuous batching over a paged KV cache of `kv_pages` pages (page 0 reserved) of `page_size` tokens, its
+    keys and values in the compute dtype or int8 (`kv_cache`: kv_pool.py)."""
 
     def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int, page_size: int = 16,
                  max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
                  mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None, model_name: str = "model",
-                 chat_template: Any = None):
+                 chat_template: Any = None, kv_cache: str = "auto"):
         """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given."""
         from systolic.workloads.lm.train import model_graphdef, param_shardings
 
@@ -118,11 +118,10 @@ class InferenceEngine:
         shardings = None if mesh is None else quant.quantized_shardings(
             param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
         self.params = jax.device_put(params, shardings)
-        pool_sharding = _pool_sharding(self.params, mesh, rules)
-        self.pool = make_pool(model.layers, kv_pages, page_size, model.n_kv_heads, model.d_head,
-                              resolve_dtype(model.dtype), pool_sharding)
+        shape, home = pool_shape(model, kv_pages, page_size, kv_cache), _pool_sharding(self.params, mesh, rules)
+        self.pool = make_pool(shape, home)
         self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
-                               param_shardings=shardings, pool_sharding=pool_sharding)
+                               param_shardings=shardings, pool_sharding=pool_shardings(shape, home))
         self.scheduler = Scheduler(PageCache(kv_pages, page_size, prefix_caching=prefix_caching), max_seqs=max_seqs,
                                    max_tokens_per_step=max_tokens_per_step)
         self._requests: dict[str, _Request] = {}
@@ -134,14 +133,15 @@ class InferenceEngine:
     @classmethod
     def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int = 16,
                  max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
-                 mesh_tensor: int = 1, quantize: str | None = None,
+                 mesh_tensor: int = 1, kv_cache: str = "auto", quantize: str | None = None,
                  say: Callable[[str], None] = print) -> InferenceEngine:
         """The engine of the lm run `run_dir` (trained, fine-tuned with LoRA: merged, or imported), its parameters
         split over `mesh_tensor` devices (Megatron tensor parallelism) when > 1. The pool holds `kv_memory_gib`
         GiB (all its devices together), or by default KV_MEMORY_FRACTION of a device's free memory (on CPU, which
-        reports none: room for max_seqs sequences of the full context); `say` prints its size. `quantize`: the
-        weights quantized after loading, as lm/model/quant.py's scheme of that name (a run written by `systolic
-        quantize` comes quantized without it)."""
+        reports none: room for max_seqs sequences of the full context), its keys and values stored as `kv_cache`
+        says (kv_pool.py: "auto" or "int8"); `say` prints its size. `quantize`: the weights quantized after
+        loading, as lm/model/quant.py's scheme of that name (a run written by `systolic quantize` comes quantized
+        without it)."""
         run_dir = Path(run_dir)
         command = "systolic serve"
         model = base_config(finished.read_config(run_dir, LMConfig, command).model)
@@ -150,11 +150,12 @@ class InferenceEngine:
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         kv_split = mesh_tensor if model.n_kv_heads % mesh_tensor == 0 else 1  # tensor_layout's choice
         pages, text = pool_pages(model, page_size, kv_memory_gib=kv_memory_gib, max_seqs=max_seqs,
-                                 device=devices[0], split=kv_split)
+                                 device=devices[0], split=kv_split, kv_cache=kv_cache)
         say(text)
         return cls(run.cfg.model, run.params, run.tokenizer, kv_pages=pages, page_size=page_size,
                    max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, prefix_caching=prefix_caching,
-                   mesh=mesh, rules=rules, model_name=run_dir.name, chat_template=find_chat_template(run.tokenizer))
+                   mesh=mesh, rules=rules, model_name=run_dir.name, chat_template=find_chat_template(run.tokenizer),
+                   kv_cache=kv_cache)
 
     # REQUESTS
 
@@ -338,9 +339,9 @@ def _pool_sharding(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | N
 
 
 def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | None, max_seqs: int,
-               device: jax.Device, split: int) -> tuple[int, str]:
+               device: jax.Device, split: int, kv_cache: str = "auto") -> tuple[int, str]:
     """(pages of the pool, a line that says its size and why). `split`: the devices the pool is split over."""
-    page_bytes = model.layers * page_size * 2 * model.n_kv_heads * model.d_head * resolve_dtype(model.dtype).itemsize
+    page_bytes = page_size * token_bytes(model, kv_cache)  # an int8 pool's values and scales
     full = -(-model.max_seq_len // page_size)  # pages of one full-length sequence
     if kv_memory_gib is not None:
         if not (math.isfinite(kv_memory_gib) and kv_memory_gib > 0):
@@ -357,7 +358,8 @@ def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | Non
         raise UserError(f"The KV cache would hold {pages} page(s) of {page_size} tokens ({why}); it needs at least 2 "
                         f"(one is reserved). Fix: a larger --kv-memory-gib (one page is {page_bytes:,} bytes).")
     return pages, (f"KV cache: {pages - 1:,} pages of {page_size} tokens = {(pages - 1) * page_size:,} tokens, "
-                   f"{(pages - 1) / full:.1f} full-length sequences ({gib(pages * page_bytes)}), from {why}")
+                   f"{(pages - 1) / full:.1f} full-length sequences ({gib(pages * page_bytes)}"
+                   f"{', int8 with float32 scales' if kv_cache == 'int8' else ''}), from {why}")
 
 
 def _free_bytes(device: jax.Device) -> int | None:

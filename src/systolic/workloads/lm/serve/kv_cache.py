@@ -1,8 +1,9 @@
 """The paged KV cache's bookkeeping, on the host: which page of the pool holds which tokens of which sequence.
 
-The pool itself is one device array per engine (`paged_attention.make_pool`): for every layer, `pages` pages of
-`page_size` positions. Page 0 is the null page: no sequence owns it, padding tokens write into it and unused
-entries of a page table point at it, so every index the compiled step reads is valid.
+The pool itself is one device array per engine (`kv_pool.make_pool`; with `--kv-cache int8`, one of values and one
+of scales): for every layer, `pages` pages of `page_size` positions. Page 0 is the null page: no sequence owns it,
+padding tokens write into it and unused entries of a page table point at it, so every index the compiled step reads
+is valid.
 
 A sequence's page table lists its pages in order; position p lives in page table[p // page_size] at offset
 p % page_size. Pages are taken as a sequence grows and given back when it finishes, is cancelled or is preempted.

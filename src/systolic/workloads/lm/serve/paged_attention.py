@@ -2,7 +2,9 @@
 sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
 
 The pool is one array for all layers, (L, pages, page_size, 2 * KV, hd) in the compute dtype, keys and values
-interleaved along the head axis (k0, v0, k1, v1, ...): the layout of JAX's TPU ragged paged attention kernel
+interleaved along the head axis (k0, v0, k1, v1, ...), or that array in int8 with a float32 scale per row
+(`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written, dequantized as pages are read):
+the layout of JAX's TPU ragged paged attention kernel
 (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), whose inputs `RaggedBatch` also carries (kv_lens,
 page_indices, cu_q_lens, num_seqs). One array for the layers lets the compiled step update the pool in place: the
 layers' scan carries it whole, writes each layer's new keys and values with a scatter and reads pages with a
@@ -24,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import qwix
 
 from systolic.runtime.platform import compile_platform
 from systolic.workloads.lm.serve.kv_cache import NULL_PAGE
@@ -51,18 +54,28 @@ class RaggedBatch(NamedTuple):
     last: jax.Array  # (S,) int32: the index of each row's last token, whose logits the step samples from
 
 
-def make_pool(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: jnp.dtype,
-              sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-    """The zeroed pool (L, pages, page_size, 2 * KV, hd), created in place on its devices."""
-    shape = (layers, pages, page_size, 2 * kv_heads, head_dim)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+# The pool: (L, pages, page_size, 2 * KV, hd) in the compute dtype, or a QArray of int8 values of that shape and
+# float32 scales (L, pages, page_size, 2 * KV, 1).
+Pool = jax.Array | qwix.QArray
+
+
+def quantize_kv(x: jax.Array) -> qwix.QArray:
+    """x (..., hd) -> int8 values (..., hd) and one float32 scale (..., 1) per row: symmetric absmax over head_dim
+    (Qwix's), each element within scale / 2 = absmax / 255 of its value. In float32 whatever x's dtype: bfloat16's
+    8-bit mantissa would round x / scale once more before the rounding to an integer."""
+    return qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=tuple(range(x.ndim - 1)))
+
+
+def as_stored(x: jax.Array) -> jax.Array:
+    """x (..., hd) as an int8 pool gives it back (quantized and dequantized), in x's dtype."""
+    return qwix.dequantize(quantize_kv(x)).astype(x.dtype)
 
 
 class PagedKV(NamedTuple):
     """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
     and values and attends over the pages."""
 
-    pool: jax.Array  # (L, pages, page_size, 2 * KV, hd)
+    pool: Pool  # (L, pages, page_size, 2 * KV, hd)
     layer: jax.Array | int  # this layer's index into the pool
     batch: RaggedBatch
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
@@ -75,15 +88,18 @@ class PagedKV(NamedTuple):
         return out, self._replace(pool=pool)
 
 
-def write_kv(pool: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
-    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,)."""
+def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array, slots: jax.Array) -> Pool:
+    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized)."""
     T, KV, hd = k.shape
     page_size = pool.shape[2]
     kv = jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
-    return pool.at[layer, slots // page_size, slots % page_size].set(kv.astype(pool.dtype))
+    where = (layer, slots // page_size, slots % page_size)
+    if isinstance(pool, qwix.QArray):  # values (T, 2KV, hd) int8 and scales (T, 2KV, 1) into their two arrays
+        return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv))
+    return pool.at[where].set(kv.astype(pool.dtype))
 
 
-def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.Array, layer: jax.Array | int,
+def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool, layer: jax.Array | int,
                            batch: RaggedBatch, *, window: int = 0, block_keys: int | None = None,
                            page_tokens: int | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
@@ -92,7 +108,11 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: jax.A
     pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v.
     `page_tokens` (static): only the first this many tokens have positions before their chunk (the scheduler puts
     decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
-    prompts beside a few decodes reads the decodes' pages, not a copy per prompt token."""
+    prompts beside a few decodes reads the decodes' pages, not a copy per prompt token. With an int8 pool, the
+    chunk's own keys and values are read as the pool stores them too, so a token sees the same keys whether they
+    came in its own step or from the pages (chunk sizes, prefix caching and preemption change no output)."""
+    if isinstance(pool, qwix.QArray):
+        k, v = as_stored(k), as_stored(v)
     T, H, hd = q.shape
     KV = k.shape[1]
     qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
@@ -135,7 +155,7 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
     # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
     # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
     # be split over the mesh).
-    pages = pool.reshape(L * P, page_size, 2 * KV, hd)
+    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, 2 * KV, a.shape[-1]), pool)  # int8: and scales
     null = layer * P + NULL_PAGE  # this layer's null page
     tables = tables + layer * P  # (T, pages_per_seq)
     blocks = -(-tables.shape[1] // block_pages)
@@ -150,7 +170,7 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         # where the step's shorter sequences would each fetch pages from memory only to mask them.
         needed = real & (j * B < end) & ((j + 1) * B > first)  # (T,)
         ids = jnp.where(needed[:, None], ids, null)
-        kv = jnp.take(pages, ids, axis=0).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
+        kv = _gather(pages, ids, qg.dtype).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
         s = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, B)
         keys = j * B + jnp.arange(B)  # (B,) key positions
@@ -167,3 +187,12 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         return m_new, l, acc
 
     return jax.lax.fori_loop(lo, hi, block, carry)
+
+
+def _gather(pages: Pool, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Pages (N, page_size, 2KV, hd) by ids (T, bp) -> (T, bp, page_size, 2KV, hd); an int8 pool's pages with their
+    scales, dequantized into `dtype` (the compute dtype: the score and value matmuls run in it, as for a float
+    pool)."""
+    if isinstance(pages, qwix.QArray):
+        return qwix.dequantize(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), pages)).astype(dtype)
+    return jnp.take(pages, ids, axis=0)

@@ -342,18 +342,19 @@ class _CountResponses:
 
 def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
           kv_memory_gib: float | None = None, page_size: int = 16, max_seqs: int = 16, max_tokens_per_step: int = 256,
-          max_queue: int = 64, prefix_caching: bool = True, mesh_tensor: int = 1, grace_s: float = 20.0,
-          quantize: str | None = None) -> None:
+          max_queue: int = 64, prefix_caching: bool = True, mesh_tensor: int = 1, kv_cache: str = "auto",
+          grace_s: float = 20.0, quantize: str | None = None) -> None:
     """Serves the lm run `run_dir` until SIGTERM or Ctrl-C. Binds `host` (loopback by default; any other address
     needs `api_key`) and `port` (0: a free one); prints the address once the model is loaded and compiled. At most
     `max_seqs` requests generate together and `max_queue` more wait; past that a request gets 429. The engine
-    settings (kv_memory_gib ... mesh_tensor, quantize) are `InferenceEngine.from_run`'s."""
+    settings (kv_memory_gib ... kv_cache, quantize) are `InferenceEngine.from_run`'s."""
     check_settings(host=host, port=port, api_key=api_key, max_queue=max_queue, grace_s=grace_s)
     from systolic.workloads.lm.serve.engine import InferenceEngine
 
     engine = InferenceEngine.from_run(Path(run_dir), kv_memory_gib=kv_memory_gib, page_size=page_size,
                                       max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step,
-                                      prefix_caching=prefix_caching, mesh_tensor=mesh_tensor, quantize=quantize)
+                                      prefix_caching=prefix_caching, mesh_tensor=mesh_tensor, kv_cache=kv_cache,
+                                      quantize=quantize)
     engine.warmup()
     info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template)
     metrics = ServeMetrics()

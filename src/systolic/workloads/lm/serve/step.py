@@ -20,7 +20,7 @@ from flax import nnx
 
 from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.lm.generate import sample_logits
-from systolic.workloads.lm.serve.paged_attention import PagedKV, RaggedBatch
+from systolic.workloads.lm.serve.paged_attention import PagedKV, Pool, RaggedBatch
 
 
 class RowSampling(NamedTuple):
@@ -34,12 +34,12 @@ class RowSampling(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    pool: jax.Array  # the updated pool
+    pool: Pool  # the updated pool
     tokens: jax.Array  # (S,) int32: each row's sampled token
     logprobs: jax.Array  # (S,) float32: its log-probability under the model (before temperature, top-k, top-p)
 
 
-def engine_step(graphdef: nnx.GraphDef, params: Any, pool: jax.Array, tokens: jax.Array, batch: RaggedBatch,
+def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, batch: RaggedBatch,
                 sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None) -> StepOutput:
     """tokens (T,) laid out by `batch` -> the next token of each row. Ids >= vocab_limit (the embedding's padding
     rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py)."""
@@ -70,11 +70,12 @@ _STEPS: dict[nnx.GraphDef, Callable[..., StepOutput]] = {}
 
 
 def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
-              param_shardings: Any, pool_sharding: jax.sharding.Sharding | None) -> Callable[..., StepOutput]:
+              param_shardings: Any, pool_sharding: Any) -> Callable[..., StepOutput]:
     """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit,
     page_tokens), page_tokens static.
-    The pool is donated (updated in place). On a mesh, the shardings in and out are fixed, so no call after the
-    first of a shape compiles again, and the batch arrives replicated."""
+    The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a
+    mesh, the shardings in and out are fixed, so no call after the first of a shape compiles again, and the batch
+    arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
         if graphdef not in _STEPS:
             _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)

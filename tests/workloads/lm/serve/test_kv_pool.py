@@ -1,0 +1,81 @@
+"""`--kv-cache int8` (serve/kv_pool.py): the pool's layout and bytes, the pool size that counts them, and the model's
+logits over an int8 pool within a stated tolerance of float's (teacher-forced, so both read the same context). The
+engine's tokens on an int8 pool: test_engine.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tiny_serve import PAGE, random_params, tiny_model
+
+from systolic.errors import UserError
+from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.serve import kv_pool
+from systolic.workloads.lm.serve.engine import pool_pages
+from systolic.workloads.lm.serve.kv_cache import PageTable
+from systolic.workloads.lm.serve.paged_attention import PagedKV
+from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
+
+LOGIT_TOLERANCE = 0.05  # max |logit(int8) - logit(float)|; the tiny model's logits have std ~0.55, measured <= 0.021
+KL_TOLERANCE = 1e-4  # nats, at every position; measured <= 2e-5
+
+
+def test_int8_pool_layout_and_bytes():
+    """int8 values in the float pool's layout and a float32 scale per row; per cached token 2 x layers x kv_heads x
+    (hd + 4) bytes, against 2 x layers x kv_heads x hd x 4 in float32 and x 2 in bfloat16."""
+    cfg = ModelConfig(d_model=32, layers=3, heads=4, kv_heads=2, dtype="float32")  # head_dim 8
+    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "int8"))
+    assert pool.qvalue.shape == (3, 5, PAGE, 4, 8) and pool.qvalue.dtype == jnp.int8 and not np.any(pool.qvalue)
+    assert pool.scale.shape == (3, 5, PAGE, 4, 1) and pool.scale.dtype == jnp.float32
+    assert kv_pool.token_bytes(cfg, "auto") == 2 * 3 * 2 * 8 * 4
+    assert kv_pool.token_bytes(cfg, "int8") == 2 * 3 * 2 * (8 + 4)
+    llama_1b = ModelConfig(d_model=2048, layers=16, heads=32, kv_heads=8, dtype="bfloat16")
+    assert kv_pool.token_bytes(llama_1b, "auto") == 2 * 16 * 8 * 64 * 2  # 32 KiB a token
+    assert kv_pool.token_bytes(llama_1b, "int8") == 2 * 16 * 8 * (64 + 4)  # 0.53x
+    with pytest.raises(UserError, match="--kv-cache 'int4' is not a KV cache type"):
+        kv_pool.pool_shape(cfg, 5, PAGE, "int4")
+
+
+def test_pool_size_counts_the_int8_bytes_and_scales():
+    cfg = tiny_model()  # 2 layers x 2 key/value heads x 2 (keys, values) x (8 int8 + a float32 scale) = 96 bytes
+    pages, line = pool_pages(cfg, 16, kv_memory_gib=1 / 1024, max_seqs=4, device=jax.devices()[0], split=1,
+                             kv_cache="int8")
+    float_pages, _ = pool_pages(cfg, 16, kv_memory_gib=1 / 1024, max_seqs=4, device=jax.devices()[0], split=1)
+    assert pages == 2**20 // (96 * 16) and float_pages == 2**20 // (256 * 16)
+    assert line.startswith(f"KV cache: {pages - 1} pages of 16 tokens") and "int8 with float32 scales" in line
+    pages, _ = pool_pages(cfg, 16, kv_memory_gib=None, max_seqs=4, device=jax.devices()[0], split=1, kv_cache="int8")
+    assert pages == 4 * 2 + 1  # CPU: room for the sequences, whatever a page weighs
+
+
+def teacher_forced_logits(cfg, tokens: np.ndarray, kv_cache: str, prefill: int = 8) -> np.ndarray:
+    """The model's logits (len(tokens) - prefill + 1, V) through the paged pool: the first `prefill` tokens in one
+    chunk, then one token a step, each reading the earlier ones from the pages; the same tokens whatever the pool
+    stores, so the two pools are compared on the same context."""
+    graphdef, params = random_params(cfg)
+    pages = -(-len(tokens) // PAGE)
+    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, pages + 1, PAGE, kv_cache))
+    seq = Sequence("s", tokens.tolist(), len(tokens), 0, table=PageTable(pages=list(range(1, pages + 1))))
+    step = jax.jit(lambda p, pool, ids, b: nnx.merge(graphdef, p).decode_paged(ids, PagedKV(pool, 0, b)))
+    out = []
+    for start, n in [(0, prefill)] + [(p, 1) for p in range(prefill, len(tokens))]:
+        ids, batch = layout([Chunk(seq, start, n)], tokens=8, rows=1, page_size=PAGE,
+                            pages_per_seq=cfg.max_seq_len // PAGE)
+        logits, pool = step(params, pool, ids, batch)  # (1, V)
+        out.append(np.asarray(logits[0], np.float64))
+    return np.stack(out)
+
+
+def test_int8_logits_within_tolerance_of_float():
+    cfg = tiny_model()
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        tokens = rng.integers(0, 256, cfg.max_seq_len)
+        exact, int8 = teacher_forced_logits(cfg, tokens, "auto"), teacher_forced_logits(cfg, tokens, "int8")
+        diff = np.abs(int8 - exact)
+        assert 1e-4 < diff.max() <= LOGIT_TOLERANCE
+        logp, logq = (x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+                      for x in (exact, int8))
+        assert np.all((np.exp(logp) * (logp - logq)).sum(-1) <= KL_TOLERANCE)
+
