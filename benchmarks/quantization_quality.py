@@ -1,7 +1,8 @@
 """What quantization costs a trained run in quality: held-out perplexity (`systolic eval lm --data` on the run's
 own validation documents), teacher-forced top-1 agreement with the float model (the share of held-out positions
 whose argmax is the float model's), and free-running greedy agreement (continuations through the inference
-engine: how many are identical to the float model's, and the mean length of the common beginning).
+engine: how many are identical to the float model's, and the mean length of the common beginning), also with
+an int8 KV cache (which only the engine reads, so it has no perplexity here).
 
     PYTHONPATH=src python benchmarks/quantization_quality.py runs/lm-small                  # int8, w8a8, fp8
     PYTHONPATH=src python benchmarks/quantization_quality.py runs/lm-small --schemes int8 --prompts 64
@@ -28,6 +29,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens of held-out text per prompt (default 64)")
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="held-out text scored (default 2 MB)")
+    p.add_argument("--kv-int8-with", default=",int8", help="weights (schemes; empty: float32) whose greedy "
+                   "continuations are also compared with an int8 KV cache (default: float32 and int8)")
     return p.parse_args(argv)
 
 
@@ -71,14 +74,15 @@ def argmax_agreement(float_run, run, ids, seq_len: int) -> float:
     return float((top1(float_run) == top1(run)).mean())
 
 
-def continuations(run, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """Greedy continuations of every prompt through the inference engine (all in flight together)."""
+def continuations(run, prompts: list[list[int]], new: int, kv_cache: str = "auto") -> list[list[int]]:
+    """Greedy continuations of every prompt through the inference engine (all in flight together), its KV cache
+    stored as `kv_cache` says."""
     from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 
     page = 16
     pages = len(prompts) * -(-(len(prompts[0]) + new) // page) + 1
     engine = InferenceEngine(run.cfg.model, run.params, run.tokenizer, kv_pages=pages, page_size=page,
-                             max_seqs=len(prompts), max_tokens_per_step=256)
+                             max_seqs=len(prompts), max_tokens_per_step=256, kv_cache=kv_cache)
     out = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=new, temperature=0.0, stop_token_ids=()))
@@ -86,6 +90,16 @@ def continuations(run, prompts: list[list[int]], new: int) -> list[list[int]]:
         for e in engine.step():
             out[int(e.request_id)].append(e.token_id)
     return [out[i] for i in range(len(prompts))]
+
+
+def agreement(outs: list[list[int]], base: list[list[int]]) -> tuple[int, float]:
+    """(how many continuations equal the float model's, the mean length of their common beginning)."""
+    import numpy as np
+
+    same = sum(a == b for a, b in zip(outs, base))
+    common = float(np.mean([next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                            for a, b in zip(outs, base)]))
+    return same, common
 
 
 def main(argv=None) -> int:
@@ -114,15 +128,18 @@ def main(argv=None) -> int:
             ppl = perplexity(args.run_dir, data, scheme)
             top1 = argmax_agreement(base, run, ids, seq_len)
             outs = continuations(run, prompts, args.new)
-            same = sum(a == b for a, b in zip(outs, float_out))
-            common = np.mean([next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                              for a, b in zip(outs, float_out)])
-            rows.append((scheme, ppl, ppl / float_ppl - 1, top1, same, common))
+            rows.append((scheme, ppl, ppl / float_ppl - 1, top1, *agreement(outs, float_out)))
             print(f"{scheme}: done", flush=True)
-    print(f"\n{'weights':<8} {'perplexity':>10} {'delta':>8} {'top-1 agree':>11} {'identical':>10} {'common':>7}")
-    print(f"{'float32':<8} {float_ppl:>10.4f} {'':>8} {'':>11} {'':>10} {'':>7}")
+        # The int8 KV cache: only the engine reads it (eval lm scores without a cache), so greedy agreement alone.
+        for scheme in args.kv_int8_with.split(","):
+            run = load_run(args.run_dir, "quantization_quality", quantize=scheme or None)
+            outs = continuations(run, prompts, args.new, kv_cache="int8")
+            rows.append((f"{scheme or 'float32'} + int8 KV", None, None, None, *agreement(outs, float_out)))
+    print(f"\n{'weights':<18} {'perplexity':>10} {'delta':>8} {'top-1 agree':>11} {'identical':>10} {'common':>7}")
+    print(f"{'float32':<18} {float_ppl:>10.4f} {'':>8} {'':>11} {'':>10} {'':>7}")
     for scheme, ppl, delta, top1, same, common in rows:
-        print(f"{scheme:<8} {ppl:>10.4f} {delta:>+8.2%} {top1:>11.2%} {same:>4}/{len(prompts):<5} {common:>7.1f}")
+        cells = ("-", "-", "-") if ppl is None else (f"{ppl:.4f}", f"{delta:+.2%}", f"{top1:.2%}")
+        print(f"{scheme:<18} {cells[0]:>10} {cells[1]:>8} {cells[2]:>11} {same:>4}/{len(prompts):<5} {common:>7.1f}")
     print(f"(identical: greedy continuations of {args.new} tokens equal to float32's, of {len(prompts)} held-out "
           f"prompts of {args.prompt_tokens} tokens; common: mean tokens before the first difference)")
     return 0

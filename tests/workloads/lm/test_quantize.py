@@ -138,8 +138,8 @@ def test_quantized_runs_are_refused_where_float_weights_are_needed(trained, argv
     assert says in " ".join(capsys.readouterr().err.split())
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
-def test_quantized_engine_on_a_tensor_mesh_matches_one_device(scheme):
+@pytest.mark.parametrize("scheme, kv_cache", [("int8", "auto"), ("w8a8", "int8")])
+def test_quantized_engine_on_a_tensor_mesh_matches_one_device(scheme, kv_cache):
     cfg = tiny_model()
     qcfg = dataclasses.replace(cfg, quant=quant.SCHEMES[scheme][1])
     params = quant.quantize_params(random_params(cfg)[1], scheme, stacked=False)
@@ -148,7 +148,7 @@ def test_quantized_engine_on_a_tensor_mesh_matches_one_device(scheme):
     for layout in (None, tensor_layout(qcfg, 4)):
         mesh, rules = layout or (None, None)
         engine = InferenceEngine(qcfg, params, ByteTokenizer(), kv_pages=16, page_size=4, max_seqs=2,
-                                 max_tokens_per_step=8, mesh=mesh, rules=rules)
+                                 max_tokens_per_step=8, mesh=mesh, rules=rules, kv_cache=kv_cache)
         engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=()))
         tokens = []
         while engine.has_work():
