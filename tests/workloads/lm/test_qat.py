@@ -265,3 +265,46 @@ def test_tpu_train_step_multiplies_int8_operands():
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
     assert counts["none"] == 0 and counts["int8"] >= len(PROJECTIONS), counts
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler")
+def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
+    """The serving engine's step (lm/serve/step.py) compiled by libtpu for one v5e chip, with the weights stored in
+    int8 (quant.quantize_params): w8a8 (model.quant=int8) multiplies int8 x int8 in each projection; weight-only
+    int8 dequantizes the weights into the dot instead."""
+    from systolic.plan import targets
+    from systolic.plan.planner import devices_for
+    from systolic.runtime.platform import compiling_for
+    from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+    from systolic.workloads.lm.serve.step import RowSampling, engine_step
+
+    one = jax.sharding.SingleDeviceSharding(devices_for(targets.resolve("v5e-1", mesh_devices=0))[0])
+
+    def spec(*shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    T, S, pages, page_size = 16, 4, 32, 16  # tokens and rows of one step; the pool's pages
+    counts = {}
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        for scheme in ("w8a8", "int8"):
+            cfg = dataclasses.replace(LLAMA, dtype="auto", quant=quant.SCHEMES[scheme][1])
+            with compiling_for("tpu"), nnx.use_eager_sharding(False):
+                graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make_model(cfg, VOCAB, 0)), nnx.Param)
+                params = jax.eval_shape(lambda p: quant.quantize_params(p, scheme, stacked=True),
+                                        nnx.to_pure_dict(abstract))
+                params = jax.tree.map(lambda s: spec(*s.shape, dtype=s.dtype), params)
+                pool = spec(cfg.layers, pages, page_size, 2 * cfg.n_kv_heads, cfg.d_head, dtype=jnp.bfloat16)
+                batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
+                                    spec(S))
+                sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),
+                                       spec(S, 2, dtype=jnp.uint32), spec(S))
+                step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=6)
+                counts[scheme] = int8_dots(step.lower(params, pool, spec(T), batch, sampling, spec(), None)
+                                           .compile().as_text())
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    assert counts["int8"] == 0 and counts["w8a8"] >= len(PROJECTIONS), counts
