@@ -2,7 +2,7 @@
 equals a float64 NumPy reference of absmax fake quantization (each activation row and each weight output channel its
 own scale); the gradients reach the float32 weights (straight through the rounding), near the float model's; the
 train step on 8 devices equals one device, keeps float32 weights and optimizer state and resumes bit for bit; the
-modes it combines with (pipeline, context parallelism, mixture of experts, LoRA on an imported model) train; the TPU
+modes it combines with (pipeline, context parallelism, mixture of experts, LoRA from a float run) train; the TPU
 compiler multiplies int8 operands."""
 
 import dataclasses
@@ -125,6 +125,7 @@ def test_gradients_reach_the_float_weights_near_the_float_models():
         results[q] = loss_and_grads(graphdef, params)
     (loss_f, grads_f), (loss_q, grads_q) = results["none"], results["int8"]
     assert loss_q != loss_f and abs(loss_q - loss_f) < 1e-2 * abs(loss_f)
+    checked = 0
     for path, g_q in jax.tree_util.tree_leaves_with_path(grads_q):
         g_f, g_q = np.asarray(_at(grads_f, path)), np.asarray(g_q)
         name = jax.tree_util.keystr(path)
@@ -132,6 +133,8 @@ def test_gradients_reach_the_float_weights_near_the_float_models():
         if any(f"'{p}'" in name for p in PROJECTIONS):
             relative = np.linalg.norm(g_q - g_f) / np.linalg.norm(g_f)
             assert 0 < relative < 0.1, (name, relative)
+            checked += 1
+    assert checked == len(PROJECTIONS)  # each stacked (scanned) projection weight once
 
 
 def _at(tree, path):
