@@ -23,7 +23,7 @@ from systolic.runtime.sharding import activate
 from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
-from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.train import build_task, model_params
 
@@ -160,8 +160,17 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/model/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}" + _attention_memory(impl, split, cfg.data.seq_len) + f"; {remat}",
-               *_moe_notes(cfg, mesh), *pipeline.notes(cfg, mesh)),
+               *_moe_notes(cfg, mesh), *pipeline.notes(cfg, mesh), *_quant_notes(m, str(dtype))),
     )
+
+
+def _quant_notes(m: ModelConfig, dtype: str) -> tuple[str, ...]:
+    """What `systolic plan` should say about model.quant: the compiled step is the quantized one, its roofline is not."""
+    if m.quant == "none":
+        return ()
+    return (f"model.quant={m.quant}: the projections' forward matmuls are {m.quant} x {m.quant} (the memory and bytes "
+            f"are the quantized step's); the compute time is at the {dtype} peak, an upper bound where the chip "
+            f"multiplies {m.quant} faster",)
 
 
 def _attention_memory(impl: str, split, seq_len: int) -> str:

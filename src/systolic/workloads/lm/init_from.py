@@ -34,7 +34,8 @@ from systolic.workloads.lm.model import lora, quant
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.model.transformer import Transformer
 
-COMPUTE_ONLY = ("dtype", "remat", "attention", "quant")  # model settings that do not change the parameters
+# Model settings that do not change the parameters (model.quant: quantization-aware fine-tuning of float weights).
+COMPUTE_ONLY = ("dtype", "remat", "attention", "quant")
 OWN = (*COMPUTE_ONLY, "lora")  # model settings of this run, not the source's: the adapters sit beside its weights
 
 
