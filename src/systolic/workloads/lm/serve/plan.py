@@ -1,0 +1,127 @@
+"""What `systolic plan lm --serve` compiles: the inference engine's step (step.py `jit_step`, the program `systolic
+serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parallel mesh of the target's devices
+(engine.py `tensor_layout`), for one format of the weights and of the KV cache.
+
+Weights: "bf16" stores the parameters in bfloat16 (the norms' scales in float32); "int8" and "w8a8" store the
+projections as Qwix int8 arrays with a scale per output channel, in bfloat16, the dtype they are quantized from
+(model/quant.py `quantize_params`; w8a8 quantizes the activations too).
+KV cache: the engine's pool is in the compute dtype. An int8 cache (int8 values, one float32 scale per token, layer,
+key or value and head: KV_SCALE_BYTES) is planned from its formula until the engine has one: `kv_compiled` is False
+and the program holds the compute-dtype pool, whose bytes the planner swaps. Once the engine has an int8 pool,
+`_pool` lowers it (and its scales) and "int8" joins COMPILED_KV: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from systolic.data.tokenizer import make_tokenizer
+from systolic.errors import UserError
+from systolic.plan.serve import ServeModel
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate, with_shardings
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model import quant
+from systolic.workloads.lm.model.flops import matmul_params
+from systolic.workloads.lm.model.lora import base_config
+from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.serve.engine import pool_layout, tensor_layout
+from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+from systolic.workloads.lm.serve.scheduler import page_bucket
+from systolic.workloads.lm.serve.step import RowSampling, jit_step
+from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
+
+WEIGHTS = ("bf16", *quant.SCHEMES)  # bf16, int8, w8a8, fp8
+KV_TYPES = ("bf16", "int8")
+KV_SCALE_BYTES = 4  # an int8 cache's float32 scale per token, layer, key or value, and key/value head
+COMPILED_KV = {"bf16"}  # the pools the engine has
+
+
+def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int) -> ServeModel:
+    """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel)."""
+    model = base_config(cfg.model)  # as the engine serves a LoRA run: merged
+    model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))  # dropless, as served
+    if weights == "fp8" or weights not in WEIGHTS or kv not in KV_TYPES:
+        raise UserError(f"--weights {weights} --kv {kv}: expected weights among bf16, int8, w8a8 and a KV cache of "
+                        f"{' or '.join(KV_TYPES)} (fp8 needs a chip with fp8 matmuls, which no planned target has). "
+                        "Fix: e.g. --weights bf16,int8 --kv bf16,int8.")
+    vocab = model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+    mesh, rules = tensor_layout(model, len(devices), devices)
+    served = dataclasses.replace(model, quant=quant.SCHEMES[weights][1] if weights != "bf16" else "none")
+    shardings = param_shardings(served, vocab, mesh, rules)
+    with activate(mesh, rules):
+        floats = jax.eval_shape(lambda: init_params(served, vocab, jax.random.key(0)))
+    params = jax.tree_util.tree_map_with_path(_stored, floats)
+    if weights != "bf16":
+        params = jax.eval_shape(lambda p: quant.quantize_params(p, weights, stacked=model.scan_layers), params)
+        shardings = quant.quantized_shardings(shardings, params)
+    params = with_shardings(params, shardings)
+    dtype = resolve_dtype(model.dtype)
+    pool_sharding = pool_layout(params, mesh, rules)
+    heads = 2 * model.n_kv_heads
+    split = heads // pool_sharding.shard_shape((1, 1, 1, heads, 1))[3]  # devices the key/value heads split over
+    step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings, pool_sharding=pool_sharding)
+    table = -(-model.max_seq_len // page_size)  # page-table entries per row, as the engine lays them out
+    replicated = NamedSharding(mesh, P())
+
+    def lower(tokens: int, rows: int, reading: int, pages: int):
+        """The step of `tokens` token slots and `rows` rows, `reading` of the tokens reading pages."""
+        pool = _pool(model, pages, page_size, dtype, pool_sharding)
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
+        reals = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated)  # noqa: E731
+        batch = RaggedBatch(ints(tokens), ints(tokens), ints(tokens), ints(), ints(rows, table), ints(rows),
+                            ints(rows + 1), ints(1), ints(rows))
+        sampling = RowSampling(reals(rows), ints(rows), reals(rows),
+                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows))
+        with activate(mesh, rules):
+            return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
+
+    def lower_prefill(tokens: int, sequences: int, pages: int):
+        # The engine's step of `tokens` slots: min(tokens, max_seqs) rows, a fresh prompt reads no pages.
+        return lower(tokens, min(tokens, sequences), page_bucket(tokens, 0), pages)
+
+    matmul = matmul_params(model, vocab) - model.d_model * vocab  # the layers' (the LM head's counted per row)
+    element = jnp.dtype(dtype).itemsize
+    program_kv = 2 * model.layers * model.n_kv_heads * model.d_head * element  # the lowered pool's
+    if kv == "int8":
+        kv_bytes = 2 * model.layers * model.n_kv_heads * (model.d_head + KV_SCALE_BYTES)
+        formula = (f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x ({model.d_head} x 1 byte + a "
+                   f"{KV_SCALE_BYTES}-byte scale)")
+    else:
+        kv_bytes = program_kv
+        formula = f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x {model.d_head} x {element} bytes"
+    embed = params["embed"]
+    return ServeModel(
+        weights=weights, kv=kv if kv == "int8" else _name(dtype), kv_compiled=kv in COMPILED_KV,
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(floats)),
+        weight_bytes=quant.param_bytes(params), weight_bytes_per_chip=mesh_lib.bytes_per_device(params),
+        weight_read_bytes_per_chip=mesh_lib.bytes_per_device(params) - (
+            0 if model.tie_embeddings else mesh_lib.bytes_per_device(embed)),
+        kv_bytes_per_token=kv_bytes, kv_formula=formula, kv_split=split, program_kv_bytes_per_token=program_kv,
+        page_size=page_size, matmul_flops_per_token=2.0 * matmul, head_flops_per_row=2.0 * model.d_model * vocab,
+        attention_flops_per_key=4.0 * model.layers * model.heads * model.d_head, window=model.sliding_window,
+        int8_matmuls=weights == "w8a8",
+        lower_decode=lambda sequences, pages: lower(sequences, sequences, sequences, pages),
+        lower_prefill=lower_prefill)
+
+
+def _stored(path, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """A parameter as served: bfloat16, but the norms' scales (a few KiB), which the norms multiply in float32."""
+    norm = any("norm" in str(getattr(key, "key", "")) for key in path)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype if norm else jnp.bfloat16)
+
+
+def _pool(model, pages: int, page_size: int, dtype: jnp.dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """The engine's pool (paged_attention.make_pool), abstract: (L, pages, page_size, 2 * KV, hd) in the compute
+    dtype."""
+    return jax.ShapeDtypeStruct((model.layers, pages, page_size, 2 * model.n_kv_heads, model.d_head), dtype,
+                                sharding=sharding)
+
+
+def _name(dtype: jnp.dtype) -> str:
+    return "bf16" if dtype == jnp.bfloat16 else jnp.dtype(dtype).name
