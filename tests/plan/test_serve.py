@@ -31,7 +31,7 @@ def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
     L, KV, hd = cfg.model.layers, cfg.model.n_kv_heads, cfg.model.d_head
     assert m.kv_bytes_per_token == 2 * L * KV * hd * 2 == 128
     assert (m.kv_split, m.kv_bytes_per_token_per_chip) == (2, 64)  # 2 KV heads over 2 devices
-    pool = m.lower_decode(3, 7).args_info[0][1]  # the lowered step's pool argument: 7 pages of 16 tokens
+    pool = m.lower_step(3, 0, 7).args_info[0][1]  # the lowered step's pool argument: 7 pages of 16 tokens
     assert pool.shape[1:3] == (7, 16)
     assert math.prod(pool.shape) * pool.dtype.itemsize == 7 * 16 * m.kv_bytes_per_token
     _, q = serve_model([*TINY_LM, "model.dtype=bfloat16"], weights="bf16", kv="int8")
@@ -76,7 +76,7 @@ def test_tiny_model_on_the_gpu_stand_in_prints_and_prices():
     assert (r["chips"], r["tensor"], r["replicas"]) == (2, 2, 1) and "XLA:CPU" in r["compiler"]
     bf16, int8 = r["plans"]
     for p in (bf16, int8):
-        assert p["fits"] and p["decode"]["fits"] and p["decode"]["sequences"] == 4 and p["prefill"]["fits"]
+        assert p["fits"] and p["step"]["fits"] and p["step"]["sequences"] == 4 and p["step"]["prefill_tokens"] == 32
         assert p["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2  # the model's float32 on CPU is bf16 on the GPU
         assert p["sequences"] >= 4 and p["decode_roofline"]["step_s"] > 0
         assert p["usd_per_million_output_tokens"] == pytest.approx(
@@ -110,5 +110,5 @@ def test_tiny_model_on_a_v5e_4_compiles_tensor_parallel():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     (p,) = r["plans"]
     assert r["topology"] == "v5e:2x2" and r["tensor"] * r["replicas"] == 4
-    assert p["decode"]["fits"] and p["decode"]["collectives"]["all-reduce"] > 0  # the row-parallel projections
-    assert 0 < p["decode"]["peak_bytes"] < 16 * 2**30 and p["sequences"] >= 8
+    assert p["step"]["fits"] and p["step"]["collectives"]["all-reduce"] > 0  # the row-parallel projections
+    assert 0 < p["step"]["peak_bytes"] < 16 * 2**30 and p["sequences"] >= 8

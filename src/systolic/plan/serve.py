@@ -1,17 +1,19 @@
 """`systolic plan lm --serve`: how many users can a model serve on a slice, how fast, at what price per token?
 
 The workload hands the planner one `ServeModel` per weight and KV-cache format: its sizes and its inference engine's
-step (decode: one token for each of B sequences against the paged KV pool; prefill: a chunk of one prompt), lowered
-from abstract inputs on a tensor-parallel mesh of the target's devices. The planner compiles them (libtpu for a TPU
-slice, XLA:CPU as the GPU's stand-in, as `systolic plan` does) and reads:
+step, lowered from abstract inputs on a tensor-parallel mesh of the target's devices: continuous batching's step,
+one token for each of B decoding sequences against the paged KV pool and a chunk of a new prompt (prefill), in one
+ragged batch. The planner compiles it (libtpu for a TPU slice, XLA:CPU as the GPU's stand-in, as `systolic plan`
+does), once per format, and reads:
 - memory per chip from the compiler's memory analysis: everything but the KV pool (weights, temporaries, code) is
   fixed, so the sequences of the given context that fit are what remains of HBM over one sequence's pages; a
   compile-time out-of-memory is a result, with the bytes the compiler asked for;
 - collectives from the compiled HLO (the tensor-parallel all-reduces and gathers), at the chip's ICI bandwidth.
-The step times are rooflines from the model's sizes, as inference is usually reasoned about: a decode step reads
-every weight once and each sequence's keys and values (HBM-bound at small batches), computes 2 x weights + attention
-FLOPs per token; a prefill chunk computes the same per prompt token, reading the weights once (compute-bound). XLA's
-own FLOP count is printed beside them as a check (the page loop's trips depend on the data, so it counts them once).
+The step times are rooflines from the model's sizes, for decoding alone and prefilling alone, as inference is
+usually reasoned about: a decode step reads every weight once and each sequence's keys and values (HBM-bound at
+small batches) and computes 2 x weights + attention FLOPs per token; a prefill chunk computes the same per prompt
+token, reading the weights once (compute-bound). XLA's own FLOP count of the compiled step is printed as a check
+(the page loop's trips depend on the data, so it counts them once).
 
 `--search` compiles candidate batches until the largest that fits is found (each guess from the last compile's
 fixed memory, kept between the largest batch that fitted and the smallest that did not).
@@ -56,8 +58,7 @@ class ServeModel:
     attention_flops_per_key: float  # 4 x layers x heads x head_dim: scores and mix, per token and key it sees
     window: int  # a sliding window's keys (0: none)
     int8_matmuls: bool  # w8a8: int8 x int8 projections, at the chip's int8 peak
-    lower_decode: Callable[[int, int], Any]  # (sequences, pool pages) -> lowered step, one token per sequence
-    lower_prefill: Callable[[int, int, int], Any]  # (prompt tokens, sequences, pool pages) -> lowered step
+    lower_step: Callable[[int, int, int], Any]  # (decoding sequences, prefill tokens, pool pages) -> lowered step
 
     @property
     def kv_bytes_per_token_per_chip(self) -> float:
@@ -69,11 +70,11 @@ class ServeModel:
 
 @dataclasses.dataclass(frozen=True)
 class Compile:
-    """One compiled step: decode of `sequences` rows, or a prefill chunk of `tokens`, with a pool of `pool_pages`."""
+    """One compiled step: a token for each of `sequences` decoding sequences and a chunk of `prefill_tokens` of a
+    new prompt, with a pool of `pool_pages` (room for the sequences' context)."""
 
-    step: str  # "decode" or "prefill"
     sequences: int
-    tokens: int
+    prefill_tokens: int
     pool_pages: int
     fits: bool
     peak_bytes: int  # per chip; when it does not fit, what the compiler asked for (0: its message gave no size)
@@ -114,8 +115,7 @@ class ServePlan:
     sequences: int  # of `context` tokens that fit (per replica), at most MAX_BATCH
     sequences_from: str  # how that is known
     fits: bool  # at least one sequence
-    decode: Compile | None  # the compiles the memory figures come from
-    prefill: Compile | None
+    step: Compile  # the compile the memory figures come from
     decode_roofline: Roofline | None  # at `sequences`
     prefill_roofline: Roofline | None
     prefill_tokens: int
@@ -153,16 +153,16 @@ def plan_serve(model_for: Callable[[str, str], ServeModel], target: Target, *, f
     models = {f: model_for(*f) for f in formats}
     # A format whose cache is not compiled reads the memory of a compiled program with the same weights.
     order = sorted(formats, key=lambda f: not models[f].kv_compiled)
-    compiled: dict[str, tuple[Compile, Compile, int, int | None]] = {}  # weights -> _compile_both's
+    compiled: dict[str, tuple[Compile, int, int | None]] = {}  # weights -> _compile_fitting's
     plans = {}
     for f in order:
         m = models[f]
         fresh = m.weights not in compiled
         if fresh:
-            compiled[m.weights] = _compile_both(m, target, tensor, context=context, prefill_tokens=prefill_tokens,
-                                                batch=batch, search=search and m.kv_compiled, say=say)
-        decode, prefill, count, too_many = compiled[m.weights]
-        plans[f] = _plan(m, target, tensor, decode, prefill, context=context, prefill_tokens=prefill_tokens,
+            compiled[m.weights] = _compile_fitting(m, target, tensor, context=context, prefill_tokens=prefill_tokens,
+                                                   batch=batch, search=search and m.kv_compiled, say=say)
+        step, count, too_many = compiled[m.weights]
+        plans[f] = _plan(m, target, tensor, step, context=context, prefill_tokens=prefill_tokens,
                          searched=search and m.kv_compiled, too_many=too_many if m.kv_compiled else None,
                          price=price, compiles=count if fresh else 0)
     source = ("--price-per-chip-hour" if price_per_chip_hour is not None
@@ -171,18 +171,17 @@ def plan_serve(model_for: Callable[[str, str], ServeModel], target: Target, *, f
                        target.chips // tensor, price, source, tuple(plans[f] for f in formats))
 
 
-def _compile_both(m: ServeModel, target: Target, tensor: int, *, context: int, prefill_tokens: int, batch: int | None,
-                  search: bool, say: Callable[[str], None]) -> tuple[Compile, Compile, int, int | None]:
-    """The decode step at the first batch that fits (from the first guess, or `batch`; with `search`, on to the
-    largest that fits), then the prefill step with the same pool. Returns (decode, prefill, compiles, the smallest
-    batch seen not to fit or None)."""
+def _compile_fitting(m: ServeModel, target: Target, tensor: int, *, context: int, prefill_tokens: int,
+                     batch: int | None, search: bool, say: Callable[[str], None]) -> tuple[Compile, int, int | None]:
+    """The step at the first batch that fits (from the first guess, or `batch`; with `search`, on to the largest
+    that fits). Returns (that compile, or the last when none fits; compiles; the smallest batch seen not to fit)."""
     hbm = target.chip.hbm_bytes
     seq = m.pages(context) * m.page_size * m.program_kv_bytes_per_token / m.kv_split
     page = m.page_size * m.program_kv_bytes_per_token / m.kv_split
     n = batch or _clip(int((FIRST_GUESS * hbm - m.weight_bytes_per_chip) // seq))
     lo, hi, best, last, count = 0, None, None, None, 0  # lo: the largest batch that fitted, hi: the smallest that did not
     while count < MAX_COMPILES:
-        last = _compile_decode(m, target, tensor, n, context, say)
+        last = _compile(m, target, tensor, n, prefill_tokens, context, say)
         count += 1
         lo, hi, best = (n, hi, last) if last.fits else (lo, n, best)
         if (best is not None and not search) or (hi is not None and hi - lo <= 1) or lo >= MAX_BATCH or (
@@ -193,52 +192,37 @@ def _compile_both(m: ServeModel, target: Target, tensor: int, *, context: int, p
             continue
         top = MAX_BATCH if hi is None else hi - 1
         n = min(max(_capacity(best, hbm, seq, page) or 0, lo + 1), top)
-    decode = best or last
-    prefill = _compile_prefill(m, target, tensor, prefill_tokens, decode.sequences, context, say)
-    return decode, prefill, count + 1, hi
+    return best or last, count, hi
 
 
 def _clip(n: int) -> int:
     return min(max(n, 1), MAX_BATCH)
 
 
-def _compile_decode(m: ServeModel, target: Target, tensor: int, n: int, context: int,
-                    say: Callable[[str], None]) -> Compile:
+def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens: int, context: int,
+             say: Callable[[str], None]) -> Compile:
+    """The step of n decoding sequences and a prefill chunk, with pages for n sequences of `context` tokens."""
     pages = n * m.pages(context) + 1  # + the null page
-    return _compile("decode", m.lower_decode(n, pages), target, tensor, m, sequences=n, tokens=n, pages=pages,
-                    say=say)
-
-
-def _compile_prefill(m: ServeModel, target: Target, tensor: int, tokens: int, n: int, context: int,
-                     say: Callable[[str], None]) -> Compile:
-    pages = n * m.pages(context) + 1
-    return _compile("prefill", m.lower_prefill(tokens, n, pages), target, tensor, m, sequences=n, tokens=tokens,
-                    pages=pages, say=say)
-
-
-def _compile(step: str, lowered: Any, target: Target, tensor: int, m: ServeModel, *, sequences: int, tokens: int,
-             pages: int, say: Callable[[str], None]) -> Compile:
+    lowered = m.lower_step(n, prefill_tokens, pages)
     start = time.perf_counter()
     compiled, out_of_memory = compile_lowered(lowered, target)
     seconds = time.perf_counter() - start
     pool = int(pages * m.page_size * m.program_kv_bytes_per_token / m.kv_split)
-    what = f"{m.weights} weights: {step} of {sequences if step == 'decode' else tokens} " + (
-        "sequences" if step == "decode" else "prompt tokens")
+    what = f"{m.weights} weights: {n} decoding sequences + {prefill_tokens} prompt tokens"
     if compiled is None:
         needed = needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
         say(f"  compiled {what} in {seconds:.0f} s: DOES NOT FIT"
-            + (f" (needs {gib_text(needed)} per chip)" if needed else ""))
-        return Compile(step, sequences, tokens, pages, False, int(needed or 0), pool, None, out_of_memory, seconds,
-                       0.0, {}, None)
+            + (f" (the compiler asks for {gib_text(needed)} per chip)" if needed else ""))
+        return Compile(n, prefill_tokens, pages, False, int(needed or 0), pool, None, out_of_memory, seconds, 0.0, {},
+                       None)
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
     collectives = hlo_collectives.read_collectives(hlo, ())
     peak = peak_of(memory)
     say(f"  compiled {what} in {seconds:.0f} s: {gib_text(peak)} per chip")
-    return Compile(step, sequences, tokens, pages, peak <= target.chip.hbm_bytes, peak, pool,
-                   int(memory.temp_size_in_bytes), None, seconds, sum(c.wire_bytes for c in collectives.values()),
-                   {kind: c.count for kind, c in collectives.items() if c.count},
-                   hlo_text.step_cost(hlo).flops * tensor)
+    return Compile(n, prefill_tokens, pages, peak <= target.chip.hbm_bytes, peak, pool, int(memory.temp_size_in_bytes),
+                   None, seconds, sum(c.wire_bytes for c in collectives.values()),
+                   {kind: c.count for kind, c in collectives.items() if c.count}, hlo_text.step_cost(hlo).flops * tensor)
 
 
 def _capacity(c: Compile, hbm: float, seq_bytes: float, page_bytes: float) -> int | None:
@@ -249,22 +233,21 @@ def _capacity(c: Compile, hbm: float, seq_bytes: float, page_bytes: float) -> in
     return max(0, int((hbm - (c.peak_bytes - c.pool_bytes) - page_bytes) // seq_bytes))
 
 
-def _plan(m: ServeModel, target: Target, tensor: int, decode: Compile, prefill: Compile, *, context: int,
-          prefill_tokens: int, searched: bool, too_many: int | None, price: float, compiles: int) -> ServePlan:
-    n, how = _sequences(m, target.chip.hbm_bytes, decode, prefill, context=context, searched=searched,
-                        too_many=too_many)
+def _plan(m: ServeModel, target: Target, tensor: int, step: Compile, *, context: int, prefill_tokens: int,
+          searched: bool, too_many: int | None, price: float, compiles: int) -> ServePlan:
+    n, how = _sequences(m, target.chip.hbm_bytes, step, context=context, searched=searched, too_many=too_many)
     kv_chip = m.kv_bytes_per_token_per_chip
     common = dict(weights=m.weights, kv=m.kv, kv_computed=not m.kv_compiled, params=m.params,
                   weight_bytes=m.weight_bytes, weight_bytes_per_chip=m.weight_bytes_per_chip,
                   kv_bytes_per_token=m.kv_bytes_per_token, kv_bytes_per_token_per_chip=kv_chip,
                   kv_formula=m.kv_formula, context=context, sequences=n, sequences_from=how, fits=n >= 1,
-                  decode=decode, prefill=prefill, prefill_tokens=prefill_tokens, compiles=compiles)
+                  step=step, prefill_tokens=prefill_tokens, compiles=compiles)
     if n < 1:
         return ServePlan(**common, decode_roofline=None, prefill_roofline=None, output_tokens_per_s_per_chip=None,
                          output_tokens_per_s_per_slice=None, usd_per_million_output_tokens=None,
                          prefill_tokens_per_s_per_slice=None, prompt_s=None)
-    dec = decode_roofline(m, target.chip, tensor, n, context, decode)
-    pre = prefill_roofline(m, target.chip, tensor, prefill_tokens, prefill)
+    dec = decode_roofline(m, target.chip, tensor, n, context, step)
+    pre = prefill_roofline(m, target.chip, tensor, prefill_tokens, step)
     replicas = target.chips // tensor
     per_slice = n / dec.step_s * replicas
     return ServePlan(**common, decode_roofline=dec, prefill_roofline=pre,
@@ -274,25 +257,24 @@ def _plan(m: ServeModel, target: Target, tensor: int, decode: Compile, prefill: 
                      prompt_s=-(-context // prefill_tokens) * pre.step_s)
 
 
-def _sequences(m: ServeModel, hbm: float, decode: Compile, prefill: Compile, *, context: int, searched: bool,
+def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, searched: bool,
                too_many: int | None) -> tuple[int, str]:
-    """(sequences of `context` that fit beside the compiled steps, and how that is known)."""
-    if not decode.fits:
-        return 0, f"the decode step of {decode.sequences} sequence{'s' if decode.sequences > 1 else ''} does not fit"
-    kv_chip = m.kv_bytes_per_token_per_chip
-    seq, page = m.pages(context) * m.page_size * kv_chip, m.page_size * kv_chip
-    room = min(e for e in (_capacity(decode, hbm, seq, page), _capacity(prefill, hbm, seq, page)) if e is not None)
-    if searched and prefill.fits:
-        n = decode.sequences
-        return n, f"compiled: {n} fit" + (f", {n + 1} do not" if n < MAX_BATCH else f" (MAX_BATCH, the most planned)")
+    """(sequences of `context` that fit beside the compiled step, and how that is known)."""
+    if not step.fits:
+        return 0, f"the step of {step.sequences} sequence{'s' if step.sequences > 1 else ''} does not fit"
     if searched:
-        return min(room, decode.sequences), "the prefill step's memory, compiled with the decode's pool"
-    bounds = [room, MAX_BATCH] + ([too_many - 1] if too_many else [])
-    stand_in = "" if m.kv_compiled else f", with {m.kv} pages in place of the program's {m.program_kv_bytes_per_token:,}-byte ones"
-    return min(bounds), (f"estimated: HBM less what the steps compiled at {decode.sequences} sequences hold besides "
-                         f"their pool (weights, temporaries, code){stand_in}, over {gib_text(seq)} of pages a sequence"
-                         + (f"; {too_many} did not compile" if too_many and too_many - 1 < room else "")
-                         + (f"; capped at {MAX_BATCH}" if room > MAX_BATCH else ""))
+        n = step.sequences
+        return n, f"compiled: {n} fit" + (f", {n + 1} do not" if n < MAX_BATCH else " (MAX_BATCH, the most planned)")
+    kv_chip = m.kv_bytes_per_token_per_chip
+    seq = m.pages(context) * m.page_size * kv_chip
+    room = _capacity(step, hbm, seq, m.page_size * kv_chip) or 0
+    stand_in = ("" if m.kv_compiled
+                else f", with {m.kv} pages in place of the program's {m.program_kv_bytes_per_token:,}-byte ones")
+    return min([room, MAX_BATCH] + ([too_many - 1] if too_many else [])), (
+        f"estimated: HBM less what the step compiled at {step.sequences} sequences holds besides its pool (weights, "
+        f"temporaries, code){stand_in}, over {gib_text(seq)} of pages a sequence"
+        + (f"; {too_many} did not compile" if too_many and too_many - 1 < room else "")
+        + (f"; capped at {MAX_BATCH}" if room > MAX_BATCH else ""))
 
 
 def _roofline(m: ServeModel, chip: Chip, tensor: int, flops: float, hbm_bytes: float, ici_bytes: float) -> Roofline:
@@ -306,11 +288,12 @@ def _roofline(m: ServeModel, chip: Chip, tensor: int, flops: float, hbm_bytes: f
 
 def decode_roofline(m: ServeModel, chip: Chip, tensor: int, n: int, context: int, c: Compile) -> Roofline:
     """One token for each of n sequences, each at the full context (the batch's slowest step): every weight read
-    once, every sequence's keys and values read once. Collectives as compiled, scaled to n rows."""
+    once, every sequence's keys and values read once. Collectives as compiled, by their share of the step's tokens
+    (the tensor-parallel reductions move each token's activations)."""
     keys = min(context, m.window) if m.window else context
     flops = n * (m.matmul_flops_per_token + m.head_flops_per_row + m.attention_flops_per_key * keys)
     hbm_bytes = m.weight_read_bytes_per_chip + n * keys * m.kv_bytes_per_token_per_chip
-    return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * n / c.sequences)
+    return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens))
 
 
 def prefill_roofline(m: ServeModel, chip: Chip, tensor: int, tokens: int, c: Compile) -> Roofline:
@@ -319,7 +302,8 @@ def prefill_roofline(m: ServeModel, chip: Chip, tensor: int, tokens: int, c: Com
     keys = tokens * (tokens + 1) / 2 if not m.window else sum(min(i + 1, m.window) for i in range(tokens))
     flops = tokens * m.matmul_flops_per_token + m.head_flops_per_row + m.attention_flops_per_key * keys
     hbm_bytes = m.weight_read_bytes_per_chip + tokens * m.kv_bytes_per_token_per_chip
-    return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes)
+    share = tokens / (c.sequences + c.prefill_tokens)
+    return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * share)
 
 
 def count_text(n: float) -> str:
@@ -377,30 +361,27 @@ def _details(p: ServePlan) -> list[str]:
     lines = [f"{kv}: weights {gib_text(p.weight_bytes)} ({gib_text(p.weight_bytes_per_chip)} per chip); KV "
              f"{p.kv_bytes_per_token:,} bytes a token = {p.kv_formula}, {gib_text(p.kv_bytes_per_token * p.context)} "
              f"a sequence of {p.context:,}; sequences: {p.sequences:,} ({p.sequences_from})"]
-    for c in (p.decode, p.prefill):
-        if c is None or not p.compiles:
-            continue
-        what = f"{c.sequences} sequences" if c.step == "decode" else f"{c.tokens} prompt tokens, {c.sequences} sequences' pool"
-        if c.fits:
-            coll = ", ".join(f"{k} {v:,}" for k, v in c.collectives.items()) or "no collectives"
-            lines.append(f"  {c.step} compiled at {what}: {gib_text(c.peak_bytes)} per chip (pool "
-                         f"{gib_text(c.pool_bytes)}, temporaries {gib_text(c.temp_bytes or 0)}), {coll} "
-                         f"({gib_text(c.ici_wire_bytes)} over the links), XLA {c.xla_flops:.3e} FLOPs; "
-                         f"{c.compile_s:.0f} s")
-        else:
-            lines.append(f"  {c.step} compiled at {what}: DOES NOT FIT" + (
-                f", needs {gib_text(c.peak_bytes)} per chip" if c.peak_bytes else "") + f" ({c.out_of_memory}); "
-                f"{c.compile_s:.0f} s")
+    c = p.step
+    what = f"step compiled at {c.sequences} decoding sequences + {c.prefill_tokens} prompt tokens"
+    if p.compiles and c.fits:
+        coll = ", ".join(f"{k} {v:,}" for k, v in c.collectives.items()) or "no collectives"
+        lines.append(f"  {what}: {gib_text(c.peak_bytes)} per chip (pool {gib_text(c.pool_bytes)}, temporaries "
+                     f"{gib_text(c.temp_bytes or 0)}), {coll} ({gib_text(c.ici_wire_bytes)} over the links), XLA "
+                     f"{c.xla_flops:.3e} FLOPs; {p.compiles} compile{'s' if p.compiles > 1 else ''}, the last "
+                     f"{c.compile_s:.0f} s")
+    elif p.compiles:
+        lines.append(f"  {what}: DOES NOT FIT" + (f", the compiler asks for {gib_text(c.peak_bytes)} per chip"
+                                                  if c.peak_bytes else "") + f" ({c.out_of_memory})")
     for name, r in (("decode", p.decode_roofline), ("prefill", p.prefill_roofline)):
         if r is not None:
             lines.append(f"  {name} roofline: {ms_text(r.step_s)} ({r.bound}-bound; compute {ms_text(r.compute_s)}, HBM "
                          f"{ms_text(r.hbm_s)} for {gib_text(r.hbm_bytes_per_chip)} per chip, ICI {ms_text(r.ici_s)}); "
                          f"{r.flops:.3e} model FLOPs")
-    if not p.fits and p.decode.sequences == 1:
+    if not p.fits and c.sequences == 1:
         lines.append(f"  DOES NOT FIT: not one sequence of {p.context:,} tokens fits beside the weights "
                      f"({gib_text(p.weight_bytes_per_chip)} per chip). Fix: more chips (a larger --target or "
                      "--mesh tensor), int8 weights, or a shorter --context")
     elif not p.fits:
-        lines.append(f"  DOES NOT FIT at {p.decode.sequences} sequences. Fix: a smaller --batch, or leave it out to "
-                     "plan the batch that fits")
+        lines.append(f"  DOES NOT FIT at {c.sequences} sequences. Fix: a smaller --batch, or leave it out to plan "
+                     "the batch that fits")
     return lines

@@ -1,6 +1,7 @@
 """What `systolic plan lm --serve` compiles: the inference engine's step (step.py `jit_step`, the program `systolic
 serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parallel mesh of the target's devices
-(engine.py `tensor_layout`), for one format of the weights and of the KV cache.
+(engine.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
+one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
 
 Weights: "bf16" stores the parameters in bfloat16 (the norms' scales in float32); "int8" and "w8a8" store the
 projections as Qwix int8 arrays with a scale per output channel, in bfloat16, the dtype they are quantized from
@@ -81,9 +82,11 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         with activate(mesh, rules):
             return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
 
-    def lower_prefill(tokens: int, sequences: int, pages: int):
-        # The engine's step of `tokens` slots: min(tokens, max_seqs) rows, a fresh prompt reads no pages.
-        return lower(tokens, min(tokens, sequences), page_bucket(tokens, 0), pages)
+    def lower_step(sequences: int, prefill: int, pages: int):
+        # The engine's step with max_seqs = sequences + 1 and max_tokens_per_step = sequences + prefill: a token for
+        # each decoding sequence, laid out first (they read pages), then a fresh prompt's chunk (it reads none).
+        tokens = sequences + prefill
+        return lower(tokens, sequences + (prefill > 0), page_bucket(tokens, sequences), pages)
 
     matmul = matmul_params(model, vocab) - model.d_model * vocab  # the layers' (the LM head's counted per row)
     element = jnp.dtype(dtype).itemsize
@@ -106,8 +109,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         page_size=page_size, matmul_flops_per_token=2.0 * matmul, head_flops_per_row=2.0 * model.d_model * vocab,
         attention_flops_per_key=4.0 * model.layers * model.heads * model.d_head, window=model.sliding_window,
         int8_matmuls=weights == "w8a8",
-        lower_decode=lambda sequences, pages: lower(sequences, sequences, sequences, pages),
-        lower_prefill=lower_prefill)
+        lower_step=lower_step)
 
 
 def _stored(path, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
