@@ -278,8 +278,8 @@ COMMAND = Command(
               "(default bf16,int8)"),
           arg("--context", type=int, help=f"--serve: tokens a sequence holds (default {DEFAULT_CONTEXT}, at most "
               "model.max_seq_len)"),
-          arg("--batch", type=int, help="--serve: compile the decode step at this many sequences (default: the "
-              "batch its weights and KV pages leave room for)"),
+          arg("--batch", type=int, help="--serve: plan this many sequences decoding together (default: as many as "
+              "the weights leave room for in HBM)"),
           arg("--prefill-tokens", type=int, help=f"--serve: prompt tokens per prefill step (default "
               f"{DEFAULT_PREFILL_TOKENS}, serve's --max-tokens-per-step, at most --context)"),
           arg("--json", action="store_true", help="print one JSON object with every figure")))

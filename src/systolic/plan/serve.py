@@ -145,9 +145,8 @@ class ServeReport:
 def plan_serve(model_for: Callable[[str, str], ServeModel], target: Target, *, formats: list[tuple[str, str]],
                context: int, prefill_tokens: int, tensor: int, batch: int | None, search: bool,
                price_per_chip_hour: float | None, say: Callable[[str], None] = lambda _: None) -> ServeReport:
-    """Every format in `formats` ((weights, kv) pairs) planned with one replica of `tensor` devices. `batch`: compile
-    the decode at that many sequences rather than at the first guess; `search`: compile until the largest batch
-    that fits is known."""
+    """Every format in `formats` ((weights, kv) pairs) planned with one replica of `tensor` devices. `batch`: plan that
+    many sequences (default: as many as fit); `search`: compile until the largest batch that fits is known."""
     chip = target.chip
     price = price_per_chip_hour if price_per_chip_hour is not None else chip.price_per_chip_hour
     models = {f: model_for(*f) for f in formats}
@@ -163,7 +162,7 @@ def plan_serve(model_for: Callable[[str, str], ServeModel], target: Target, *, f
                                                    batch=batch, search=search and m.kv_compiled, say=say)
         step, count, too_many = compiled[m.weights]
         plans[f] = _plan(m, target, tensor, step, context=context, prefill_tokens=prefill_tokens,
-                         searched=search and m.kv_compiled, too_many=too_many if m.kv_compiled else None,
+                         searched=search and m.kv_compiled, batch=batch, too_many=too_many if m.kv_compiled else None,
                          price=price, compiles=count if fresh else 0)
     source = ("--price-per-chip-hour" if price_per_chip_hour is not None
               else f"on-demand list price as of {PRICES_DATED}: {chip.source}")
@@ -201,13 +200,18 @@ def _clip(n: int) -> int:
 
 def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens: int, context: int,
              say: Callable[[str], None]) -> Compile:
-    """The step of n decoding sequences and a prefill chunk, with pages for n sequences of `context` tokens."""
+    """The step of n decoding sequences and a prefill chunk, with pages for n sequences of `context` tokens. For a
+    GPU target the program holds one page a sequence: XLA:CPU, the stand-in, keeps two copies of the pool that the
+    layer loop carries in its temporaries (measured: 64 MiB of pool, 127 MiB more temporaries), where the engine
+    donates it to be updated in place, as libtpu does; so the full pool is added to what the small one leaves."""
     pages = n * m.pages(context) + 1  # + the null page
-    lowered = m.lower_step(n, prefill_tokens, pages)
+    compiled_pages = pages if target.chip.platform == "tpu" else n + 1
+    lowered = m.lower_step(n, prefill_tokens, compiled_pages)
     start = time.perf_counter()
     compiled, out_of_memory = compile_lowered(lowered, target)
     seconds = time.perf_counter() - start
-    pool = int(pages * m.page_size * m.program_kv_bytes_per_token / m.kv_split)
+    page_bytes = m.page_size * m.program_kv_bytes_per_token / m.kv_split
+    pool = int(pages * page_bytes)
     what = f"{m.weights} weights: {n} decoding sequences + {prefill_tokens} prompt tokens"
     if compiled is None:
         needed = needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
@@ -218,7 +222,7 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
     collectives = hlo_collectives.read_collectives(hlo, ())
-    peak = peak_of(memory)
+    peak = peak_of(memory) + int((pages - compiled_pages) * page_bytes)
     say(f"  compiled {what} in {seconds:.0f} s: {gib_text(peak)} per chip")
     return Compile(n, prefill_tokens, pages, peak <= target.chip.hbm_bytes, peak, pool, int(memory.temp_size_in_bytes),
                    None, seconds, sum(c.wire_bytes for c in collectives.values()),
@@ -234,8 +238,9 @@ def _capacity(c: Compile, hbm: float, seq_bytes: float, page_bytes: float) -> in
 
 
 def _plan(m: ServeModel, target: Target, tensor: int, step: Compile, *, context: int, prefill_tokens: int,
-          searched: bool, too_many: int | None, price: float, compiles: int) -> ServePlan:
-    n, how = _sequences(m, target.chip.hbm_bytes, step, context=context, searched=searched, too_many=too_many)
+          searched: bool, batch: int | None, too_many: int | None, price: float, compiles: int) -> ServePlan:
+    n, how = _sequences(m, target.chip.hbm_bytes, step, context=context, searched=searched, batch=batch,
+                        too_many=too_many)
     kv_chip = m.kv_bytes_per_token_per_chip
     common = dict(weights=m.weights, kv=m.kv, kv_computed=not m.kv_compiled, params=m.params,
                   weight_bytes=m.weight_bytes, weight_bytes_per_chip=m.weight_bytes_per_chip,
@@ -257,9 +262,9 @@ def _plan(m: ServeModel, target: Target, tensor: int, step: Compile, *, context:
                      prompt_s=-(-context // prefill_tokens) * pre.step_s)
 
 
-def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, searched: bool,
+def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, searched: bool, batch: int | None,
                too_many: int | None) -> tuple[int, str]:
-    """(sequences of `context` that fit beside the compiled step, and how that is known)."""
+    """(the sequences of `context` planned: --batch, or as many as fit beside the compiled step; how that is known)."""
     if not step.fits:
         return 0, f"the step of {step.sequences} sequence{'s' if step.sequences > 1 else ''} does not fit"
     if searched:
@@ -268,6 +273,8 @@ def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, search
     kv_chip = m.kv_bytes_per_token_per_chip
     seq = m.pages(context) * m.page_size * kv_chip
     room = _capacity(step, hbm, seq, m.page_size * kv_chip) or 0
+    if batch:
+        return batch, f"--batch {batch}, compiled: fits; room for about {room:,}"
     stand_in = ("" if m.kv_compiled
                 else f", with {m.kv} pages in place of the program's {m.program_kv_bytes_per_token:,}-byte ones")
     return min([room, MAX_BATCH] + ([too_many - 1] if too_many else [])), (
