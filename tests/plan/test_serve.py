@@ -39,16 +39,16 @@ def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
     assert (q.kv_bytes_per_token, q.kv_compiled, q.program_kv_bytes_per_token) == (2 * L * KV * (hd + 4), False, 128)
 
 
+LLAMA_8B = ["model.family=llama", "model.d_model=4096", "model.layers=32", "model.heads=32", "model.kv_heads=8",
+            "model.mlp_dim=14336", "model.vocab_size=128256", "model.scan_layers=true", "model.max_seq_len=2048"]
+
+
 def test_int8_weights_are_half_the_bytes_but_the_embedding_and_scales():
     """Llama-3-8B's shape, abstract (nothing allocated): bf16 is 2 bytes a parameter (the norms' scales 4); int8
     stores the projections and the untied LM head in 1 byte plus a scale per output channel, the embedding table
     stays bf16."""
-    _, bf16 = serve_model(["model.family=llama", "model.d_model=4096", "model.layers=32", "model.heads=32",
-                           "model.kv_heads=8", "model.mlp_dim=14336", "model.vocab_size=128256",
-                           "model.scan_layers=true", "model.max_seq_len=2048"], weights="bf16", kv="bf16", devices=8)
-    _, int8 = serve_model(["model.family=llama", "model.d_model=4096", "model.layers=32", "model.heads=32",
-                           "model.kv_heads=8", "model.mlp_dim=14336", "model.vocab_size=128256",
-                           "model.scan_layers=true", "model.max_seq_len=2048"], weights="int8", kv="bf16", devices=8)
+    _, bf16 = serve_model(LLAMA_8B, weights="bf16", kv="bf16", devices=8)
+    _, int8 = serve_model(LLAMA_8B, weights="int8", kv="bf16", devices=8)
     norms = 32 * 2 * 4096 + 4096  # float32
     assert 8.0e9 < bf16.params < 8.1e9 and bf16.weight_bytes == 2 * bf16.params + 2 * norms
     embedding, layers, d, vocab = 128256 * 4096, 32, 4096, 128256
@@ -59,6 +59,8 @@ def test_int8_weights_are_half_the_bytes_but_the_embedding_and_scales():
     assert int8.weight_bytes == 2 * (bf16.params - projections) + 2 * norms + projections + 2 * channels
     assert 0.53 < int8.weight_bytes / bf16.weight_bytes < 0.54
     assert int8.weight_bytes_per_chip < 0.55 * bf16.weight_bytes_per_chip
+    _, w8a8 = serve_model(LLAMA_8B, weights="w8a8", kv="bf16", devices=8)  # the same weights, int8 x int8 dots
+    assert (w8a8.weight_bytes, w8a8.int8_matmuls, int8.int8_matmuls) == (int8.weight_bytes, True, False)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -230,11 +230,14 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
 
 
 def _capacity(c: Compile, hbm: float, seq_bytes: float, page_bytes: float) -> int | None:
-    """Sequences whose pages fit beside what compile `c` holds that is not its pool (weights, temporaries, code);
-    None when the compiler gave no size."""
+    """Sequences that fit beside what compile `c` holds besides its pool and temporaries (weights, code), each with
+    its pages and its share of the temporaries, which grow with the rows (sampling sorts each row's logits over the
+    whole vocabulary: on llama-1b that is most of them); None when the compiler gave no size."""
     if not c.peak_bytes:
         return None
-    return max(0, int((hbm - (c.peak_bytes - c.pool_bytes) - page_bytes) // seq_bytes))
+    temps = c.temp_bytes or 0
+    fixed = c.peak_bytes - c.pool_bytes - temps
+    return max(0, int((hbm - fixed - page_bytes) // (seq_bytes + temps / c.sequences)))
 
 
 def _plan(m: ServeModel, target: Target, tensor: int, step: Compile, *, context: int, prefill_tokens: int,
@@ -278,8 +281,8 @@ def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, search
     stand_in = ("" if m.kv_compiled
                 else f", with {m.kv} pages in place of the program's {m.program_kv_bytes_per_token:,}-byte ones")
     return min([room, MAX_BATCH] + ([too_many - 1] if too_many else [])), (
-        f"estimated: HBM less what the step compiled at {step.sequences} sequences holds besides its pool (weights, "
-        f"temporaries, code){stand_in}, over {gib_text(seq)} of pages a sequence"
+        f"estimated from the step compiled at {step.sequences} sequences: HBM less its weights and code{stand_in}, over "
+        f"{gib_text(seq)} of pages and {gib_text((step.temp_bytes or 0) / step.sequences)} of temporaries a sequence"
         + (f"; {too_many} did not compile" if too_many and too_many - 1 < room else "")
         + (f"; capped at {MAX_BATCH}" if room > MAX_BATCH else ""))
 
