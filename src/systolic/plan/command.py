@@ -75,6 +75,9 @@ def plan(args: argparse.Namespace) -> int:
     from systolic.runtime import mesh as mesh_lib
 
     workload = workloads.get(args.workload)
+    _check_serve_options(args)
+    if args.serve:
+        return _serve(args, workload)
     plan_fn = workload.command("plan")
     mesh_args = mesh_overrides(args.mesh)
     target = targets.resolve(args.target, mesh_devices=jax.device_count(), slices=args.slices)
@@ -151,6 +154,100 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
     return 0
 
 
+SERVE_OPTIONS = {"weights": None, "kv": None, "context": None, "batch": None, "prefill_tokens": None}
+
+
+def _check_serve_options(args: argparse.Namespace) -> None:
+    """The serving options act with --serve only, and --tokens, --slices without it."""
+    given = [f"--{k.replace('_', '-')}" for k, default in SERVE_OPTIONS.items() if getattr(args, k) != default]
+    if not args.serve and given:
+        raise UserError(f"{', '.join(given)} describe a serving plan, but --serve is not set. Fix: add --serve (e.g. "
+                        f"systolic plan lm --serve --recipe llama-8b --target v5e-8), or leave them out.")
+    if args.serve and (args.tokens is not None or args.slices > 1):
+        raise UserError("--tokens and --slices describe a training plan; a serving plan (--serve) plans one slice "
+                        "and prices output tokens. Fix: leave them out, or plan training without --serve.")
+
+
+def _serve(args: argparse.Namespace, workload) -> int:
+    """`systolic plan WORKLOAD --serve`: the inference engine's steps compiled for one replica of the target."""
+    import dataclasses
+    import json
+
+    import jax
+
+    from systolic import config as config_lib
+    from systolic.plan import serve as serve_plan
+    from systolic.plan import targets
+    from systolic.plan.planner import devices_for, for_target
+
+    plan_fn = workload.command("plan_serve")
+    target = targets.resolve(args.target, mesh_devices=jax.device_count())
+    cfg, recipe = config_lib.load(workload.config, args.recipe, args.overrides, workload.default_recipe,
+                                  args.workload)
+    tensor = _serve_tensor(args.mesh, target.chips, cfg.model)
+    context = _positive("--context", args.context) if args.context else min(DEFAULT_CONTEXT, cfg.model.max_seq_len)
+    if context > cfg.model.max_seq_len:
+        raise UserError(f"--context {context}: the model attends over at most model.max_seq_len="
+                        f"{cfg.model.max_seq_len} positions. Fix: --context {cfg.model.max_seq_len} or less, or raise "
+                        f"model.max_seq_len (e.g. model.max_seq_len={context}).")
+    prefill = (_positive("--prefill-tokens", args.prefill_tokens) if args.prefill_tokens
+               else min(DEFAULT_PREFILL_TOKENS, context))
+    if prefill > context:
+        raise UserError(f"--prefill-tokens {prefill}: a prefill chunk is part of one prompt, at most --context "
+                        f"{context} tokens. Fix: --prefill-tokens {context} or less.")
+    batch = _positive("--batch", args.batch) if args.batch is not None else None
+    if args.price_per_chip_hour is not None and not 0 <= args.price_per_chip_hour < math.inf:
+        raise UserError(f"--price-per-chip-hour {args.price_per_chip_hour}: expected a finite price >= 0, e.g. 1.2.")
+    formats = [(w, k) for w in _listed(args.weights or "bf16,int8") for k in _listed(args.kv or "bf16,int8")]
+    command = (f"systolic plan {args.workload} --serve --recipe {recipe} --target {args.target}"
+               + (f" --mesh {args.mesh}" if args.mesh else "") + "".join(f" {o}" for o in args.overrides))
+    say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
+    say(f"{command}: {len(formats)} formats, tensor={tensor} ({target.chips // tensor} replica"
+        f"{'s' if target.chips // tensor > 1 else ''}), context {context}")
+    with for_target(target):
+        devices = devices_for(target)[:tensor]
+        report = serve_plan.plan_serve(
+            lambda w, k: plan_fn(cfg, devices, weights=w, kv=k, page_size=PAGE_SIZE), target, formats=formats,
+            context=context, prefill_tokens=prefill, tensor=tensor, batch=batch, search=args.search,
+            price_per_chip_hour=args.price_per_chip_hour, say=say)
+    if args.json:
+        print(json.dumps({"recipe": recipe, **dataclasses.asdict(report)}))
+    else:
+        print(serve_plan.format_report(report))
+    return 0
+
+
+DEFAULT_CONTEXT = 2048
+DEFAULT_PREFILL_TOKENS = 256  # `systolic serve`'s --max-tokens-per-step
+PAGE_SIZE = 16  # `systolic serve`'s --page-size
+
+
+def _positive(flag: str, value: int) -> int:
+    if value < 1:
+        raise UserError(f"{flag} {value}: expected a positive number of tokens or sequences. Fix: e.g. {flag} 256.")
+    return value
+
+
+def _listed(spec: str) -> list[str]:
+    return [item.strip() for item in spec.split(",") if item.strip()]
+
+
+def _serve_tensor(spec: str, chips: int, model) -> int:
+    """The chips one replica spans: --mesh tensor=K (the rest of the slice holds replicas), by default the most chips
+    of the slice that the heads and MLP columns split over evenly."""
+    sizes = {o.split("=")[0].removeprefix("mesh."): int(o.split("=")[1]) for o in mesh_overrides(spec)}
+    if any(size > 1 for axis, size in sizes.items() if axis not in ("tensor", "data")):
+        raise UserError(f"--mesh {spec} with --serve: a serving plan splits the model over the tensor axis only (data: "
+                        "replicas). Fix: e.g. --mesh tensor=4.")
+    if spec:
+        tensor = sizes["tensor"]
+        if chips % tensor:
+            raise UserError(f"--mesh {spec}: {tensor} chips a replica do not divide the target's {chips}. Fix: "
+                            f"--mesh tensor=K with K dividing {chips}.")
+        return tensor
+    return max(k for k in range(1, chips + 1) if chips % k == 0 and model.heads % k == 0 and model.d_mlp % k == 0)
+
+
 COMMAND = Command(
     "plan", help="will a recipe fit a TPU slice or GPUs, how fast, at what cost? (no accelerator needed)", run=plan,
     platform=plan_devices,
@@ -163,12 +260,26 @@ COMMAND = Command(
           arg("--target", required=True, help="a Cloud TPU slice (v4-8, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ... "
               "v6e-256; v4/v5p count TensorCores: v5p-128 is 64 chips) or a GPU (a100, h100, h200; x --mesh)"),
           arg("--mesh", default="", help="e.g. fsdp=64, data=2,fsdp=4,tensor=2, fsdp=2,expert=4, fsdp=2,context=4 or "
-              "data=2,stage=4 (unset axes are 1; default: the recipe's mesh over all the target's chips)"),
+              "data=2,stage=4 (unset axes are 1; default: the recipe's mesh over all the target's chips); --serve: "
+              "tensor=K, the chips one replica spans"),
           arg("--slices", type=int, default=1, help="TPU slices of --target joined by the data-center network, data "
               "parallel across them (sets mesh.slices; --mesh's data axis then defaults to the rest)"),
           arg("--tokens", type=float, help="also the wall time, chip-hours and cost to train this many items (tokens "
               "for lm), e.g. 20e9"),
           arg("--price-per-chip-hour", type=float, help="USD, instead of the table's on-demand list price"),
           arg("--search", action="store_true", help="lm: compile candidate per-chip batches (powers of 2, bisected) "
-              "x model.remat none/dots/full and report the largest batch that fits"),
+              "x model.remat none/dots/full and report the largest batch that fits; with --serve: the largest decode "
+              "batch that fits"),
+          arg("--serve", action="store_true", help="lm: plan serving instead of training: the inference engine's "
+              "decode and prefill steps, sequences that fit, output tokens/s and price per million tokens"),
+          arg("--weights", help="--serve: weight formats, comma-separated from bf16, int8 (weight-only), w8a8 "
+              "(default bf16,int8)"),
+          arg("--kv", help="--serve: KV-cache formats, from bf16 and int8 (int8: computed from its formula) "
+              "(default bf16,int8)"),
+          arg("--context", type=int, help=f"--serve: tokens a sequence holds (default {DEFAULT_CONTEXT}, at most "
+              "model.max_seq_len)"),
+          arg("--batch", type=int, help="--serve: plan this many sequences decoding together (default: as many as "
+              "the weights leave room for in HBM)"),
+          arg("--prefill-tokens", type=int, help=f"--serve: prompt tokens per prefill step (default "
+              f"{DEFAULT_PREFILL_TOKENS}, serve's --max-tokens-per-step, at most --context)"),
           arg("--json", action="store_true", help="print one JSON object with every figure")))

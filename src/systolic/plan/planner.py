@@ -203,24 +203,43 @@ def needed_bytes(message: str, argument_bytes: int) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def for_target(target: Target) -> Iterator[None]:
+    """Trace for the target's platform (model code asks `compile_platform()`), with memory checks against the
+    target's chips, not this host's."""
+    hbm = f"{target.chips} x {target.chip.name} ({memory_lib.gib(target.chip.hbm_bytes)} each)"
+    with compiling_for(target.chip.platform), memory_lib.budget(target.chips * target.chip.hbm_bytes, hbm):
+        yield
+
+
+def compile_lowered(lowered: Any, target: Target) -> tuple[Any, str | None]:
+    """(the compiled program, None), or (None, the compiler's message) for a compile-time out-of-memory."""
+    tpu = target.chip.platform == "tpu"
+    try:
+        with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu):
+            return lowered.compile(), None
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None, str(e).strip().splitlines()[0]
+
+
+def peak_of(memory: Any) -> int:
+    """Bytes per chip of a compiled program (its memory analysis): arguments + outputs not aliased to them +
+    temporaries + generated code."""
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+               + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+
+
 def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], cfg: Any, target: Target, *,
               mesh: str, train_items: float | None = None, price_per_chip_hour: float | None = None) -> Plan:
     """Lowers the workload's step for `target` (model code sees `compile_platform()` = the target's platform),
     compiles it once and reads every figure."""
     devices = devices_for(target)
     start = time.perf_counter()
-    tpu = target.chip.platform == "tpu"
-    hbm = f"{target.chips} x {target.chip.name} ({memory_lib.gib(target.chip.hbm_bytes)} each)"
-    with compiling_for(target.chip.platform), memory_lib.budget(target.chips * target.chip.hbm_bytes, hbm):
+    with for_target(target):
         program = plan_fn(cfg, devices)  # the workloads' size checks compare against the target, not this host
-        out_of_memory, compiled = None, None
-        try:
-            with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu):
-                compiled = program.lowered.compile()
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            out_of_memory = str(e).strip().splitlines()[0]
+        compiled, out_of_memory = compile_lowered(program.lowered, target)
     compile_s = time.perf_counter() - start
     chip = target.chip
     peak = chip.peak_bf16_flops if program.dtype == "bfloat16" else chip.peak_fp32_flops
@@ -283,8 +302,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     else:
         mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
                     "formula's count")
-    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-                  + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+    peak_bytes = peak_of(memory)
     steps = train_items / program.items_per_step if train_items else None
     wall = steps * step_s if steps else None
     chip_hours = wall / 3600 * target.chips if wall else None

@@ -26,6 +26,7 @@ class Chip:
     platform: str  # "tpu": compiled by libtpu; "gpu": compiled by XLA:CPU on fake devices (no CUDA compiler here)
     hbm_bytes: float
     peak_bf16_flops: float  # dense, per chip
+    peak_int8_ops: float  # dense int8 x int8 multiply-accumulates x 2, per chip (serving plans of w8a8 weights)
     hbm_bytes_per_s: float
     ici_bytes_per_s: float
     dcn_bytes_per_s: float  # per chip
@@ -40,24 +41,26 @@ class Chip:
 
 GiB = 2**30
 CHIPS: dict[str, Chip] = {
-    # https://cloud.google.com/tpu/docs/v4 ; https://cloud.google.com/tpu/pricing
-    "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 1200e9, 2400e9 / 8, 6.25e9, 3.22,
+    # https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 or int8); https://cloud.google.com/tpu/pricing
+    "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 275e12, 1200e9, 2400e9 / 8, 6.25e9, 3.22,
                "cloud.google.com/tpu/docs/v4 (ICI 2400 Gbps), tpu/pricing"),
-    # https://cloud.google.com/tpu/docs/v5e: 16 GB, 819 GB/s, ICI 1600 Gbps, 2 x 100 Gbps NICs per 8-chip host
-    "v5e": Chip("TPU v5 lite", "tpu", 16 * GiB, 197e12, 819e9, 1600e9 / 8, 200e9 / 8 / 8, 1.20,
+    # https://cloud.google.com/tpu/docs/v5e: 16 GB, 819 GB/s, 394 int8 TOP/s, ICI 1600 Gbps, 2 x 100 Gbps NICs per
+    # 8-chip host
+    "v5e": Chip("TPU v5 lite", "tpu", 16 * GiB, 197e12, 394e12, 819e9, 1600e9 / 8, 200e9 / 8 / 8, 1.20,
                 "cloud.google.com/tpu/docs/v5e, tpu/pricing"),
-    # https://cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, ICI 4800 Gbps
-    "v5p": Chip("TPU v5", "tpu", 95 * GiB, 459e12, 2765e9, 4800e9 / 8, 6.25e9, 4.20,
+    # https://cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, 918 int8 TOP/s, ICI 4800 Gbps
+    "v5p": Chip("TPU v5", "tpu", 95 * GiB, 459e12, 918e12, 2765e9, 4800e9 / 8, 6.25e9, 4.20,
                 "cloud.google.com/tpu/docs/v5p, tpu/pricing"),
-    # https://cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, ICI 3584 Gbps
-    "v6e": Chip("TPU v6 lite", "tpu", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, 12.5e9, 2.70,
+    # https://cloud.google.com/tpu/docs/v6e: 32 GB, 1640 GB/s, 1836 int8 TOP/s, ICI 3584 Gbps
+    "v6e": Chip("TPU v6 lite", "tpu", 32 * GiB, 918e12, 1836e12, 1640e9, 3584e9 / 8, 12.5e9, 2.70,
                 "cloud.google.com/tpu/docs/v6e, tpu/pricing"),
-    # NVIDIA data sheets (SXM, dense bf16); NVLink both directions; GCP A2/A3 on-demand per GPU
-    "a100": Chip("NVIDIA A100", "gpu", 80 * GiB, 312e12, 2039e9, 600e9, 12.5e9, 5.07,
+    # NVIDIA data sheets (SXM, dense bf16 and int8: A100 624, H100/H200 1979 TOP/s); NVLink both directions; GCP
+    # A2/A3 on-demand per GPU
+    "a100": Chip("NVIDIA A100", "gpu", 80 * GiB, 312e12, 624e12, 2039e9, 600e9, 12.5e9, 5.07,
                  "NVIDIA A100 data sheet; cloud.google.com/compute/gpus-pricing (a2-ultragpu)"),
-    "h100": Chip("NVIDIA H100", "gpu", 80 * GiB, 989e12, 3350e9, 900e9, 50e9, 11.06,
+    "h100": Chip("NVIDIA H100", "gpu", 80 * GiB, 989e12, 1979e12, 3350e9, 900e9, 50e9, 11.06,
                  "NVIDIA H100 data sheet; cloud.google.com/compute/gpus-pricing (a3-highgpu)"),
-    "h200": Chip("NVIDIA H200", "gpu", 141 * GiB, 989e12, 4800e9, 900e9, 50e9, 10.60,
+    "h200": Chip("NVIDIA H200", "gpu", 141 * GiB, 989e12, 1979e12, 4800e9, 900e9, 50e9, 10.60,
                  "NVIDIA H200 data sheet; cloud.google.com/compute/gpus-pricing (a3-ultragpu)"),
 }
 

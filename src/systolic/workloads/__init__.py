@@ -14,6 +14,8 @@ records and dispatches; it never probes a module for what it might have. Functio
 - `plan`: `(cfg, devices) -> plan.planner.StepProgram`: the real step lowered on a mesh of `devices` (the plan
   target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
   plan/planner.py compiles it and weights its loops by their trip counts. Every workload offers one.
+- `plan_serve`: `(cfg, devices, *, weights, kv, page_size) -> plan.serve.ServeModel`: the inference step lowered for
+  `systolic plan WORKLOAD --serve` (lm).
 
 `options` (optional) maps a command to its own options (`command.Arg`): the CLI parses them per workload, so an
 option of another workload's command (`systolic eval lm --episodes`) is an error, not ignored. `own_commands` are
@@ -41,7 +43,8 @@ WORKLOADS = {"lm": "systolic.workloads.lm.commands", "sim": "systolic.workloads.
 # How each command is written on the command line, for the error that lists who offers it.
 USAGE = {"train": "systolic train {w} --recipe RECIPE", "fit": "systolic fit {w} --recipe RECIPE",
          "eval": "systolic eval {w} RUN_DIR", "sample": "systolic sample {w} RUN_DIR --count 64 --out grid.png",
-         "bench": "systolic bench {w} --recipe RECIPE", "plan": "systolic plan {w} --recipe RECIPE --target TARGET"}
+         "bench": "systolic bench {w} --recipe RECIPE", "plan": "systolic plan {w} --recipe RECIPE --target TARGET",
+         "plan_serve": "systolic plan {w} --serve --recipe RECIPE --target TARGET"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,7 +195,7 @@ WORKLOAD = Workload(
     name="lm", config=LMConfig, default_recipe="lm-tiny",
     commands={"train": Lazy(f"{ENTRY}:train"), "generate": Lazy(f"{ENTRY}:generate"),
               "eval": Lazy(f"{ENTRY}:evaluate"), "bench": Lazy(f"{ENTRY}:build_bench_task"),
-              "plan": Lazy(f"{ENTRY}:plan")},
+              "plan": Lazy(f"{ENTRY}:plan"), "plan_serve": Lazy("systolic.workloads.lm.serve.plan:plan_serve")},
     options={"eval": _EVAL_OPTIONS},
     # With init.from: the source's model and tokenizer.
     resolve_config=Lazy("systolic.workloads.lm.init_from:resolve_config"),

@@ -118,7 +118,7 @@ class InferenceEngine:
         shardings = None if mesh is None else quant.quantized_shardings(
             param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
         self.params = jax.device_put(params, shardings)
-        shape, home = pool_shape(model, kv_pages, page_size, kv_cache), _pool_sharding(self.params, mesh, rules)
+        shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
         self.pool = make_pool(shape, home)
         self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
                                param_shardings=shardings, pool_sharding=pool_shardings(shape, home))
@@ -316,10 +316,12 @@ def _check_sizes(kv_pages: int, page_size: int, max_seqs: int, max_tokens_per_st
         )
 
 
-def tensor_layout(model: ModelConfig, tensor: int) -> tuple[jax.sharding.Mesh, Rules]:
-    """A mesh of `tensor` devices on the tensor axis and the tp rules (Megatron: heads and MLP columns split). Key/
-    value heads that do not split over `tensor` (fewer of them than devices) are replicated instead, as vLLM does."""
-    devices = jax.devices()
+def tensor_layout(model: ModelConfig, tensor: int, devices: list[jax.Device] | None = None
+                  ) -> tuple[jax.sharding.Mesh, Rules]:
+    """A mesh of `tensor` of `devices` (default: this process's) on the tensor axis and the tp rules (Megatron:
+    heads and MLP columns split). Key/value heads that do not split over `tensor` (fewer of them than devices) are
+    replicated instead, as vLLM does."""
+    devices = jax.devices() if devices is None else devices
     if not 1 <= tensor <= len(devices):
         raise UserError(f"Tensor parallelism over mesh.tensor={tensor} devices needs that many, but there are "
                         f"{len(devices)} here. Fix: mesh.tensor between 1 and {len(devices)}.")
@@ -329,7 +331,7 @@ def tensor_layout(model: ModelConfig, tensor: int) -> tuple[jax.sharding.Mesh, R
     return mesh, rules
 
 
-def _pool_sharding(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> jax.sharding.Sharding:
+def pool_layout(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> jax.sharding.Sharding:
     """The pool's layout: on a mesh, its key/value head axis split as the rules split kv_heads; otherwise on the
     parameters' devices (replicated when they are spread over several: the end-of-training sample)."""
     if mesh is not None:

@@ -80,13 +80,20 @@ def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: 
         if graphdef not in _STEPS:
             _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)
         return _STEPS[graphdef]
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    compiled = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6,
-                       in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
-                       out_shardings=StepOutput(pool_sharding, replicated, replicated))
+    compiled = jit_step(graphdef, mesh=mesh, param_shardings=param_shardings, pool_sharding=pool_sharding)
 
     def run(*args):
         with activate(mesh, rules):  # the layers' logical axis names resolve to the mesh while tracing
             return compiled(*args)
 
     return run
+
+
+def jit_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh, param_shardings: Any,
+             pool_sharding: jax.sharding.Sharding) -> Any:
+    """`engine_step` jitted on a mesh, its shardings in and out fixed (the batch replicated, the pool donated): what
+    `make_step` runs and `systolic plan lm --serve` lowers; trace it inside `activate(mesh, rules)`."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6,
+                   in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
+                   out_shardings=StepOutput(pool_sharding, replicated, replicated))

@@ -1,0 +1,121 @@
+"""What `systolic plan lm --serve` compiles: the inference engine's step (step.py `jit_step`, the program `systolic
+serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parallel mesh of the target's devices
+(engine.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
+one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
+
+Weights: "bf16" stores the parameters in bfloat16 (the norms' scales in float32); "int8" and "w8a8" store the
+projections as Qwix int8 arrays with a scale per output channel, in bfloat16, the dtype they are quantized from
+(model/quant.py `quantize_params`; w8a8 quantizes the activations too).
+KV cache: the engine's pool (kv_pool.py), in the compute dtype ("bf16") or int8 with a float32 scale per token,
+layer, key or value and head ("int8", `--kv-cache int8`), lowered as the engine allocates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from systolic.data.tokenizer import make_tokenizer
+from systolic.errors import UserError
+from systolic.plan.serve import ServeModel
+from systolic.runtime import mesh as mesh_lib
+from systolic.runtime.sharding import activate, with_shardings
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model import quant
+from systolic.workloads.lm.model.flops import matmul_params
+from systolic.workloads.lm.model.lora import base_config
+from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.serve.engine import pool_layout, tensor_layout
+from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, token_bytes
+from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+from systolic.workloads.lm.serve.scheduler import page_bucket
+from systolic.workloads.lm.serve.step import RowSampling, jit_step
+from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
+
+WEIGHTS = ("bf16", *quant.SCHEMES)  # bf16, int8, w8a8, fp8
+KV_TYPES = ("bf16", "int8")
+_KV_CACHE = {"bf16": "auto", "int8": "int8"}  # --kv's names -> the engine's (kv_pool.py)
+
+
+def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int) -> ServeModel:
+    """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel)."""
+    model = base_config(cfg.model)  # as the engine serves a LoRA run: merged
+    model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))  # dropless, as served
+    if weights == "fp8" or weights not in WEIGHTS or kv not in KV_TYPES:
+        raise UserError(f"--weights {weights} --kv {kv}: expected weights among bf16, int8, w8a8 and a KV cache of "
+                        f"{' or '.join(KV_TYPES)} (fp8 needs a chip with fp8 matmuls, which no planned target has). "
+                        "Fix: e.g. --weights bf16,int8 --kv bf16,int8.")
+    vocab = model.padded_vocab(make_tokenizer(cfg.data.tokenizer).vocab_size)
+    mesh, rules = tensor_layout(model, len(devices), devices)
+    served = dataclasses.replace(model, quant=quant.SCHEMES[weights][1] if weights != "bf16" else "none")
+    shardings = param_shardings(served, vocab, mesh, rules)
+    with activate(mesh, rules):
+        floats = jax.eval_shape(lambda: init_params(served, vocab, jax.random.key(0)))
+    params = jax.tree_util.tree_map_with_path(_stored, floats)
+    if weights != "bf16":
+        params = jax.eval_shape(lambda p: quant.quantize_params(p, weights, stacked=model.scan_layers), params)
+        shardings = quant.quantized_shardings(shardings, params)
+    params = with_shardings(params, shardings)
+    dtype = resolve_dtype(model.dtype)
+    pool_sharding = pool_layout(params, mesh, rules)
+    heads = 2 * model.n_kv_heads
+    split = heads // pool_sharding.shard_shape((1, 1, 1, heads, 1))[3]  # devices the key/value heads split over
+    kv_cache = _KV_CACHE[kv]
+    step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
+                    pool_sharding=pool_shardings(pool_shape(model, 1, page_size, kv_cache), pool_sharding))
+    table = -(-model.max_seq_len // page_size)  # page-table entries per row, as the engine lays them out
+    replicated = NamedSharding(mesh, P())
+
+    def lower(tokens: int, rows: int, reading: int, pages: int):
+        """The step of `tokens` token slots and `rows` rows, `reading` of the tokens reading pages."""
+        shape = pool_shape(model, pages, page_size, kv_cache)
+        pool = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), shape,
+                            pool_shardings(shape, pool_sharding))
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
+        reals = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated)  # noqa: E731
+        batch = RaggedBatch(ints(tokens), ints(tokens), ints(tokens), ints(), ints(rows, table), ints(rows),
+                            ints(rows + 1), ints(1), ints(rows))
+        sampling = RowSampling(reals(rows), ints(rows), reals(rows),
+                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows))
+        with activate(mesh, rules):
+            return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
+
+    def lower_step(sequences: int, prefill: int, pages: int):
+        # The engine's step with max_seqs = sequences + 1 and max_tokens_per_step = sequences + prefill: a token for
+        # each decoding sequence, laid out first (they read pages), then a fresh prompt's chunk (it reads none).
+        tokens = sequences + prefill
+        return lower(tokens, sequences + (prefill > 0), page_bucket(tokens, sequences), pages)
+
+    matmul = matmul_params(model, vocab) - model.d_model * vocab  # the layers' (the LM head's counted per row)
+    kv_bytes = token_bytes(model, kv_cache)  # the lowered pool's, scales included
+    if kv == "int8":
+        formula = f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x ({model.d_head} x 1 byte + a 4-byte scale)"
+    else:
+        formula = (f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x {model.d_head} x "
+                   f"{jnp.dtype(dtype).itemsize} bytes")
+    embed = params["embed"]
+    return ServeModel(
+        weights=weights, kv=kv if kv == "int8" else _name(dtype),
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(floats)),
+        weight_bytes=quant.param_bytes(params), weight_bytes_per_chip=mesh_lib.bytes_per_device(params),
+        weight_read_bytes_per_chip=mesh_lib.bytes_per_device(params) - (
+            0 if model.tie_embeddings else mesh_lib.bytes_per_device(embed)),
+        kv_bytes_per_token=kv_bytes, kv_formula=formula, kv_split=split,
+        page_size=page_size, matmul_flops_per_token=2.0 * matmul, head_flops_per_row=2.0 * model.d_model * vocab,
+        attention_flops_per_key=4.0 * model.layers * model.heads * model.d_head, window=model.sliding_window,
+        int8_matmuls=weights == "w8a8",
+        lower_step=lower_step)
+
+
+def _stored(path, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """A parameter as served: bfloat16, but the norms' scales (a few KiB), which the norms multiply in float32."""
+    norm = any("norm" in str(getattr(key, "key", "")) for key in path)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype if norm else jnp.bfloat16)
+
+
+def _name(dtype: jnp.dtype) -> str:
+    return "bf16" if dtype == jnp.bfloat16 else jnp.dtype(dtype).name

@@ -1,0 +1,122 @@
+"""`systolic plan lm --serve`: the inference engine's step compiled for a target without running it, and the
+serving figures read from it."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tiny import TINY_LM
+
+# The CLI on TINY_LM (its data.seq_len within the model's 32 positions), as a user passes overrides.
+SERVE = ["plan", "lm", "--serve", *TINY_LM]
+
+
+def serve_model(overrides: list[str], *, weights: str, kv: str, devices: int = 2):
+    from systolic import config as config_lib
+    from systolic.workloads.lm.config import LMConfig
+    from systolic.workloads.lm.serve.plan import plan_serve
+
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+    return cfg, plan_serve(cfg, jax.devices()[:devices], weights=weights, kv=kv, page_size=16)
+
+
+def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
+    cfg, m = serve_model([*TINY_LM, "model.dtype=bfloat16"], weights="bf16", kv="bf16")
+    L, KV, hd = cfg.model.layers, cfg.model.n_kv_heads, cfg.model.d_head
+    assert m.kv_bytes_per_token == 2 * L * KV * hd * 2 == 128
+    assert (m.kv_split, m.kv_bytes_per_token_per_chip) == (2, 64)  # 2 KV heads over 2 devices
+    pool = m.lower_step(3, 0, 7).args_info[0][1]  # the lowered step's pool argument: 7 pages of 16 tokens
+    assert pool.shape[1:3] == (7, 16)
+    assert math.prod(pool.shape) * pool.dtype.itemsize == 7 * 16 * m.kv_bytes_per_token
+    _, q = serve_model([*TINY_LM, "model.dtype=bfloat16"], weights="bf16", kv="int8")
+    # int8 values and one float32 scale per token, layer, key or value and head, as the lowered pool holds them
+    assert q.kv_bytes_per_token == 2 * L * KV * (hd + 4)
+    pool = q.lower_step(3, 0, 7).args_info[0][1]  # the pool: a QArray of values and scales
+    values, scales = pool.qvalue, pool.scale
+    assert values.dtype == jnp.int8 and scales.shape == (*values.shape[:-1], 1)
+    lowered = sum(math.prod(a.shape) * a.dtype.itemsize for a in (values, scales))
+    assert lowered == 7 * 16 * q.kv_bytes_per_token
+
+
+LLAMA_8B = ["model.family=llama", "model.d_model=4096", "model.layers=32", "model.heads=32", "model.kv_heads=8",
+            "model.mlp_dim=14336", "model.vocab_size=128256", "model.scan_layers=true", "model.max_seq_len=2048"]
+
+
+def test_int8_weights_are_half_the_bytes_but_the_embedding_and_scales():
+    """Llama-3-8B's shape, abstract (nothing allocated): bf16 is 2 bytes a parameter (the norms' scales 4); int8
+    stores the projections and the untied LM head in 1 byte plus a scale per output channel, the embedding table
+    stays bf16."""
+    _, bf16 = serve_model(LLAMA_8B, weights="bf16", kv="bf16", devices=8)
+    _, int8 = serve_model(LLAMA_8B, weights="int8", kv="bf16", devices=8)
+    norms = 32 * 2 * 4096 + 4096  # float32
+    assert 8.0e9 < bf16.params < 8.1e9 and bf16.weight_bytes == 2 * bf16.params + 2 * norms
+    embedding, layers, d, vocab = 128256 * 4096, 32, 4096, 128256
+    projections = bf16.params - embedding - norms
+    # scales: one per output channel of each projection (per layer) and of the head, in the weights' bfloat16 (Qwix
+    # keeps the dtype it quantized from)
+    channels = layers * (32 * 128 + 2 * 8 * 128 + d + 2 * 14336 + d) + vocab
+    assert int8.weight_bytes == 2 * (bf16.params - projections) + 2 * norms + projections + 2 * channels
+    assert 0.53 < int8.weight_bytes / bf16.weight_bytes < 0.54
+    assert int8.weight_bytes_per_chip < 0.55 * bf16.weight_bytes_per_chip
+    _, w8a8 = serve_model(LLAMA_8B, weights="w8a8", kv="bf16", devices=8)  # the same weights, int8 x int8 dots
+    assert (w8a8.weight_bytes, w8a8.int8_matmuls, int8.int8_matmuls) == (int8.weight_bytes, True, False)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    # Standard dtype promotion, as a user runs it (the GPU stand-in traces bfloat16 code, see test_planner.py).
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUMPY_DTYPE_PROMOTION")}
+    return subprocess.run([sys.executable, "-m", "systolic", *args], capture_output=True, text=True, timeout=900,
+                          env=env)
+
+
+def test_tiny_model_on_the_gpu_stand_in_prints_and_prices():
+    proc = run_cli(*SERVE, "--target", "h100", "--mesh", "tensor=2", "--batch", "4", "--weights", "bf16,int8",
+                   "--kv", "bf16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["chips"], r["tensor"], r["replicas"]) == (2, 2, 1) and "XLA:CPU" in r["compiler"]
+    bf16, int8 = r["plans"]
+    for p in (bf16, int8):
+        assert p["fits"] and p["step"]["fits"] and p["step"]["sequences"] == 4 and p["step"]["prefill_tokens"] == 32
+        assert p["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2  # the model's float32 on CPU is bf16 on the GPU
+        assert p["sequences"] == 4 and "room for about" in p["sequences_from"] and p["decode_roofline"]["step_s"] > 0
+        assert p["usd_per_million_output_tokens"] == pytest.approx(
+            r["price_per_chip_hour"] * 2 / (p["output_tokens_per_s_per_slice"] * 3600) * 1e6)
+    assert int8["weight_bytes"] < bf16["weight_bytes"]
+    text = run_cli(*SERVE, "--target", "h100", "--batch", "4", "--weights", "bf16", "--kv", "bf16,int8")
+    assert text.returncode == 0, text.stderr
+    assert "bf16     int8 " in text.stdout and "compiled bf16 weights, int8 KV" in text.stdout
+
+
+def test_a_model_too_big_is_a_result_not_a_crash():
+    """A 68B-parameter model on one H100: exit 0, and the plan says it does not fit."""
+    proc = run_cli("plan", "lm", "--serve", "model.d_model=16384", "model.layers=16", "model.heads=128",
+                   "model.kv_heads=8", "model.mlp_dim=65536", "model.scan_layers=true", "model.max_seq_len=256",
+                   "data.seq_len=256", "--target", "h100", "--weights", "bf16", "--kv", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert "DOES NOT FIT" in proc.stdout and "not one sequence of 256 tokens fits beside the weights" in proc.stdout
+
+
+def test_serving_options_need_serve():
+    proc = run_cli("plan", "lm", "--recipe", "lm-tiny", "--target", "v5e-4", "--kv", "int8")
+    assert proc.returncode == 2 and "--kv describe a serving plan, but --serve is not set" in proc.stderr
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with")
+def test_tiny_model_on_a_v5e_4_compiles_tensor_parallel():
+    proc = run_cli(*SERVE, "--target", "v5e-4", "--batch", "8", "--weights", "int8", "--kv", "bf16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    (p,) = r["plans"]
+    assert r["topology"] == "v5e:2x2" and r["tensor"] * r["replicas"] == 4
+    assert p["step"]["fits"] and p["step"]["collectives"]["all-reduce"] > 0  # the row-parallel projections
+    assert 0 < p["step"]["peak_bytes"] < 16 * 2**30 and p["sequences"] == 8
