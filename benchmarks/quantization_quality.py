@@ -102,6 +102,11 @@ def agreement(outs: list[list[int]], base: list[list[int]]) -> tuple[int, float]
     return same, common
 
 
+def _row(name: str, cells: tuple[str, str, str], agree: tuple[int, float], prompts: int) -> None:
+    same, common = agree
+    print(f"{name:<18} {cells[0]:>10} {cells[1]:>8} {cells[2]:>11} {same:>4}/{prompts:<5} {common:>7.1f}", flush=True)
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     import numpy as np
@@ -122,24 +127,19 @@ def main(argv=None) -> int:
         float_ppl = perplexity(args.run_dir, data, None)
         float_out = continuations(base, prompts, args.new)
         print(f"float32: perplexity {float_ppl:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
-        rows = []
+        # Each row printed as soon as it is measured.
+        print(f"\n{'weights':<18} {'perplexity':>10} {'delta':>8} {'top-1 agree':>11} {'identical':>10} {'common':>7}")
+        print(f"{'float32':<18} {float_ppl:>10.4f} {'':>8} {'':>11} {'':>10} {'':>7}", flush=True)
         for scheme in schemes:
             run = load_run(args.run_dir, "quantization_quality", quantize=scheme)
             ppl = perplexity(args.run_dir, data, scheme)
-            top1 = argmax_agreement(base, run, ids, seq_len)
-            outs = continuations(run, prompts, args.new)
-            rows.append((scheme, ppl, ppl / float_ppl - 1, top1, *agreement(outs, float_out)))
-            print(f"{scheme}: done", flush=True)
+            cells = (f"{ppl:.4f}", f"{ppl / float_ppl - 1:+.2%}", f"{argmax_agreement(base, run, ids, seq_len):.2%}")
+            _row(scheme, cells, agreement(continuations(run, prompts, args.new), float_out), len(prompts))
         # The int8 KV cache: only the engine reads it (eval lm scores without a cache), so greedy agreement alone.
         for scheme in args.kv_int8_with.split(","):
             run = load_run(args.run_dir, "quantization_quality", quantize=scheme or None)
             outs = continuations(run, prompts, args.new, kv_cache="int8")
-            rows.append((f"{scheme or 'float32'} + int8 KV", None, None, None, *agreement(outs, float_out)))
-    print(f"\n{'weights':<18} {'perplexity':>10} {'delta':>8} {'top-1 agree':>11} {'identical':>10} {'common':>7}")
-    print(f"{'float32':<18} {float_ppl:>10.4f} {'':>8} {'':>11} {'':>10} {'':>7}")
-    for scheme, ppl, delta, top1, same, common in rows:
-        cells = ("-", "-", "-") if ppl is None else (f"{ppl:.4f}", f"{delta:+.2%}", f"{top1:.2%}")
-        print(f"{scheme:<18} {cells[0]:>10} {cells[1]:>8} {cells[2]:>11} {same:>4}/{len(prompts):<5} {common:>7.1f}")
+            _row(f"{scheme or 'float32'} + int8 KV", ("-", "-", "-"), agreement(outs, float_out), len(prompts))
     print(f"(identical: greedy continuations of {args.new} tokens equal to float32's, of {len(prompts)} held-out "
           f"prompts of {args.prompt_tokens} tokens; common: mean tokens before the first difference)")
     return 0
