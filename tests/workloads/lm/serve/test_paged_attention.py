@@ -52,9 +52,9 @@ def make_case(seed: int = 0):
     return pool, batch, q, new_k, new_v, full_k, full_v
 
 
-def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
-    """float64 attention of each real token over its own sequence's positions up to its own (within the window)."""
-    out = []
+def key_rows(full_k, full_v, window: int):
+    """For each real token t and head h, in order: (t, h, the keys and values (keys, hd) it attends over, float64):
+    its own sequence's positions up to its own, within the window."""
     t = 0
     for (cached, n), k, v in zip(CHUNKS, full_k, full_v):
         for pos in range(cached, cached + n):
@@ -62,11 +62,18 @@ def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
             if window:
                 keys = keys[keys > pos - window]
             for h in range(H):
-                s = k[keys, h // (H // KV)] @ q[t, h] / np.sqrt(HD)
-                p = np.exp(s - s.max())
-                out.append(p / p.sum() @ v[keys, h // (H // KV)])
+                yield t, h, k[keys, h // (H // KV)], v[keys, h // (H // KV)]
             t += 1
-    return np.asarray(out).reshape(t, H, HD)
+
+
+def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
+    """float64 attention of each real token over its own sequence's positions up to its own (within the window)."""
+    out = []
+    for t, h, k, v in key_rows(full_k, full_v, window):
+        s = k @ q[t, h] / np.sqrt(HD)
+        p = np.exp(s - s.max())
+        out.append(p / p.sum() @ v)
+    return np.asarray(out).reshape(-1, H, HD)
 
 
 @pytest.mark.parametrize("window", [0, 3, 6], ids=["causal", "window-3", "window-6"])
@@ -121,19 +128,11 @@ def quantization_bound(q, full_k, full_v, window: int) -> np.ndarray:
     * max absmax(k) / 255, so each softmax weight by a factor within exp(+-2 eps) and the weights' L1 norm by at most
     exp(2 eps) - 1, times the largest |value|; plus the values' own error, max absmax(v) / 255."""
     bound = []
-    t = 0
-    for (cached, n), k, v in zip(CHUNKS, full_k, full_v):
-        for pos in range(cached, cached + n):
-            keys = np.arange(pos + 1)
-            if window:
-                keys = keys[keys > pos - window]
-            for h in range(H):
-                kk, vv = k[keys, h // (H // KV)], v[keys, h // (H // KV)]  # (keys, hd)
-                dk, dv = np.abs(kk).max(-1) / 255, np.abs(vv).max(-1) / 255  # (keys,) per-element error bounds
-                eps = np.abs(q[t, h]).sum() / np.sqrt(HD) * dk.max()
-                bound.append(np.expm1(2 * eps) * (np.abs(vv).max() + dv.max()) + dv.max())
-            t += 1
-    return np.asarray(bound).reshape(t, H, 1)
+    for t, h, kk, vv in key_rows(full_k, full_v, window):
+        dk, dv = np.abs(kk).max(-1) / 255, np.abs(vv).max(-1) / 255  # (keys,) per-element error bounds
+        eps = np.abs(q[t, h]).sum() / np.sqrt(HD) * dk.max()
+        bound.append(np.expm1(2 * eps) * (np.abs(vv).max() + dv.max()) + dv.max())
+    return np.asarray(bound).reshape(-1, H, 1)
 
 
 @pytest.mark.parametrize("window", [0, 6], ids=["causal", "window-6"])
