@@ -24,6 +24,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import qwix
+# Qwix's quantization-aware dot itself: its public API reaches it only by intercepting jax.lax.dot_general in a
+# whole model (QtProvider), which our flattened projections do not need (pyproject pins qwix below 0.2).
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 
 from systolic.errors import ConfigError
@@ -57,7 +59,8 @@ def project(x: jax.Array, w: jax.Array | qwix.QArray, contract: int = 1, quant: 
     # Contract the axes where they are (no flattening): a reshape of a QArray must keep its scales' blocks whole.
     dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
     rows = tuple(range(x.ndim - contract))  # each activation row (token) has its own scale
-    # Qwix multiplies its int32 products by float scales: standard promotion, whatever the caller's setting.
+    # Qwix multiplies its int32 products by float scales: standard promotion, whatever the caller's setting (for the
+    # forward pass; a backward pass that jax traces later runs under the caller's: the tests set standard for QAT).
     with jax.numpy_dtype_promotion("standard"):
         if not is_quantized(w):  # quantization-aware training: quantized forward, straight-through backward
             qt = DotGeneralQtConfig(lhs_qtype=QTYPES[quant], rhs_qtype=QTYPES[quant])
