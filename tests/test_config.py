@@ -86,3 +86,15 @@ def test_a_workload_s_recipe_answers_to_its_short_name():
         config_lib.recipe_path("sfy", "lm")
     with pytest.raises(ConfigError, match="Unknown recipe 'sft'"):  # no workload: names are whole
         config_lib.recipe_path("sft")
+
+
+def test_an_empty_section_is_its_defaults_or_absent_when_optional():
+    """`grid:` with nothing under it (YAML null) in a config.yaml: a required section at its defaults (it used to
+    reach validate() as None: an AttributeError the file fuzz found), an optional one absent."""
+    from systolic.workloads.rl.config import RLConfig
+    from systolic.workloads.sim.config import SimConfig
+
+    sim = config_lib.from_dict(SimConfig, {"workload": "sim", "grid": None})
+    assert sim.grid == SimConfig().grid
+    rl = config_lib.from_dict(RLConfig, {"workload": "rl", "algo": "ppo", "pqn": None})
+    assert rl.pqn is None

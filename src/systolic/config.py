@@ -353,7 +353,11 @@ def from_dict(schema: type, tree: dict[str, Any], prefix: str = "") -> Any:
         kind = hints[f.name]
         value = tree[key]
         if (section := section_type(kind)) is not None:
-            kwargs[f.name] = None if value is None else from_dict(section, value, f"{prefix}{key}.")
+            # `section:` with nothing under it: an optional section absent, a required one at its defaults.
+            if value is None and section is not kind:
+                kwargs[f.name] = None
+            else:
+                kwargs[f.name] = from_dict(section, {} if value is None else value, f"{prefix}{key}.")
         else:
             kwargs[f.name] = _coerce(value, kind, f"{prefix}{key}", f.default)
     obj = schema(**kwargs)
