@@ -154,12 +154,12 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
     return 0
 
 
-SERVE_OPTIONS = {"weights": None, "kv": None, "context": None, "batch": None, "prefill_tokens": None}
+SERVE_OPTIONS = ("weights", "kv", "context", "batch", "prefill_tokens")  # unset: None
 
 
 def _check_serve_options(args: argparse.Namespace) -> None:
     """The serving options act with --serve only, and --tokens, --slices without it."""
-    given = [f"--{k.replace('_', '-')}" for k, default in SERVE_OPTIONS.items() if getattr(args, k) != default]
+    given = [f"--{k.replace('_', '-')}" for k in SERVE_OPTIONS if getattr(args, k) is not None]
     if not args.serve and given:
         raise UserError(f"{', '.join(given)} describe a serving plan, but --serve is not set. Fix: add --serve (e.g. "
                         f"systolic plan lm --serve --recipe llama-8b --target v5e-8), or leave them out.")
@@ -274,7 +274,7 @@ COMMAND = Command(
               "decode and prefill steps, sequences that fit, output tokens/s and price per million tokens"),
           arg("--weights", help="--serve: weight formats, comma-separated from bf16, int8 (weight-only), w8a8 "
               "(default bf16,int8)"),
-          arg("--kv", help="--serve: KV-cache formats, from bf16 and int8 (int8: computed from its formula) "
+          arg("--kv", help="--serve: KV-cache formats, from bf16 and int8 (serve's --kv-cache int8) "
               "(default bf16,int8)"),
           arg("--context", type=int, help=f"--serve: tokens a sequence holds (default {DEFAULT_CONTEXT}, at most "
               "model.max_seq_len)"),

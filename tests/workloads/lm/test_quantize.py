@@ -58,6 +58,12 @@ def test_w8a8_quantizes_each_row_of_activations_too():
     assert np.abs(got - quant.project(jnp.asarray(X), q, contract=2)).max() > 1e-4  # the activations did change
 
 
+def test_the_command_line_offers_every_scheme():
+    from systolic.workloads.lm.commands import QUANTIZE_SCHEMES  # the CLI's module stays light: its own tuple
+
+    assert QUANTIZE_SCHEMES == tuple(quant.SCHEMES)
+
+
 def test_stacked_layers_keep_a_scale_per_layer_and_other_weights_stay_float():
     cfg = tiny_model("model.scan_layers=true")
     _, params = random_params(cfg)

@@ -76,10 +76,10 @@ def _to_hf(args: argparse.Namespace) -> int:
 
 
 # The weights quantized after loading (lm/model/quant.py SCHEMES; a run `systolic quantize` wrote needs none).
-_SCHEMES = ("int8", "w8a8", "fp8")
+QUANTIZE_SCHEMES = ("int8", "w8a8", "fp8")
 _SCHEMES_HELP = ("int8: int8 weights (per output channel); w8a8: int8 weights and activations; fp8: float8_e4m3fn "
                  "weights and activations (GPU/TPU)")
-_QUANTIZE = arg("--quantize", choices=_SCHEMES, help=f"quantize the weights after loading ({_SCHEMES_HELP})")
+_QUANTIZE = arg("--quantize", choices=QUANTIZE_SCHEMES, help=f"quantize the weights after loading ({_SCHEMES_HELP})")
 KV_CACHES = ("auto", "int8")  # how the KV cache stores keys and values (serve/kv_pool.py): generate's and serve's
 _KV_CACHE = dict(choices=KV_CACHES, default="auto", help="how the KV cache stores keys and values: auto (the "
                  "model's compute dtype, default) or int8 (a float32 scale per token and head: about half of "
@@ -119,7 +119,7 @@ _QUANTIZE_CMD = Command(
                 "serve`, `generate` and `eval lm` load without the float weights, e.g. `systolic quantize runs/lm-small "
                 "--scheme int8 --out runs/lm-small-int8`. See docs/quantization.md.",
     args=(arg("run_dir", type=Path, help="an lm run directory (trained, fine-tuned, LoRA or imported)"),
-          arg("--scheme", choices=_SCHEMES, required=True, help=_SCHEMES_HELP),
+          arg("--scheme", choices=QUANTIZE_SCHEMES, required=True, help=_SCHEMES_HELP),
           arg("--out", type=Path, required=True, help="the run directory to create")))
 
 _TOKENIZER = Command(

@@ -9,7 +9,6 @@ from it (init.from) is refused, as are the exports that need float weights.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -37,8 +36,7 @@ def quantize_run(run_dir: Path, out: Path, scheme: str) -> LoadedRun:
         raise UserError(f"{out} already exists and is not empty; `{COMMAND}` never overwrites. Fix: pass a new "
                         "directory, or remove this one first.")
     run = load_run(run_dir, COMMAND, quantize=scheme)
-    # The model's config as it serves: LoRA merged (load_run) and model.quant the scheme's.
-    cfg = dataclasses.replace(run.cfg, model=dataclasses.replace(run.cfg.model, quant=quant.SCHEMES[scheme][1]))
+    cfg = run.cfg  # as it serves: LoRA merged and model.quant the scheme's (load_run)
     tmp = out.with_name(f".{out.name}.quantizing-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

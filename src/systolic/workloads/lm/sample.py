@@ -73,10 +73,9 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
                       top_k: int | None, top_p: float | None, seed: int | None, chat: bool = False,
                       system: str | None = None, quantize: str | None = None, kv_cache: str = "auto") -> str:
     """The prompt followed by its continuation; unset arguments take the run's `sample` settings; `quantize` a
-    scheme for the weights (lm/model/quant.py), `kv_cache` how the KV cache stores keys and values. With `chat`, the
+    scheme for the weights (lm/model/quant.py), `kv_cache` how the KV cache stores keys and values (serve/kv_pool.py). With `chat`, the
     assistant's reply alone, to the user message `prompt` after the optional system message `system`, rendered
-    with the run's chat template and ended by its end-of-turn token. `kv_cache`: how the KV cache stores keys and
-    values (serve/kv_pool.py)."""
+    with the run's chat template and ended by its end-of-turn token."""
     if system is not None and not chat:
         raise UserError("--system sets the system message of a chat, but --chat is not set, so it would be ignored. "
                         "Fix: add --chat (the run needs a chat template), or drop --system.")

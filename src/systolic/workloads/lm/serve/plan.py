@@ -36,7 +36,7 @@ from systolic.workloads.lm.serve.scheduler import page_bucket
 from systolic.workloads.lm.serve.step import RowSampling, jit_step
 from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
 
-WEIGHTS = ("bf16", *quant.SCHEMES)  # bf16, int8, w8a8, fp8
+WEIGHTS = ("bf16", "int8", "w8a8")  # not fp8: no planned target has fp8 matmuls (quant.SCHEMES has it)
 KV_TYPES = ("bf16", "int8")
 _KV_CACHE = {"bf16": "auto", "int8": "int8"}  # --kv's names -> the engine's (kv_pool.py)
 
@@ -45,7 +45,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel)."""
     model = base_config(cfg.model)  # as the engine serves a LoRA run: merged
     model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))  # dropless, as served
-    if weights == "fp8" or weights not in WEIGHTS or kv not in KV_TYPES:
+    if weights not in WEIGHTS or kv not in KV_TYPES:
         raise UserError(f"--weights {weights} --kv {kv}: expected weights among bf16, int8, w8a8 and a KV cache of "
                         f"{' or '.join(KV_TYPES)} (fp8 needs a chip with fp8 matmuls, which no planned target has). "
                         "Fix: e.g. --weights bf16,int8 --kv bf16,int8.")
