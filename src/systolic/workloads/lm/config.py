@@ -9,6 +9,7 @@ from typing import Literal
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
                              TrainConfig, check_positive, check_seed, divisor_near)
 from systolic.errors import ConfigError
+from systolic.workloads.lm.post.config import DPOConfig, GRPOConfig, RewardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,9 +511,16 @@ class SampleConfig:
             )
 
 
+# What a run optimises (`objective`), each post-training objective's sections and the recipe that sets it up.
+OBJECTIVES = {"next_token": "lm-small (pretraining) or lm-sft", "dpo": "lm-dpo", "grpo": "lm-grpo"}
+
+
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     workload: Literal["lm"] = "lm"
+    # next_token: the cross-entropy of the data's tokens (pretraining; SFT with data.format=chat). dpo: preference
+    # pairs against the init.from reference (the `dpo` section). grpo: rewarded rollouts (`grpo` and `reward`).
+    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: LMTrainConfig = LMTrainConfig()
@@ -525,8 +533,21 @@ class LMConfig:
     observe: ObserveConfig = ObserveConfig()
     sample: SampleConfig = SampleConfig()
     init: InitConfig = InitConfig()
+    dpo: DPOConfig | None = None  # exists (with its defaults if the recipe has none) only when objective=dpo
+    grpo: GRPOConfig | None = None  # exists only when objective=grpo
+    reward: RewardConfig | None = None  # exists only when objective=grpo
+
+    def __post_init__(self) -> None:
+        # The chosen objective's sections, with their defaults when the recipe leaves them out (the config is frozen).
+        if self.objective == "dpo" and self.dpo is None:
+            object.__setattr__(self, "dpo", DPOConfig())
+        if self.objective == "grpo" and self.grpo is None:
+            object.__setattr__(self, "grpo", GRPOConfig())
+        if self.objective == "grpo" and self.reward is None:
+            object.__setattr__(self, "reward", RewardConfig())
 
     def validate(self) -> None:
+        self._check_objective()
         if self.optim.name == "muon" and self.model.lora.rank:
             raise ConfigError(
                 f"optim.name=muon with model.lora.rank={self.model.lora.rank}: a LoRA run trains only the low-rank "
@@ -538,6 +559,25 @@ class LMConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={self.model.max_seq_len}; the "
                 f"model cannot attend over that many positions. Fix: set model.max_seq_len={self.data.seq_len} or shorten data.seq_len."
+            )
+
+    def _check_objective(self) -> None:
+        """Only the chosen objective's sections exist; post-training starts from a trained run."""
+        owners = {"dpo": "dpo", "grpo": "grpo", "reward": "grpo"}
+        for section, owner in owners.items():
+            if getattr(self, section) is not None and self.objective != owner:
+                raise ConfigError(
+                    f"The config has a '{section}' section but objective={self.objective}, so those settings would "
+                    f"not act: the section belongs to objective={owner}. Fix: start from the recipe of the objective "
+                    f"you want ({', '.join(f'{o}: --recipe {r}' for o, r in OBJECTIVES.items())}), or drop the "
+                    f"{section}.* settings."
+                )
+        if self.objective != "next_token" and not self.init.from_:
+            raise ConfigError(
+                f"objective={self.objective} post-trains a model, but init.from is not set, so the policy (and its "
+                "reference) would be random. Expected init.from naming a trained or imported lm run. Fix: add "
+                f"init.from=runs/sft (e.g. `systolic train lm --recipe {OBJECTIVES[self.objective][3:]} "
+                "init.from=runs/sft data.path=...`)."
             )
 
     def _check_context(self) -> None:
