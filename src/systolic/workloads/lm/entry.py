@@ -25,11 +25,14 @@ from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
+from systolic.workloads.lm.post import grpo
 from systolic.workloads.lm.train import build_task, model_params
 
 
 
 def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    if cfg.objective == "grpo":
+        return grpo.train(cfg, run_dir, quiet)
     init_from.check_not_imported(run_dir)
     if cfg.model.lora.rank and not cfg.init.from_:
         raise UserError(
