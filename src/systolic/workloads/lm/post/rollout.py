@@ -160,7 +160,9 @@ class RolloutStream:
         self.host: dict[str, np.ndarray] | None = None  # the current batch
         self.device: dict[str, jax.Array] | None = None
         self.metrics: dict[str, float] = {}  # the current batch's rollout metrics
-        self._times: dict[int, dict[str, float]] = {}  # by step: time/rollout_s and time/update_s
+        # By step: the metrics of the batch it trained on and its timings, until the loop writes its row (after the
+        # hook that may have rolled out the next batch).
+        self._rows: dict[int, dict[str, float]] = {}
         self._rollout_s = 0.0
         self._dispatched = 0.0
 
@@ -177,7 +179,7 @@ class RolloutStream:
                 "run has. Fix: start a new run from this one (init.from=this run directory) to train further."
             )
         self.served += 1
-        self._times[self._step()] = {"time/rollout_s": self._rollout_s if self.served == 1 else 0.0}
+        self._rows[self._step()] = {**self.metrics, "time/rollout_s": self._rollout_s if self.served == 1 else 0.0}
         self._dispatched = time.perf_counter()
         return self.device
 
@@ -186,14 +188,14 @@ class RolloutStream:
         the run's last step)."""
         if step > 0:
             jax.block_until_ready(state.params)  # the step's update is done: its wall time ends here
-            self._times[step]["time/update_s"] = time.perf_counter() - self._dispatched
+            self._rows[step]["time/update_s"] = time.perf_counter() - self._dispatched
         used_up = self.host is None or self.served == self.cfg.grpo.num_iterations
         if used_up and step < self.cfg.train.steps:
             self._roll_out(state)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Step `step`'s rollout metrics (of the batch it trained on) and timings, written with its train row."""
-        return {**self.metrics, **self._times.pop(step)}
+        return self._rows.pop(step)
 
     def get_state(self) -> dict[str, Any]:
         return {"position": self.position, "rollouts": self.rollouts, "served": self.served,
