@@ -193,3 +193,12 @@ def test_grpo_settings_that_cannot_work_are_config_errors():
                            (["mesh.context=2"], "mesh.context=2")):
         with pytest.raises(ConfigError, match=message):
             grpo.check(grpo_config(*extra))
+
+
+def test_rollouts_take_every_prompt_once_an_epoch_in_an_order_fixed_by_the_seed():
+    parts = rollout.StreamParts(tuple(range(5)), None, None, None, None, None, 0)
+    taken = [rollout.RolloutStream(grpo_config(), parts)._next_prompts(3) for _ in range(1)]
+    stream = rollout.RolloutStream(grpo_config(), parts)
+    drawn = sum((stream._next_prompts(3) for _ in range(5)), [])
+    assert drawn[:3] == taken[0] and stream.position == 15
+    assert all(sorted(drawn[i:i + 5]) == list(range(5)) for i in (0, 5, 10)) and drawn[:5] != drawn[5:10]

@@ -242,13 +242,11 @@ class RolloutStream:
         """The next `n` training prompts: every prompt once per epoch, in an order shuffled by train.seed and the
         epoch."""
         prompts, count = self.parts.prompts, len(self.parts.prompts)
-        taken = []
-        for p in range(self.position, self.position + n):
-            epoch, i = divmod(p, count)
-            order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(count)
-            taken.append(prompts[order[i]])
+        epochs = range(self.position // count, (self.position + n - 1) // count + 1)
+        order = np.concatenate([np.random.default_rng([self.cfg.train.seed, e]).permutation(count) for e in epochs])
+        start = self.position - epochs[0] * count
         self.position += n
-        return taken
+        return [prompts[i] for i in order[start:start + n]]
 
 
 def _encode(x: np.ndarray) -> dict[str, Any]:
