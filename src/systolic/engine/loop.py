@@ -92,8 +92,9 @@ class Task:
     nonfinite_advice: str = ("lower optim.lr, raise optim.warmup_steps or check the data near this step, then rerun the "
                              "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
-    # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
-    # each train row: no state to checkpoint, so a resumed run writes the same values.
+    # Host-side metrics of a step, written with its train row (called once per step, after the step's hooks): exact
+    # functions of the step (a mixture's tokens per source so far; no state to checkpoint, so a resumed run writes
+    # the same values), or what the task's data stream recorded for it (lm GRPO's rollout rewards and timings).
     step_metrics: Callable[[int], dict[str, float]] | None = None
     notes: tuple[str, ...] = ()  # lines `systolic bench` prints under its table (an lm pipeline's schedule and bubble)
     hooks: list[Hook] = dataclasses.field(default_factory=list)  # in the order they run; see add_hook

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from tiny import TINY_LM
-from tiny_serve import LIMIT, VOCAB, random_params, tiny_model
+from tiny_serve import LIMIT, PAGE, VOCAB, drive, random_params, tiny_model, token_ids
 
 from systolic import config as config_lib
 from systolic.config import MeshConfig
@@ -22,6 +22,7 @@ from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.post import grpo, rollout
 from systolic.workloads.lm.post.prompts import Prompt, load_prompts
+from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.train import param_shardings
 
 SEQ_LEN = 24  # rows of 25 tokens: a prompt of up to 14 and a completion of up to 10
@@ -77,8 +78,8 @@ def test_the_samplers_logprobs_are_the_training_forward_passes(temperature):
     # The default stays the raw model's log-probability, as serving reports it.
     raw = rollout.Sampler(tiny_model(), TOKENIZER, rows=8, seq_len=SEQ_LEN, mesh=None, rules=None)
     raw._serve(params)
-    raw.engine.add_request("a", group[0].ids.tolist(), rollout.SamplingParams(max_tokens=1, temperature=0.5, seed=0,
-                                                                             logprobs=True))
+    one = SamplingParams(max_tokens=1, temperature=0.5, seed=0, logprobs=True)
+    raw.engine.add_request("a", group[0].ids.tolist(), one)
     (event,) = raw.engine.step()
     logits = nnx.merge(graphdef, params)(jnp.asarray(group[0].ids)[None])[0, -1]  # (V,)
     expected = jax.nn.log_softmax(jnp.where(jnp.arange(VOCAB) < LIMIT, logits, -jnp.inf))[event.token_id]
@@ -110,18 +111,28 @@ def test_sharded_rollouts_and_losses_are_the_unsharded_ones():
 
 
 def test_set_params_serves_new_weights_and_forgets_cached_prefixes():
-    graphdef, params = random_params(tiny_model())
-    sampler = rollout.Sampler(tiny_model(), TOKENIZER, rows=8, seq_len=SEQ_LEN, mesh=None, rules=None)
-    group = prompts(8)
-    greedy = dict(seeds=None, temperature=0.0, top_k=0, top_p=1.0, max_tokens=MAX_NEW)
-    first = sampler.complete(params, group, **greedy)
-    assert sampler.engine.stats()["kv_pages_cached"] == 0 or sampler.engine.scheduler.cache._by_key
+    """Keys and values cached under the old weights would continue a prompt with the new ones: after set_params the
+    engine answers as a fresh engine with the new weights does."""
+    _, params = random_params(tiny_model())
     other = jax.tree.map(lambda x: -x, params)
-    second = sampler.complete(other, group, **greedy)
-    fresh = rollout.Sampler(tiny_model(), TOKENIZER, rows=8, seq_len=SEQ_LEN, mesh=None, rules=None)
-    expected = fresh.complete(other, group, **greedy)
-    assert [a.tolist() for a in second.ids] == [a.tolist() for a in expected.ids]
-    assert [a.tolist() for a in first.ids] != [a.tolist() for a in second.ids]
+    prompt = list(b"a prompt of 13")  # with its answer, 4 full pages of PAGE tokens: cached when the request ends
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def answer(engine):
+        return token_ids(drive(engine, {0: [("a", prompt, greedy)]})["a"])
+
+    def engine_with(weights):
+        return InferenceEngine(tiny_model(), weights, TOKENIZER, kv_pages=16, page_size=PAGE, max_seqs=2,
+                               max_tokens_per_step=32)
+
+    engine = engine_with(params)
+    before = answer(engine)
+    assert engine.stats()["kv_pages_cached"] == (len(prompt) + 6 - 1) // PAGE  # the last token is never fed back
+    engine.set_params(other)
+    assert engine.stats()["kv_pages_cached"] == 0
+    after = answer(engine)
+    assert after == answer(engine_with(other)) and after != before
+    assert engine.stats()["prefix_hit_tokens"] == 0  # the second request found nothing to reuse
 
 
 def test_a_batch_row_is_the_prompt_then_its_completion_in_a_segment_of_its_own():
