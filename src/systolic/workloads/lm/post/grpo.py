@@ -35,7 +35,7 @@ from systolic.errors import ConfigError
 from systolic.optim.adamw import make_schedule
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, logical_to_spec, rules_for
-from systolic.workloads.lm import init_from
+from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model import lora, sizes
 from systolic.workloads.lm.optimizer import make_lm_optimizer
@@ -74,6 +74,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     if result.eval_metrics:
         run.say(f"held-out reward (greedy): {result.eval_metrics['reward']:.4f}")
     run.say_throughput(result, "completions/s", digits=1)
+    if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
+        sample.say_sample(run.say, tokenizer, built.graphdef, model_params(result.state), cfg.sample, chat=True)
     return result
 
 
