@@ -572,6 +572,8 @@ class LMConfig:
                     f"you want ({', '.join(f'{o}: --recipe {r}' for o, r in OBJECTIVES.items())}), or drop the "
                     f"{section}.* settings."
                 )
+        if self.dpo is not None:
+            self.dpo.check_with(self)
         if self.objective != "next_token" and not self.init.from_:
             raise ConfigError(
                 f"objective={self.objective} post-trains a model, but init.from is not set, so the policy (and its "
