@@ -152,11 +152,13 @@ def unpacked_pairs(batch: dict[str, np.ndarray]) -> dict[int, tuple[list, list]]
     return out
 
 
-@pytest.mark.parametrize("loss,smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.2)])
-def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing):
+@pytest.mark.parametrize("loss,smoothing,make_pairs", [
+    ("sigmoid", 0.0, text_pairs), ("ipo", 0.0, text_pairs), ("robust", 0.2, text_pairs), ("sigmoid", 0.0, chat_pairs),
+], ids=["sigmoid", "ipo", "robust", "sigmoid-chat"])
+def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing, make_pairs):
     cfg = dpo_config(loss, smoothing)
     policy_run, reference_run = load_run(runs["policy"][1], "test"), load_run(runs["reference"][1], "test")
-    records = text_pairs()
+    records = make_pairs()
     examples, trl_loss, trl_grads, trl_metrics = trl_reference(runs, records, cfg.dpo, tmp_path)
     batch = our_batch(write_jsonl(tmp_path / "pairs.jsonl", records), runs["tokenizer"])
     assert (batch["pair_ids"] >= 0).sum(axis=1).max() >= 2, "rows hold several pairs"
@@ -177,7 +179,8 @@ def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing):
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected", "logits/chosen", "logits/rejected"):
         assert float(metrics[name]) == pytest.approx(trl_metrics[name], abs=1e-5, rel=1e-5), name
-    assert 0 < trl_metrics["rewards/accuracies"] < 1, "a test that tells chosen from rejected both ways"
+    if make_pairs is text_pairs:
+        assert 0 < trl_metrics["rewards/accuracies"] < 1, "a test that tells chosen from rejected both ways"
 
     flat = {tuple(k.key for k in path): np.asarray(g)
             for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
@@ -187,3 +190,90 @@ def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing):
         np.testing.assert_allclose(flat[p.path][p.index], want, atol=1e-5, rtol=1e-5, err_msg=p.hf)
         worst = max(worst, float(np.abs(flat[p.path][p.index] - want).max()))
     print(f"{loss}: gradients max-abs-diff {worst:.2e}")
+
+
+# THE PIECES BY HAND ---------------------------------------------------------------------------------------------
+
+
+def test_losses_by_hand():
+    policy = jnp.asarray([[-3.0, -5.0], [-4.0, -2.0]])  # (2 pairs, chosen/rejected)
+    reference = jnp.asarray([[-3.5, -4.5], [-4.0, -2.5]])
+    lengths = jnp.asarray([[2.0, 4.0], [1.0, 3.0]])
+    beta, eps = 0.5, 0.1
+    delta = np.array([0.5 - (-0.5), 0.0 - 0.5])  # ratio(chosen) - ratio(rejected)
+    sigmoid = -np.log(1 / (1 + np.exp(-beta * delta)))
+    ipo = (np.array([0.5 / 2 - (-0.5) / 4, 0.0 - 0.5 / 3]) - 1 / (2 * beta)) ** 2
+    logsig = lambda x: -np.log1p(np.exp(-x))  # noqa: E731
+    robust = (-(1 - eps) * logsig(beta * delta) + eps * logsig(-beta * delta)) / (1 - 2 * eps)
+    for loss, want, ls in (("sigmoid", sigmoid, 0.0), ("ipo", ipo, 0.0), ("robust", robust, eps)):
+        got = dpo.pair_losses(policy, reference, lengths, DPOConfig(loss=loss, beta=beta, label_smoothing=ls))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, err_msg=loss)
+    valid = jnp.asarray([1.0, 0.0])
+    m = dpo.reward_metrics(policy, reference, valid, beta)
+    assert float(m["rewards/margins"]) == pytest.approx(beta * delta[0]) and float(m["rewards/accuracies"]) == 1.0
+
+
+def test_sequence_sums_add_each_sequences_targets():
+    values = jnp.arange(1.0, 9.0).reshape(1, 8)
+    sequence = jnp.asarray([[-1, 0, 0, -1, 1, 2, 3, 3]])
+    sums = np.asarray(dpo.sequence_sums(values, sequence, pairs=3))  # (1, 3, 2)
+    np.testing.assert_array_equal(sums[0], [[2 + 3, 5], [6, 7 + 8], [0, 0]])
+
+
+def test_pairs_that_do_not_fit_are_cut_or_dropped_and_counted(runs, tmp_path):
+    long = {"prompt": "The capital of France is", "chosen": " Paris." * 30, "rejected": " Rome."}
+    huge_prompt = {"prompt": "The capital of Spain is" * 20, "chosen": " Madrid.", "rejected": " Lima."}
+    path = write_jsonl(tmp_path / "long.jsonl", [*text_pairs()[:3], long, huge_prompt])
+    with pytest.warns(UserWarning, match="1 have a sequence .* longer than .* 32 tokens, cut to that, and 1 were dropped"):
+        data = preference.load_preferences(str(path), make_tokenizer(str(runs["tokenizer"])), seq_len=SEQ_LEN,
+                                           val_percent=30)
+    assert (data.truncated, data.dropped, sum(data.pairs)) == (1, 1, 4)
+    assert "1 cut to 32 tokens a sequence, 1 dropped" in data.describe()
+    for rows in (data.train, data.val):
+        batch = rows.batch(np.arange(len(rows)))
+        assert batch["segment_ids"].max() <= 2 * (batch["pair_ids"] >= 0).sum(axis=1).max() + 1
+
+
+# LORA, SHARDING -------------------------------------------------------------------------------------------------
+
+
+def run_config(runs, *extra: str) -> LMConfig:
+    """The dpo recipe from the imported policy run (its model and tokenizer), batches of 4 rows."""
+    from systolic.workloads.lm import init_from
+
+    cfg, _ = config_lib.load(LMConfig, "dpo", [f"init.from={runs['policy'][1]}", "data.path=unused",
+                                               f"data.seq_len={SEQ_LEN}", "train.batch_size=4", *extra], "lm-dpo", "lm")
+    return init_from.resolve_config(cfg, list(extra), runs["policy"][1].parent / "no-run")
+
+
+def test_lora_reference_is_the_base_without_adapters_and_no_second_copy(runs, tmp_path):
+    from systolic.runtime import mesh as mesh_lib
+    from systolic.workloads.lm import entry, train
+    from systolic.workloads.lm.model import lora
+
+    cfg = run_config(runs, "model.lora.rank=4", "dpo.reference=live")
+    one = jax.devices()[:1]
+    program, full = entry.plan(cfg, one), entry.plan(run_config(runs), one)
+    live_full = entry.plan(run_config(runs, "dpo.reference=live"), one)
+    adapters = program.trainable_params
+    # `systolic plan`'s parameters: the base once plus the adapters; full fine-tuning with a live reference keeps a
+    # copy of the weights beside the trained ones.
+    assert program.params == full.params + adapters and 0 < adapters < full.params / 10
+    assert live_full.params == 2 * full.params and live_full.trainable_params == full.params
+
+    step = dpo_task.build_dpo_step(cfg, mesh_lib.make_mesh(cfg.mesh, one), make_tokenizer(cfg.data.tokenizer),
+                                   num_pairs=1)
+    assert step.abstract.frozen and not lora.split(step.abstract.frozen)[0], "frozen: the base weights, no adapters"
+    assert not jax.tree.leaves(lora.split(step.abstract.params)[1]), "trained: the adapters alone"
+
+    # With adapters that change the model, the reference is still the base model's log-probabilities.
+    base_params = load_run(runs["policy"][1], "test").params
+    shapes = jax.eval_shape(lambda: train.init_params(cfg.model, VOCAB, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(0)
+    adapters_tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.2, s.shape), s.dtype), lora.split(shapes)[0])
+    batch = jax.tree.map(jnp.asarray, our_batch(write_jsonl(tmp_path / "p.jsonl", text_pairs()), runs["tokenizer"]))
+    policy, reference, *_ = jax.jit(dpo_task.make_pair_fn(cfg, VOCAB))(adapters_tree, batch, base_params)
+    plain, *_ = jax.jit(dpo_task.make_pair_fn(run_config(runs, "dpo.reference=live"), VOCAB))(
+        base_params, batch, base_params)
+    np.testing.assert_allclose(np.asarray(reference), np.asarray(plain), atol=1e-5)
+    assert np.abs(np.asarray(policy) - np.asarray(reference)).max() > 1e-2, "the adapters act on the policy"
