@@ -277,3 +277,30 @@ def test_lora_reference_is_the_base_without_adapters_and_no_second_copy(runs, tm
         base_params, batch, base_params)
     np.testing.assert_allclose(np.asarray(reference), np.asarray(plain), atol=1e-5)
     assert np.abs(np.asarray(policy) - np.asarray(reference)).max() > 1e-2, "the adapters act on the policy"
+
+
+def many_pairs() -> list[dict]:
+    """56 standard pairs: every country's capital against each wrong one."""
+    return [{"prompt": f"The capital of {c} is", "chosen": f" {CAPITALS[c]}.", "rejected": f" {CAPITALS[w]}."}
+            for c in CAPITALS for w in CAPITALS if w != c]
+
+
+@pytest.mark.parametrize("reference", ["cached", "live"])
+def test_a_sharded_step_equals_an_unsharded_one(runs, tmp_path, reference):
+    from systolic.config import MeshConfig
+    from systolic.runtime import mesh as mesh_lib
+    from tiny import run_steps
+
+    path = write_jsonl(tmp_path / "many.jsonl", many_pairs())
+    cfg = run_config(runs, f"data.path={path}", f"dpo.reference={reference}", "optim.lr=1e-3", "optim.warmup_steps=1")
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    metrics = {}
+    for name, mesh in (("one", mesh_lib.make_mesh(MeshConfig(), jax.devices()[:1])),
+                       ("eight", mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))):
+        built = dpo_task.build_dpo_task(cfg, mesh, tokenizer)
+        _, metrics[name] = run_steps(built.task, 3, mesh=mesh, rules=built.rules)
+    print({k: [float(m["loss"]) for m in v] for k, v in metrics.items()})
+    assert metrics["one"][-1]["rewards/margins"] != 0.0
+    for one, eight in zip(metrics["one"], metrics["eight"], strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen"):
+            assert float(eight[key]) == pytest.approx(float(one[key]), rel=1e-5, abs=1e-6), key
