@@ -225,7 +225,7 @@ def make_dpo_evaluate(cfg: LMConfig, vocab: int, eval_batches: list[dict[str, ja
         losses = dpo.pair_losses(policy, reference, lengths, cfg.dpo)  # (B, K)
         rewards = cfg.dpo.beta * (policy - reference)  # (B, K, 2)
         margins = rewards[..., 0] - rewards[..., 1]  # (B, K)
-        return jnp.stack([(losses * valid).sum(), ((margins > 0) * valid).sum(), (margins * valid).sum(),
+        return jnp.stack([(losses * valid).sum(), ((margins > 0).astype(jnp.float32) * valid).sum(), (margins * valid).sum(),
                           valid.sum()])
 
     def evaluate(state: TrainState) -> dict[str, float]:
