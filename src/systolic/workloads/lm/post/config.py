@@ -4,13 +4,10 @@ config whose `objective` uses it (lm/config.py fills in the chosen one's default
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from systolic.config import check_positive
 from systolic.errors import ConfigError
-
-if TYPE_CHECKING:  # lm/config.py imports this module
-    from systolic.workloads.lm.config import LMConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +35,6 @@ class DPOConfig:
             raise ConfigError(
                 f"dpo.label_smoothing={self.label_smoothing} with dpo.loss={self.loss}: only the robust loss reads it. "
                 "Fix: dpo.loss=robust, or drop dpo.label_smoothing.")
-
-    def check_with(self, cfg: LMConfig) -> None:
-        """The other sections' settings that a DPO run reads as preference pairs, or not at all."""
-        data = cfg.data
-        ignored = {key: value for key, value in (
-            ("data.format", data.format if data.format != "text" else ""), ("data.mixture", data.mixture),
-            ("data.max_bytes", data.max_bytes), ("data.packing", "concat" if data.packing == "concat" else ""),
-            ("optim.z_loss", cfg.optim.z_loss)) if value}
-        if not data.path or ignored:
-            got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
-            raise ConfigError(
-                f"objective=dpo reads preference pairs from data.path, but got {got}. Expected data.path naming a "
-                ".jsonl file (or a folder of them) of records such as {\"prompt\": ..., \"chosen\": ..., "
-                "\"rejected\": ...}, packed as documents (data.packing=documents: each sequence attends only to "
-                "itself), with data.format, data.mixture, data.max_bytes and optim.z_loss at their defaults (they "
-                "apply to next-token training). Fix: start from the recipe, `systolic train lm --recipe dpo "
-                "init.from=RUN data.path=pairs.jsonl`, and drop the others."
-            )
 
 
 @dataclasses.dataclass(frozen=True)
