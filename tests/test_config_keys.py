@@ -146,6 +146,13 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
     make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     assert nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0))).logit_scale == 0.5
+    # GRPO's reward settings are read when its rewards are built (tests/workloads/lm/post/test_rewards.py).
+    from systolic.workloads.lm.post.config import RewardConfig
+    from systolic.workloads.lm.post.rewards import Rewards
+
+    reward = {"functions": "number_match,format", "weights": "1,0.5", "answer_field": "a", "format_pattern": "####"}
+    rewards = Rewards(config_lib.from_dict(RewardConfig, reward, "reward."))
+    assert rewards.total(rewards.score(["q"], ["#### 4"], [{"a": 4}])).tolist() == [1.5]
     assert unread("lm", seen) == [], unread("lm", seen)
 
 
