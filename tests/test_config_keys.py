@@ -157,6 +157,13 @@ def test_every_lm_key_acts(record_reads, tmp_path):
              for k in ("inputs", "targets", "segment_ids", "positions", "sequence", "pair_ids")}
     loss, metrics = jax.eval_shape(dpo_task.make_dpo_loss_fn(cfg, 64), params, batch, None, frozen=params)
     assert "rewards/margins" in metrics
+    # GRPO's reward settings are read when its rewards are built (tests/workloads/lm/post/test_rewards.py).
+    from systolic.workloads.lm.post.config import RewardConfig
+    from systolic.workloads.lm.post.rewards import Rewards
+
+    reward = {"functions": "number_match,format", "weights": "1,0.5", "answer_field": "a", "format_pattern": "####"}
+    rewards = Rewards(config_lib.from_dict(RewardConfig, reward, "reward."))
+    assert rewards.total(rewards.score(["q"], ["#### 4"], [{"a": 4}])).tolist() == [1.5]
     assert unread("lm", seen) == [], unread("lm", seen)
 
 
