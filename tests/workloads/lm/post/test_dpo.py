@@ -153,7 +153,10 @@ def unpacked_pairs(batch: dict[str, np.ndarray]) -> dict[int, tuple[list, list]]
 
 
 @pytest.mark.parametrize("loss,smoothing,make_pairs", [
-    ("sigmoid", 0.0, text_pairs), ("ipo", 0.0, text_pairs), ("robust", 0.2, text_pairs), ("sigmoid", 0.0, chat_pairs),
+    ("sigmoid", 0.0, text_pairs),
+    pytest.param("ipo", 0.0, text_pairs, marks=pytest.mark.slow),  # ~30 s each: TRL's trainer and our compile
+    pytest.param("robust", 0.2, text_pairs, marks=pytest.mark.slow),
+    pytest.param("sigmoid", 0.0, chat_pairs, marks=pytest.mark.slow),
 ], ids=["sigmoid", "ipo", "robust", "sigmoid-chat"])
 def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing, make_pairs):
     cfg = dpo_config(loss, smoothing)
@@ -246,6 +249,7 @@ def run_config(runs, *extra: str) -> LMConfig:
     return init_from.resolve_config(cfg, list(extra), runs["policy"][1].parent / "no-run")
 
 
+@pytest.mark.slow  # three plans and two compiled forward passes
 def test_lora_reference_is_the_base_without_adapters_and_no_second_copy(runs, tmp_path):
     from systolic.runtime import mesh as mesh_lib
     from systolic.workloads.lm import entry, train
@@ -285,6 +289,7 @@ def many_pairs() -> list[dict]:
             for c in CAPITALS for w in CAPITALS if w != c]
 
 
+@pytest.mark.slow  # ~60 s: two meshes' steps compiled
 @pytest.mark.parametrize("reference", ["cached", "live"])
 def test_a_sharded_step_equals_an_unsharded_one(runs, tmp_path, reference):
     from systolic.config import MeshConfig
