@@ -31,8 +31,8 @@ TOKENIZER = ByteTokenizer()
 
 
 def grpo_config(*extra: str) -> LMConfig:
-    overrides = [*TINY_LM, "model.dtype=float32", "objective=grpo", "init.from=unused", "data.format=chat",
-                 "data.packing=documents", "data.path=unused.jsonl", f"data.seq_len={SEQ_LEN}", f"grpo.max_completion_len={MAX_NEW}",
+    overrides = [*TINY_LM, "model.dtype=float32", "objective=grpo", "init.from=unused", "data.packing=documents",
+                 "data.path=unused.jsonl", f"data.seq_len={SEQ_LEN}", f"grpo.max_completion_len={MAX_NEW}",
                  "grpo.group_size=4", "grpo.temperature=0.7", *extra]
     return config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
 
@@ -200,7 +200,8 @@ def test_a_bad_prompt_record_is_named_by_file_and_line(tmp_path, record, message
 def test_grpo_settings_that_cannot_work_are_config_errors():
     for extra, message in ((["train.batch_size=6"], "not a multiple of grpo.group_size=4"),
                            ([f"grpo.max_completion_len={SEQ_LEN}"], "leaves no room for a prompt"),
-                           (["data.format=text", "data.packing=concat"], "data.format=chat"),
+                           (["data.packing=concat"], "data.packing='concat'"),
+                           (["data.max_bytes=100"], "data.max_bytes=100"),
                            (["mesh.context=2"], "mesh.context=2")):
         with pytest.raises(ConfigError, match=message):
             grpo.check(grpo_config(*extra))

@@ -53,7 +53,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     """`systolic train lm` with objective=grpo."""
     init_from.check_not_imported(run_dir)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=cfg.checkpoint.resume and has_checkpoints(run_dir))
+    resuming = cfg.checkpoint.resume and has_checkpoints(run_dir)
+    spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=resuming)
     tokenizer = make_tokenizer(spec)
     built = build_task(cfg, mesh, tokenizer)
     if jax.process_index() == 0:
@@ -80,13 +81,21 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 
 def check(cfg: LMConfig) -> None:
-    """What GRPO needs of the rest of the config, checked before anything is read."""
-    g = cfg.grpo
-    if cfg.data.format != "chat":
+    """What GRPO needs of the rest of the config, checked before anything is read. As for DPO (lm/config.py), the
+    data settings of next-token training do not act, so they must stay at their defaults."""
+    g, data = cfg.grpo, cfg.data
+    ignored = {key: value for key, value in (
+        ("data.format", data.format if data.format != "text" else ""), ("data.mixture", data.mixture),
+        ("data.max_bytes", data.max_bytes), ("data.packing", "concat" if data.packing == "concat" else ""),
+        ("optim.z_loss", cfg.optim.z_loss)) if value}
+    if not data.path or ignored:
+        got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
         raise ConfigError(
-            f"objective=grpo with data.format={cfg.data.format}: GRPO reads prompt records (.jsonl, `prompt` or "
-            "`messages`), which data.format=chat reads. Fix: add data.format=chat data.packing=documents (the grpo "
-            "recipe sets them: `systolic train lm --recipe grpo`).")
+            f"objective=grpo reads prompt records from data.path, but got {got}. Expected data.path naming a .jsonl "
+            "file (or a folder of them) of records such as {\"prompt\": ..., \"answer\": ...}, each row one "
+            "prompt and its completion as documents (data.packing=documents), with data.format, data.mixture, "
+            "data.max_bytes and optim.z_loss at their defaults (they apply to next-token training). Fix: start from "
+            "the recipe, `systolic train lm --recipe grpo init.from=RUN data.path=prompts.jsonl`, and drop the others.")
     if cfg.train.batch_size % g.group_size:
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is not a multiple of grpo.group_size={g.group_size}: a step "

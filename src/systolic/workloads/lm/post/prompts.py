@@ -54,7 +54,8 @@ def load_prompts(path: str, tokenizer: Tokenizer, *, max_prompt_len: int, val_pe
     """Reads and encodes the prompt records at `path`; a UserError naming the file and line of the first bad one
     (no prompt, not text, empty, longer than `max_prompt_len` tokens), so nothing starts on bad data."""
     encoder = _Encoder(tokenizer, max_prompt_len)
-    prompts = [encoder.encode(name, where, record) for name, where, record in read_records(path, EXAMPLE)]
+    records = read_records(path, EXAMPLE, reader="objective=grpo")
+    prompts = [encoder.encode(name, where, record) for name, where, record in records]
     if len(prompts) < 2:
         raise UserError(
             f"data.path={path!r} holds {len(prompts)} prompt record(s): too few to train on and hold some out for "
@@ -86,9 +87,10 @@ class _Encoder:
         else:
             text, ids, stop_ids = self._conversation(record["messages"], where)
         if not 0 < len(ids) <= self.max_prompt_len:
-            raise _bad_record(where, f"has a prompt of {len(ids)} tokens, but a prompt needs 1 to {self.max_prompt_len} "
-                                     "(data.seq_len minus grpo.max_completion_len: a row holds the prompt and its "
-                                     "completion). Shorten it, or raise data.seq_len (and model.max_seq_len)")
+            raise _bad_record(where, f"has a prompt of {len(ids)} tokens, but a prompt needs 1 to "
+                                     f"{self.max_prompt_len} (data.seq_len minus grpo.max_completion_len: a row holds "
+                                     "the prompt and its completion). Shorten it, or raise data.seq_len (and "
+                                     "model.max_seq_len)")
         return Prompt(name, text, np.asarray(ids, np.int32), fields, tuple(stop_ids))
 
     def _conversation(self, messages: Any, where: str) -> tuple[str, np.ndarray, tuple[int, ...]]:
