@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(BIN)/systolic train lm
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu and not tpu" --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu and not tpu" --durations=40
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not gpu and not tpu"

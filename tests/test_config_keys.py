@@ -146,6 +146,24 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
     make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     assert nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0))).logit_scale == 0.5
+    # DPO's settings are read when its loss is traced (its runs: tests/workloads/lm/post/test_dpo*.py).
+    from systolic.workloads.lm.post import dpo_task
+
+    dpo = ["objective=dpo", "init.from=runs/base", "data.path=pairs.jsonl", "data.packing=documents", "dpo.loss=robust",
+           "dpo.label_smoothing=0.1", "dpo.reference=live"]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *dpo]))
+    params = jax.eval_shape(lambda: init_params(cfg.model, 64, jax.random.PRNGKey(0)))
+    batch = {k: jax.ShapeDtypeStruct((2, 16), jax.numpy.int32)
+             for k in ("inputs", "targets", "segment_ids", "positions", "sequence", "pair_ids")}
+    loss, metrics = jax.eval_shape(dpo_task.make_dpo_loss_fn(cfg, 64), params, batch, None, frozen=params)
+    assert "rewards/margins" in metrics
+    # GRPO's reward settings are read when its rewards are built (tests/workloads/lm/post/test_rewards.py).
+    from systolic.workloads.lm.post.config import RewardConfig
+    from systolic.workloads.lm.post.rewards import Rewards
+
+    reward = {"functions": "number_match,format", "weights": "1,0.5", "answer_field": "a", "format_pattern": "####"}
+    rewards = Rewards(config_lib.from_dict(RewardConfig, reward, "reward."))
+    assert rewards.total(rewards.score(["q"], ["#### 4"], [{"a": 4}])).tolist() == [1.5]
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

@@ -36,6 +36,7 @@ def _faults_per_call(tweaks: str, workload: str = "lm") -> tuple[bool, float]:
     return applied == "True", float(faults)
 
 
+@pytest.mark.slow  # about 90 s on 2 cores: two subprocesses fault in 64 MiB page by page
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_buffers_stop_faulting_in_with_the_setting_and_do_without_it():
     pages = 4096 * 4096 * 4 // 4096

@@ -65,11 +65,17 @@ class PackedRows:
 
 def pack(examples: Sequence[Example], row_len: int, *, pad_id: int, dtype: type) -> PackedRows:
     """`examples` (each at most `row_len` tokens) placed whole into rows of `row_len` tokens by best-fit decreasing."""
-    rows: list[list[int]] = []  # each row's examples, by index
+    rows = best_fit([len(ids) for ids, _ in examples], row_len)
+    return fill([[examples[i] for i in members] for members in rows], row_len, pad_id=pad_id, dtype=dtype)
+
+
+def best_fit(sizes: Sequence[int], row_len: int) -> list[list[int]]:
+    """Best-fit decreasing: the indices of the items of `sizes` (each at most `row_len`) that each row holds."""
+    rows: list[list[int]] = []  # each row's items, by index
     free_sizes: list[int] = []  # sorted: the distinct amounts of free space that some row has
     rows_with: dict[int, list[int]] = {}  # free space -> the rows with exactly that much
-    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i][0])):  # stable: ties keep file order
-        size = len(examples[i][0])
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties keep file order
+        size = sizes[i]
         assert 0 < size <= row_len, (size, row_len)
         k = bisect.bisect_left(free_sizes, size)  # the tightest fit: O(log row_len), whatever the number of rows
         if k == len(free_sizes):
@@ -87,13 +93,16 @@ def pack(examples: Sequence[Example], row_len: int, *, pad_id: int, dtype: type)
                 bisect.insort(free_sizes, left)
                 rows_with[left] = []
             rows_with[left].append(row)
+    return rows
 
+
+def fill(rows: Sequence[Sequence[Example]], row_len: int, *, pad_id: int, dtype: type) -> PackedRows:
+    """Rows of `row_len` tokens holding the given examples in order, each a segment of its own, then padding."""
     tokens = np.full((len(rows), row_len), pad_id, dtype)
     flags = np.zeros((len(rows), row_len), np.uint8)
     for r, members in enumerate(rows):
         at = 0
-        for i in members:
-            ids, learn = examples[i]
+        for ids, learn in members:
             tokens[r, at : at + len(ids)] = ids
             flags[r, at : at + len(ids)] = np.where(learn, LEARN, 0)
             flags[r, at] = START  # and not LEARN: the first token has nothing of its example before it

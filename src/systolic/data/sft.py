@@ -109,18 +109,20 @@ def load_chat_corpus(path: str, tokenizer: Tokenizer, *, seq_len: int, val_perce
     )
 
 
-def read_records(path: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """(name `file:line`, where to point errors `path line N`, record) of every non-empty line at `path`."""
+def read_records(path: str, example: str = _EXAMPLE, reader: str = "data.format=chat",
+                 ) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(name `file:line`, where to point errors `path line N`, record) of every non-empty line at `path`; errors
+    name the `reader` and show `example`, a line of the kind it reads."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise UserError(f"data.path={path!r} does not exist. Expected a .jsonl file of chat records, or a folder of "
-                        f"them, e.g. lines like {_EXAMPLE}. Fix: correct the path.")
+        raise UserError(f"data.path={path!r} does not exist. Expected a .jsonl file of records, or a folder of "
+                        f"them, e.g. lines like {example}. Fix: correct the path.")
     files = corpus.list_files(root, suffixes=SUFFIXES) if root.is_dir() else [root]
     if not files or not all(f.name.lower().endswith(SUFFIXES) for f in files):
         found = "holds no .jsonl files" if root.is_dir() else "is not a .jsonl file"
-        raise UserError(f"data.path={path!r} {found}; data.format=chat reads one JSON record per line from .jsonl "
-                        f"(or .jsonl.gz) files, e.g. {_EXAMPLE}. Fix: point data.path at such a file or folder, or "
-                        "set data.format=text to train on plain text.")
+        raise UserError(f"data.path={path!r} {found}; {reader} reads one JSON record per line from .jsonl (or "
+                        f".jsonl.gz) files, e.g. {example}. Fix: point data.path at such a file or folder"
+                        + (", or set data.format=text to train on plain text." if reader == "data.format=chat" else "."))
     for file in files:
         name = file.relative_to(root).as_posix() if root.is_dir() else file.name
         opener = gzip.open if file.name.lower().endswith(".gz") else open
@@ -132,9 +134,9 @@ def read_records(path: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
                 try:
                     record = json.loads(raw)
                 except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5,000-digit number, deep nesting
-                    raise _bad_record(where, f"is not valid JSON ({error})") from None
+                    raise _bad_record(where, f"is not valid JSON ({error})", example) from None
                 if not isinstance(record, dict):
-                    raise _bad_record(where, f"holds a JSON {type(record).__name__}, not an object")
+                    raise _bad_record(where, f"holds a JSON {type(record).__name__}, not an object", example)
                 yield f"{name}:{number}", where, record
 
 
@@ -194,6 +196,6 @@ class _Encoder:
         return self._template
 
 
-def _bad_record(where: str, problem: str) -> UserError:
-    return UserError(f"{where} {problem}. Expected one JSON object per line, {_EXAMPLE}. Fix: repair or remove "
+def _bad_record(where: str, problem: str, example: str = _EXAMPLE) -> UserError:
+    return UserError(f"{where} {problem}. Expected one JSON object per line, {example}. Fix: repair or remove "
                      "that line.")

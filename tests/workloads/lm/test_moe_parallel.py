@@ -28,7 +28,8 @@ def losses(tiny_lm, extra: list[str], mesh_axes: dict[str, int] | None) -> list[
 @pytest.mark.parametrize("extra, meshes", [
     ([], [{"expert": 8}, {"data": 2, "expert": 4}, {"fsdp": 2, "expert": 4}]),  # dropless: sort, grouped matmul
     # Capacity (dense) dispatch with a shared expert; the experts' hidden axis split over tensor too.
-    (["model.moe.capacity_factor=1", "model.moe.shared_experts=1"], [{"fsdp": 2, "expert": 2, "tensor": 2}]),
+    pytest.param(["model.moe.capacity_factor=1", "model.moe.shared_experts=1"], [{"fsdp": 2, "expert": 2, "tensor": 2}],
+                 marks=pytest.mark.slow),
 ])
 def test_same_losses_on_one_device_and_expert_parallel_meshes(tiny_lm, extra, meshes):
     one = losses(tiny_lm, extra, None)

@@ -94,6 +94,7 @@ def check(family: str, parametrization: str, optimizer: str, widths=WIDTHS) -> d
     return spreads
 
 
+@pytest.mark.slow  # about 100 s on 2 cores: eight widths trained
 def test_coordinate_check_llama_flat_under_mup_growing_under_standard():
     mup = check("llama", "mup", "adamw")
     assert all(max(s) <= 2.0 for s in mup.values()), mup

@@ -23,6 +23,7 @@ NAME = "brax/inverted_pendulum"
 BRAX = [f"env.name={NAME}", "observe.tensorboard=false", "observe.plot=false"]
 
 
+@pytest.mark.slow  # 60-110 s on 2 cores (Brax's MJX pipeline compiles)
 def test_spaces_and_strong_types():
     env = make_env(EnvConfig(name=NAME))
     spec = env.spec
@@ -38,6 +39,7 @@ def test_spaces_and_strong_types():
     assert all("." not in k for k in state) and not any(x.weak_type for x in jax.tree.leaves(state))
 
 
+@pytest.mark.slow  # 60-110 s on 2 cores (Brax's MJX pipeline compiles)
 def test_flags_follow_brax_episode_wrapper():
     """Step by step against Brax's own time-limit wrapper from the same state: `terminated` is `done` without
     `info["truncation"]`, `truncated` is `truncation`, `final_obs` is Brax's observation. Pushing the cart one way
@@ -63,6 +65,7 @@ def test_flags_follow_brax_episode_wrapper():
     assert seen == {(False, False), (True, False), (False, True)}, seen
 
 
+@pytest.mark.slow  # 60-110 s on 2 cores (Brax's MJX pipeline compiles)
 def test_resume_is_exact(tiny_rl, tmp_path):
     """Brax's physics state goes through the checkpoint bit-exactly: stopped after 2 chunks and resumed, the run
     logs the same metrics as one straight run, without compiling again."""

@@ -25,7 +25,8 @@ from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig, ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
-from systolic.workloads.lm.train import build_task, model_params
+from systolic.workloads.lm.post import dpo_task
+from systolic.workloads.lm.train import BuiltLMTask, build_task, model_params
 
 
 
@@ -42,7 +43,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     # A run that resumes reads its own copy of the tokenizer; a fresh one stores a copy once its input checked out.
     spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=cfg.checkpoint.resume and has_checkpoints(run_dir))
     tokenizer = make_tokenizer(spec)
-    prepared = build_task(cfg, mesh, tokenizer)
+    prepared = _build(cfg, mesh, tokenizer)
     if jax.process_index() == 0:
         store_in_run(run_dir, spec)
     data = prepared.corpus
@@ -52,15 +53,15 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     say(f"lm: {prepared.param_count / 1e6:.2f}M parameters, {trained} ({cfg.model.family}, {cfg.model.layers} layers, "
         f"d_model {cfg.model.d_model}{_moe_text(cfg, prepared.vocab)}) on mesh {mesh_lib.describe(mesh)} "
         f"({jax.device_count()} {jax.default_backend()} devices)")
-    chat = isinstance(data, ChatCorpus)
-    if chat:
+    chat, dpo = isinstance(data, ChatCorpus), cfg.objective == "dpo"
+    if chat or dpo:
         say(f"data: {data.describe()}; run directory {run_dir}")
     else:
         say(f"data: {data.num_docs[0]:,} train / {data.num_docs[1]:,} validation documents, "
             f"{len(data.train_tokens):,} / {len(data.val_tokens):,} tokens; run directory {run_dir}")
         if data.origin:
             say(data.origin)
-    if not chat and data.mixture:
+    if not (chat or dpo) and data.mixture:
         total = sum(w for _, _, w in data.mixture)
         say("mixture: " + ", ".join(f"{path} {w / total:.0%} of rows ({len(t):,} training tokens)"
                                     for path, t, w in data.mixture))
@@ -71,6 +72,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     ev = result.eval_metrics
     if ev and chat:
         say(f"validation: {ev['loss']:.4f} nats per assistant token of the held-out examples")
+    elif ev and dpo:
+        say(f"validation: DPO loss {ev['loss']:.4f}, preference accuracy {ev['rewards/accuracies']:.1%}, reward "
+            f"margin {ev['rewards/margins']:.4f} over the held-out pairs")
     elif ev:
         baseline = baseline_nats_per_byte(data, prepared.vocab)
         say(f"validation: {ev['nats_per_byte']:.4f} nats/byte = {ev['bits_per_byte']:.4f} bits/byte "
@@ -78,9 +82,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     run.say_throughput(result, "tokens/s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
-        template = find_chat_template(tokenizer) if chat else None
+        template = find_chat_template(tokenizer) if chat or dpo else None
         settings = f"temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}"
-        params = model_params(result.state)
+        params = dpo_task.policy_params(cfg, result.state) if dpo else model_params(result.state)
         if template is not None:
             reply = sample.chat_reply(prepared.graphdef, params, template, cfg.sample)
             say(f"sample reply ({settings}) to {cfg.sample.prompt!r}:\n{reply}")
@@ -89,6 +93,13 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
             say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
     return result
 
+
+
+def _build(cfg: LMConfig, mesh, tokenizer) -> BuiltLMTask:
+    """The train task of the config's objective."""
+    if cfg.objective == "dpo":
+        return dpo_task.build_dpo_task(cfg, mesh, tokenizer)
+    return build_task(cfg, mesh, tokenizer)
 
 
 def _moe_text(cfg: LMConfig, vocab: int) -> str:
@@ -115,7 +126,7 @@ def _trained(trainable: int, total: int, cfg: LMConfig) -> str:
 def build_bench_task(cfg: LMConfig) -> Iterator[loop.Task]:
     """The real train task on the configured mesh, made current for `systolic bench`."""
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
+    prepared = _build(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
     with activate(mesh, prepared.rules):
         yield prepared.task
 
@@ -131,8 +142,13 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     from systolic.workloads.lm.train import abstract_batch, build_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    step = build_step(cfg, mesh, make_tokenizer(cfg.data.tokenizer))
-    inputs = (step.abstract, abstract_batch(cfg, step.batch_sharding))  # with packed documents' segment ids too
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    if cfg.objective == "dpo":  # a cached reference's values (8 bytes a pair) are the data's: room for one pair
+        step = dpo_task.build_dpo_step(cfg, mesh, tokenizer, num_pairs=1)
+        inputs = (step.abstract, dpo_task.abstract_batch(cfg, step.batch_sharding))
+    else:
+        step = build_step(cfg, mesh, tokenizer)
+        inputs = (step.abstract, abstract_batch(cfg, step.batch_sharding))  # with packed documents' segment ids too
     with activate(mesh, step.rules):
         lowered = step.train_step.lower(*inputs)
     m = cfg.model
@@ -153,7 +169,8 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         params=trainable + param_count(step.abstract.frozen), trainable_params=trainable,
         optimizer_bytes=mesh_lib.bytes_per_device(step.abstract.opt_state),
         items_per_step=tokens, item_unit="tokens",
-        model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len),
+        model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len)
+        * (dpo_task.flops_factor(cfg) if cfg.objective == "dpo" else 1.0),
         dtype=str(dtype),
         kernel_flops=attention_flops if impl == "splash" else 0.0,
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "

@@ -35,6 +35,7 @@ from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model.transformer import Transformer, resolve_dtype
 from systolic.workloads.lm.optimizer import make_lm_optimizer
+from systolic.workloads.lm.post.preference import PreferenceData
 
 
 # MODEL AND STATE ----------------------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ class BuiltLMTask:
     task: Task
     mesh: Mesh
     rules: Rules
-    corpus: corpus.Corpus | sft.ChatCorpus  # by data.format
+    corpus: corpus.Corpus | sft.ChatCorpus | PreferenceData  # by data.format; objective=dpo: preference pairs
     vocab: int
     graphdef: nnx.GraphDef
     param_count: int
@@ -265,9 +266,10 @@ class Step:
     batch_sharding: NamedSharding
 
 
-def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
-    """Everything checkable is checked here, before any data is read or anything compiles. The embedding has a row
-    for each of `tokenizer`'s ids (padded: `model.padded_vocab`)."""
+def check_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> tuple[Rules, int]:
+    """Everything checkable about a train step on `mesh`, checked before any data is read or anything compiles.
+    Returns the sharding rules and the vocabulary: the embedding has a row for each of `tokenizer`'s ids (padded:
+    `model.padded_vocab`)."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     pipeline.check(cfg, mesh)
@@ -275,6 +277,12 @@ def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
         context.check_seq_len(cfg.data.seq_len, context.current_split())
     vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
     sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
+    return rules, vocab
+
+
+def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
+    """The next-token step (`check_step` first)."""
+    rules, vocab = check_step(cfg, mesh, tokenizer)
     tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)

@@ -4,6 +4,8 @@ config whose `objective` uses it (lm/config.py fills in the chosen one's default
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Literal
 
 from systolic.config import check_positive
@@ -78,6 +80,10 @@ class GRPOConfig:
                 "grpo.clip_eps=0.2 grpo.beta=0.04.")
 
 
+BUILT_IN_REWARDS = ("number_match", "exact_match", "format")  # post/rewards.py's verifiers
+USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # module.path:function
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """The rewards of GRPO's completions: built-in verifiers or a user's functions, summed with weights."""
@@ -88,3 +94,70 @@ class RewardConfig:
     weights: str = ""  # comma-separated floats, one per function; empty: 1 each
     answer_field: str = "answer"  # number_match / exact_match: the prompt record's field holding the answer
     format_pattern: str = ""  # format: a regular expression the completion must match (re.search) for reward 1
+
+    @property
+    def function_specs(self) -> tuple[str, ...]:
+        return tuple(spec.strip() for spec in self.functions.split(",") if spec.strip())
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The functions' names in the metrics (rewards/<name>/mean): a built-in's own, a user function's name after
+        the colon (TRL names reward functions by their __name__)."""
+        return tuple(spec.rpartition(":")[2] for spec in self.function_specs)
+
+    @property
+    def weight_values(self) -> tuple[float, ...]:
+        """One weight per function (1 each when reward.weights is empty); validate() checks they parse."""
+        if not self.weights.strip():
+            return (1.0,) * len(self.function_specs)
+        return tuple(float(w) for w in self.weights.split(","))
+
+    def validate(self) -> None:
+        """The functions' names and weights, the pattern and the answer field; user modules are imported when the
+        run builds its rewards (post/rewards.py), not here: a finished run's config must load where they are not."""
+        specs = self.function_specs
+        fix = "Fix: e.g. reward.functions=number_match,format, or reward.functions=my_rewards:score."
+        if not specs:
+            raise ConfigError(f"reward.functions is empty: GRPO needs at least one reward. Expected built-ins "
+                              f"({', '.join(BUILT_IN_REWARDS)}) or module:function, comma-separated. {fix}")
+        for spec in specs:
+            if spec not in BUILT_IN_REWARDS and not USER_REWARD.fullmatch(spec):
+                raise ConfigError(f"reward.functions has '{spec}', which is neither a built-in "
+                                  f"({', '.join(BUILT_IN_REWARDS)}) nor module:function (a Python module path, a "
+                                  f"colon, a function name). {fix}")
+        names = self.names
+        if len(set(names)) != len(names):
+            raise ConfigError(f"reward.functions={self.functions} names a function twice (by its name: "
+                              f"{', '.join(names)}), so their metrics rewards/<name>/* would collide. Fix: list each "
+                              "function once (weigh one more with reward.weights), or rename one of them.")
+        self._check_weights(len(specs))
+        self._check_format("format" in specs)
+        if {"number_match", "exact_match"} & set(specs) and not self.answer_field:
+            raise ConfigError("reward.answer_field is empty, but number_match and exact_match compare the completion "
+                              "with the prompt record's answer field. Fix: e.g. reward.answer_field=answer.")
+
+    def _check_weights(self, count: int) -> None:
+        try:
+            weights = self.weight_values
+        except ValueError:
+            weights = None
+        if weights is None or len(weights) != count or not all(math.isfinite(w) for w in weights):
+            raise ConfigError(f"reward.weights={self.weights!r} must be {count} finite numbers, comma-separated, one "
+                              f"per function of reward.functions={self.functions} (or empty: 1 each). Fix: e.g. "
+                              f"reward.weights={','.join(['1.0'] * count)}.")
+
+    def _check_format(self, listed: bool) -> None:
+        if listed and not self.format_pattern:
+            raise ConfigError("reward.functions has format, but reward.format_pattern is empty: the format reward is 1 "
+                              "when the completion matches that regular expression (re.search). Fix: e.g. "
+                              "reward.format_pattern='####\\s*-?[0-9]'.")
+        if self.format_pattern and not listed:
+            raise ConfigError(f"reward.format_pattern={self.format_pattern!r} is set, but reward.functions="
+                              f"{self.functions} has no format reward, so it would do nothing. Fix: add format to "
+                              "reward.functions, or drop reward.format_pattern.")
+        try:
+            re.compile(self.format_pattern)
+        except re.error as e:
+            raise ConfigError(f"reward.format_pattern={self.format_pattern!r} is not a valid regular expression ({e}). "
+                              "Fix: correct it (Python's re syntax), e.g. reward.format_pattern='<answer>.*</answer>'."
+                              ) from e
