@@ -1,6 +1,6 @@
 """Held-out accuracy of an lm run on problems with answers: greedy completions of every prompt of a .jsonl file
 (`{"prompt": ..., "answer": ...}`, as `systolic data arithmetic` writes test.jsonl) by the serving engine, scored
-as reward number_match scores them: the last number in the completion equals the answer.
+by reward number_match (lm/post/rewards.py): the completion's final number equals the answer.
 
     systolic data arithmetic --out data/arith
     systolic train lm --recipe arith-sft data.path=data/arith/sft.jsonl --run-dir runs/arith-sft
@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
-# A number as number_match reads it: an optional minus sign, digits, an optional fraction; commas of thousands
-# are dropped before matching.
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def last_number(text: str) -> str | None:
-    numbers = NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else None
-
-
 def is_correct(completion: str, answer: str) -> bool:
-    found = last_number(completion)
-    return found is not None and float(found) == float(answer)
+    """Reward number_match's verdict: the completion's final number equals the answer."""
+    from systolic.workloads.lm.post.rewards import number_match
+
+    return number_match("", completion, {"answer": answer}, answer_field="answer") == 1.0
 
 
 def greedy_completions(run_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:

@@ -125,14 +125,6 @@ def make_data(root: Path, args: argparse.Namespace) -> None:
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def number_match(completion: str, answer: str) -> float:
-    """1 when the completion's last number equals the answer (the reward both sides use)."""
-    import re
-
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion.replace(",", ""))
-    return float(bool(numbers) and float(numbers[-1]) == float(answer))
-
-
 # TRL ----------------------------------------------------------------------------------------------------------
 
 
@@ -166,8 +158,11 @@ def trl_worker(task: str, root: Path, args: argparse.Namespace) -> list[float]:
         trainer = trl.DPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                                  callbacks=[StepClock()])
     else:
-        def reward(completions, answer, **_):
-            return [number_match(c, a) for c, a in zip(completions, answer, strict=True)]
+        from systolic.workloads.lm.post.rewards import number_match  # the very function systolic's side scores with
+
+        def reward(prompts, completions, answer, **_):
+            return [number_match(p, c, {"answer": a}, answer_field="answer")
+                    for p, c, a in zip(prompts, completions, answer, strict=True)]
 
         config = trl.GRPOConfig(**common, per_device_train_batch_size=args.grpo_batch, num_generations=args.group,
                                 max_completion_length=args.completion_len, max_steps=args.grpo_steps, temperature=1.0,
