@@ -121,6 +121,15 @@ def prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def arithmetic_data(args: argparse.Namespace) -> int:
+    from systolic.data import arithmetic
+
+    splits = arithmetic.make_splits(digits=args.digits, ops=arithmetic.parse_ops(args.ops), train=args.train,
+                                    prompts=args.prompts, test=args.test, seed=args.seed)
+    print(arithmetic.write(args.out, splits, force=args.force))
+    return 0
+
+
 def describe_data(args: argparse.Namespace) -> int:
     from systolic.data.prepared import PreparedDataset, is_prepared
 
@@ -174,7 +183,8 @@ TOOLS = (
                   arg("--json", action="store_true", help="print one JSON object instead of a table"))),
     plan_command.COMMAND,
     Command("info", help="platform, devices, process count and the default mesh", run=info),
-    Command("data", help="prepare a corpus into token shards that training memory-maps; describe one", subcommands=(
+    Command("data", help="prepare a corpus into token shards that training memory-maps; describe one; write "
+                         "arithmetic problems", subcommands=(
         Command("prepare", help="tokenize a corpus into token shards (then `systolic train lm data.path=DIR`)",
                 run=prepare_data, compiles=False,
                 description="Stream a corpus (text files, a folder, .jsonl(.gz), .parquet, a Hugging Face "
@@ -189,6 +199,20 @@ TOOLS = (
                       arg("--val-percent", type=float, default=5.0, help="share of documents held out (default 5)"),
                       arg("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 2**26)"),
                       arg("--workers", type=int, default=0, help="tokenizer processes (default 0: one per core)"))),
+        Command("arithmetic", help="write arithmetic problems with answers: SFT records, GRPO prompts, a held-out test",
+                run=arithmetic_data, compiles=False,
+                description="Draw distinct arithmetic problems (`What is 37+45?`) and write DIR/sft.jsonl (prompt/"
+                            "completion records for `systolic train lm data.format=chat`), DIR/prompts.jsonl (prompt/"
+                            "answer records for GRPO) and DIR/test.jsonl (held out from both), e.g. `systolic data "
+                            "arithmetic --out data/arith --digits 2 --train 5000`.",
+                args=(arg("--out", type=Path, required=True, help="the folder to write the three files to"),
+                      arg("--digits", type=int, default=2, help="operands are below 10**digits (default 2)"),
+                      arg("--ops", default="+,-", help="operators, comma-separated, from +, -, * (default +,-)"),
+                      arg("--train", type=int, default=5000, help="SFT problems (default 5000)"),
+                      arg("--prompts", type=int, default=1000, help="GRPO prompts (default 1000)"),
+                      arg("--test", type=int, default=500, help="held-out test problems (default 500)"),
+                      arg("--seed", type=int, default=0, help="the draw's seed (default 0)"),
+                      arg("--force", action="store_true", help="replace files already in DIR"))),
         Command("info", help="tokens, documents, shards, tokenizer of a prepared dataset; checks every shard's SHA-256",
                 run=describe_data, compiles=False, args=(arg("dir", type=Path),)))),
     Command("launch", help="run N local processes of one multi-process run", run=launch, compiles=False,
