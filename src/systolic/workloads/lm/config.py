@@ -572,8 +572,8 @@ class LMConfig:
                     f"you want ({', '.join(f'{o}: --recipe {r}' for o, r in OBJECTIVES.items())}), or drop the "
                     f"{section}.* settings."
                 )
-        if self.dpo is not None:
-            self._check_dpo_data()
+        if self.objective != "next_token":
+            self._check_post_data()
         if self.objective != "next_token" and not self.init.from_:
             raise ConfigError(
                 f"objective={self.objective} post-trains a model, but init.from is not set, so the policy (and its "
@@ -582,23 +582,28 @@ class LMConfig:
                 "init.from=runs/sft data.path=...`)."
             )
 
-    def _check_dpo_data(self) -> None:
-        """The other sections' settings that a DPO run reads as preference pairs, or not at all."""
+    def _check_post_data(self) -> None:
+        """The other sections' settings that a post-training run reads its own way (pairs, prompts), or not at all."""
         data = self.data
         ignored = {key: value for key, value in (
             ("data.format", data.format if data.format != "text" else ""), ("data.mixture", data.mixture),
             ("data.max_bytes", data.max_bytes), ("data.packing", "concat" if data.packing == "concat" else ""),
             ("optim.z_loss", self.optim.z_loss)) if value}
-        if not data.path or ignored:
-            got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
-            raise ConfigError(
-                f"objective=dpo reads preference pairs from data.path, but got {got}. Expected data.path naming a "
-                ".jsonl file (or a folder of them) of records such as {\"prompt\": ..., \"chosen\": ..., "
-                "\"rejected\": ...}, packed as documents (data.packing=documents: each sequence attends only to "
-                "itself), with data.format, data.mixture, data.max_bytes and optim.z_loss at their defaults (they "
-                "apply to next-token training). Fix: start from the recipe, `systolic train lm --recipe dpo "
-                "init.from=RUN data.path=pairs.jsonl`, and drop the others."
-            )
+        if data.path and not ignored:
+            return
+        got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
+        records, example, each = {
+            "dpo": ("preference pairs", '{"prompt": ..., "chosen": ..., "rejected": ...}', "each sequence attends "
+                    "only to itself"),
+            "grpo": ("prompt records", '{"prompt": ..., "answer": ...}', "each row one prompt and its completion"),
+        }[self.objective]
+        raise ConfigError(
+            f"objective={self.objective} reads {records} from data.path, but got {got}. Expected data.path naming a "
+            f".jsonl file (or a folder of them) of records such as {example}, packed as documents "
+            f"(data.packing=documents: {each}), with data.format, data.mixture, data.max_bytes and optim.z_loss at "
+            "their defaults (they apply to next-token training). Fix: start from the recipe, `systolic train lm "
+            f"--recipe {self.objective} init.from=RUN data.path=FILE.jsonl`, and drop the others."
+        )
 
     def _check_context(self) -> None:
         """Context parallelism (mesh.context, workloads/lm/parallel/context.py): its attention setting applies only when the

@@ -204,7 +204,9 @@ def test_grpo_settings_that_cannot_work_are_config_errors():
                            (["data.max_bytes=100"], "data.max_bytes=100"),
                            (["mesh.context=2"], "mesh.context=2")):
         with pytest.raises(ConfigError, match=message):
-            grpo.check(grpo_config(*extra))
+            cfg = grpo_config(*extra)
+            cfg.validate()  # the data settings (LMConfig._check_post_data, as DPO's)
+            grpo.check(cfg)  # the rest
 
 
 def test_rollouts_take_every_prompt_once_an_epoch_in_an_order_fixed_by_the_seed():

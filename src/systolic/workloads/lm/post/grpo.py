@@ -81,21 +81,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
 
 
 def check(cfg: LMConfig) -> None:
-    """What GRPO needs of the rest of the config, checked before anything is read. As for DPO (lm/config.py), the
-    data settings of next-token training do not act, so they must stay at their defaults."""
-    g, data = cfg.grpo, cfg.data
-    ignored = {key: value for key, value in (
-        ("data.format", data.format if data.format != "text" else ""), ("data.mixture", data.mixture),
-        ("data.max_bytes", data.max_bytes), ("data.packing", "concat" if data.packing == "concat" else ""),
-        ("optim.z_loss", cfg.optim.z_loss)) if value}
-    if not data.path or ignored:
-        got = ", ".join(f"{k}={v!r}" for k, v in ignored.items()) or "data.path=''"
-        raise ConfigError(
-            f"objective=grpo reads prompt records from data.path, but got {got}. Expected data.path naming a .jsonl "
-            "file (or a folder of them) of records such as {\"prompt\": ..., \"answer\": ...}, each row one "
-            "prompt and its completion as documents (data.packing=documents), with data.format, data.mixture, "
-            "data.max_bytes and optim.z_loss at their defaults (they apply to next-token training). Fix: start from "
-            "the recipe, `systolic train lm --recipe grpo init.from=RUN data.path=prompts.jsonl`, and drop the others.")
+    """What GRPO needs of the rest of the config, checked before anything is read (its data settings: LMConfig's
+    _check_post_data, as DPO's)."""
+    g = cfg.grpo
     if cfg.train.batch_size % g.group_size:
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is not a multiple of grpo.group_size={g.group_size}: a step "
