@@ -237,12 +237,11 @@ def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> int:
     return int(window)
 
 
-def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict[str, Any]:
-    """config.json for `cfg` with `vocab` embedding rows; `eos_id` is the tokenizer's end-of-text id."""
-    special = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
+def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[str, Any]:
+    """config.json for `cfg` with `vocab` embedding rows and the special `token_ids` (bos/eos/pad_token_id)."""
     model_type = architecture(cfg)
     common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": vocab,
-              "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **special}
+              "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **token_ids}
     if model_type == "gpt2":
         return _gpt2_json(cfg, common)
     rope = _rope_json(cfg)
