@@ -83,25 +83,26 @@ def companion_folder(tokenizer: Tokenizer) -> Path | None:
     return path.parent if path.name == RUN_FILE and path.is_file() else None
 
 
-def imported(src: Path, config: dict[str, Any], vocab: int) -> dict[str, dict[str, Any]]:
-    """What `convert from-hf` keeps beside the run's tokenizer.json, by file name: the Hugging Face folder `src`'s
-    generation_config.json as it is (when it has one) and config.json's (`config`'s) bos/eos/pad ids. A UserError
-    when an id is not one of the model's `vocab` ids."""
+def imported(src: Path, config: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """What `convert from-hf` writes as MODEL_IDS_FILE: config.json's (`config`'s) bos/eos/pad ids, after checking
+    them and the Hugging Face folder `src`'s generation_config.json (which travels as it is, a companion of the
+    tokenizer.json beside it). A UserError when an id is not one of the model's `vocab` ids."""
     ids = {key: config[key] for key in ID_KEYS if key in config}
     check_ids(ids, f"{src}/config.json", vocab)
-    generation = read_settings(Path(src) / GENERATION_FILE, vocab)
-    return {MODEL_IDS_FILE: ids, **({GENERATION_FILE: generation} if generation is not None else {})}
+    read_settings(Path(src) / GENERATION_FILE, vocab)
+    return ids
 
 
-def exported(tokenizer: Tokenizer, template: ChatTemplate | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json's bos/eos/pad ids, generation_config.json) for an export of a run with `tokenizer` (and chat
-    `template`): those kept beside its tokenizer.json, else the ids the tokenizer defines, which is also what
-    transformers' generation config holds when a folder has none (`GenerationConfig.from_model_config`)."""
+def exported(tokenizer: Tokenizer, template: ChatTemplate | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json's bos/eos/pad ids, the generation_config.json to write) for an export of a run with `tokenizer`
+    (and chat `template`). The ids are those kept beside its tokenizer.json, else the ids the tokenizer defines; the
+    generation config is None when one is kept there (it travels as the tokenizer's companion file), else those
+    ids, as transformers makes it for a folder without one (`GenerationConfig.from_model_config`)."""
     folder = companion_folder(tokenizer)
     kept_ids = read_settings(folder / MODEL_IDS_FILE) if folder is not None else None
     kept_generation = read_settings(folder / GENERATION_FILE) if folder is not None else None
     ids = own_ids(tokenizer, template) if kept_ids is None else kept_ids
-    return ids, dict(ids) if kept_generation is None else kept_generation
+    return ids, dict(ids) if kept_generation is None else None
 
 
 def own_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> dict[str, Any]:

@@ -137,13 +137,13 @@ def read_json(path: Path) -> dict:
 def test_import_keeps_the_generation_settings_and_export_writes_them_back(hf_folders, imported, tmp_path, style):
     source, run = hf_folders[style], imported[style]
     assert {generation_config.GENERATION_FILE, generation_config.MODEL_IDS_FILE} <= set(COMPANION_FILES)
-    assert read_json(run / "generation_config.json") == read_json(source / "generation_config.json")
+    assert (run / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
     assert ids_of(read_json(run / "model_token_ids.json")) == ids_of(read_json(source / "config.json"))
     assert read_json(source / "generation_config.json")["eos_token_id"] == STYLES[style].generation["eos_token_id"]
 
     hf.export_run(run, tmp_path / "out")
     # The whole generation config comes back (its sampling settings too), and config.json's ids are the imported ones.
-    assert read_json(tmp_path / "out" / "generation_config.json") == read_json(source / "generation_config.json")
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
     assert ids_of(read_json(tmp_path / "out" / "config.json")) == ids_of(read_json(source / "config.json"))
     assert not (tmp_path / "out" / "model_token_ids.json").exists()  # the run's own file, not a Hugging Face one
     reloaded = transformers.GenerationConfig.from_pretrained(tmp_path / "out")

@@ -254,7 +254,7 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
     src, run_dir = Path(src), Path(run_dir)
     hf = hf_config.read_config(src)
     mcfg = hf_config.model_config(hf, src, scan_layers=scan_layers)
-    generation = generation_config.imported(src, hf, mcfg.vocab_size)  # checked before the slow part
+    token_ids = generation_config.imported(src, hf, mcfg.vocab_size)  # checked before the slow part
     params = sizes.param_count(mcfg, mcfg.vocab_size)
     memory.check_fits(4 * params, jax.devices(), what=f"{src}/config.json's model ({params:,} float32 parameters)",
                       fix="convert a smaller model, or check that config.json's sizes are the model's.")
@@ -279,9 +279,8 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
         if tokenizer.is_file():
             for name, path in tokenizer_files(tokenizer).items():
                 shutil.copyfile(path, tmp / name)
-            # Companions of the tokenizer, so they travel with it into a fine-tune (without one, nothing travels).
-            for name, settings in generation.items():
-                (tmp / name).write_text(json.dumps(settings, indent=2), encoding="utf-8")
+            # A companion of the tokenizer, so it travels with it into a fine-tune (without one, nothing travels).
+            (tmp / generation_config.MODEL_IDS_FILE).write_text(json.dumps(token_ids, indent=2), encoding="utf-8")
         ckpt = Checkpointer(tmp / "checkpoints", cfg.checkpoint)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
         meta = {"workload": "lm", "vocab": mcfg.vocab_size, "params_only": True, "source": str(src.absolute())}
@@ -311,12 +310,13 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     try:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
-        (tmp / generation_config.GENERATION_FILE).write_text(json.dumps(generation, indent=2), encoding="utf-8")
-        files = [generation_config.GENERATION_FILE, *write_safetensors(tmp, export_tensors(run.cfg.model, params),
-                                                                      max_shard_bytes)]
+        files = write_safetensors(tmp, export_tensors(run.cfg.model, params), max_shard_bytes)
+        if generation is not None:  # else the run's own copy, among the tokenizer's files
+            (tmp / generation_config.GENERATION_FILE).write_text(json.dumps(generation, indent=2), encoding="utf-8")
+            files.append(generation_config.GENERATION_FILE)
         if run.cfg.data.tokenizer != "byte":  # the run's own copy, with the chat template that travelled with it
             for name, path in tokenizer_files(Path(run.cfg.data.tokenizer)).items():
-                if name not in (generation_config.GENERATION_FILE, generation_config.MODEL_IDS_FILE):  # written above
+                if name != generation_config.MODEL_IDS_FILE:  # its ids are config.json's, written above
                     shutil.copyfile(path, tmp / name)
                     files.append(name)
         os.replace(tmp, out)
