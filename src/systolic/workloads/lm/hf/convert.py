@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from systolic import config as config_lib
 from systolic.config import MeshConfig
 from systolic.data import generation_config
-from systolic.data.tokenizer import find_chat_template, RUN_FILE, make_tokenizer, tokenizer_files
+from systolic.data.tokenizer import RUN_FILE, find_chat_template, make_tokenizer, tokenizer_files
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
