@@ -108,6 +108,15 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     # Not quiet: the sample at the end of training is printed, so its settings are read.
     assert main(["train", "lm", *TINY_LM, *LM_CLI_QUIET, "train.steps=2", "train.eval_every=1", "sample.max_new_tokens=4",
                  "observe.profile_steps=2", "observe.progress=off", "--run-dir", str(tmp_path / "lm")]) == 0
+    # GRPO's sections act in a post-training run of that model (tests/workloads/lm/post/test_grpo_run.py trains one
+    # further).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+1=", "answer": {i + 1}}}\n' for i in range(8)))
+    assert main(["train", "lm", "--recipe", "grpo", f"init.from={tmp_path / 'lm'}", f"data.path={prompts}",
+                 "data.seq_len=16", "data.val_percent=30", "grpo.group_size=4", "grpo.max_completion_len=4",
+                 "grpo.beta=0.04", "train.batch_size=8", "train.steps=1", "train.eval_batches=1",
+                 "reward.functions=number_match,format", "reward.weights=1,0.5", "reward.format_pattern=1", "-q",
+                 "observe.tensorboard=false", "observe.plot=false", "--run-dir", str(tmp_path / "grpo")]) == 0
     # RoPE scalings read their own settings: a scaled model computes its frequencies from them (their parity with
     # transformers: tests/workloads/lm/test_hf_families.py).
     from systolic.workloads.lm.config import LMConfig

@@ -1,6 +1,7 @@
 """The loop's hooks (`Task.add_hook(fn, every=N)`): when they run, on a toy task through the real loop, across a
 stop and resume."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -66,3 +67,23 @@ def test_hooks_run_at_multiples_of_every_in_order_and_at_the_same_steps_across_a
 def test_a_hook_runs_every_one_or_more_steps():
     with pytest.raises(ValueError, match="every=0"):
         loop.Hook(lambda step, state: None, every=0)
+
+
+def test_evaluate_at_start_writes_a_fresh_runs_step_0_eval_row_after_its_hooks(tmp_path):
+    """A post-training run's starting point (lm GRPO's held-out reward): step 0's eval row, not again on a resume."""
+    import json
+
+    calls: list = []
+    task = make_task(calls)
+    task.evaluate = lambda state: calls.append(("evaluate", int(state.step), 0)) or {"w0": float(state.params["w"][0])}
+    task.evaluate_at_start = True
+    settings = loop.LoopSettings(
+        steps=4, eval_every=2, loop=LoopConfig(stop_at_step=3),
+        checkpoint=CheckpointConfig(every_steps=1000, async_save=False),
+        observe=ObserveConfig(log_every=1, progress="off", tensorboard=False, plot=False))
+    loop.train(task, settings, tmp_path)
+    loop.train(task, dataclasses.replace(settings, loop=LoopConfig()), tmp_path)
+    assert calls[:3] == [("every 3", 0, 0), ("every step", 0, 0), ("evaluate", 0, 0)]
+    assert [step for name, step, _ in calls if name == "evaluate"] == [0, 2, 4]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["w0"]) for r in rows if r["split"] == "eval"][0] == (0, 0.0)

@@ -79,6 +79,7 @@ class Task:
     data: DataStream | None  # None for workloads that make their own data (RL environments, simulations)
     check: tuple[str, ...] | None = ("loss",)  # the metrics the guard checks (None: all); as given to jit_step
     evaluate: Callable[[TrainState], dict[str, float]] | None = None
+    evaluate_at_start: bool = False  # also evaluate a fresh run's initial state, as step 0's eval row (post-training)
     items_per_step: int = 0  # e.g. tokens per optimizer step, for throughput
     items_metric: str = ""  # instead: a metric that counts each step's items (a simulation's adaptive time steps)
     item_unit: str = "items"  # plural, as in "tokens/s"; the throughput metric is named from it (`throughput_key`)
@@ -91,8 +92,9 @@ class Task:
     nonfinite_advice: str = ("lower optim.lr, raise optim.warmup_steps or check the data near this step, then rerun the "
                              "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
-    # Host-side metrics that are exact functions of the step (a mixture's tokens per source so far), written with
-    # each train row: no state to checkpoint, so a resumed run writes the same values.
+    # Host-side metrics of a step, written with its train row (called once per step, after the step's hooks): exact
+    # functions of the step (a mixture's tokens per source so far; no state to checkpoint, so a resumed run writes
+    # the same values), or what the task's data stream recorded for it (lm GRPO's rollout rewards and timings).
     step_metrics: Callable[[int], dict[str, float]] | None = None
     notes: tuple[str, ...] = ()  # lines `systolic bench` prints under its table (an lm pipeline's schedule and bubble)
     hooks: list[Hook] = dataclasses.field(default_factory=list)  # in the order they run; see add_hook
@@ -183,7 +185,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
         writer = MetricsWriter(run_dir, tensorboard=settings.observe.tensorboard, enabled=is_writer)
         if resumed_from is not None:
             progress.log(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
-        first, last = _begin(task, state, resumed_from is None, writer, run_dir)
+        first, last = _begin(task, state, resumed_from is None, writer, progress, run_dir)
         guard = NonFiniteGuard(settings.loop, task.check, task.abstract_state.params, task.nonfinite_advice)
         stepper = _Stepper(task, profiler, progress)
         window = _MetricsWindow(task, guard, writer, progress, start, last)
@@ -247,10 +249,11 @@ def _run_steps(task: Task, settings: LoopSettings, state: TrainState, start: int
     return state, eval_metrics, preempted
 
 
-def _begin(task: Task, state: TrainState, fresh: bool, writer: MetricsWriter,
+def _begin(task: Task, state: TrainState, fresh: bool, writer: MetricsWriter, progress: ProgressReporter,
            run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
     """The run's first and latest train rows: a fresh run writes its step 0 (and runs its hooks on the initial
-    state); a resumed one reads them back from metrics.jsonl (on process 0, which has it)."""
+    state, then with `evaluate_at_start` its step-0 evaluation); a resumed one reads them back from metrics.jsonl
+    (on process 0, which has it)."""
     if not fresh:
         rows = [r for r in read_metrics(run_dir) if r.get("split") == task.split] if jax.process_index() == 0 else []
         return (_numbers(rows[0]), _numbers(rows[-1])) if rows else ({}, {})
@@ -259,6 +262,8 @@ def _begin(task: Task, state: TrainState, fresh: bool, writer: MetricsWriter,
         first = _floats(task.initial_metrics(state))
         writer.write(0, task.split, first)
     _run_hooks(task.hooks, 0, state)
+    if task.evaluate_at_start and task.evaluate is not None:
+        _evaluate(task, 0, state, writer, progress)
     return first, first
 
 

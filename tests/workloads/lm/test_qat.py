@@ -304,7 +304,7 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                 batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
                                     spec(S))
                 sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),
-                                       spec(S, 2, dtype=jnp.uint32), spec(S))
+                                       spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32))
                 step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=6)
                 counts[scheme] = int8_dots(step.lower(params, pool, spec(T), batch, sampling, spec(), None)
                                            .compile().as_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from systolic.data.sft import ChatCorpus
-from systolic.data.tokenizer import find_chat_template, make_tokenizer, store_in_run, tokenizer_for_training
+from systolic.data.tokenizer import make_tokenizer, store_in_run, tokenizer_for_training
 from systolic.engine import loop
 from systolic.engine.checkpoint import has_checkpoints
 from systolic.engine.run import Run
@@ -31,6 +31,10 @@ from systolic.workloads.lm.train import BuiltLMTask, build_task, model_params
 
 
 def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
+    if cfg.objective == "grpo":
+        from systolic.workloads.lm.post import grpo  # the rollouts' engine and rewards load for GRPO runs alone
+
+        return grpo.train(cfg, run_dir, quiet)
     init_from.check_not_imported(run_dir)
     if cfg.model.lora.rank and not cfg.init.from_:
         raise UserError(
@@ -82,15 +86,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     run.say_throughput(result, "tokens/s")
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
-        template = find_chat_template(tokenizer) if chat or dpo else None
-        settings = f"temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}"
         params = dpo_task.policy_params(cfg, result.state) if dpo else model_params(result.state)
-        if template is not None:
-            reply = sample.chat_reply(prepared.graphdef, params, template, cfg.sample)
-            say(f"sample reply ({settings}) to {cfg.sample.prompt!r}:\n{reply}")
-        else:
-            text = sample.sample_text(tokenizer, prepared.graphdef, params, cfg.sample)
-            say(f"sample ({settings}):\n{cfg.sample.prompt}{text}")
+        sample.say_sample(say, tokenizer, prepared.graphdef, params, cfg.sample, chat=chat or dpo)
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +41,18 @@ def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, sett
     messages.append({"role": "user", "content": settings.prompt})
     ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
     return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings, kv_cache)
+
+
+def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any,
+               settings: SampleConfig, *, chat: bool) -> None:
+    """Prints the end-of-training sample: with `chat` and a chat template beside the tokenizer, the reply to
+    `settings.prompt` as a user message, in the template; otherwise the prompt's continuation."""
+    template = find_chat_template(tokenizer) if chat else None
+    described = f"temperature {settings.temperature}, top-k {settings.top_k}"
+    if template is not None:
+        say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
+    else:
+        say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
 
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],

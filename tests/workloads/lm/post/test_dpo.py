@@ -164,7 +164,8 @@ def test_loss_gradients_and_metrics_equal_trl(runs, tmp_path, loss, smoothing, m
     records = make_pairs()
     examples, trl_loss, trl_grads, trl_metrics = trl_reference(runs, records, cfg.dpo, tmp_path)
     batch = our_batch(write_jsonl(tmp_path / "pairs.jsonl", records), runs["tokenizer"])
-    assert (batch["pair_ids"] >= 0).sum(axis=1).max() >= 2, "rows hold several pairs"
+    if make_pairs is text_pairs:  # the short pairs share rows (the chat ones, with their template, fill a row each)
+        assert (batch["pair_ids"] >= 0).sum(axis=1).max() >= 2, "rows hold several pairs"
 
     # The same token ids as TRL's tokenization: prompt + chosen and prompt + rejected of each pair.
     seqs = unpacked_pairs(batch)

@@ -176,9 +176,9 @@ class Rewards:
         return load_function(spec)
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], fields: Sequence[dict], *,
-              record_ids: Sequence[int] | None = None) -> np.ndarray:
+              record_ids: Sequence[int | str] | None = None) -> np.ndarray:
         """Each function's reward of each completion, (N, F) float32. `fields[i]` is completion i's prompt record;
-        `record_ids[i]` its position in the data set, which errors name (default: i). A function that raises or
+        `record_ids[i]` what errors name it by (its file:line, or by default its index i). A function that raises or
         returns anything but a finite real number (bools count as 1 and 0) is a UserError naming it and the
         record."""
         assert len(prompts) == len(completions) == len(fields), (len(prompts), len(completions), len(fields))

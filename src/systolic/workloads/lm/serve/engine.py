@@ -56,7 +56,9 @@ class SamplingParams:
     """How one request samples: `generate`'s settings, plus stop strings (the text ends before the first one) and
     the log-probability of each chosen token. `stop_token_ids`: the ids that end the request (not part of its
     text); None is every eos id the model declares (`data.generation_config.eos_ids`: the tokenizer's end of text
-    and the imported model's eos ids; a chat passes its template's `stop_ids`, which include them)."""
+    and the imported model's eos ids; a chat passes its template's `stop_ids`, which include them).
+    `tempered_logprobs`: log-probabilities under softmax(logits / temperature), the distribution sampled from before
+    top-k and top-p (what GRPO's importance ratios compare, lm/post/rollout.py), instead of the raw model's."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -66,6 +68,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     stop_token_ids: tuple[int, ...] | None = None
+    tempered_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,7 @@ class InferenceEngine:
         shardings = None if mesh is None else quant.quantized_shardings(
             param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
         self.params = jax.device_put(params, shardings)
+        self._layout = jax.tree.map(lambda x: x.sharding, self.params)  # what set_params puts new weights on
         shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
         self.pool = make_pool(shape, home)
         self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
@@ -159,6 +163,16 @@ class InferenceEngine:
                    max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, prefix_caching=prefix_caching,
                    mesh=mesh, rules=rules, model_name=run_dir.name, chat_template=find_chat_template(run.tokenizer),
                    kv_cache=kv_cache)
+
+    def set_params(self, params: Any) -> None:
+        """Serves new weights (a pure dict shaped as the current ones; laid out as the engine's, so a trainer's
+        parameters on the same mesh and rules are used in place, not copied), between requests. The prefix cache
+        is dropped: keys and values computed with the old weights must not be reused."""
+        if self._requests:
+            raise ValueError(f"set_params with {len(self._requests)} requests running: their keys and values are of "
+                             "the old weights. Fix: let every request finish (or cancel it) first.")
+        self.params = jax.device_put(params, self._layout)
+        self.scheduler.cache.forget_prefixes()
 
     # REQUESTS
 
@@ -239,13 +253,16 @@ class InferenceEngine:
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, draw = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         key = np.zeros((rows, 2), np.uint32)
+        logprob_temperature = np.ones(rows, np.float32)
         for r, chunk in enumerate(chunks):
             if chunk.samples:
                 request = self._requests[chunk.seq.request_id]
                 p = request.params
                 temperature[r], top_k[r], top_p[r] = p.temperature, p.top_k, p.top_p
                 key[r], draw[r] = request.key, chunk.seq.generated
-        return RowSampling(temperature, top_k, top_p, key, draw)
+                if p.tempered_logprobs and p.temperature > 0:
+                    logprob_temperature[r] = p.temperature
+        return RowSampling(temperature, top_k, top_p, key, draw, logprob_temperature)
 
     def _accept(self, seq: Sequence, token: int, logprob: float) -> TokenEvent:
         """Appends a sampled token to its request; ends the request on a stop token, a stop string or max_tokens."""

@@ -119,6 +119,15 @@ class PageCache:
 
     # PREFIX CACHE
 
+    def forget_prefixes(self) -> None:
+        """Drops every cached prefix (the model's weights changed, so their keys and values are stale); only when
+        no sequence holds a page."""
+        assert self.used == 0, "pages still held by sequences"
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._by_key.clear()
+        self._key_of.clear()
+
     def match_prefix(self, table: PageTable, tokens: list[int]) -> int:
         """Fills the empty `table` with the cached pages that hold a prefix of `tokens`, at most all but the last
         token (whose logits the step must compute); returns the number of tokens they hold."""

@@ -80,7 +80,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         batch = RaggedBatch(ints(tokens), ints(tokens), ints(tokens), ints(), ints(rows, table), ints(rows),
                             ints(rows + 1), ints(1), ints(rows))
         sampling = RowSampling(reals(rows), ints(rows), reals(rows),
-                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows))
+                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows), reals(rows))
         with activate(mesh, rules):
             return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
 

@@ -31,12 +31,15 @@ class RowSampling(NamedTuple):
     top_p: jax.Array  # (S,) float32; 1 keeps every id
     key: jax.Array  # (S, 2) uint32: the request's PRNGKey(seed)
     draw: jax.Array  # (S,) int32: how many tokens the request has sampled before this one
+    # (S,) float32: the log-probability's softmax temperature: 1 for the raw model's (serving's), the sampling
+    # temperature for the distribution sampled from (SamplingParams.tempered_logprobs: RL's importance ratios)
+    logprob_temperature: jax.Array
 
 
 class StepOutput(NamedTuple):
     pool: Pool  # the updated pool
     tokens: jax.Array  # (S,) int32: each row's sampled token
-    logprobs: jax.Array  # (S,) float32: its log-probability under the model (before temperature, top-k, top-p)
+    logprobs: jax.Array  # (S,) float32: its log-probability under softmax(logits / logprob_temperature) (no top-k/p)
 
 
 def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, batch: RaggedBatch,
@@ -58,7 +61,8 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Arr
                        lambda: jnp.argmax(limited, axis=-1).astype(jnp.int32),
                        lambda: jax.vmap(sample_row)(logits, keys, sampling.temperature, sampling.top_k,
                                                     sampling.top_p))  # (S,)
-    logp = jax.nn.log_softmax(limited, axis=-1)  # (S, V)
+    # x / 1.0 is x exactly, so serving's raw log-probabilities are unchanged by the division.
+    logp = jax.nn.log_softmax(limited / sampling.logprob_temperature[:, None], axis=-1)  # (S, V)
     chosen = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # (S,)
     return StepOutput(pool, ids, chosen)
 
