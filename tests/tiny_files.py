@@ -22,5 +22,5 @@ def write_hf_folder(out: Path, *, max_shard_bytes: int = 1 << 30) -> Path:
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(np.float32), abstract)
     hf.write_safetensors(out, hf.export_tensors(TINY_MODEL, params), max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(hf_config.hf_config(TINY_MODEL, VOCAB, None), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config.hf_config(TINY_MODEL, VOCAB, {}), indent=2))
     return out

@@ -233,7 +233,7 @@ def chat_run(folders, tmp_path_factory):
 def test_template_travels_through_from_hf_and_to_hf(chat_run, tmp_path):
     _, folder, run = chat_run
     kept = sorted(name for name in COMPANION_FILES if (folder / name).is_file())
-    assert kept == ["chat_template.jinja", "tokenizer_config.json"]
+    assert kept == ["chat_template.jinja", "generation_config.json", "tokenizer_config.json"]
     for name in kept:
         assert (run / name).read_bytes() == (folder / name).read_bytes()
     code, out, err = call("convert", "to-hf", str(run), str(tmp_path / "out"))
@@ -251,7 +251,8 @@ def test_store_in_run_takes_a_tokenizer_json_s_companions_only(chat_run, tmp_pat
     run = tmp_path / "run"
     run.mkdir()
     store_in_run(run, str(folder))  # a model folder: tokenizer.json and its companions
-    assert sorted(p.name for p in run.iterdir()) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["chat_template.jinja", "generation_config.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     other = tmp_path / "made"
     other.mkdir()
     shutil.copy(folder / "tokenizer.json", other / "tok.json")

@@ -40,6 +40,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
+from systolic.data.generation_config import eos_ids
 from systolic.errors import UserError
 
 if TYPE_CHECKING:  # the Rust tokenizer library is imported by whoever makes the tokenizer
@@ -135,8 +136,9 @@ class ChatTemplate:
     @functools.cached_property
     def stop_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant reply: the special token the template writes right after an assistant
-        message (ChatML's <|im_end|>, Llama 3's <|eot_id|>), the `eos_token`, and the tokenizer's end of document."""
-        ids = {self.tokenizer.eot_id}
+        message (ChatML's <|im_end|>, Llama 3's <|eot_id|>), the `eos_token`, the tokenizer's end of document and the
+        eos ids the model declares (`generation_config.eos_ids`)."""
+        ids = set(eos_ids(self.tokenizer))
         eos = self.tokenizer.token_id(self.special_tokens.get("eos_token", ""))
         if eos is not None:
             ids.add(eos)

@@ -28,8 +28,11 @@ if TYPE_CHECKING:  # Jinja is imported only for chat
 RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run directory
 # Files of a Hugging Face folder that belong to its tokenizer.json: special tokens (tokenizer_config.json, or
 # special_tokens_map.json in old folders) and the chat template (chat_template.jinja since transformers 5, else an
-# entry of tokenizer_config.json). Not the named extra templates of additional_chat_templates/.
-COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# entry of tokenizer_config.json); the model's generation settings, its eos ids above all (generation_config.json,
+# and model_token_ids.json that an import writes: `systolic.data.generation_config`). Not the named extra
+# templates of additional_chat_templates/.
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json",
+                   "model_token_ids.json")
 
 
 class Tokenizer(Protocol):

@@ -206,7 +206,7 @@ def test_export_picks_the_architecture_that_computes_the_model():
         (("qk_norm", True),), (("qk_norm", True), ("sliding_window", 8))]}
     assert list(picks.values()) == ["llama", "mistral", "qwen2", "qwen2", "qwen3", "qwen3"]
     with pytest.raises(UserError, match="both model.qk_norm and model.qkv_bias"):
-        hf_config.hf_config(dataclasses.replace(base, qk_norm=True, qkv_bias=True), VOCAB, None)
+        hf_config.hf_config(dataclasses.replace(base, qk_norm=True, qkv_bias=True), VOCAB, {})
 
 
 # config.json as transformers 4.x wrote them for the hub (shapes of Llama 3.2 1B, Qwen2.5 0.5B, Mistral 7B v0.1):

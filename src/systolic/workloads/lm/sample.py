@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from flax import nnx
 
+from systolic.data.generation_config import eos_ids
 from systolic.data.tokenizer import Tokenizer, find_chat_template, make_tokenizer, run_tokenizer
 from systolic.engine import finished
 from systolic.errors import UserError
@@ -24,12 +25,12 @@ if TYPE_CHECKING:
 
 def sample_text(tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig, *,
                 kv_cache: str = "auto") -> str:
-    """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token; the KV cache
-    stores keys and values as `kv_cache` says (serve/kv_pool.py)."""
+    """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token or another eos
+    id the model declares; the KV cache stores keys and values as `kv_cache` says (serve/kv_pool.py)."""
     ids = tokenizer.encode(settings.prompt).astype(np.int32)
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
-    return _continue(graphdef, params, tokenizer, ids, (tokenizer.eot_id,), settings, kv_cache)
+    return _continue(graphdef, params, tokenizer, ids, eos_ids(tokenizer), settings, kv_cache)
 
 
 def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, settings: SampleConfig, *,

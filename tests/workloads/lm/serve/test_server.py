@@ -78,7 +78,7 @@ def run_dir(tmp_path_factory) -> Path:
                for name, shape, make in hf.export_tensors(MODEL, params)]
     assert "lm_head.weight" in [name for name, _, _ in tensors]
     hf.write_safetensors(folder, tensors, 1 << 30)
-    (folder / "config.json").write_text(json.dumps(hf_config.hf_config(MODEL, VOCAB, None)))
+    (folder / "config.json").write_text(json.dumps(hf_config.hf_config(MODEL, VOCAB, {})))
     (folder / "chat_template.jinja").write_text(CHATML)
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
                                                               "pad_token": "<|endoftext|>"}))

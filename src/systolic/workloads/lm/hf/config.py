@@ -34,6 +34,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rope_type values that import (to model.rope_scaling.type)
+# Where a user reads which families and settings convert; tests/workloads/lm/test_hf_unsupported.py checks the table
+# there against ARCHITECTURES and ROPE_TYPES.
+SUPPORTED_LIST = 'the table "Which models convert" in docs/porting-from-pytorch.md'
 def read_config(src: Path) -> dict[str, Any]:
     path = Path(src) / "config.json"
     if not path.is_file():
@@ -63,7 +66,14 @@ def model_config(hf: dict[str, Any], src: Path, *, scan_layers: bool = False) ->
             "the file from the model's source (transformers' save_pretrained writes every key)."
         ) from None
     except ConfigError as e:
-        raise UserError(f"{src}/config.json describes a model systolic cannot build: {e}") from None
+        # Its fix names systolic's keys, which an imported model does not choose.
+        problem = str(e).split(" Fix: ")[0].rstrip(".")
+        raise UserError(
+            f"{src}/config.json describes a model systolic cannot build: {problem} (config.json's hidden_size, "
+            "num_attention_heads, num_key_value_heads and head_dim are model.d_model, heads, kv_heads and head_dim). "
+            f"The families and settings that convert are listed in {SUPPORTED_LIST}. Fix: pass a checkpoint whose "
+            "sizes fit those rules; these weights cannot be converted as they are."
+        ) from None
     except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
         raise UserError(
             f"{src}/config.json holds a value of the wrong type or range ({type(e).__name__}: {e}). Expected the "
@@ -237,12 +247,11 @@ def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> int:
     return int(window)
 
 
-def hf_config(cfg: ModelConfig, vocab: int, eos_id: int | None) -> dict[str, Any]:
-    """config.json for `cfg` with `vocab` embedding rows; `eos_id` is the tokenizer's end-of-text id."""
-    special = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
+def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[str, Any]:
+    """config.json for `cfg` with `vocab` embedding rows and the special `token_ids` (bos/eos/pad_token_id)."""
     model_type = architecture(cfg)
     common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": vocab,
-              "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **special}
+              "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **token_ids}
     if model_type == "gpt2":
         return _gpt2_json(cfg, common)
     rope = _rope_json(cfg)
@@ -368,8 +377,10 @@ def _model_type(hf: dict[str, Any], src: Path) -> str:
         supported = ", ".join(f"{a} (model_type {t})" for t, a in ARCHITECTURES.items())
         raise UserError(
             f"{src}/config.json describes model_type {model_type!r} with architectures {architectures}, which "
-            f"systolic cannot convert. Supported: {supported}. Fix: pass a checkpoint of one of these; other "
-            "architectures need their own mapping in systolic.workloads.lm.hf.config and hf_tensors."
+            f"systolic does not convert. It converts {supported}; {SUPPORTED_LIST} lists them with the settings each "
+            "accepts. Fix: pass a checkpoint of one of these families (a fine-tune keeps its base model's "
+            "model_type and architectures, so one of a listed family converts); a model of another architecture "
+            "cannot be imported into systolic."
         )
     return model_type
 
@@ -383,5 +394,6 @@ def _require(hf: dict[str, Any], src: Path, expected: dict[str, Any]) -> None:
 def _unsupported(src: Path, what: str, got: Any, expected: str) -> UserError:
     return UserError(
         f"{src}/config.json sets {what} = {got!r}, which the systolic model does not compute (expected {expected}); "
-        "converting would give a different model. Fix: pass a checkpoint without this setting."
+        f"converting would give a different model. The families and settings that convert are listed in "
+        f"{SUPPORTED_LIST}. Fix: pass a checkpoint without this setting (another variant or size of the family)."
     )

@@ -4,7 +4,8 @@ scaling), Qwen2/2.5, Qwen3, Mistral and GPT-2 (`hf_config` lists what each bring
 `systolic convert from-hf SRC RUN_DIR` reads a local folder (config.json + model.safetensors, or sharded
 model-*.safetensors + model.safetensors.index.json) one tensor at a time, places each parameter straight into
 its sharded layout, and writes a run directory: config.yaml, tokenizer.json (when SRC has one, with its special
-tokens and chat template: `data.tokenizer.COMPANION_FILES`) and a parameters-only checkpoint at step 0, which
+tokens, chat template and the model's generation settings: `data.tokenizer.COMPANION_FILES`,
+`data.generation_config`) and a parameters-only checkpoint at step 0, which
 `systolic generate` and `systolic train lm init.from=RUN_DIR` read.
 `systolic convert to-hf RUN_DIR OUT` writes the latest checkpoint back as a folder `from_pretrained` loads.
 Which tensor is which lives in `hf_tensors`, config.json in `hf_config`; tests/workloads/lm/test_hf.py and
@@ -31,7 +32,8 @@ from safetensors.numpy import save_file
 
 from systolic import config as config_lib
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import RUN_FILE, make_tokenizer, tokenizer_files
+from systolic.data import generation_config
+from systolic.data.tokenizer import RUN_FILE, find_chat_template, make_tokenizer, tokenizer_files
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
@@ -250,7 +252,9 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
     """`systolic convert from-hf`: writes `run_dir` (config.yaml, tokenizer.json and its companions, a step-0
     parameters-only checkpoint). The directory appears complete or not at all. Returns the run's config."""
     src, run_dir = Path(src), Path(run_dir)
-    mcfg = hf_config.model_config(hf_config.read_config(src), src, scan_layers=scan_layers)
+    hf = hf_config.read_config(src)
+    mcfg = hf_config.model_config(hf, src, scan_layers=scan_layers)
+    token_ids = generation_config.imported(src, hf, mcfg.vocab_size)  # checked before the slow part
     params = sizes.param_count(mcfg, mcfg.vocab_size)
     memory.check_fits(4 * params, jax.devices(), what=f"{src}/config.json's model ({params:,} float32 parameters)",
                       fix="convert a smaller model, or check that config.json's sizes are the model's.")
@@ -275,6 +279,8 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
         if tokenizer.is_file():
             for name, path in tokenizer_files(tokenizer).items():
                 shutil.copyfile(path, tmp / name)
+            # A companion of the tokenizer, so it travels with it into a fine-tune (without one, nothing travels).
+            (tmp / generation_config.MODEL_IDS_FILE).write_text(json.dumps(token_ids, indent=2), encoding="utf-8")
         ckpt = Checkpointer(tmp / "checkpoints", cfg.checkpoint)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
         meta = {"workload": "lm", "vocab": mcfg.vocab_size, "params_only": True, "source": str(src.absolute())}
@@ -289,24 +295,30 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
 
 def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) -> list[str]:
     """`systolic convert to-hf`: the run's newest intact checkpoint as a Hugging Face folder (config.json,
-    safetensors, tokenizer.json and its companions when the run has one), written to a temporary folder and
-    renamed when complete.
+    generation_config.json, safetensors, tokenizer.json and its companions when the run has one), written to a
+    temporary folder and renamed when complete.
     Returns the names of the files written."""
     out = Path(out)
     _check_free(out)
     run = load_run(Path(run_dir), "systolic convert to-hf")
     run.require_float(Path(run_dir), "systolic convert to-hf", "Hugging Face folders hold float weights")
-    hf = hf_config.hf_config(run.cfg.model, run.vocab, run.tokenizer.eot_id)  # the run's own tokenizer
+    # The ids the run keeps beside its own tokenizer (an import's), else those the tokenizer defines.
+    ids, generation = generation_config.exported(run.tokenizer, find_chat_template(run.tokenizer))
+    hf = hf_config.hf_config(run.cfg.model, run.vocab, ids)
     params = parametrization.to_standard(run.cfg.model, jax.device_get(run.params))  # muP's multipliers folded in
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
         files = write_safetensors(tmp, export_tensors(run.cfg.model, params), max_shard_bytes)
+        if generation is not None:  # else the run's own copy, among the tokenizer's files
+            (tmp / generation_config.GENERATION_FILE).write_text(json.dumps(generation, indent=2), encoding="utf-8")
+            files.append(generation_config.GENERATION_FILE)
         if run.cfg.data.tokenizer != "byte":  # the run's own copy, with the chat template that travelled with it
             for name, path in tokenizer_files(Path(run.cfg.data.tokenizer)).items():
-                shutil.copyfile(path, tmp / name)
-                files.append(name)
+                if name != generation_config.MODEL_IDS_FILE:  # its ids are config.json's, written above
+                    shutil.copyfile(path, tmp / name)
+                    files.append(name)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

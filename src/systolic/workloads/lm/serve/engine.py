@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.config import MAX_SEED, MeshConfig
+from systolic.data.generation_config import eos_ids
 from systolic.data.tokenizer import Tokenizer, find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
@@ -54,9 +55,10 @@ KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for
 class SamplingParams:
     """How one request samples: `generate`'s settings, plus stop strings (the text ends before the first one) and
     the log-probability of each chosen token. `stop_token_ids`: the ids that end the request (not part of its
-    text); None is the tokenizer's end-of-text id (a chat passes its template's `stop_ids`). `tempered_logprobs`:
-    log-probabilities under softmax(logits / temperature), the distribution sampled from before top-k and top-p
-    (what GRPO's importance ratios compare, lm/post/rollout.py), instead of the raw model's."""
+    text); None is every eos id the model declares (`data.generation_config.eos_ids`: the tokenizer's end of text
+    and the imported model's eos ids; a chat passes its template's `stop_ids`, which include them).
+    `tempered_logprobs`: log-probabilities under softmax(logits / temperature), the distribution sampled from before
+    top-k and top-p (what GRPO's importance ratios compare, lm/post/rollout.py), instead of the raw model's."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -117,6 +119,7 @@ class InferenceEngine:
         self.pages_per_seq = -(-self.max_context // page_size)
         self.buckets = token_buckets(max_tokens_per_step)
         self.vocab_limit = np.int32(min(tokenizer.vocab_size, self.vocab))
+        self.eos_ids = eos_ids(tokenizer)  # where a request without stop_token_ids ends
         # Weights stored quantized (lm/model/quant.py) keep their weight's layout; their scales follow it.
         shardings = None if mesh is None else quant.quantized_shardings(
             param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
@@ -178,7 +181,7 @@ class InferenceEngine:
         prompt = [int(t) for t in prompt_ids]
         self._check(request_id, prompt, params)
         seed = int(self._seeds.integers(MAX_SEED + 1)) if params.seed is None else params.seed
-        stop_ids = (self.tokenizer.eot_id,) if params.stop_token_ids is None else params.stop_token_ids
+        stop_ids = self.eos_ids if params.stop_token_ids is None else params.stop_token_ids
         seq = Sequence(request_id, prompt, len(prompt), self._arrivals)
         self._arrivals += 1
         self._requests[request_id] = _Request(seq, params, prng_key_data(seed), frozenset(stop_ids),

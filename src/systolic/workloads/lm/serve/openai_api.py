@@ -156,7 +156,7 @@ def _sampling(fields: _Fields, limit: str, logprobs: bool) -> Sampling:
 
 def sampling_params(sampling: Sampling, max_tokens: int,
                     stop_token_ids: tuple[int, ...] | None = None) -> SamplingParams:
-    """The engine's settings; `stop_token_ids` None: the tokenizer's end of text (a chat passes its template's)."""
+    """The engine's settings; `stop_token_ids` None: the model's eos ids (a chat passes its template's)."""
     return SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop, logprobs=sampling.logprobs,
                           stop_token_ids=stop_token_ids)
