@@ -41,6 +41,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from systolic.data.generation_config import eos_ids
+from systolic.data.tokenizer import RUN_FILE, ByteTokenizer, Tokenizer, tokenizer_file
 from systolic.errors import UserError
 
 if TYPE_CHECKING:  # the Rust tokenizer library is imported by whoever makes the tokenizer
@@ -322,3 +323,13 @@ def _plain_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         raise UserError(f"A conversation must be a list of messages such as {{'role': 'user', 'content': 'Hi'}}, "
                         f"but got {str(messages)[:200]!r}. Fix: pass a list of role/content dicts.")
     return [{key: value for key, value in m.items() if value is not None} for m in messages]
+
+
+def find_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template among the companions of `tokenizer`'s tokenizer.json (the file its name, a spec, points
+    at), or None: the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see
+    `tokenizer_files`), or a folder without a template."""
+    if tokenizer.name == ByteTokenizer.name:
+        return None
+    path = tokenizer_file(tokenizer.name)
+    return ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None

@@ -13,14 +13,11 @@ generate` and the serving engine stop on every eos id the model declares (`eos_i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from systolic import safe_json
 from systolic.data.tokenizer import RUN_FILE, Tokenizer
 from systolic.errors import UserError
-
-if TYPE_CHECKING:
-    from systolic.data.chat import ChatTemplate
 
 GENERATION_FILE = "generation_config.json"
 MODEL_IDS_FILE = "model_token_ids.json"  # config.json's bos/eos/pad ids, as the imported model had them
@@ -93,22 +90,24 @@ def imported(src: Path, config: dict[str, Any], vocab: int) -> dict[str, Any]:
     return ids
 
 
-def exported(tokenizer: Tokenizer, template: ChatTemplate | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def exported(tokenizer: Tokenizer, chat_stop_ids: tuple[int, ...] | None
+             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json's bos/eos/pad ids, the generation_config.json to write) for an export of a run with `tokenizer`
-    (and chat `template`). The ids are those kept beside its tokenizer.json, else the ids the tokenizer defines; the
-    generation config is None when one is kept there (it travels as the tokenizer's companion file), else those
-    ids, as transformers makes it for a folder without one (`GenerationConfig.from_model_config`)."""
+    (and, for a chat model, its template's `ChatTemplate.stop_ids`). The ids are those kept beside its
+    tokenizer.json, else the ids the tokenizer defines; the generation config is None when one is kept there (it
+    travels as the tokenizer's companion file), else those ids, as transformers makes it for a folder without one
+    (`GenerationConfig.from_model_config`)."""
     folder = companion_folder(tokenizer)
     kept_ids = read_settings(folder / MODEL_IDS_FILE) if folder is not None else None
     kept_generation = read_settings(folder / GENERATION_FILE) if folder is not None else None
-    ids = own_ids(tokenizer, template) if kept_ids is None else kept_ids
+    ids = own_ids(tokenizer, chat_stop_ids) if kept_ids is None else kept_ids
     return ids, dict(ids) if kept_generation is None else None
 
 
-def own_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> dict[str, Any]:
+def own_ids(tokenizer: Tokenizer, chat_stop_ids: tuple[int, ...] | None) -> dict[str, Any]:
     """The ids a run trained from scratch exports: its end of text starts and ends a document (GPT-2's
     convention, which packing follows: every document comes after an end of text), a chat reply also ends at the
     template's end of turn (`ChatTemplate.stop_ids`), padding is the tokenizer's."""
-    stops = template.stop_ids if template is not None else eos_ids(tokenizer)
+    stops = chat_stop_ids if chat_stop_ids is not None else eos_ids(tokenizer)
     return {"bos_token_id": tokenizer.eot_id, "eos_token_id": stops[0] if len(stops) == 1 else list(stops),
             "pad_token_id": tokenizer.pad_id}

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from systolic import outfile
 from systolic.errors import ConfigError, UserError
 
-if TYPE_CHECKING:  # Jinja is imported only for chat
-    from systolic.data.chat import ChatTemplate
 
 RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run directory
 # Files of a Hugging Face folder that belong to its tokenizer.json: special tokens (tokenizer_config.json, or
@@ -106,18 +104,6 @@ def tokenizer_file(spec: str) -> Path:
         "train one with `systolic tokenizer train --vocab-size 8192 data.path=CORPUS --out tok.json`, or set "
         "data.tokenizer=byte."
     )
-
-
-def find_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
-    """The chat template among the companions of `tokenizer`'s tokenizer.json (the file its name, a spec, points
-    at), or None: the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see
-    `tokenizer_files`), or a folder without a template."""
-    if tokenizer.name == ByteTokenizer.name:
-        return None
-    from systolic.data.chat import ChatTemplate
-
-    path = tokenizer_file(tokenizer.name)
-    return ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None
 
 
 # THE RUN DIRECTORY'S COPY -------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from tiny_hf import VOCAB, make_hf_model
 
 from systolic.cli import main
 from systolic.data import generation_config
-from systolic.data.tokenizer import COMPANION_FILES, ByteTokenizer, find_chat_template
+from systolic.data.tokenizer import COMPANION_FILES, ByteTokenizer
+from systolic.data.chat import find_chat_template
 from systolic.errors import UserError
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.loaded_run import load_run

@@ -21,7 +21,8 @@ from tiny_hf import VOCAB, make_hf_model
 
 from systolic.cli import main
 from systolic.data import packed, sft
-from systolic.data.tokenizer import ByteTokenizer, find_chat_template, make_tokenizer
+from systolic.data.tokenizer import ByteTokenizer, make_tokenizer
+from systolic.data.chat import find_chat_template
 from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import UserError

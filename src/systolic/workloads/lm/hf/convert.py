@@ -33,7 +33,8 @@ from safetensors.numpy import save_file
 from systolic import config as config_lib
 from systolic.config import MeshConfig
 from systolic.data import generation_config
-from systolic.data.tokenizer import RUN_FILE, find_chat_template, make_tokenizer, tokenizer_files
+from systolic.data.tokenizer import RUN_FILE, make_tokenizer, tokenizer_files
+from systolic.data.chat import find_chat_template
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.state import TrainState
@@ -303,7 +304,8 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     run = load_run(Path(run_dir), "systolic convert to-hf")
     run.require_float(Path(run_dir), "systolic convert to-hf", "Hugging Face folders hold float weights")
     # The ids the run keeps beside its own tokenizer (an import's), else those the tokenizer defines.
-    ids, generation = generation_config.exported(run.tokenizer, find_chat_template(run.tokenizer))
+    template = find_chat_template(run.tokenizer)
+    ids, generation = generation_config.exported(run.tokenizer, None if template is None else template.stop_ids)
     hf = hf_config.hf_config(run.cfg.model, run.vocab, ids)
     params = parametrization.to_standard(run.cfg.model, jax.device_get(run.params))  # muP's multipliers folded in
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")

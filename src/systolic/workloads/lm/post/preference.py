@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from systolic.data import corpus, packed, sft
-from systolic.data.tokenizer import Tokenizer, find_chat_template
+from systolic.data.tokenizer import Tokenizer
+from systolic.data.chat import find_chat_template
 from systolic.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")

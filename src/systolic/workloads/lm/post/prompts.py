@@ -4,7 +4,8 @@ read.
 `data.path` is a .jsonl file (or .jsonl.gz, or a folder of them read in name order); each line is one record:
 
 - `{"prompt": "What is 17 + 25?", "answer": "42"}`: plain text the policy continues as it is (the tokenizer's
-  post-processor adds what it adds, as for SFT's prompts); a completion ends at the end-of-document id.
+  post-processor adds what it adds, as for SFT's prompts); a completion ends at the end-of-document id or any eos
+  id the model declares (data/generation_config.py).
 - `{"messages": [{"role": "user", "content": "What is 17 + 25?"}], "answer": "42"}`: a conversation rendered with
   the chat template kept beside the run's tokenizer.json, with its generation prompt (the assistant's header); a
   completion ends at one of the template's stop ids (`ChatTemplate.stop_ids`).
@@ -22,8 +23,10 @@ from typing import Any
 import numpy as np
 
 from systolic.data import corpus
+from systolic.data.generation_config import eos_ids
 from systolic.data.sft import read_records
-from systolic.data.tokenizer import Tokenizer, find_chat_template
+from systolic.data.tokenizer import Tokenizer
+from systolic.data.chat import find_chat_template
 from systolic.errors import UserError
 
 EXAMPLE = ('{"prompt": "What is 17 + 25?", "answer": "42"} or {"messages": [{"role": "user", "content": '
@@ -83,7 +86,7 @@ class _Encoder:
             text = record["prompt"]
             if not isinstance(text, str):
                 raise _bad_record(where, f"has a `prompt` that is a JSON {type(text).__name__}, not a string")
-            ids, stop_ids = self.tokenizer.encode(text), (self.tokenizer.eot_id,)
+            ids, stop_ids = self.tokenizer.encode(text), eos_ids(self.tokenizer)
         else:
             text, ids, stop_ids = self._conversation(record["messages"], where)
         if not 0 < len(ids) <= self.max_prompt_len:

@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.config import MAX_SEED, MeshConfig
 from systolic.data.generation_config import eos_ids
-from systolic.data.tokenizer import Tokenizer, find_chat_template
+from systolic.data.tokenizer import Tokenizer
+from systolic.data.chat import find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
