@@ -315,6 +315,50 @@ def test_hub_style_configs_import(name, tmp_path):
         assert cfg.moe_layers == tuple(range(1, 16, 2)) and cfg.moe.aux_loss_weight == pytest.approx(0.004)
 
 
+def test_gemma_hub_configs_import(tmp_path):
+    """config.json as transformers 4.x wrote them for gemma-2-2b and gemma-3-1b/4b (no layer_types: transformers'
+    default alternation; Gemma 3's local base in rope_local_base_freq, its global scaling in rope_scaling)."""
+    hub = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096)
+    gemma2 = hf_config.model_config(dict(hub, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0), tmp_path)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attn_logit_scale) == (50.0, 30.0, 1 / 16)
+    assert gemma2.local_layers == (True, False) * 13 and gemma2.embed_multiplier == pytest.approx(48.0)
+    gemma3 = dict(hub, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+                  rope_local_base_freq=1e4, sliding_window=512, final_logit_softcapping=None,
+                  attn_logit_softcapping=None)
+    for scaling in (None, {"rope_type": "linear", "factor": 8.0}):
+        cfg = hf_config.model_config(dict(gemma3, rope_scaling=scaling), tmp_path)
+        assert cfg.local_layers == ((True,) * 5 + (False,)) * 4 + (True,) * 2
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.type, cfg.final_logit_softcap, cfg.qk_norm) \
+            == (1e6, 1e4, "linear" if scaling else "none", 0.0, True)
+    with pytest.raises(UserError, match="use_bidirectional_attention = True"):
+        hf_config.model_config(dict(gemma3, use_bidirectional_attention=True), tmp_path)
+    with pytest.raises(UserError, match="hidden_activation = 'gelu'"):
+        hf_config.model_config(dict(gemma3, hidden_activation="gelu"), tmp_path)
+
+
+def test_gemma_runs_that_no_architecture_computes_do_not_export():
+    base = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, mlp_activation="gelu_tanh", embed_multiplier=8.0)
+    assert hf_config.architecture(base) == "gemma"
+    with pytest.raises(UserError, match=r"model\.embed_multiplier=2\.0 \(Gemma: sqrt\(d_model\) = 8\)"):
+        hf_config.architecture(dataclasses.replace(base, embed_multiplier=2.0))
+    with pytest.raises(UserError, match=r"model\.final_logit_softcap without model\.norm_placement=sandwich"):
+        hf_config.architecture(dataclasses.replace(base, final_logit_softcap=30.0))
+    gemma3 = dataclasses.replace(base, norm_placement="sandwich", qk_norm=True)
+    assert hf_config.architecture(gemma3) == "gemma3_text"
+    with pytest.raises(UserError, match="transformers' Gemma 3 does not soft-cap attention"):
+        hf_config.architecture(dataclasses.replace(gemma3, attn_logit_softcap=50.0))
+    with pytest.raises(UserError, match="only the Gemma architectures compute these"):
+        hf_config.architecture(ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, final_logit_softcap=30.0))
+    mixed = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2, sliding_window=4, layer_types=("full", "sliding"))
+    with pytest.raises(UserError, match="per-layer windows come with Qwen2"):
+        hf_config.architecture(mixed)
+    with pytest.raises(UserError, match="not 1/sqrt"):
+        hf_config.hf_config(dataclasses.replace(gemma3, attn_logit_scale=0.3), VOCAB, None)
+
+
 def test_moe_configs_that_do_not_import_or_export(tmp_path):
     """Dense layers anywhere but first, and a shared expert that is no whole number of experts, are not ours to
     compute; a MoE run that no architecture computes does not export."""
