@@ -69,15 +69,16 @@ def test_llama_block_switches_are_refused_for_gpt2():
 
 
 def test_gemma_switches_are_refused_where_they_cannot_act():
-    """Gemma's settings (lm/hf/config.py imports them) with what cannot compute them, each a ConfigError with the fix."""
+    """Gemma's settings (lm/hf/config.py imports them) with what cannot compute them: each a ConfigError."""
     layers = load().model.layers
     sliding = ["model.sliding_window=4", f"model.layer_types=[{','.join(['sliding', 'full'] * (layers // 2))}]"]
     cases = [
-        (["model.family=gpt2", "model.final_logit_softcap=30"], r"model\.final_logit_softcap=30\.0 with model\.family=gpt2"),
+        (["model.family=gpt2", "model.final_logit_softcap=30"],
+         r"model\.final_logit_softcap=30\.0 with model\.family=gpt2"),
         (["model.layer_types=[sliding]"], r"model\.layer_types lists 1 layers"),
-        ([f"model.layer_types=[{','.join(['full'] * layers)}]"], r"it gives each layer's kind.*needs one entry per layer and a window"),
+        ([f"model.layer_types=[{','.join(['full'] * layers)}]"], r"it gives each layer's kind.*and a window"),
         (["model.rope_local_theta=10000"], r"model\.rope_local_theta=10000\.0 gives the sliding layers"),
-        (["model.attn_logit_softcap=50", "model.attention=cudnn"], r"cuDNN's flash attention .* has no logit soft-capping"),
+        (["model.attn_logit_softcap=50", "model.attention=cudnn"], r"cuDNN's flash attention .* no logit soft-capping"),
         (["model.attn_logit_scale=0.1", "model.parametrization=mup"], r"muP sets the attention logits' scale"),
         (["model.mlp_activation=gelu_tanh", "model.moe.experts=4"], r"the experts are SwiGLU MLPs"),
         (["model.attn_logit_softcap=50", "mesh.context=2"], r"ring and allgather attention .* do not soft-cap"),

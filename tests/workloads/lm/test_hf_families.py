@@ -352,7 +352,8 @@ def test_gemma_runs_that_no_architecture_computes_do_not_export():
         hf_config.architecture(dataclasses.replace(gemma3, attn_logit_softcap=50.0))
     with pytest.raises(UserError, match="only the Gemma architectures compute these"):
         hf_config.architecture(ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, final_logit_softcap=30.0))
-    mixed = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2, sliding_window=4, layer_types=("full", "sliding"))
+    mixed = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2, sliding_window=4,
+                        layer_types=("full", "sliding"))
     with pytest.raises(UserError, match="per-layer windows come with Qwen2"):
         hf_config.architecture(mixed)
     with pytest.raises(UserError, match="not 1/sqrt"):

@@ -193,7 +193,8 @@ class ModelConfig:
     embed_multiplier: float = 1.0  # the embeddings times this into the residual stream (Gemma: sqrt(d_model))
     # pre: x + f(norm(x)). sandwich: x + norm(f(norm(x))), a second norm on each sublayer's output (Gemma 2/3)
     norm_placement: Literal["pre", "sandwich"] = "pre"
-    attn_logit_scale: float = 0.0  # attention logits q.k times this; 0: 1/sqrt(head size) (Gemma 2/3: 1/sqrt(query_pre_attn_scalar))
+    # attention logits q.k times this; 0: 1/sqrt(head size). Gemma 2/3: 1/sqrt(query_pre_attn_scalar)
+    attn_logit_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # > 0: attention logits s -> cap * tanh(s / cap) before the softmax (Gemma 2)
     final_logit_softcap: float = 0.0  # > 0: output logits z -> cap * tanh(z / cap) (Gemma 2)
     norm_eps: float = 1e-5
@@ -355,8 +356,8 @@ class ModelConfig:
             )
         if self.mlp_activation != "silu" and self.moe.experts:
             raise ConfigError(
-                f"model.mlp_activation={self.mlp_activation} with model.moe.experts={self.moe.experts}: the experts are "
-                "SwiGLU MLPs (silu gates). Fix: model.mlp_activation=silu for a mixture of experts."
+                f"model.mlp_activation={self.mlp_activation} with model.moe.experts={self.moe.experts}: the experts "
+                "are SwiGLU MLPs (silu gates). Fix: model.mlp_activation=silu for a mixture of experts."
             )
 
     def _check_layer_types(self) -> None:

@@ -16,10 +16,11 @@ output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is 
 silently different model after import.
 Export writes the architecture the switches call for: Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
 with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
-sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm -> Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else
-Mixtral. The MoE families' routing: Mixtral renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE
-says so in `norm_topk_prob`; their load-balancing loss counts each expert's share of tokens (summing to top_k),
-ours its share of assignments (summing to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
+sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
+Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral
+renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE says so in `norm_topk_prob`; their
+load-balancing loss counts each expert's share of tokens (summing to top_k), ours its share of assignments (summing
+to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
 """
 
 from __future__ import annotations

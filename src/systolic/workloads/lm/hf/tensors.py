@@ -1,7 +1,7 @@
 """The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3, Mistral
-and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2/3's sandwich norms), the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors, one slice of our stacked (E, ...)
-weights), and GPT-2.
+and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2/3's sandwich norms), the mixtures
+of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
+one slice of our stacked (E, ...) weights), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -66,7 +66,8 @@ def _llama(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]
         Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
         Tensor(("attn", "wv"), "self_attn.v_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
         *([_vector(("attn", f"b{w}"), f"self_attn.{w}_proj.bias") for w in "qkv"] if cfg.qkv_bias else []),  # (N*hd,) -> (N, hd)
-        *([norm(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"] if cfg.qk_norm else []),  # (hd,)
+        *([norm(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"]
+          if cfg.qk_norm else []),  # (hd,)
         Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
         *mlp_norms,
     ]

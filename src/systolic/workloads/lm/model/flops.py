@@ -5,8 +5,8 @@ embedding lookup, norms or biases):
     6 * N                         forward (2N) + backward (4N)
   + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
                                   token, halved because causal attention needs only the lower triangle, x 3 for
-                                  forward + backward. With a sliding window W < T a query of a sliding layer (every layer unless
-                                  model.layer_types says) sees at most W keys:
+                                  forward + backward. With a sliding window W < T a query of a sliding layer
+                                  (every layer unless model.layer_types says) sees at most W keys:
                                   the T/2 keys of an average query become W - W^2 / (2T).
 With model.moe, N counts a MoE layer's active weights, those one token is multiplied by: the router (D x E), its
 top_k experts and the shared experts, not the other E - top_k experts (MFU is of the work the model needs; a

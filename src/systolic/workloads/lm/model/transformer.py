@@ -470,8 +470,8 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:  # the pool rides in the carry: each layer updates it in place
             scan = functools.partial(nnx.scan, out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
             if len(set(kinds)) == 1:  # one kind of layer: its window stays a Python int
-                one_kind = scan(lambda block, carry, layer: apply(block, carry, layer, kinds[0]), in_axes=(0, nnx.Carry, 0))
-                carry = one_kind(self.blocks, carry, jnp.arange(cfg.layers))
+                one_kind = lambda block, carry, layer: apply(block, carry, layer, kinds[0])  # noqa: E731
+                carry = scan(one_kind, in_axes=(0, nnx.Carry, 0))(self.blocks, carry, jnp.arange(cfg.layers))
             else:  # each layer's kind scanned beside its weights
                 carry = scan(apply, in_axes=(0, nnx.Carry, 0, 0))(self.blocks, carry, jnp.arange(cfg.layers),
                                                                    jnp.asarray(kinds))

@@ -106,8 +106,9 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool,
                            batch: RaggedBatch, *, window: int | jax.Array = 0, softcap: float = 0.0,
                            block_keys: int | None = None, page_tokens: int | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
-    positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd), this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query
-    head h reads key/value head h // (H // KV)). The positions before each sequence's chunk are read from the
+    positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd),
+    this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value head
+    h // (H // KV)). The positions before each sequence's chunk are read from the
     pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v.
     `page_tokens` (static): only the first this many tokens have positions before their chunk (the scheduler puts
     decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
