@@ -68,6 +68,28 @@ def test_llama_block_switches_are_refused_for_gpt2():
         load("model.family=gpt2", "model.qk_norm=true", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2")
 
 
+def test_gemma_switches_are_refused_where_they_cannot_act():
+    """Gemma's settings (lm/hf/config.py imports them) with what cannot compute them: each a ConfigError."""
+    layers = load().model.layers
+    sliding = ["model.sliding_window=4", f"model.layer_types=[{','.join(['sliding', 'full'] * (layers // 2))}]"]
+    cases = [
+        (["model.family=gpt2", "model.final_logit_softcap=30"],
+         r"model\.final_logit_softcap=30\.0 with model\.family=gpt2"),
+        (["model.layer_types=[sliding]"], r"model\.layer_types lists 1 layers"),
+        ([f"model.layer_types=[{','.join(['full'] * layers)}]"], r"it gives each layer's kind.*and a window"),
+        (["model.rope_local_theta=10000"], r"model\.rope_local_theta=10000\.0 gives the sliding layers"),
+        (["model.attn_logit_softcap=50", "model.attention=cudnn"], r"cuDNN's flash attention .* no logit soft-capping"),
+        (["model.attn_logit_scale=0.1", "model.parametrization=mup"], r"muP sets the attention logits' scale"),
+        (["model.mlp_activation=gelu_tanh", "model.moe.experts=4"], r"the experts are SwiGLU MLPs"),
+        (["model.attn_logit_softcap=50", "mesh.context=2"], r"ring and allgather attention .* do not soft-cap"),
+        (["model.final_logit_softcap=-1"], r"out of range"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            load(*overrides)
+    assert load(*sliding, "model.rope_local_theta=10000").model.local_layers == (True, False) * (layers // 2)
+
+
 def test_unknown_recipe_suggests_close_match():
     with pytest.raises(ConfigError, match="Did you mean 'lm-tiny'"):
         load(recipe="lm-tine")

@@ -147,6 +147,14 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     batch = {k: jax.ShapeDtypeStruct((2, 16), jax.numpy.int32) for k in ("inputs", "targets")}
     loss, metrics = jax.eval_shape(make_loss_fn(model_graphdef(cfg.model, 64), cfg.model.moe, 0.0), params, batch, None)
     assert "moe/dropped" in metrics
+    # Gemma's switches are read when the model is built and run (their parity with transformers' Gemma, Gemma 2 and
+    # Gemma 3: tests/workloads/lm/test_hf_families.py); the final cap bounds every logit.
+    gemma = ["model.mlp_activation=gelu_tanh", "model.embed_multiplier=8", "model.norm_placement=sandwich",
+             "model.attn_logit_scale=0.2", "model.attn_logit_softcap=5", "model.final_logit_softcap=3",
+             "model.sliding_window=4", "model.layer_types=[sliding,full]", "model.rope_local_theta=100"]
+    cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *gemma]))
+    logits = Transformer(cfg.model, 64, rngs=nnx.Rngs(0))(jax.numpy.zeros((1, 8), jax.numpy.int32))
+    assert 0 < float(jax.numpy.abs(logits).max()) < 3
     # Muon's settings are read when its optimizer is built, muP's base width when a muP model is (their training:
     # tests/workloads/lm/test_muon.py, test_mup.py).
     from systolic.workloads.lm.optimizer import make_lm_optimizer

@@ -3,10 +3,14 @@ YaRN RoPE scaling, Qwen2 (q/k/v biases, tied embeddings; and with a sliding wind
 norms, a head size other than d_model / heads), Mistral (a sliding window shorter than the test sequence) and a
 SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head), and the mixtures of experts Mixtral
 (with a sliding window), Qwen3-MoE (renormalised top-k weights) and Qwen2-MoE (raw top-k probabilities, q/k/v
-biases, a gated shared expert). Each tiny random model is imported
+biases, a gated shared expert), a Qwen2 whose window covers only its second layer (`layer_types`), Gemma (GeGLU,
+embeddings times sqrt(d_model), (1 + w) norms), Gemma 2 (sandwich norms, query_pre_attn_scalar, attention and final
+logit soft-caps, a sliding and a full layer) and Gemma 3 (q/k norms, a sliding layer with its own RoPE base and a
+full one with linear RoPE scaling). Each tiny random model is imported
 and must give transformers' float32 logits and greedy generations, on one device and on a mesh of 8, and its
 export must load in `from_pretrained` with no missing or unexpected tensors and the same logits. The MoE models' 8-device
-mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/model/moe.py)."""
+mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/model/moe.py). The models with per-layer
+windows or soft-caps also run through the inference engine's paged cache (lm/serve)."""
 
 import dataclasses
 import json
@@ -18,6 +22,7 @@ import pytest
 from flax import nnx
 
 from systolic.config import MeshConfig
+from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
@@ -26,6 +31,7 @@ from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
+from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.train import model_graphdef, param_shardings
 
@@ -34,9 +40,11 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 320
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices
-NEW = 8
+NEW = 16
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# Gemma's shapes: tied embeddings, an explicit head size, pad id 0.
+GEMMA = dict(LLAMA, head_dim=16, pad_token_id=0, tie_word_embeddings=True)
 # case -> (architecture, its config's arguments, the mesh for the 8-device check)
 DEFAULT_MESH = MeshConfig(data=2, fsdp=2, tensor=2)
 MOE_MESH = MeshConfig(data=1, fsdp=2, tensor=1, expert=4)
@@ -68,6 +76,18 @@ CASES = {
                                               norm_topk_prob=True), MOE_MESH),
     "qwen2-moe": ("Qwen2MoeForCausalLM", dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                               shared_expert_intermediate_size=64), MOE_MESH),
+    # The window from layer max_window_layers = 1 on: layer 0 full, layer 1 sliding.
+    "qwen2-layer-types": ("Qwen2ForCausalLM", dict(LLAMA, use_sliding_window=True, sliding_window=5,
+                                                   max_window_layers=1), DEFAULT_MESH),
+    "gemma": ("GemmaForCausalLM", GEMMA, DEFAULT_MESH),
+    # Layer 0 sliding, layer 1 full (Gemma 2's alternation); caps low enough to bend these models' logits.
+    "gemma2": ("Gemma2ForCausalLM", dict(GEMMA, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                                         final_logit_softcapping=8.0), DEFAULT_MESH),
+    "gemma3": ("Gemma3ForCausalLM", dict(GEMMA, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=8.0,
+                                         layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 10000.0}}), DEFAULT_MESH),
 }
 EXPECTED = {  # what the import switches on
     "llama3-rope": dict(rope="llama3"), "linear-rope": dict(rope="linear"), "yarn-rope": dict(rope="yarn"),
@@ -78,16 +98,25 @@ EXPECTED = {  # what the import switches on
     "mixtral": dict(sliding_window=5, moe=(4, 2, 32, 0, False, True)),
     "qwen3-moe": dict(qk_norm=True, moe=(4, 2, 32, 0, False, True)),
     "qwen2-moe": dict(qkv_bias=True, moe=(4, 2, 32, 2, True, False)),
+    "qwen2-layer-types": dict(qkv_bias=True, sliding_window=5, switches=dict(layer_types=("full", "sliding"))),
+    "gemma": dict(tie_embeddings=True, switches=dict(mlp_activation="gelu_tanh", embed_multiplier=8.0)),
+    "gemma2": dict(tie_embeddings=True, sliding_window=5, switches=dict(
+        mlp_activation="gelu_tanh", embed_multiplier=8.0, norm_placement="sandwich", attn_logit_scale=24**-0.5,
+        attn_logit_softcap=3.0, final_logit_softcap=8.0, layer_types=("sliding", "full"))),
+    "gemma3": dict(tie_embeddings=True, sliding_window=5, qk_norm=True, rope="linear", switches=dict(
+        mlp_activation="gelu_tanh", embed_multiplier=8.0, norm_placement="sandwich", attn_logit_scale=24**-0.5,
+        attn_logit_softcap=0.0, final_logit_softcap=8.0, layer_types=("sliding", "full"), rope_local_theta=100.0)),
 }
+PAGED = ("qwen2-layer-types", "gemma2", "gemma3")  # also through the inference engine
 
 
 def make_hf_model(case: str):
     """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
     no near-ties), norm scales near 1 and biases near 0."""
     architecture, kwargs, _ = CASES[case]
-    config_class = getattr(transformers, architecture.removesuffix("ForCausalLM") + "Config")
+    model_class = getattr(transformers, architecture)
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config_class(**kwargs, attn_implementation="eager"))
+    model = model_class(model_class.config_class(**kwargs, attn_implementation="eager"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
@@ -99,12 +128,14 @@ def hf_logits(model, tokens) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.numpy()
 
 
-def hf_greedy(model, tokens) -> np.ndarray:
-    """NEW greedy tokens per row; the end-of-text id is an ordinary token here (ours does not stop at it either),
-    where min_new_tokens would forbid it."""
+def hf_greedy(model, tokens, vocab_limit: int = VOCAB) -> np.ndarray:
+    """NEW greedy tokens per row, of ids below vocab_limit; the end-of-text id is an ordinary token here (ours does
+    not stop at it either), where min_new_tokens would forbid it."""
+    suppress = list(range(vocab_limit, VOCAB)) or None
     with torch.no_grad():
         out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             suppress_tokens=suppress)
     return out[:, tokens.shape[1]:].numpy()
 
 
@@ -145,10 +176,15 @@ def test_import_matches_transformers(converted, case):
     moe = cfg.moe
     assert (moe.experts, moe.top_k, moe.mlp_dim, moe.shared_experts, moe.shared_gate, moe.norm_topk_prob) == want.get(
         "moe", (0, 2, 0, 0, False, True))
-    # The rotation frequencies are transformers' to the last bit or two (torch's pow rounds a few differently).
-    inv_freq, scale = inverse_frequencies(cfg)
-    np.testing.assert_array_max_ulp(inv_freq, model.model.rotary_emb.inv_freq.numpy(), maxulp=1)
-    assert scale == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-12)
+    assert {key: getattr(cfg, key) for key in want.get("switches", {})} == want.get("switches", {})
+    # The rotation frequencies are transformers' to the last bit or two (torch's pow rounds a few differently);
+    # Gemma 3 has a set per layer type.
+    rotary = model.model.rotary_emb
+    kinds = {"full_attention_": False, "sliding_attention_": True} if cfg.rope_local_theta else {"": False}
+    for prefix, local in kinds.items():
+        inv_freq, scale = inverse_frequencies(cfg, local=local)
+        np.testing.assert_array_max_ulp(inv_freq, getattr(rotary, f"{prefix}inv_freq").numpy(), maxulp=1)
+        assert scale == pytest.approx(getattr(rotary, f"{prefix}attention_scaling"), rel=1e-12)
 
     logits, greedy = ours(cfg, run.params, TOKENS)
     ref = hf_logits(model, TOKENS)
@@ -156,10 +192,13 @@ def test_import_matches_transformers(converted, case):
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
     np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
     assert len(np.unique(greedy)) > 3  # not a degenerate constant continuation
-    if cfg.sliding_window:  # the window is shorter than the sequence, so it matters
-        graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32", sliding_window=0), VOCAB)
-        unwindowed = nnx.merge(graphdef, run.params)(jnp.asarray(TOKENS, jnp.int32))
-        assert np.abs(np.asarray(unwindowed) - ref).max() > 0.1
+    # The window is shorter than the sequence and the caps are low, so each matters.
+    for switch in ("sliding_window", "attn_logit_softcap", "final_logit_softcap"):
+        if getattr(cfg, switch):
+            off = dict({switch: 0}, **({"layer_types": ()} if switch == "sliding_window" else {}))
+            graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32", **off), VOCAB)
+            without = nnx.merge(graphdef, run.params)(jnp.asarray(TOKENS, jnp.int32))
+            assert np.abs(np.asarray(without) - ref).max() > 0.1, switch
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -192,11 +231,42 @@ def test_export_loads_in_transformers(converted, tmp_path, case):
         tmp_path / "out", attn_implementation="eager", output_loading_info=True)
     assert type(reloaded) is type(model)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
-    assert reloaded.config.rope_parameters["rope_type"] == model.config.rope_parameters["rope_type"]
-    assert getattr(reloaded.config, "sliding_window", None) == getattr(model.config, "sliding_window", None)
+    rope_types = lambda config: {kind: params["rope_type"] for kind, params in config.rope_parameters.items()} \
+        if "full_attention" in config.rope_parameters else config.rope_parameters["rope_type"]  # noqa: E731
+    assert rope_types(reloaded.config) == rope_types(model.config)
+    for key in ("sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                "query_pre_attn_scalar"):
+        assert getattr(reloaded.config, key, None) == getattr(model.config, key, None), key
     diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
     print(f"{case}: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
     assert diff == 0.0  # float32 in, float32 out: the weights and the math are the same
+
+
+@pytest.mark.parametrize("case", PAGED)
+def test_inference_engine_matches_transformers(converted, case):
+    """The imported run through the inference engine's paged cache (per-layer windows, soft-caps, per-layer RoPE in
+    the ragged step), requests arriving at different steps and prompts chunked over steps: transformers' greedy tokens
+    among the byte tokenizer's ids (a run without tokenizer.json samples from those)."""
+    model, folder, _ = converted(case)
+    # Stacked layers: those of both kinds run in one scan, each with its kind beside its weights.
+    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
+                              dtype="float32")
+    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules_for("fsdp", mesh)))
+    engine = InferenceEngine(cfg, params, ByteTokenizer(), kv_pages=64, page_size=4, max_seqs=4, max_tokens_per_step=8)
+    prompts = TOKENS[:4] % 256
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())
+    events = {}
+    for step in range(200):
+        if step < len(prompts):
+            engine.add_request(f"r{step}", prompts[step].tolist(), greedy)
+        for event in engine.step():
+            events.setdefault(event.request_id, []).append(event.token_id)
+        if step >= len(prompts) and not engine.has_work():
+            break
+    want = hf_greedy(model, prompts, vocab_limit=ByteTokenizer().vocab_size)
+    for i in range(len(prompts)):
+        assert [t for t in events[f"r{i}"] if t is not None] == want[i].tolist(), f"r{i}"
 
 
 def test_export_picks_the_architecture_that_computes_the_model():
@@ -243,6 +313,51 @@ def test_hub_style_configs_import(name, tmp_path):
     if name == "qwen1.5-moe":  # 4 shared experts of 1408 (5632 wide); layers 1, 3, 5, ... are MoE
         assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.shared_experts, cfg.moe.first, cfg.moe.every) == (60, 4, 4, 1, 2)
         assert cfg.moe_layers == tuple(range(1, 16, 2)) and cfg.moe.aux_loss_weight == pytest.approx(0.004)
+
+
+def test_gemma_hub_configs_import(tmp_path):
+    """config.json as transformers 4.x wrote them for gemma-2-2b and gemma-3-1b/4b (no layer_types: transformers'
+    default alternation; Gemma 3's local base in rope_local_base_freq, its global scaling in rope_scaling)."""
+    hub = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096)
+    gemma2 = hf_config.model_config(dict(hub, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0), tmp_path)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attn_logit_scale) == (50.0, 30.0, 1 / 16)
+    assert gemma2.local_layers == (True, False) * 13 and gemma2.embed_multiplier == pytest.approx(48.0)
+    gemma3 = dict(hub, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+                  rope_local_base_freq=1e4, sliding_window=512, final_logit_softcapping=None,
+                  attn_logit_softcapping=None)
+    for scaling in (None, {"rope_type": "linear", "factor": 8.0}):
+        cfg = hf_config.model_config(dict(gemma3, rope_scaling=scaling), tmp_path)
+        assert cfg.local_layers == ((True,) * 5 + (False,)) * 4 + (True,) * 2
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.type, cfg.final_logit_softcap, cfg.qk_norm) \
+            == (1e6, 1e4, "linear" if scaling else "none", 0.0, True)
+    with pytest.raises(UserError, match="use_bidirectional_attention = True"):
+        hf_config.model_config(dict(gemma3, use_bidirectional_attention=True), tmp_path)
+    with pytest.raises(UserError, match="hidden_activation = 'gelu'"):
+        hf_config.model_config(dict(gemma3, hidden_activation="gelu"), tmp_path)
+
+
+def test_gemma_runs_that_no_architecture_computes_do_not_export():
+    base = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, mlp_activation="gelu_tanh", embed_multiplier=8.0)
+    assert hf_config.architecture(base) == "gemma"
+    with pytest.raises(UserError, match=r"model\.embed_multiplier=2\.0 \(Gemma: sqrt\(d_model\) = 8\)"):
+        hf_config.architecture(dataclasses.replace(base, embed_multiplier=2.0))
+    with pytest.raises(UserError, match=r"model\.final_logit_softcap without model\.norm_placement=sandwich"):
+        hf_config.architecture(dataclasses.replace(base, final_logit_softcap=30.0))
+    gemma3 = dataclasses.replace(base, norm_placement="sandwich", qk_norm=True)
+    assert hf_config.architecture(gemma3) == "gemma3_text"
+    with pytest.raises(UserError, match="transformers' Gemma 3 does not soft-cap attention"):
+        hf_config.architecture(dataclasses.replace(gemma3, attn_logit_softcap=50.0))
+    with pytest.raises(UserError, match="only the Gemma architectures compute these"):
+        hf_config.architecture(ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, final_logit_softcap=30.0))
+    mixed = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2, sliding_window=4,
+                        layer_types=("full", "sliding"))
+    with pytest.raises(UserError, match="per-layer windows come with Qwen2"):
+        hf_config.architecture(mixed)
+    with pytest.raises(UserError, match="not 1/sqrt"):
+        hf_config.hf_config(dataclasses.replace(gemma3, attn_logit_scale=0.3), VOCAB, None)
 
 
 def test_moe_configs_that_do_not_import_or_export(tmp_path):

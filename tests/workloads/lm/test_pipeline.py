@@ -130,6 +130,7 @@ def test_compiled_step_passes_activations_round_the_ring_of_stages(tiny_lm, pipe
     (["pipeline.microbatches=1", "pipeline.repeats=2", "mesh.data=2", "mesh.stage=4", "model.layers=8"],
      r"Fix: pipeline.microbatches >= 4"),
     (["mesh.stage=1", "mesh.data=8"], r"with mesh.stage=1: there is no pipeline"),
+    (["model.sliding_window=4", "model.layer_types=[sliding,full,sliding,full]"], r"mixes sliding and full layers"),
 ])
 def test_layouts_the_axes_do_not_divide_are_config_errors(tiny_lm, extra, message):
     cfg = tiny_lm.make_cfg(*SCANNED, "mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2", *extra)

@@ -163,8 +163,10 @@ MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keep
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
-    family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1) switch
-    on what the open model families add to the block."""
+    family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral), `layer_types` (Qwen2 and Gemma 2/3's
+    mix of sliding and full layers), `rope_scaling` (Llama 3.1), and Gemma's `mlp_activation`, `embed_multiplier`,
+    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta` switch on what the open model
+    families add to the block."""
 
     family: Literal["llama", "gpt2"] = "llama"
     vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
@@ -183,6 +185,18 @@ class ModelConfig:
     qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
     sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
+    # Per layer, "sliding" (within sliding_window) or "full" (every earlier position); (): every layer sliding when
+    # sliding_window > 0, else full. Gemma 2 alternates sliding and full, Gemma 3 has five sliding layers per full one.
+    layer_types: tuple[Literal["sliding", "full"], ...] = ()
+    rope_local_theta: float = 0.0  # > 0: the sliding layers' RoPE base, unscaled (Gemma 3); 0: rope_theta everywhere
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # llama family: SwiGLU's gate, or GeGLU's (Gemma)
+    embed_multiplier: float = 1.0  # the embeddings times this into the residual stream (Gemma: sqrt(d_model))
+    # pre: x + f(norm(x)). sandwich: x + norm(f(norm(x))), a second norm on each sublayer's output (Gemma 2/3)
+    norm_placement: Literal["pre", "sandwich"] = "pre"
+    # attention logits q.k times this; 0: 1/sqrt(head size). Gemma 2/3: 1/sqrt(query_pre_attn_scalar)
+    attn_logit_scale: float = 0.0
+    attn_logit_softcap: float = 0.0  # > 0: attention logits s -> cap * tanh(s / cap) before the softmax (Gemma 2)
+    final_logit_softcap: float = 0.0  # > 0: output logits z -> cap * tanh(z / cap) (Gemma 2)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -217,6 +231,13 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.head_dim or self.d_model // self.heads
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Whether each layer attends within model.sliding_window (a sliding layer) or to every earlier position."""
+        if self.layer_types:
+            return tuple(kind == "sliding" for kind in self.layer_types)
+        return (self.sliding_window > 0,) * self.layers
 
     @property
     def d_expert(self) -> int:
@@ -284,14 +305,24 @@ class ModelConfig:
                 "to the query and the W - 1 positions before it. Fix: model.sliding_window=0, or the model's window."
             )
         llama_only = {"model.qkv_bias=true": self.qkv_bias, "model.qk_norm=true": self.qk_norm,
-                      f"model.rope_scaling.type={self.rope_scaling.type}": self.rope_scaling.type != "none"}
+                      f"model.rope_scaling.type={self.rope_scaling.type}": self.rope_scaling.type != "none",
+                      f"model.rope_local_theta={self.rope_local_theta}": self.rope_local_theta,
+                      f"model.mlp_activation={self.mlp_activation}": self.mlp_activation != "silu",
+                      f"model.embed_multiplier={self.embed_multiplier}": self.embed_multiplier != 1,
+                      f"model.norm_placement={self.norm_placement}": self.norm_placement != "pre",
+                      f"model.attn_logit_scale={self.attn_logit_scale}": self.attn_logit_scale,
+                      f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
+                      f"model.final_logit_softcap={self.final_logit_softcap}": self.final_logit_softcap}
         asked = [key for key, on in llama_only.items() if on]
         if self.family == "gpt2" and asked:
             raise ConfigError(
                 f"{', '.join(asked)} with model.family=gpt2: these switches change the llama block (rotary positions, "
-                "unbiased projections, RMSNorm); the GPT-2 block has learned positions and biases on every projection "
-                "already. Fix: model.family=llama, or leave them at their defaults (false, none)."
+                "unbiased projections, RMSNorm, a gated MLP, Gemma's scalings); the GPT-2 block has learned positions "
+                "and biases on every projection and no such settings. Fix: model.family=llama, or leave them at their "
+                "defaults (false, none, 0, silu, 1, pre)."
             )
+        self._check_gemma_switches()
+        self._check_layer_types()
         if self.lora.rank:
             self.lora.target_names(self.family)  # a ConfigError naming the valid ones
         if self.moe.experts:
@@ -299,6 +330,55 @@ class ModelConfig:
         if self.family == "llama" and self.d_head % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
 
+
+    def _check_gemma_switches(self) -> None:
+        """The scalings and soft-caps: their ranges, and the settings they cannot work with."""
+        if (not self.embed_multiplier > 0 or self.attn_logit_scale < 0 or self.attn_logit_softcap < 0
+                or self.final_logit_softcap < 0 or self.rope_local_theta < 0):
+            raise ConfigError(
+                f"model.embed_multiplier={self.embed_multiplier}, attn_logit_scale={self.attn_logit_scale}, "
+                f"attn_logit_softcap={self.attn_logit_softcap}, final_logit_softcap={self.final_logit_softcap} and "
+                f"rope_local_theta={self.rope_local_theta} out of range: the multiplier must be greater than 0, the "
+                "others at least 0 (0: off, or the default 1/sqrt(head size) scale). Fix: take them from the model's "
+                "Hugging Face config (e.g. Gemma 2: attn_logit_softcap=50 final_logit_softcap=30), or the defaults."
+            )
+        if self.attn_logit_scale and self.parametrization == "mup":
+            raise ConfigError(
+                f"model.attn_logit_scale={self.attn_logit_scale} with model.parametrization=mup: muP sets the "
+                "attention logits' scale itself (1/head size), so one of the two would be ignored. Fix: "
+                "model.attn_logit_scale=0 under muP, or model.parametrization=standard."
+            )
+        if self.attn_logit_softcap and self.attention == "cudnn":
+            raise ConfigError(
+                f"model.attention=cudnn with model.attn_logit_softcap={self.attn_logit_softcap}: cuDNN's flash "
+                "attention (jax.nn.dot_product_attention) has no logit soft-capping. Fix: model.attention=auto, which "
+                "runs the XLA formulation with the cap on GPU (splash, which caps, on TPU), or model.attention=xla."
+            )
+        if self.mlp_activation != "silu" and self.moe.experts:
+            raise ConfigError(
+                f"model.mlp_activation={self.mlp_activation} with model.moe.experts={self.moe.experts}: the experts "
+                "are SwiGLU MLPs (silu gates). Fix: model.mlp_activation=silu for a mixture of experts."
+            )
+
+    def _check_layer_types(self) -> None:
+        """model.layer_types names every layer's kind, and a sliding layer has a window; rope_local_theta needs both
+        kinds of layer."""
+        types = self.layer_types
+        if types and (len(types) != self.layers or not self.sliding_window):
+            raise ConfigError(
+                f"model.layer_types lists {len(types)} layers with model.layers={self.layers} and "
+                f"model.sliding_window={self.sliding_window}: it gives each layer's kind, sliding (within the window) "
+                "or full, so it needs one entry per layer and a window. Fix: e.g. model.sliding_window=4096 "
+                f"model.layer_types=[{', '.join(['sliding', 'full'] * 2)}, ...] with {self.layers} entries, or "
+                "model.layer_types=[] (every layer sliding when sliding_window > 0)."
+            )
+        if self.rope_local_theta and len(set(self.local_layers)) != 2:
+            raise ConfigError(
+                f"model.rope_local_theta={self.rope_local_theta} gives the sliding layers their own RoPE base, but "
+                f"this model's layers are all {'sliding' if self.local_layers[0] else 'full'}, so either it or "
+                "model.rope_theta would not act. Fix: model.layer_types with both sliding and full layers, or "
+                "model.rope_local_theta=0."
+            )
 
     def _check_moe(self) -> None:
         moe = self.moe
@@ -615,6 +695,12 @@ class LMConfig:
                 f"model.context_attention={m.context_attention} chooses how attention runs when mesh.context > 1 "
                 "splits each sequence, but mesh.context=1, so it would do nothing. Fix: set mesh.context (e.g. "
                 "mesh.context=2), or drop model.context_attention."
+            )
+        if context != 1 and m.attn_logit_softcap:
+            raise ConfigError(
+                f"model.attn_logit_softcap={m.attn_logit_softcap} with mesh.context={context}: the split sequence's "
+                "ring and allgather attention (workloads/lm/parallel/context.py) do not soft-cap the logits. Fix: "
+                "mesh.context=1 (split the model with mesh.fsdp or mesh.tensor instead)."
             )
         if context != 1 and m.attention != "auto":
             raise ConfigError(

@@ -1,18 +1,26 @@
 """Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
-SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE (model.moe), and GPT-2.
+SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), the mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), and GPT-2.
 
 The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
-(`model.sliding_window`); RoPE scaling (`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or
-`rope_scaling` (4.x). Only what the systolic model computes is accepted: a setting that would change the math
-(dynamic or longrope RoPE, partial rotary embeddings, a sliding window on some layers only, an output-projection
-bias, an exact-erf GELU in GPT-2) is an error that names it rather than a silently different model after import.
-Export writes the architecture the switches call for: qk_norm -> Qwen3, qkv_bias -> Qwen2, a sliding window ->
-Mistral, else Llama; with model.moe: qk_norm -> Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else
-Mixtral. The MoE families' routing: Mixtral renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE
-says so in `norm_topk_prob`; their load-balancing loss counts each expert's share of tokens (summing to top_k),
-ours its share of assignments (summing to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
+(`model.sliding_window`, on the layers that `layer_types` marks sliding: `model.layer_types`); RoPE scaling
+(`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or `rope_scaling` (4.x). The Gemmas are the
+same block with Gemma's switches: GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
+(`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
+sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
+final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
+and gives its sliding layers their own RoPE base (`model.rope_local_theta`). Only what the systolic model computes
+is accepted: a setting that would change the math (dynamic or longrope RoPE, partial rotary embeddings, an
+output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
+silently different model after import.
+Export writes the architecture the switches call for: Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
+with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
+sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
+Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral
+renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE says so in `norm_topk_prob`; their
+load-balancing loss counts each expert's share of tokens (summing to top_k), ours its share of assignments (summing
+to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
 """
 
 from __future__ import annotations
@@ -21,16 +29,20 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
-from systolic.workloads.lm.hf.tensors import hf_mixtral
+from systolic.workloads.lm.hf.tensors import hf_gemma, hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rope_type values that import (to model.rope_scaling.type)
@@ -87,8 +99,9 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidde
                   "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
 _INTS = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "num_experts_per_tok",
          "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window",
-         "max_window_layers", "original_max_position_embeddings")
-_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor")
+         "max_window_layers", "original_max_position_embeddings", "sliding_window_pattern")
+_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor",
+            "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq")
 CONFIG_MAX_BYTES = 4 << 20
 
 
@@ -128,21 +141,96 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
     common = dict(vocab_size=vocab, vocab_multiple=math.gcd(vocab, 64), scan_layers=scan_layers)
     if model_type == "gpt2":
         return _gpt2_config(hf, src, common)
+    if model_type in GEMMA_TYPES:
+        return _gemma_config(hf, src, model_type, common)
     # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
     _require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
                        **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
-    theta, scaling = _rope(hf, src)
+    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    window, layer_types = _sliding_window(hf, src, model_type)
     return ModelConfig(
         **common, family="llama", d_model=d, layers=hf["num_hidden_layers"], heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
         mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
         rope_scaling=scaling, qkv_bias=model_type in QWEN2_BIASES and bool(hf.get("qkv_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=_sliding_window(hf, src, model_type),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=window, layer_types=layer_types,
         norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=_moe(hf, src, model_type) if model_type in MOE_TYPES else MoeConfig(),
     )
+
+
+def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[str, Any]) -> ModelConfig:
+    """Gemma, Gemma 2 and Gemma 3's text model: the llama block with Gemma's switches (the module docstring)."""
+    # Gemma's config maps the released checkpoints' legacy "gelu" to the tanh approximation itself; Gemma 2/3 take
+    # hidden_activation as written (exact "gelu" would be erf).
+    act_key, legacy = ("hidden_act", ("gelu",)) if model_type == "gemma" else ("hidden_activation", ())
+    if hf.get(act_key, "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", *legacy):
+        raise _unsupported(src, act_key, hf[act_key], "gelu_pytorch_tanh (GeGLU, GELU's tanh approximation)")
+    _require(hf, src, {"attention_bias": False})
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported(src, "use_bidirectional_attention", True, "false (causal attention)")
+    d, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or d // heads
+    out = dict(common, family="llama", d_model=d, layers=layers, heads=heads,
+               kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
+               mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
+               tie_embeddings=bool(hf.get("tie_word_embeddings", True)), mlp_activation="gelu_tanh",
+               embed_multiplier=d**0.5)  # as transformers computes it, then rounded to the compute dtype
+    if model_type == "gemma":
+        theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        return ModelConfig(**out, rope_theta=theta, rope_scaling=scaling)
+    pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern") or 6)  # transformers' defaults
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(layers)]
+    window, layer_types = _layer_kinds(hf, src, types, hf.get("sliding_window"))
+    out.update(norm_placement="sandwich", attn_logit_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+               final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0), sliding_window=window,
+               layer_types=layer_types)
+    if model_type == "gemma2":
+        theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        return ModelConfig(**out, rope_theta=theta, rope_scaling=scaling,
+                           attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0))
+    # Gemma 3: transformers' Gemma3Attention does not apply attn_logit_softcapping (the released configs set it
+    # null), so it is not read here either: the import computes what transformers does.
+    theta, scaling, local_theta = _gemma3_rope(hf, src)
+    kinds = set(ModelConfig(**out).local_layers)
+    if kinds == {True}:  # only sliding layers: theirs is the one base
+        theta, scaling, local_theta = local_theta, RopeScalingConfig(), 0.0
+    return ModelConfig(**out, qk_norm=True, rope_theta=theta, rope_scaling=scaling,
+                       rope_local_theta=local_theta if len(kinds) == 2 else 0.0)
+
+
+def _gemma3_rope(hf: dict[str, Any], src: Path) -> tuple[float, RopeScalingConfig, float]:
+    """(the full layers' theta and scaling, the sliding layers' theta) of a Gemma 3 config.json: per layer type in
+    `rope_parameters` (transformers 5), or rope_theta, rope_scaling and rope_local_base_freq (4.x)."""
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        theta, scaling = _rope({**hf, "rope_theta": 1e6}, src, full)
+        local_theta = float(local.get("rope_theta") or 1e4)
+    else:
+        theta, scaling = _rope({**hf, "rope_theta": hf.get("rope_theta") or 1e6}, src, hf.get("rope_scaling") or {})
+        local, local_theta = {}, float(hf.get("rope_local_base_freq") or 1e4)
+    if local.get("rope_type", "default") != "default" or local.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise _unsupported(src, "rope_parameters.sliding_attention", local,
+                           "the default RoPE on the sliding layers (only the full layers' RoPE is scaled)")
+    return theta, scaling, local_theta
+
+
+def _layer_kinds(hf: dict[str, Any], src: Path, types: list[Any], window: Any) -> tuple[int, tuple[str, ...]]:
+    """(model.sliding_window, model.layer_types) for transformers' `layer_types` with `window` on its sliding
+    layers (None: no window anywhere): one kind on every layer needs no list."""
+    if not isinstance(types, list) or len(types) != hf["num_hidden_layers"] or \
+            set(types) - {"full_attention", "sliding_attention"}:
+        raise _unsupported(src, "layer_types", types, f"a list of {hf['num_hidden_layers']} entries, each "
+                           "full_attention or sliding_attention")
+    if window is None or "sliding_attention" not in types:
+        return 0, ()
+    if "full_attention" not in types:
+        return int(window), ()
+    return int(window), tuple("sliding" if t == "sliding_attention" else "full" for t in types)
 
 
 def _moe(hf: dict[str, Any], src: Path, model_type: str) -> MoeConfig:
@@ -183,10 +271,9 @@ def _gpt2_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> Model
     )
 
 
-def _rope(hf: dict[str, Any], src: Path) -> tuple[float, RopeScalingConfig]:
-    """(rope_theta, scaling) as transformers 5 standardises them: `rope_scaling` (4.x) over `rope_parameters`,
-    the theta inside the dict over the top-level `rope_theta`."""
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any]) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, scaling) of the RoPE parameters `rope` as transformers 5 standardises them: `rope_scaling` (4.x)
+    over `rope_parameters`, the theta inside the dict over the top-level `rope_theta`."""
     if any(isinstance(v, dict) for v in rope.values()):
         raise _unsupported(src, "per-layer-type rope_parameters", rope, "one set of RoPE parameters for every layer")
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -224,27 +311,20 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> int:
-    """Mistral's window applies to every layer; Qwen's (with use_sliding_window) to the layers from
-    max_window_layers on, or as `layer_types` lists them: all or none of them import."""
+def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> tuple[int, tuple[str, ...]]:
+    """(model.sliding_window, model.layer_types): Mistral's window applies to every layer; Qwen's (with
+    use_sliding_window) to the layers from max_window_layers on, or to those `layer_types` marks sliding."""
     if model_type in ("mistral", "mixtral"):
-        return int(hf.get("sliding_window") or 0)
+        return int(hf.get("sliding_window") or 0), ()
     if model_type == "qwen3_moe":  # one switch for every layer
-        return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window", False) else 0
+        return (int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window", False) else 0), ()
     if model_type not in ("qwen2", "qwen3", "qwen2_moe"):
-        return 0  # transformers' Llama has no sliding window
+        return 0, ()  # transformers' Llama has no sliding window
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-    layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
-        for i in range(layers)]
-    sliding = types.count("sliding_attention")
-    if set(types) - {"full_attention", "sliding_attention"} or (window is not None and 0 < sliding < layers):
-        raise _unsupported(src, "layer_types", types, "full_attention on every layer, or sliding_attention on every "
-                           "layer: use_sliding_window with max_window_layers 0")
-    if window is None or sliding == 0:
-        return 0
-    return int(window)
+        for i in range(hf["num_hidden_layers"])]
+    return _layer_kinds(hf, src, types, window)
 
 
 def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +334,8 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
               "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", **token_ids}
     if model_type == "gpt2":
         return _gpt2_json(cfg, common)
+    if model_type in GEMMA_TYPES:
+        return _gemma_json(cfg, model_type, common)
     rope = _rope_json(cfg)
     out = {
         **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
@@ -272,11 +354,47 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
     window = cfg.sliding_window or None
     if model_type == "qwen3_moe":
         return {**out, "attention_bias": False, "use_sliding_window": window is not None, "sliding_window": window}
-    # Qwen2, Qwen3, Qwen2-MoE: the window on every layer (max_window_layers 0) or on none.
+    # Qwen2, Qwen3, Qwen2-MoE: the window on the layers that layer_types marks sliding (max_window_layers: the
+    # full layers before the first sliding one, what transformers derives layer_types from when it is absent).
+    local = cfg.local_layers
+    window = window if any(local) else None
     out.update(use_sliding_window=window is not None, sliding_window=window,
-               max_window_layers=0 if window else cfg.layers,
-               layer_types=["sliding_attention" if window else "full_attention"] * cfg.layers)
+               max_window_layers=local.index(True) if window else cfg.layers,
+               layer_types=["sliding_attention" if is_local and window else "full_attention" for is_local in local])
     return {**out, "attention_bias": False} if model_type == "qwen3" else out
+
+
+def _gemma_json(cfg: ModelConfig, model_type: str, common: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a Gemma, Gemma 2 or Gemma 3 (text) that computes `cfg` (`_gemma_architecture` checked it)."""
+    out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
+           "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "attention_bias": False}
+    rope = {**_rope_json(cfg), "rope_theta": cfg.rope_theta}
+    if model_type == "gemma":
+        return {**out, "hidden_act": "gelu_pytorch_tanh", "rope_theta": cfg.rope_theta, "rope_parameters": rope}
+    local = cfg.local_layers
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_query_pre_attn_scalar(cfg),
+               final_logit_softcapping=cfg.final_logit_softcap or None, sliding_window=cfg.sliding_window or None,
+               layer_types=["sliding_attention" if is_local else "full_attention" for is_local in local])
+    if model_type == "gemma2":
+        return {**out, "attn_logit_softcapping": cfg.attn_logit_softcap or None, "rope_parameters": rope}
+    sliding = {"rope_type": "default", "rope_theta": cfg.rope_local_theta} if cfg.rope_local_theta else rope
+    return {**out, "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": rope, "sliding_attention": sliding}}
+
+
+def _query_pre_attn_scalar(cfg: ModelConfig) -> int:
+    """Gemma 2/3's query_pre_attn_scalar s, whose 1/sqrt(s) scales the logits: the head size by default."""
+    if not cfg.attn_logit_scale:
+        return cfg.d_head
+    scalar = round(cfg.attn_logit_scale**-2)
+    if scalar < 1 or scalar**-0.5 != cfg.attn_logit_scale:
+        raise UserError(
+            f"model.attn_logit_scale={cfg.attn_logit_scale} is not 1/sqrt(s) of a whole number s, but Gemma 2 and 3 "
+            "scale the attention logits by query_pre_attn_scalar**-0.5 with an integer query_pre_attn_scalar. Fix: "
+            f"only runs with such a scale (e.g. model.attn_logit_scale={256**-0.5} for 256) export as Gemma."
+        )
+    return scalar
 
 
 def _moe_json(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -297,6 +415,17 @@ def architecture(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that computes what `cfg` does."""
     if cfg.family == "gpt2":
         return "gpt2"
+    if hf_gemma(cfg):
+        return _gemma_architecture(cfg)
+    gemma_only = {"model.attn_logit_scale": cfg.attn_logit_scale, "model.attn_logit_softcap": cfg.attn_logit_softcap,
+                  "model.final_logit_softcap": cfg.final_logit_softcap, "model.rope_local_theta": cfg.rope_local_theta}
+    if any(gemma_only.values()):
+        raise UserError(
+            f"This run sets {', '.join(f'{k}={v}' for k, v in gemma_only.items() if v)} without Gemma's GeGLU "
+            "(model.mlp_activation=gelu_tanh) and embedding scale (model.embed_multiplier=sqrt(d_model)); only the "
+            "Gemma architectures compute these, and with those. Fix: only runs that one Hugging Face architecture "
+            "computes can be exported (the families in docs/porting-from-pytorch.md)."
+        )
     if cfg.qk_norm and cfg.qkv_bias:
         raise UserError(
             "This run has both model.qk_norm and model.qkv_bias. Hugging Face's Qwen3 (q/k norms) has biases only "
@@ -304,12 +433,58 @@ def architecture(cfg: ModelConfig) -> str:
             "norms: no architecture computes this model. Fix: only runs with one of the two can be exported."
         )
     if cfg.moe.experts:
-        return _moe_architecture(cfg)
+        model_type = _moe_architecture(cfg)
+        if len(set(cfg.local_layers)) > 1 and model_type != "qwen2_moe":
+            raise UserError(
+                f"This MoE run has model.layer_types={list(cfg.layer_types)} (sliding and full layers), but it "
+                f"exports as {ARCHITECTURES[model_type]}, whose window covers every layer or none. Fix: only runs "
+                "that one Hugging Face architecture computes can be exported (per-layer windows: Qwen2-MoE)."
+            )
+        return model_type
     if cfg.qk_norm:
         return "qwen3"
     if cfg.qkv_bias:
         return "qwen2"
+    if len(set(cfg.local_layers)) > 1:
+        raise UserError(
+            f"This run has model.layer_types={list(cfg.layer_types)}: sliding and full layers, without q/k/v biases "
+            "or q/k norms. Hugging Face's Mistral puts the window on every layer; per-layer windows come with Qwen2 "
+            "(q/k/v biases), Qwen3 (q/k norms) and Gemma 2/3. Fix: only runs that one of them computes can be exported."
+        )
     return "mistral" if cfg.sliding_window else "llama"
+
+
+def _gemma_architecture(cfg: ModelConfig) -> str:
+    """Gemma, Gemma 2 or Gemma 3 (text), whichever computes this run; a UserError naming what fits none."""
+    d = cfg.d_model
+    problems = []
+    if np.float32(cfg.embed_multiplier) != np.float32(d**0.5):
+        problems.append(f"model.embed_multiplier={cfg.embed_multiplier} (Gemma: sqrt(d_model) = {d**0.5:.6g})")
+    if cfg.mlp_activation != "gelu_tanh":
+        problems.append(f"model.mlp_activation={cfg.mlp_activation} (Gemma: gelu_tanh)")
+    if cfg.qkv_bias or cfg.moe.experts:
+        problems.append("q/k/v biases or experts (Gemma has neither)")
+    sandwich = cfg.norm_placement == "sandwich"
+    model_type = ("gemma3_text" if cfg.qk_norm else "gemma2") if sandwich else "gemma"
+    if model_type == "gemma":
+        gemma2_only = {"model.qk_norm": cfg.qk_norm, "model.sliding_window": cfg.sliding_window,
+                       "model.attn_logit_scale": cfg.attn_logit_scale and cfg.attn_logit_scale != cfg.d_head**-0.5,
+                       "model.attn_logit_softcap": cfg.attn_logit_softcap,
+                       "model.final_logit_softcap": cfg.final_logit_softcap,
+                       "model.rope_local_theta": cfg.rope_local_theta}
+        problems += [f"{k} without model.norm_placement=sandwich (Gemma 2/3)" for k, v in gemma2_only.items() if v]
+    elif model_type == "gemma2" and cfg.rope_local_theta:
+        problems.append("model.rope_local_theta without q/k norms (Gemma 3 has both; Gemma 2 neither)")
+    elif model_type == "gemma3_text" and cfg.attn_logit_softcap:
+        problems.append("model.attn_logit_softcap with q/k norms (transformers' Gemma 3 does not soft-cap attention)")
+    if problems:
+        raise UserError(
+            f"This run has Gemma's switches but matches no Gemma architecture: {'; '.join(problems)}. Gemma has GeGLU "
+            "and embeddings times sqrt(d_model); Gemma 2 adds sandwich norms, logit soft-caps and sliding layers; "
+            "Gemma 3 has q/k norms instead of the attention soft-cap and its own RoPE base on the sliding layers. Fix: "
+            "only runs that one of them computes can be exported."
+        )
+    return model_type
 
 
 def _moe_architecture(cfg: ModelConfig) -> str:

@@ -1,11 +1,13 @@
-"""The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3 and
-Mistral, which name them alike and add q/k/v biases or q/k norms), the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors, one slice of our stacked (E, ...)
-weights), and GPT-2.
+"""The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3, Mistral
+and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2/3's sandwich norms), the mixtures
+of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
+one slice of our stacked (E, ...) weights), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
-rotate-half layout, so q/k projections need reshapes only, no permutation of rows.
+rotate-half layout, so q/k projections need reshapes only, no permutation of rows. Gemma's RMSNorm multiplies by
+(1 + w) and stores w: our scale is 1 + w (`Tensor.offset`), added in float32 as transformers adds it at run time, so
+the norm computes the same numbers, and w = scale - 1 on export gives back a tensor whose 1 + w is our scale exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Tensor:
     in_axes: int | None = 1
     part: tuple[int, int] = (0, 1)
     per_expert: bool = False  # one HF tensor per expert ("{j}" in `hf`): expert j's slice of our (E, ...) weight
+    offset: float = 0.0  # ours = HF's + offset (Gemma's norms: 1)
 
 
 def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
@@ -47,18 +50,26 @@ def _llama(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]
     """(top-level tensors, each layer's tensors, per-layer name prefix) of LlamaForCausalLM, and of Qwen2ForCausalLM
     (+ q/k/v biases), Qwen3ForCausalLM (+ q/k norms), MistralForCausalLM, and with model.moe of MixtralForCausalLM,
     Qwen2MoeForCausalLM (+ a gated shared expert) and Qwen3MoeForCausalLM in their MoE layers."""
-    top = [Tensor(("embed",), "model.embed_tokens.weight"), _vector(("final_norm", "scale"), "model.norm.weight")]
+    norm = lambda ours, hf: _vector(ours, hf, offset=1.0 if hf_gemma(cfg) else 0.0)  # noqa: E731
+    top = [Tensor(("embed",), "model.embed_tokens.weight"), norm(("final_norm", "scale"), "model.norm.weight")]
     if not cfg.tie_embeddings:
         top.append(Tensor(("lm_head",), "lm_head.weight", transpose=True))  # (V, D) -> (D, V)
+    if cfg.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is the attention's output norm
+        mlp_norms = [norm(("attn_post_norm", "scale"), "post_attention_layernorm.weight"),
+                     norm(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight"),
+                     norm(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight")]
+    else:
+        mlp_norms = [norm(("mlp_norm", "scale"), "post_attention_layernorm.weight")]
     attention = [
-        _vector(("attn_norm", "scale"), "input_layernorm.weight"),
+        norm(("attn_norm", "scale"), "input_layernorm.weight"),
         Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True),  # (H*hd, D) -> (D, H, hd)
         Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
         Tensor(("attn", "wv"), "self_attn.v_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
         *([_vector(("attn", f"b{w}"), f"self_attn.{w}_proj.bias") for w in "qkv"] if cfg.qkv_bias else []),  # (N*hd,) -> (N, hd)
-        *([_vector(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"] if cfg.qk_norm else []),  # (hd,)
+        *([norm(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"]
+          if cfg.qk_norm else []),  # (hd,)
         Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
-        _vector(("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+        *mlp_norms,
     ]
     dense = [
         Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
@@ -85,6 +96,12 @@ def _moe_tensors(cfg: ModelConfig) -> list[Tensor]:
     if cfg.moe.shared_gate:
         out.append(Tensor(("mlp", "shared_gate"), "mlp.shared_expert_gate.weight", transpose=True))  # (1, D) -> (D, 1)
     return out
+
+
+def hf_gemma(cfg: ModelConfig) -> bool:
+    """Whether the model exports as one of the Gemmas (hf_config.architecture says which), whose norms store w =
+    scale - 1: Gemma's embedding scale, GeGLU or sandwich norms, which no other architecture here has."""
+    return cfg.embed_multiplier != 1 or cfg.mlp_activation != "silu" or cfg.norm_placement != "pre"
 
 
 def hf_mixtral(cfg: ModelConfig) -> bool:
@@ -151,12 +168,14 @@ def to_ours(t: Tensor, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     index, parts = t.part
     x = np.split(x, parts, axis=-1)[index] if parts > 1 else x  # (..., out / parts)
     x = x.T if t.transpose else x  # torch Linear (out, in) -> (in, out)
-    return np.asarray(x, np.float32).reshape(shape)
+    x = np.asarray(x, np.float32).reshape(shape)
+    return x + np.float32(t.offset) if t.offset else x
 
 
 def to_hf(t: Tensor, x: np.ndarray) -> np.ndarray:
     """Our parameter (one layer of it) -> its part of the HF tensor."""
     x = x.reshape(-1) if t.in_axes is None else x.reshape(math.prod(x.shape[: t.in_axes]), -1)  # (in, out)
+    x = np.asarray(x, np.float32) - np.float32(t.offset) if t.offset else x
     return x.T if t.transpose else x  # (in, out) -> torch Linear's (out, in)
 
 

@@ -17,6 +17,11 @@ before it, in every implementation: splash's `LocalMask` (whose blocks outside t
 formulation's bias, and `jax.nn.dot_product_attention`'s `local_window_size=(W - 1, 0)`, which cuDNN runs as its
 sliding window of W.
 
+Logit soft-capping (`model.attn_logit_softcap`, Gemma 2's s -> cap * tanh(s / cap) of the scaled logits) is
+splash's `attn_logits_soft_cap`; `jax.nn.dot_product_attention` has none, so with a cap xla is `masked_attention`,
+the plain formulation written here (also what decoding with a KV cache runs), auto picks it over cuDNN and the cpu
+formulation, and a forced cudnn is refused by the config.
+
 `model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
 platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
 error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
@@ -47,18 +52,20 @@ IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
 SPLASH_BLOCKS = (512, 256, 128)
 
 
-def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int, segments: bool = False) -> str:
+def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int, segments: bool = False,
+           softcap: bool = False) -> str:
     """The implementation that `model.attention=setting` means for the program being traced, one of
     IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype, head size or sequence length
-    cannot run (`segments`: with packed documents' segment ids)."""
+    cannot run (`segments`: with packed documents' segment ids; `softcap`: with soft-capped logits, which cuDNN
+    and the cpu formulation do not compute)."""
     platform = compile_platform()
     if setting == "auto":
         if platform == "tpu":
             return "splash" if seq_len % SPLASH_BLOCKS[-1] == 0 else "xla"
         if platform == "gpu":  # a GPU plan traces GPU code but compiles it on CPU devices: no cuDNN kernel there
-            takes = _cudnn_takes(dtype, head_dim) and not (segments and seq_len % 2)
+            takes = _cudnn_takes(dtype, head_dim) and not (segments and seq_len % 2) and not softcap
             return "cudnn" if device_platform() == "gpu" and takes else "xla"
-        return "cpu" if cpu.cpu_tweak("attention") else "xla"
+        return "cpu" if cpu.cpu_tweak("attention") and not softcap else "xla"
     if setting == "cudnn" and device_platform() != "gpu":
         raise ConfigError(
             f"model.attention=cudnn needs an NVIDIA GPU, but this program is compiled for {platform}. Fix: "
@@ -91,13 +98,22 @@ def _cudnn_takes(dtype: jnp.dtype, head_dim: int) -> bool:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, segment_ids: jax.Array | None = None,
-                     window: int = 0) -> jax.Array:
+                     window: int = 0, softcap: float = 0.0) -> jax.Array:
     """Causal grouped-query attention with `impl` (one of IMPLEMENTATIONS, see `choose`): q (B, T, H, hd), k and
     v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd).
     With `segment_ids` (B, T) int32 a query attends only to keys of its own segment (packed documents); with
-    `window` W > 0 only to keys at most W - 1 positions before it."""
+    `window` W > 0 only to keys at most W - 1 positions before it; with `softcap` > 0 the scaled logits s become
+    softcap * tanh(s / softcap)."""
     if impl == "splash":
-        return splash_attention(q, k, v, segment_ids, window=window)
+        return splash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
+    if softcap:
+        assert impl == "xla", impl  # `choose` picks xla for a cap; the config refuses a forced cudnn
+        T = q.shape[1]
+        positions = jnp.arange(T)
+        mask = decode_mask(positions, T, window)[None]  # (1, T, T)
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])  # (B, T, T)
+        return masked_attention(q, k, v, mask, softcap=softcap)
     if impl == "cpu":
         return cpu.causal_attention(q, k, v, segment_ids, window=window)
     assert impl in ("cudnn", "xla"), impl
@@ -109,6 +125,33 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, seg
     with jax.numpy_dtype_promotion("standard"):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
                                             implementation=impl)
+
+
+def decode_mask(positions: jax.Array, keys: int, window: int | jax.Array) -> jax.Array:
+    """(T, S) bool: queries at positions (T,) may read keys at positions [0, S) at or before them and, with a
+    sliding window W > 0, after position - W (Hugging Face's convention: the query and the W - 1 positions before
+    it). `window` may be traced (a scan over layers of both kinds); 0 means no window."""
+    key_positions = jnp.arange(keys)[None, :]  # (1, S)
+    mask = key_positions <= positions[:, None]  # (T, S)
+    if isinstance(window, int):
+        return mask & (key_positions > positions[:, None] - window) if window else mask
+    return mask & ((key_positions > positions[:, None] - window) | (window <= 0))
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, softcap: float = 0.0) -> jax.Array:
+    """Grouped-query attention in plain JAX under an explicit mask, with optional logit soft-capping: q (B, T, H, hd),
+    k and v (B, S, KV, hd), mask (B or 1, T, S) bool (True: may attend) -> (B, T, H, hd). Scores and softmax in
+    float32, as transformers' eager attention computes them."""
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    qg = q.reshape(B, T, KV, H // KV, hd)  # (B, T, KV, G, hd): query head h reads key/value head h // G
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)  # (B, KV, G, T, S)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # (B, KV, G, T, S); every query sees at least itself
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)  # (B, T, KV, G, hd)
+    return out.reshape(B, T, H, hd).astype(q.dtype)
 
 
 def splash_block(seq_len: int) -> int:
@@ -124,7 +167,7 @@ def splash_block(seq_len: int) -> int:
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                     window: int = 0) -> jax.Array:
+                     window: int = 0, softcap: float = 0.0) -> jax.Array:
     """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU.
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
@@ -132,7 +175,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     each device. The sequence stays whole (a split one takes lm/parallel/context.py's attention); the grouping is unchanged by
     the head split because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole
     groups."""
-    local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window)
+    local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window, softcap=softcap)
     operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -149,11 +192,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                  interpret: bool, window: int) -> jax.Array:
+                  interpret: bool, window: int, softcap: float) -> jax.Array:
     """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
     -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    kernel = _splash_kernel(H, T, interpret, window)
+    kernel = _splash_kernel(H, T, interpret, window, softcap)
     # The kernel does not scale the logits: pre-scale the queries.
     q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
@@ -168,8 +211,9 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
-def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int):
-    """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0. Made on each
+def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int, softcap: float):
+    """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0, its logits
+    soft-capped when `softcap` > 0 (the kernel caps the scaled logits, as Gemma 2 does). Made on each
     trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
     processing, 0.7 s at 16k positions)."""
     block = splash_block(seq_len)
@@ -180,4 +224,5 @@ def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int):
     else:
         one_head = splash.CausalMask((seq_len, seq_len))
     mask = splash.MultiHeadMask([one_head] * heads)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                  attn_logits_soft_cap=softcap or None)

@@ -5,7 +5,8 @@ embedding lookup, norms or biases):
     6 * N                         forward (2N) + backward (4N)
   + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
                                   token, halved because causal attention needs only the lower triangle, x 3 for
-                                  forward + backward. With a sliding window W < T a query sees at most W keys:
+                                  forward + backward. With a sliding window W < T a query of a sliding layer
+                                  (every layer unless model.layer_types says) sees at most W keys:
                                   the T/2 keys of an average query become W - W^2 / (2T).
 With model.moe, N counts a MoE layer's active weights, those one token is multiplied by: the router (D x E), its
 top_k experts and the shared experts, not the other E - top_k experts (MFU is of the work the model needs; a
@@ -46,8 +47,10 @@ def lora_params(cfg: ModelConfig) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int) -> float:
     window = cfg.sliding_window
-    keys = window - window**2 / (2 * seq_len) if 0 < window < seq_len else seq_len / 2  # per query, on average
-    attention = 12 * cfg.layers * keys * cfg.heads * cfg.d_head
+    full_keys = seq_len / 2  # per query, on average
+    window_keys = window - window**2 / (2 * seq_len) if 0 < window < seq_len else full_keys
+    keys = sum(window_keys if local else full_keys for local in cfg.local_layers)  # over the layers
+    attention = 12 * keys * cfg.heads * cfg.d_head
     if cfg.lora.rank:
         return 4 * matmul_params(cfg, vocab) + 6 * lora_params(cfg) + attention
     return 6 * matmul_params(cfg, vocab) + attention

@@ -1,5 +1,6 @@
 """Rotary position embeddings in Hugging Face Llama's rotate-half layout, with the RoPE scalings of the open model
-families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+) and YaRN.
+families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+) and YaRN. With
+`model.rope_local_theta` (Gemma 3) the sliding-window layers rotate by their own base, unscaled.
 
 The inverse frequencies are a function of the config alone, so they are computed once per trace on the host, in
 NumPy float32 with the operations of transformers' `modeling_rope_utils.py` in the same order: an imported model
@@ -8,6 +9,7 @@ rotates by exactly the frequencies it was trained with (a 1-ulp difference in a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,10 +19,12 @@ import numpy as np
 from systolic.workloads.lm.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, float]:
     """(inv_freq float32 (hd/2,), attention_scaling): the rotation speed of each pair of dimensions, and the factor
-    on cos and sin (1.0 except for YaRN)."""
+    on cos and sin (1.0 except for YaRN); `local`: of the sliding layers, which differ with model.rope_local_theta."""
     dim, theta, scaling = cfg.d_head, cfg.rope_theta, cfg.rope_scaling
+    if local and cfg.rope_local_theta:
+        theta, scaling = cfg.rope_local_theta, dataclasses.replace(scaling, type="none")
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)  # (hd/2,) float32, as torch's
     # torch raises a Python float to a float32 tensor's powers in double precision, then rounds to float32.
     pos_freqs = (theta ** exponents.astype(np.float64)).astype(np.float32)  # (hd/2,)
@@ -74,10 +78,10 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(scale)
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama, scaled as `model.rope_scaling` says."""
-    inv_freq, scale = inverse_frequencies(cfg)
+    of Hugging Face Llama, scaled as `model.rope_scaling` says (`local`: the sliding layers' tables)."""
+    inv_freq, scale = inverse_frequencies(cfg, local=local)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, hd/2)
     angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)
     if scale == 1.0:

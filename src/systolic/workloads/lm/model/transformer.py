@@ -12,18 +12,25 @@ weight/bias:
     blocks.attn.bq, bk, bv  self_attn.{q,k,v}_proj.bias (qkv_bias) | (above)
     blocks.attn.q_norm, k_norm  self_attn.{q,k}_norm (qk_norm)  | -
     blocks.attn.wo          self_attn.o_proj                    | attn.c_proj (+ bo)
-    blocks.mlp_norm         post_attention_layernorm            | ln_2
+    blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, norm_placement=sandwich) | -
+    blocks.mlp_norm         post_attention_layernorm (pre_feedforward_layernorm in Gemma 2/3) | ln_2
+    blocks.mlp_post_norm    post_feedforward_layernorm (Gemma 2/3)  | -
     blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
     blocks.mlp (model.moe)  router, experts stacked (E, ...) w_gate, w_up, w_down, shared, shared_gate (hf_tensors.py)
     final_norm              model.norm                          | ln_f
     lm_head                 lm_head (absent when tie_embeddings)
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
+Gemma's RMSNorm multiplies by (1 + w): its w is our scale - 1 (lm/hf/tensors.py converts), so the norm here is one.
+Layers differ only in their kind (`model.layer_types`: sliding or full attention, and with `model.rope_local_theta`
+their RoPE base): a Python bool per layer when the blocks are a list, a traced one (scanned beside the stacked
+weights) when stacked layers of both kinds run in one scan.
 With `model.lora` a targeted projection `w*` has a low-rank adapter `w*_lora` (a, b) beside it (lm/model/lora.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -118,6 +125,30 @@ class KVCache(NamedTuple):
     length: jax.Array  # () int32: positions [0, length) are filled
 
 
+class Ropes(NamedTuple):
+    """cos and sin tables (each (B or 1, T, hd)) of the full layers and of the sliding ones (the same tables unless
+    model.rope_local_theta gives the sliding layers their own base)."""
+
+    full: tuple[jax.Array, jax.Array]
+    sliding: tuple[jax.Array, jax.Array]
+
+    def of(self, local: bool | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The tables of a layer that is sliding (`local`, a Python bool or a traced one) or full."""
+        if self.sliding is self.full:
+            return self.full
+        if isinstance(local, bool):
+            return self.sliding if local else self.full
+        return jax.tree.map(lambda s, f: jnp.where(local, s, f), self.sliding, self.full)
+
+
+def make_ropes(positions: jax.Array, cfg: ModelConfig) -> Ropes | None:
+    """The RoPE tables of positions (B or 1, T) for each kind of layer; None for GPT-2's learned positions."""
+    if cfg.family != "llama":
+        return None
+    full = rope_tables(positions, cfg)
+    return Ropes(full, rope_tables(positions, cfg, local=True) if cfg.rope_local_theta else full)
+
+
 class Norm(nnx.Module):
     """RMSNorm (llama) or LayerNorm with bias (gpt2) over the last axis of size `size` (d_model by default; the
     head size for qk_norm, a scale shared by all heads), computed in float32."""
@@ -163,8 +194,11 @@ class Attention(_Projecting):
         self.quant = cfg.quant
         self.attention_setting = cfg.attention
         self.context_attention = cfg.context_attention
-        self.window = cfg.sliding_window
-        self.q_scale = attention_correction(cfg)  # muP's 1/d_head attention (1 under the standard parametrization)
+        self.window = cfg.sliding_window  # on the sliding layers
+        self.softcap = cfg.attn_logit_softcap
+        # muP's 1/d_head attention (1 under the standard parametrization), or model.attn_logit_scale instead of
+        # every implementation's 1/sqrt(hd).
+        self.q_scale = cfg.attn_logit_scale * math.sqrt(hd) if cfg.attn_logit_scale else attention_correction(cfg)
         self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
@@ -187,12 +221,14 @@ class Attention(_Projecting):
         self.wv_lora = _adapter(cfg, "wv", (d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), rngs)
         self.wo_lora = _adapter(cfg, "wo", (h, hd), (d,), ("heads", "head_dim"), ("embed",), rngs)
 
-    def __call__(self, x, rope, mask, start, kv, segment_ids=None):
-        """x (B, T, D); kv None (training: causal over x, within segments when `segment_ids` (B, T) is given),
+    def __call__(self, x, ropes: Ropes | None, local: bool | jax.Array, start, kv, segment_ids=None):
+        """x (B, T, D); `local`: whether this is a sliding layer (a traced bool in a scan over layers of both kinds);
+        kv None (training: causal over x, within segments when `segment_ids` (B, T) is given),
         this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`, or an
         inference engine step's paged cache (lm/serve/paged_attention.py; B = 1 row of T tokens from many
         sequences). Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
+        rope = None if ropes is None else ropes.of(local)
         q = _adapted(x, self._project(x, self.wq), self.wq_lora)  # (B, T, H, hd)
         k = _adapted(x, self._project(x, self.wk), self.wk_lora)  # (B, T, KV, hd)
         v = _adapted(x, self._project(x, self.wv), self.wv_lora)  # (B, T, KV, hd)
@@ -208,15 +244,15 @@ class Attention(_Projecting):
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         split = context.current_split() if kv is None else None
         if split is not None:  # the sequence split over the context axis (lm/parallel/context.py), in its balanced order
-            out = context.attention(q, k, v, segment_ids, split=split, variant=self.context_attention,
-                                    window=self.window)  # (B, T, H, hd)
+            out = self._by_window(local, lambda window: context.attention(
+                q, k, v, segment_ids, split=split, variant=self.context_attention, window=window))  # (B, T, H, hd)
         elif kv is None:
             impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
-                                    segments=segment_ids is not None)
-            out = attention.causal_attention(q, k, v, impl=impl, segment_ids=segment_ids,
-                                             window=self.window)  # (B, T, H, hd)
+                                    segments=segment_ids is not None, softcap=bool(self.softcap))
+            out = self._by_window(local, lambda window: attention.causal_attention(
+                q, k, v, impl=impl, segment_ids=segment_ids, window=window, softcap=self.softcap))  # (B, T, H, hd)
         elif isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
-            out, kv = kv.attend(q[0], k[0], v[0], window=self.window)  # (T, H, hd)
+            out, kv = kv.attend(q[0], k[0], v[0], window=self._window(local), softcap=self.softcap)  # (T, H, hd)
             out = out[None]  # (1, T, H, hd)
         else:
             assert segment_ids is None, "decoding attends over one document per row"
@@ -224,12 +260,29 @@ class Attention(_Projecting):
             # use the explicit mask (key position <= query position, within the window) instead.
             ck = jax.lax.dynamic_update_slice(kv[0], k, (0, start, 0, 0))  # (B, S, KV, hd)
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
-            out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
+            mask = attention.decode_mask(start + jnp.arange(q.shape[1]), ck.shape[1], self._window(local))  # (T, S)
+            if self.softcap:  # jax.nn.dot_product_attention has no soft-capping
+                out = attention.masked_attention(q, ck, cv, mask[None], softcap=self.softcap)  # (B, T, H, hd)
+            else:
+                out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
         y = _adapted(out, self._project(out, self.wo, contract=2), self.wo_lora)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
         return y, kv
+
+    def _window(self, local: bool | jax.Array) -> int | jax.Array:
+        """This layer's window: model.sliding_window on a sliding layer, 0 (none) on a full one."""
+        if isinstance(local, bool):
+            return self.window if local else 0
+        return jnp.where(local, self.window, 0)
+
+    def _by_window(self, local: bool | jax.Array, attend):
+        """attend(window) with this layer's window as a Python int, which the kernels need (splash's mask, cuDNN's
+        window): a cond over the two kinds when `local` is traced (only the taken branch runs)."""
+        if isinstance(local, bool):
+            return attend(self._window(local))
+        return jax.lax.cond(local, lambda: attend(self.window), lambda: attend(0))
 
 
 class MLP(_Projecting):
@@ -240,6 +293,8 @@ class MLP(_Projecting):
         self.dtype = resolve_dtype(cfg.dtype)
         self.quant = cfg.quant
         self.llama = cfg.family == "llama"
+        # The gate's activation: silu (SwiGLU) or GELU's tanh approximation (GeGLU, Gemma's gelu_pytorch_tanh).
+        self.gelu_gate = cfg.mlp_activation == "gelu_tanh"
         out_std = std / math.sqrt(2 * cfg.layers)
         if self.llama:
             self.w_gate = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
@@ -263,7 +318,8 @@ class MLP(_Projecting):
         if self.llama:
             gate = _adapted(x, self._project(x, self.w_gate), self.w_gate_lora)  # (B, T, M)
             up = _adapted(x, self._project(x, self.w_up), self.w_up_lora)  # (B, T, M)
-            h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+            act = jax.nn.gelu(gate, approximate=True) if self.gelu_gate else jax.nn.silu(gate)
+            h = constrain(act * up, ("batch", "seq", "mlp"))
             return _adapted(h, self._project(h, self.w_down), self.w_down_lora)  # (B, T, D)
         h = _adapted(x, self._project(x, self.w_fc), self.w_fc_lora) + self.b_fc[...].astype(dt)  # (B, T, M)
         h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))
@@ -308,24 +364,32 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of experts with `moe`."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of experts with `moe`.
+    With model.norm_placement=sandwich each sublayer's output is normed too: x + norm(attn(norm(x))) (Gemma 2/3)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+        sandwich = cfg.norm_placement == "sandwich"
         self.attn_norm = Norm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
+        self.attn_post_norm = Norm(cfg, rngs=rngs) if sandwich else None
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
+        self.mlp_post_norm = Norm(cfg, rngs=rngs) if sandwich else None
 
-    def __call__(self, x, rope, mask, start, kv, segment_ids=None):
-        """Returns (x, kv, the MoE layer's stats or None)."""
+    def __call__(self, x, ropes, local, start, kv, segment_ids=None):
+        """Returns (x, kv, the MoE layer's stats or None); `local`: whether this is a sliding layer."""
         # Not with the sequence split: the barrier's backward reads the gradient's first element, for which XLA
         # would gather the whole sequence onto every device.
         if kv is None and cpu_tweak("barrier") and context.current_split() is None:
             x = gradient_barrier(x)
-        y, kv = self.attn(self.attn_norm(x), rope, mask, start, kv, segment_ids)
+        y, kv = self.attn(self.attn_norm(x), ropes, local, start, kv, segment_ids)
+        if self.attn_post_norm is not None:
+            y = self.attn_post_norm(y)
         x = constrain(x + y, ACT)
         y = self.mlp(self.mlp_norm(x))
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
+        if self.mlp_post_norm is not None:
+            y = self.mlp_post_norm(y)
         x = constrain(x + y, ACT)
         return x, kv, stats
 
@@ -338,6 +402,8 @@ class Transformer(nnx.Module):
         self.vocab = vocab
         self.dtype = resolve_dtype(cfg.dtype)
         self.logit_scale = output_multiplier(cfg)
+        self.embed_multiplier = cfg.embed_multiplier
+        self.final_softcap = cfg.final_logit_softcap
         self.embed = _param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         if cfg.family == "gpt2":
             self.pos_embed = _param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
@@ -392,21 +458,26 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         positions = kv.batch.positions[None]  # (1, T)
         x = self.embed_tokens(tokens[None], positions)  # (1, T, D)
-        rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
+        ropes = make_ropes(positions, cfg)
 
-        def apply(block: Block, carry, layer):
+        def apply(block: Block, carry, layer, local):
             x, pool = carry
-            x, paged, _ = block(x, rope, None, None, kv._replace(pool=pool, layer=layer))
+            x, paged, _ = block(x, ropes, local, None, kv._replace(pool=pool, layer=layer))
             return x, paged.pool
 
         carry = (x, kv.pool)
+        kinds = cfg.local_layers
         if cfg.scan_layers:  # the pool rides in the carry: each layer updates it in place
-            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
-                             transform_metadata={nnx.PARTITION_NAME: "layers"})
-            carry = apply(self.blocks, carry, jnp.arange(cfg.layers))
+            scan = functools.partial(nnx.scan, out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            if len(set(kinds)) == 1:  # one kind of layer: its window stays a Python int
+                one_kind = lambda block, carry, layer: apply(block, carry, layer, kinds[0])  # noqa: E731
+                carry = scan(one_kind, in_axes=(0, nnx.Carry, 0))(self.blocks, carry, jnp.arange(cfg.layers))
+            else:  # each layer's kind scanned beside its weights
+                carry = scan(apply, in_axes=(0, nnx.Carry, 0, 0))(self.blocks, carry, jnp.arange(cfg.layers),
+                                                                   jnp.asarray(kinds))
         else:
             for i, block in enumerate(self.blocks):
-                carry = apply(block, carry, i)
+                carry = apply(block, carry, i, kinds[i])
         x, pool = carry
         logits = self.readout(x[:, kv.batch.last])  # (1, S, V)
         return logits[0], pool
@@ -432,26 +503,32 @@ class Transformer(nnx.Module):
         if split is not None:
             tokens, segment_ids, positions = self._split_inputs(split, cache, tokens, segment_ids, positions)
         x = self.embed_tokens(tokens, positions)  # (B, T, D)
-        rope = rope_tables(positions, cfg) if cfg.family == "llama" else None
-        mask = None if cache is None else decode_mask(positions[0], cache.k.shape[2], cfg.sliding_window)  # (T, S)
+        ropes = make_ropes(positions, cfg)
         kv = None if cache is None else (cache.k, cache.v)
 
-        def apply(block: Block, x, kv_layer):
-            return block(x, rope, mask, start, kv_layer, segment_ids)
+        def layer_fn(local: bool | None):
+            """One layer: of the kind `local` says (a Python bool), or (None) of the kind its 4th argument says."""
+            def apply(block: Block, x, kv_layer, *traced_local):
+                return block(x, ropes, local if local is not None else traced_local[0], start, kv_layer, segment_ids)
 
-        if cfg.remat != "none":
-            apply = nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
+            return apply if cfg.remat == "none" else nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
+
+        kinds = cfg.local_layers
         mesh = jax.sharding.get_abstract_mesh()
         if pipeline is not None and cache is None and not mesh.empty and mesh.shape.get(pipeline_lib.AXIS, 1) > 1:
-            x, stats = self._pipelined(x, rope, segment_ids, pipeline, mesh), None  # (B, T, D)
+            x, stats = self._pipelined(x, ropes, segment_ids, pipeline, mesh), None  # (B, T, D)
         elif cfg.scan_layers:
-            apply = nnx.scan(apply, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0, 0),
-                             transform_metadata={nnx.PARTITION_NAME: "layers"})
-            x, kv, stats = apply(self.blocks, x, kv)  # stats stacked (L, ...) or None
+            scan = functools.partial(nnx.scan, out_axes=(nnx.Carry, 0, 0),
+                                     transform_metadata={nnx.PARTITION_NAME: "layers"})
+            if len(set(kinds)) == 1:  # one kind of layer: its window stays a Python int for the kernels
+                x, kv, stats = scan(layer_fn(kinds[0]), in_axes=(0, nnx.Carry, 0))(self.blocks, x, kv)
+            else:  # each layer's kind scanned beside its weights
+                apply = scan(layer_fn(None), in_axes=(0, nnx.Carry, 0, 0))
+                x, kv, stats = apply(self.blocks, x, kv, jnp.asarray(kinds))  # stats stacked (L, ...) or None
         else:
             new_kv, layer_stats = [], []
             for i, block in enumerate(self.blocks):
-                x, kv_i, stats_i = apply(block, x, None if kv is None else (kv[0][i], kv[1][i]))
+                x, kv_i, stats_i = layer_fn(kinds[i])(block, x, None if kv is None else (kv[0][i], kv[1][i]))
                 new_kv.append(kv_i)
                 layer_stats += [] if stats_i is None else [stats_i]
             if kv is not None:
@@ -480,18 +557,22 @@ class Transformer(nnx.Module):
         segment_ids = None if segment_ids is None else context.to_balanced(segment_ids, split)
         return tokens, segment_ids, positions
 
-    def _pipelined(self, x, rope, segment_ids, pipeline: PipelineConfig, mesh) -> jax.Array:
-        """The stacked blocks over the stages (lm/parallel/pipeline.py): x (B, T, D) -> (B, T, D)."""
+    def _pipelined(self, x, ropes: Ropes | None, segment_ids, pipeline: PipelineConfig, mesh) -> jax.Array:
+        """The stacked blocks over the stages (lm/parallel/pipeline.py): x (B, T, D) -> (B, T, D). Every layer is
+        of one kind (pipeline.check refuses a mix)."""
         graphdef, weights = nnx.split(self.blocks)
         start = jnp.zeros((), jnp.int32)
         batch = x.shape[0]
+        local = self.cfg.local_layers[0]
         # Per-example inputs of the blocks, cut into microbatches with the activations (rope may be shared: (1, T, hd)).
+        rope = None if ropes is None else ropes.of(local)
         rows = {"segment_ids": segment_ids,
                 "rope": None if rope is None else tuple(jnp.broadcast_to(a, (batch, *a.shape[1:])) for a in rope)}
 
         def layer(layer_weights, h, row):
             block = nnx.merge(graphdef, layer_weights)
-            return block(h, row["rope"], None, start, None, row["segment_ids"])[0]
+            layer_ropes = None if row["rope"] is None else Ropes(row["rope"], row["rope"])
+            return block(h, layer_ropes, local, start, None, row["segment_ids"])[0]
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
@@ -504,6 +585,9 @@ class Transformer(nnx.Module):
         # partitioner fall back to replicating it ("involuntary full rematerialization").
         table = constrain(self.embed[...], ("vocab", None))  # (V, D)
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # (B, T, D)
+        if self.embed_multiplier != 1:
+            # A Python float is weakly typed: rounded to the compute dtype first, as Gemma rounds sqrt(d_model).
+            x = x * self.embed_multiplier
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)  # (B or 1, T, D)
         return constrain(x, ACT)
@@ -519,15 +603,9 @@ class Transformer(nnx.Module):
             logits = quant_lib.readout(x, self.lm_head[...].astype(self.dtype))
         if self.logit_scale != 1:
             logits = logits * self.logit_scale  # muP's readout multiplier 1/m
+        if self.final_softcap:
+            logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)  # Gemma 2's cap, in float32
         return constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)
-
-
-def decode_mask(positions: jax.Array, cache_len: int, window: int) -> jax.Array:
-    """(T, S) bool: query positions (T,) may read cache slots [0, S) at or before them and, with a sliding window
-    W > 0, after position - W (Hugging Face's convention: the query and the W - 1 positions before it)."""
-    keys = jnp.arange(cache_len)[None, :]  # (1, S)
-    mask = keys <= positions[:, None]  # (T, S)
-    return mask & (keys > positions[:, None] - window) if window else mask
 
 
 def make_model(cfg: ModelConfig, vocab: int, key_or_seed: jax.Array | int) -> Transformer:

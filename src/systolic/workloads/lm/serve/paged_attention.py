@@ -17,6 +17,8 @@ attention's running max and sum) over two sets of keys:
 - the positions before each chunk, from the pool: every token gathers its own sequence's pages, a block at a time,
   so memory stays at one block per token whatever the context length; the loop runs only over the blocks some
   token of this step needs (none for a fresh prompt; a sliding window skips the blocks before it).
+Logits are soft-capped (Gemma 2's cap * tanh(s / cap)) before the masking when `softcap` > 0; a layer's window may
+be a traced value (a scan over stacked layers of both kinds, `model.layer_types`).
 """
 
 from __future__ import annotations
@@ -80,10 +82,11 @@ class PagedKV(NamedTuple):
     batch: RaggedBatch
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int) -> tuple[jax.Array, PagedKV]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | jax.Array,
+               softcap: float = 0.0) -> tuple[jax.Array, PagedKV]:
         """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
         pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
-        out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window,
+        out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window, softcap=softcap,
                                      page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
 
@@ -100,11 +103,12 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array, slo
 
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool, layer: jax.Array | int,
-                           batch: RaggedBatch, *, window: int = 0, block_keys: int | None = None,
-                           page_tokens: int | None = None) -> jax.Array:
+                           batch: RaggedBatch, *, window: int | jax.Array = 0, softcap: float = 0.0,
+                           block_keys: int | None = None, page_tokens: int | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
-    positions when > 0): q (T, H, hd), this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query
-    head h reads key/value head h // (H // KV)). The positions before each sequence's chunk are read from the
+    positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd),
+    this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value head
+    h // (H // KV)). The positions before each sequence's chunk are read from the
     pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v.
     `page_tokens` (static): only the first this many tokens have positions before their chunk (the scheduler puts
     decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
@@ -117,24 +121,27 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool,
     KV = k.shape[1]
     qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
     pos = batch.positions  # (T,)
-    first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
+    if isinstance(window, int):
+        first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
+    else:
+        first = jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)  # (T,)
     real = jnp.arange(T) < batch.num_tokens
-    m, l, acc = _chunk_attention(qg, k, v, batch, first, real)
+    m, l, acc = _chunk_attention(qg, k, v, batch, first, real, softcap)
     chunk_start = (batch.kv_lens - jnp.diff(batch.cu_q_lens))[batch.rows]  # (T,) positions before: in the pages
     n = T if page_tokens is None else page_tokens
     _, l_paged, acc_paged = _page_attention(qg[:n], pool, layer, batch.page_table[batch.rows[:n]], first[:n],
-                                            chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys)
+                                            chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys, softcap)
     l, acc = l.at[:n].set(l_paged), acc.at[:n].set(acc_paged)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
     return out.reshape(T, H, hd).astype(q.dtype)
 
 
-def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real):
+def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real, softcap):
     """The online softmax's state (m, l, acc) after the keys of this step's own tokens: every token against the
     earlier tokens of its own chunk, dense, as one (T, T) score matrix per head (a prefill chunk's keys are the bulk
     of its context; the pages would give each token its own copy of them)."""
     pos, rows = batch.positions, batch.rows
-    s = jnp.einsum("tkgd,skd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, T)
+    s = _capped(jnp.einsum("tkgd,skd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (T, KV, G, T)
     visible = ((rows[:, None] == rows[None]) & (pos[None] <= pos[:, None]) & (pos[None] >= first[:, None])
                & real[None])  # (T, T): same sequence, causal, in the window; padding tokens are no keys
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -144,7 +151,7 @@ def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real):
     return m, jnp.sum(p, axis=-1), acc
 
 
-def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys):
+def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys, softcap):
     """Continues the online softmax `carry` over each token's keys at positions [first, end) in its sequence's
     pages (`tables` (T, pages_per_seq): each token's sequence's page table), a block at a time, over the blocks some
     token of this step needs."""
@@ -172,7 +179,7 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         ids = jnp.where(needed[:, None], ids, null)
         kv = _gather(pages, ids, qg.dtype).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
-        s = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)  # (T, KV, G, B)
+        s = _capped(jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (T, KV, G, B)
         keys = j * B + jnp.arange(B)  # (B,) key positions
         visible = (keys[None] < end[:, None]) & (keys[None] >= first[:, None])  # (T, B)
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -187,6 +194,11 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         return m_new, l, acc
 
     return jax.lax.fori_loop(lo, hi, block, carry)
+
+
+def _capped(scores: jax.Array, softcap: float) -> jax.Array:
+    """Scaled float32 logits, soft-capped to (-softcap, softcap) when softcap > 0."""
+    return softcap * jnp.tanh(scores / softcap) if softcap else scores
 
 
 def _gather(pages: Pool, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
