@@ -112,7 +112,8 @@ def test_existing_files_are_kept_unless_forced(written, tmp_path, capsys):
     assert main(["data", "arithmetic", "--out", str(out), "--train", "10", "--prompts", "0", "--test", "0"]) == 0
     before = (out / "sft.jsonl").read_bytes()
     assert main(["data", "arithmetic", "--out", str(out), "--train", "10", "--seed", "1"]) == 2
-    assert "already exists" in capsys.readouterr().err and (out / "sft.jsonl").read_bytes() == before
+    err = " ".join(capsys.readouterr().err.split())  # the paragraph is wrapped to the terminal's width
+    assert "already exists" in err and (out / "sft.jsonl").read_bytes() == before
     assert main(["data", "arithmetic", "--out", str(out), "--train", "10", "--seed", "1", "--force"]) == 0
     assert (out / "sft.jsonl").read_bytes() != before
     (tmp_path / "file").write_text("")

@@ -357,7 +357,7 @@ def test_gemma_runs_that_no_architecture_computes_do_not_export():
     with pytest.raises(UserError, match="per-layer windows come with Qwen2"):
         hf_config.architecture(mixed)
     with pytest.raises(UserError, match="not 1/sqrt"):
-        hf_config.hf_config(dataclasses.replace(gemma3, attn_logit_scale=0.3), VOCAB, None)
+        hf_config.hf_config(dataclasses.replace(gemma3, attn_logit_scale=0.3), VOCAB, {})
 
 
 def test_moe_configs_that_do_not_import_or_export(tmp_path):

@@ -13,9 +13,8 @@ import pytest
 from flax import nnx
 
 from systolic.workloads.lm.config import LMOptimConfig, ModelConfig
-from systolic.workloads.lm.model.transformer import Transformer
+from systolic.workloads.lm.model.transformer import Transformer, make_ropes
 from systolic.workloads.lm.optimizer import make_lm_optimizer
-from systolic.workloads.lm.model.rope import rope_tables
 from systolic.workloads.lm.train import make_loss_fn
 
 WIDTHS = (64, 128, 256, 512)
@@ -30,11 +29,11 @@ def layer_outputs(model: Transformer, tokens: jax.Array) -> dict[str, jax.Array]
     """Each layer's output on tokens (B, T): the embedding, every block's attention and MLP branches and its
     residual stream after them, and the logits; the forward pass of `Transformer._forward`, spelt out."""
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]  # (1, T)
-    rope = rope_tables(positions, model.cfg) if model.cfg.family == "llama" else None
+    ropes = make_ropes(positions, model.cfg)  # None for GPT-2
     x = model.embed_tokens(tokens, positions)  # (B, T, D)
     out = {"embed": x}
     for i, block in enumerate(model.blocks):
-        attn, _ = block.attn(block.attn_norm(x), rope, None, 0, None)  # (B, T, D)
+        attn, _ = block.attn(block.attn_norm(x), ropes, False, 0, None)  # (B, T, D); a full (not sliding) layer
         x = x + attn
         mlp = block.mlp(block.mlp_norm(x))  # (B, T, D)
         x = x + mlp
