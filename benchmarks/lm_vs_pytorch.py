@@ -60,7 +60,8 @@ def systolic_worker(a: argparse.Namespace):
     from systolic.config import MeshConfig
     from systolic.runtime import mesh as mesh_lib
     from systolic.runtime.sharding import activate
-    from systolic.workloads.lm.config import DataConfig, LMConfig, LMOptimConfig, LMTrainConfig, ModelConfig
+    from systolic.workloads.lm.config import DataConfig, LMConfig, LMOptimConfig, LMTrainConfig
+    from systolic.workloads.lm.model.config import ModelConfig
     from systolic.workloads.lm.train import build_step
 
     cfg = LMConfig(

@@ -9,7 +9,7 @@ import numpy as np
 
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 
 VOCAB = 320
 TINY_MODEL = ModelConfig(d_model=32, layers=2, heads=4, kv_heads=2, max_seq_len=32, vocab_size=VOCAB)

@@ -14,7 +14,8 @@ from tiny import MOE, TINY_LM
 
 from systolic import config as config_lib
 from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import make_model
 
 VOCAB = 320  # the byte tokenizer's 258 ids, padded to a multiple of 64

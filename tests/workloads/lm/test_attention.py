@@ -116,7 +116,7 @@ def test_sliding_window_in_every_implementation(impl, packed):
 def test_decode_path_masks_the_window_as_training_does():
     """A model with a window of 5 over 16 tokens: its training forward (xla, and the cpu formulation that auto
     picks here) and the KV-cache decode path (the prompt, then one token at a time) give the same logits."""
-    from systolic.workloads.lm.config import ModelConfig
+    from systolic.workloads.lm.model.config import ModelConfig
     from systolic.workloads.lm.model.transformer import make_model
 
     cfg = ModelConfig(d_model=32, layers=2, heads=4, kv_heads=2, max_seq_len=32, dtype="float32", sliding_window=5)
@@ -198,7 +198,7 @@ def test_model_trains_the_same_with_splash_and_xla_under_a_mesh():
     import optax
     from flax import nnx
 
-    from systolic.workloads.lm.config import ModelConfig
+    from systolic.workloads.lm.model.config import ModelConfig
     from systolic.workloads.lm.model.transformer import make_model
 
     cfg = ModelConfig(d_model=64, layers=1, heads=4, kv_heads=2, max_seq_len=128, dtype="float32", scan_layers=True,

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from systolic.runtime import cpu_settings
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.cpu import causal_attention, gradient_barrier, project
 from systolic.workloads.lm.model.transformer import Transformer
 

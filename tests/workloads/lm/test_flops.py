@@ -40,7 +40,7 @@ def test_formula_matches_xla_cost_analysis(family, extra):
 
 def test_a_sliding_window_counts_only_the_keys_in_it():
     """A query sees min(position + 1, W) keys: on average W - W^2 / (2T) of them (T/2 without a window)."""
-    from systolic.workloads.lm.config import ModelConfig
+    from systolic.workloads.lm.model.config import ModelConfig
 
     cfg = ModelConfig(d_model=64, layers=2, heads=4)
     windowed = ModelConfig(d_model=64, layers=2, heads=4, sliding_window=64)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from systolic.errors import UserError
 from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import make_model
 
 VOCAB = 64

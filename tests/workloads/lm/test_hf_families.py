@@ -29,7 +29,7 @@ from systolic.runtime.sharding import activate, rules_for
 from systolic.workloads.lm import generate as gen
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.loaded_run import load_run

@@ -32,7 +32,8 @@ from systolic.runtime.sharding import activate, rules_for, with_shardings
 from systolic.workloads.lm import init_from
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.model import lora
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.sample import generate_from_run
 from systolic.workloads.lm.train import build_task, init_params, model_graphdef, param_shardings

@@ -11,7 +11,7 @@ from flax import nnx
 
 from systolic.engine.state import param_count
 from systolic.runtime.sharding import activate, named_sharding
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import make_model, resolve_dtype
 
 VOCAB = 64

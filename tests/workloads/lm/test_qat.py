@@ -26,7 +26,8 @@ from systolic import config as config_lib
 from systolic.config import MeshConfig
 from systolic.engine import finished
 from systolic.runtime import mesh as mesh_lib
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.transformer import make_model
 

@@ -23,7 +23,8 @@ from systolic.runtime.sharding import activate
 from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.post import dpo_task
 from systolic.workloads.lm.train import BuiltLMTask, build_task, model_params

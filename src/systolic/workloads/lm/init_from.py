@@ -31,7 +31,8 @@ from systolic.engine.state import TrainState
 from systolic.errors import ConfigError, UserError
 from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.lm.model import lora, quant
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import Transformer
 
 # Model settings that do not change the parameters (model.quant: quantization-aware fine-tuning of float weights).

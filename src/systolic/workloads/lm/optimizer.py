@@ -14,7 +14,8 @@ import optax
 
 from systolic.optim import muon
 from systolic.optim.adamw import decay_mask, make_optimizer, make_schedule, standard_promotion
-from systolic.workloads.lm.config import LMOptimConfig, ModelConfig
+from systolic.workloads.lm.config import LMOptimConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.parametrization import adam_lr_multiplier, muon_dims, roles
 
 

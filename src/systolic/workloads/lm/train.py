@@ -30,7 +30,8 @@ from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.model import sizes
-from systolic.workloads.lm.config import LMConfig, ModelConfig, MoeConfig, PipelineConfig
+from systolic.workloads.lm.config import LMConfig, PipelineConfig
+from systolic.workloads.lm.model.config import ModelConfig, MoeConfig
 from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model.transformer import Transformer, resolve_dtype

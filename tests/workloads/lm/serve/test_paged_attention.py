@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.serve import kv_pool
 from systolic.workloads.lm.serve import paged_attention as pa
 from systolic.workloads.lm.serve.kv_cache import PageTable

@@ -24,7 +24,7 @@ from systolic.cli import main
 from systolic.data.bpe import BPETokenizer
 from systolic.data.chat import ChatTemplate
 from systolic.errors import UserError
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 

@@ -34,7 +34,7 @@ import numpy as np
 from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
-from systolic.workloads.lm.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
+from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
 from systolic.workloads.lm.hf.tensors import hf_gemma, hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.

@@ -46,7 +46,8 @@ from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.model import parametrization
 from systolic.workloads.lm.hf import safetensors_file
 from systolic.workloads.lm.model import sizes
-from systolic.workloads.lm.config import DataConfig, LMConfig, ModelConfig
+from systolic.workloads.lm.config import DataConfig, LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.loaded_run import load_run

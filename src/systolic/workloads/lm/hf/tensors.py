@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 
 KeyPath = tuple[Any, ...]  # a key path into the params pure dict, e.g. ("blocks", 0, "attn", "wq")
 

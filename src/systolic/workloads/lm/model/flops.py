@@ -19,7 +19,7 @@ Rematerialisation is not counted: it is hardware work, not model work.
 
 from __future__ import annotations
 
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig, vocab: int) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from systolic.workloads.lm.config import LORA_TARGETS, LoraConfig, ModelConfig
+from systolic.workloads.lm.model.config import LORA_TARGETS, LoraConfig, ModelConfig
 
 SUFFIX = "_lora"  # an adapter of the weight `wq` is `wq_lora`, beside it
 

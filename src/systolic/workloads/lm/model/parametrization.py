@@ -39,7 +39,7 @@ import jax
 
 from systolic.optim.muon import Dims
 from systolic.errors import UserError
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 
 Role = Literal["hidden", "input", "output", "vector"]
 

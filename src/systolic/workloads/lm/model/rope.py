@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from systolic.workloads.lm.config import ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, float]:

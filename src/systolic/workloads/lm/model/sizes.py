@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from systolic.runtime import memory
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.flops import lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in

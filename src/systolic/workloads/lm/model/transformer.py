@@ -45,7 +45,8 @@ from systolic.workloads.lm.model import attention
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.parallel import pipeline as pipeline_lib
-from systolic.workloads.lm.config import ModelConfig, PipelineConfig
+from systolic.workloads.lm.config import PipelineConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.model.lora import targeted_weights

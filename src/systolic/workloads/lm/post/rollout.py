@@ -29,7 +29,8 @@ import numpy as np
 from systolic.data import packed
 from systolic.engine.state import TrainState
 from systolic.errors import UserError
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.post.grpo_loss import group_advantages
 from systolic.workloads.lm.post.prompts import Prompt
 from systolic.workloads.lm.post.rewards import Rewards

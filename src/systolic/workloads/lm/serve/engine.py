@@ -38,7 +38,8 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.memory import gib, memory_stats
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
-from systolic.workloads.lm.config import LMConfig, ModelConfig
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.lora import base_config

@@ -1,0 +1,406 @@
+"""The lm model's config section: a decoder-only transformer (ModelConfig) and its sub-sections, RoPE scaling, LoRA
+adapters and mixture-of-experts MLPs. What the layers (this package) and the Hugging Face conversion read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from systolic.config import check_positive, divisor_near
+from systolic.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequencies stretched for contexts longer than pre-training's, as Hugging Face's `rope_parameters`
+    compute them (`lm/model/rope.py`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1+) divides the
+    low frequencies by `factor`, keeps the high ones and blends in between; `yarn` blends per frequency between
+    the two by `beta_fast`/`beta_slow` and scales cos and sin by `attention_factor`."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_seq_len: int = 0  # llama3 and yarn: the pre-training context (HF original_max_position_embeddings)
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_seq_len / low_freq_factor are divided
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_seq_len / high_freq_factor are kept
+    beta_fast: float = 32.0  # yarn: rotations within original_max_seq_len above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: ... below which it is divided by factor
+    attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = YaRN's 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the blended band of dimensions outwards to whole dimensions
+
+    def validate(self) -> None:
+        positive = {"factor": self.factor, "low_freq_factor": self.low_freq_factor, "beta_fast": self.beta_fast,
+                    "beta_slow": self.beta_slow}
+        bad = [f"model.rope_scaling.{k}={v}" for k, v in positive.items() if not v > 0]
+        if self.attention_factor < 0:
+            bad.append(f"model.rope_scaling.attention_factor={self.attention_factor}")
+        if self.original_max_seq_len < 0:
+            bad.append(f"model.rope_scaling.original_max_seq_len={self.original_max_seq_len}")
+        if bad:
+            raise ConfigError(
+                f"{', '.join(bad)} out of range: factor, low_freq_factor, beta_fast and beta_slow must be greater "
+                "than 0, attention_factor (0: YaRN's default) and original_max_seq_len at least 0. Fix: take the values from "
+                "the model's Hugging Face rope_parameters, or keep the defaults."
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than low_freq_factor="
+                f"{self.low_freq_factor}: llama3 scaling blends the frequencies between the two bands, dividing by "
+                "their difference. Fix: e.g. model.rope_scaling.low_freq_factor=1 model.rope_scaling.high_freq_factor=4."
+            )
+        if self.type in ("llama3", "yarn") and self.original_max_seq_len <= 0:
+            raise ConfigError(
+                f"model.rope_scaling.type={self.type} needs model.rope_scaling.original_max_seq_len, the context the "
+                "model was pre-trained with (Hugging Face's original_max_position_embeddings), but it is 0. Fix: e.g. "
+                "model.rope_scaling.original_max_seq_len=8192."
+            )
+
+
+# LoRA target names -> the projection each adapts, per family (model.py builds the adapters; lora.py merges them).
+# GPT-2's c_fc/c_proj play the roles of Llama's up/down projections; it has no gate.
+LORA_TARGETS = {
+    "llama": {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+              "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")},
+    "gpt2": {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+             "up": ("mlp", "w_fc"), "down": ("mlp", "w_proj")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021): each targeted projection W gains y = x W + alpha / rank * (x A) B
+    with A (in, rank) and B (rank, out); only A and B are trained, the base weights stay frozen (lm/model/lora.py).
+    Defaults follow Hugging Face PEFT's `LoraConfig` for Llama: `lora_alpha=8` and `target_modules` q_proj, v_proj."""
+
+    rank: int = 0  # 0: off; PEFT's `r`
+    alpha: float = 8.0  # the adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)
+    # comma-separated projections among q, k, v, o, gate, up, down (gpt2: no gate), or "all"
+    targets: str = "q,v"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def target_names(self, family: str) -> tuple[str, ...]:
+        """The targets in LORA_TARGETS order; ConfigError for a name that `family` does not have."""
+        valid = LORA_TARGETS[family]
+        asked = [t.strip() for t in self.targets.split(",") if t.strip()]
+        if asked == ["all"]:
+            return tuple(valid)
+        unknown = [t for t in asked if t not in valid]
+        if unknown or not asked:
+            what = f"names {', '.join(unknown)}, which the {family} block does not have" if unknown else "names nothing"
+            raise ConfigError(
+                f"model.lora.targets={self.targets!r} {what}. Expected a comma-separated list of the {family} block's "
+                f"projections, {', '.join(valid)} (PEFT's q_proj, k_proj, ...; GPT-2's c_fc and mlp.c_proj are up and "
+                "down), or all. Fix: e.g. model.lora.targets=q,v (PEFT's default for Llama) or model.lora.targets=all."
+            )
+        return tuple(t for t in valid if t in asked)
+
+    def validate(self) -> None:
+        if self.rank < 0 or not self.alpha > 0:
+            raise ConfigError(
+                f"model.lora.rank={self.rank} and model.lora.alpha={self.alpha} out of range: rank must be >= 0 (0 = "
+                "no adapters) and alpha greater than 0 (the adapters are scaled by alpha / rank). Fix: e.g. "
+                "model.lora.rank=8 model.lora.alpha=16."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (lm/model/moe.py): in the layers it selects, the dense SwiGLU MLP becomes `experts` SwiGLU
+    experts of width `mlp_dim`, of which a float32 router picks `top_k` per token and mixes their outputs by the
+    router's probabilities (renormalised over the top k with `norm_topk_prob`, as Mixtral does and Qwen3-MoE's
+    `norm_topk_prob` switches), plus optional always-on shared experts (Qwen2-MoE, DeepSeek). Training adds the
+    Switch Transformer's load-balancing loss and ST-MoE's router z-loss, by their weights. Routing is dropless
+    (tokens sorted by expert, a grouped matmul) unless `capacity_factor` > 0 (each expert takes at most
+    capacity_factor * tokens * top_k / experts tokens of a sequence, the rest are dropped: a dense one-hot dispatch)."""
+
+    experts: int = 0  # routed experts per MoE layer; 0: no MoE layers (every layer has the dense MLP)
+    top_k: int = 2  # experts each token is sent to
+    mlp_dim: int = 0  # each expert's SwiGLU width; 0: model.mlp_dim (its derived value)
+    shared_experts: int = 0  # always-on experts beside the routed ones, as one SwiGLU MLP shared_experts * mlp_dim wide
+    shared_gate: bool = False  # Qwen2-MoE: the shared experts' output scaled by sigmoid(x . w), one w per layer
+    norm_topk_prob: bool = True  # weights = the top k probabilities divided by their sum (false: the probabilities)
+    every: int = 1  # layer i (from 0) is MoE when (i + 1) % every == 0 and i >= first (HF decoder_sparse_step)
+    first: int = 0  # the layers before this one keep the dense MLP (DeepSeek's first_k_dense_replace)
+    aux_loss_weight: float = 0.01  # the load-balancing loss E * sum_e f_e P_e (1.0 when balanced) in the loss
+    z_loss_weight: float = 0.001  # the router z-loss mean(logsumexp(logits)^2) in the loss
+    capacity_factor: float = 0.0  # 0: dropless; > 0: dense dispatch with this much capacity per expert and sequence
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.first and (layer + 1) % self.every == 0
+
+    def validate(self) -> None:
+        if self.experts < 0 or self.mlp_dim < 0 or self.shared_experts < 0 or self.first < 0 or self.every < 1:
+            raise ConfigError(
+                f"model.moe.experts={self.experts}, mlp_dim={self.mlp_dim}, shared_experts={self.shared_experts}, "
+                f"first={self.first} and every={self.every} out of range: every must be >= 1, the others >= 0 "
+                "(experts 0: no MoE layers; mlp_dim 0: model.mlp_dim). Fix: e.g. model.moe.experts=8 model.moe.every=1."
+            )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} with model.moe.experts={self.experts}: each token goes to top_k distinct "
+                f"experts, so 1 <= top_k <= experts. Fix: e.g. model.moe.top_k={min(2, self.experts)}."
+            )
+        if self.aux_loss_weight < 0 or self.z_loss_weight < 0 or self.capacity_factor < 0:
+            raise ConfigError(
+                f"model.moe.aux_loss_weight={self.aux_loss_weight}, z_loss_weight={self.z_loss_weight} and "
+                f"capacity_factor={self.capacity_factor} must be >= 0 (0: no load-balancing loss, no z-loss, dropless "
+                "routing). Fix: e.g. model.moe.aux_loss_weight=0.01 model.moe.z_loss_weight=0.001."
+            )
+        if self.shared_gate and not self.shared_experts:
+            raise ConfigError(
+                "model.moe.shared_gate=true gates the shared experts' output, but model.moe.shared_experts=0. Fix: "
+                "model.moe.shared_experts=1 (Qwen2-MoE has one shared expert), or model.moe.shared_gate=false."
+            )
+
+
+MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
+    family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral), `layer_types` (Qwen2 and Gemma 2/3's
+    mix of sliding and full layers), `rope_scaling` (Llama 3.1), and Gemma's `mlp_activation`, `embed_multiplier`,
+    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta` switch on what the open model
+    families add to the block."""
+
+    family: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
+    vocab_multiple: int = 64
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 0  # 0: same as heads (no grouped-query attention)
+    head_dim: int = 0  # 0: d_model // heads
+    mlp_dim: int = 0  # 0: 4 * d_model for gpt2; SwiGLU's 8/3 * d_model rounded up to 64 for llama
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = RopeScalingConfig()
+    lora: LoraConfig = LoraConfig()  # low-rank adapters: train those alone, on frozen weights (init.from)
+    moe: MoeConfig = MoeConfig()  # mixture-of-experts MLPs in some or all layers (llama family)
+    qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
+    qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
+    sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
+    # Per layer, "sliding" (within sliding_window) or "full" (every earlier position); (): every layer sliding when
+    # sliding_window > 0, else full. Gemma 2 alternates sliding and full, Gemma 3 has five sliding layers per full one.
+    layer_types: tuple[Literal["sliding", "full"], ...] = ()
+    rope_local_theta: float = 0.0  # > 0: the sliding layers' RoPE base, unscaled (Gemma 3); 0: rope_theta everywhere
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # llama family: SwiGLU's gate, or GeGLU's (Gemma)
+    embed_multiplier: float = 1.0  # the embeddings times this into the residual stream (Gemma: sqrt(d_model))
+    # pre: x + f(norm(x)). sandwich: x + norm(f(norm(x))), a second norm on each sublayer's output (Gemma 2/3)
+    norm_placement: Literal["pre", "sandwich"] = "pre"
+    # attention logits q.k times this; 0: 1/sqrt(head size). Gemma 2/3: 1/sqrt(query_pre_attn_scalar)
+    attn_logit_scale: float = 0.0
+    attn_logit_softcap: float = 0.0  # > 0: attention logits s -> cap * tanh(s / cap) before the softmax (Gemma 2)
+    final_logit_softcap: float = 0.0  # > 0: output logits z -> cap * tanh(z / cap) (Gemma 2)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
+    remat: Literal["none", "full", "dots"] = "none"
+    # The projections' operands (lm/model/quant.py, through Qwix): int8 / fp8 quantize activations and weights
+    # (per row, per output channel) into an int8 x int8 (fp8) dot; in training the backward pass goes straight
+    # through to the float32 weights (quantization-aware training); float32 master weights and optimizer state.
+    quant: Literal["none", "int8", "fp8"] = "none"
+    # training attention: auto = splash on TPU, cuDNN on GPU, lm/model/cpu.py on CPU (see workloads/lm/model/attention.py)
+    attention: Literal["auto", "splash", "cudnn", "xla"] = "auto"
+    # attention when mesh.context > 1 splits the sequence (workloads/lm/parallel/context.py): ring = key/value blocks passed
+    # round the ring with flash-style accumulation (memory per device falls with the ring); allgather = keys and
+    # values gathered whole, then plain attention (fewer, larger messages; for small rings)
+    context_attention: Literal["ring", "allgather"] = "ring"
+    scan_layers: bool = False
+    # muP (Yang et al., Tensor Programs V): initialisation, per-layer learning rates, output multiplier and attention
+    # scale that make the best learning rate independent of d_model (lm/model/parametrization.py). The model equals the
+    # standard one at d_model = mup_base_width: tune there, then widen.
+    parametrization: Literal["standard", "mup"] = "standard"
+    mup_base_width: int = 256
+
+    @property
+    def width_mult(self) -> float:
+        """muP's width multiplier d_model / mup_base_width; 1 under the standard parametrization."""
+        return self.d_model / self.mup_base_width if self.parametrization == "mup" else 1.0
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Whether each layer attends within model.sliding_window (a sliding layer) or to every earlier position."""
+        if self.layer_types:
+            return tuple(kind == "sliding" for kind in self.layer_types)
+        return (self.sliding_window > 0,) * self.layers
+
+    @property
+    def d_expert(self) -> int:
+        """Each expert's MLP width (model.moe.mlp_dim, else the dense MLP's)."""
+        return self.moe.mlp_dim or self.d_mlp
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none without model.moe.experts)."""
+        return tuple(i for i in range(self.layers) if self.moe.is_moe_layer(i))
+
+    @property
+    def d_mlp(self) -> int:
+        if self.mlp_dim:
+            return self.mlp_dim
+        if self.family == "gpt2":
+            return 4 * self.d_model
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+    def padded_vocab(self, tokenizer_vocab: int) -> int:
+        """Vocabulary rows in the embedding: the tokenizer's, rounded up so the table shards evenly."""
+        vocab = self.vocab_size or tokenizer_vocab
+        if vocab < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); tokens "
+                f"would index past the embedding table. Fix: set model.vocab_size=0 (derive it) or >= {tokenizer_vocab}."
+            )
+        return -(-vocab // self.vocab_multiple) * self.vocab_multiple
+
+    def validate(self) -> None:
+        check_positive(self, "model", ("vocab_multiple", "d_model", "layers", "heads", "max_seq_len", "mup_base_width"))
+        if self.layers > MAX_LAYERS:
+            raise ConfigError(
+                f"model.layers={self.layers} is more than {MAX_LAYERS} layers. The deepest published decoders have "
+                "about 130, and tracing an unscanned stack takes time per layer, so this many would spend many "
+                f"minutes before failing. Expected 1 to {MAX_LAYERS}. Fix: e.g. model.layers=32 (with "
+                "model.scan_layers=true for deep stacks)."
+            )
+        for name in ("vocab_size", "kv_heads", "head_dim", "mlp_dim"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)} must be >= 0 (0 means: derive it from the other sizes). "
+                    f"Fix: e.g. model.{name}=0."
+                )
+        if self.init_std <= 0 or self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError(
+                f"model.init_std={self.init_std}, model.rope_theta={self.rope_theta} and model.norm_eps={self.norm_eps} "
+                "must all be greater than 0. Fix: use the defaults (0.02, 10000, 1e-5) or other positive values."
+            )
+        if not self.head_dim and self.d_model % self.heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}, so the head size is not "
+                f"an integer. Fix: choose heads that divide d_model (e.g. model.heads={divisor_near(self.d_model, self.heads)}) "
+                "or set model.head_dim explicitly."
+            )
+        if self.heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.heads={self.heads} is not a multiple of model.kv_heads={self.n_kv_heads}; grouped-query "
+                "attention shares each key/value head between an equal number of query heads. Fix: pick kv_heads "
+                f"dividing heads, e.g. model.kv_heads={divisor_near(self.heads, self.n_kv_heads)}."
+            )
+        if self.sliding_window < 0:
+            raise ConfigError(
+                f"model.sliding_window={self.sliding_window} must be >= 0: 0 attends to every earlier position, W > 0 "
+                "to the query and the W - 1 positions before it. Fix: model.sliding_window=0, or the model's window."
+            )
+        llama_only = {"model.qkv_bias=true": self.qkv_bias, "model.qk_norm=true": self.qk_norm,
+                      f"model.rope_scaling.type={self.rope_scaling.type}": self.rope_scaling.type != "none",
+                      f"model.rope_local_theta={self.rope_local_theta}": self.rope_local_theta,
+                      f"model.mlp_activation={self.mlp_activation}": self.mlp_activation != "silu",
+                      f"model.embed_multiplier={self.embed_multiplier}": self.embed_multiplier != 1,
+                      f"model.norm_placement={self.norm_placement}": self.norm_placement != "pre",
+                      f"model.attn_logit_scale={self.attn_logit_scale}": self.attn_logit_scale,
+                      f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
+                      f"model.final_logit_softcap={self.final_logit_softcap}": self.final_logit_softcap}
+        asked = [key for key, on in llama_only.items() if on]
+        if self.family == "gpt2" and asked:
+            raise ConfigError(
+                f"{', '.join(asked)} with model.family=gpt2: these switches change the llama block (rotary positions, "
+                "unbiased projections, RMSNorm, a gated MLP, Gemma's scalings); the GPT-2 block has learned positions "
+                "and biases on every projection and no such settings. Fix: model.family=llama, or leave them at their "
+                "defaults (false, none, 0, silu, 1, pre)."
+            )
+        self._check_gemma_switches()
+        self._check_layer_types()
+        if self.lora.rank:
+            self.lora.target_names(self.family)  # a ConfigError naming the valid ones
+        if self.moe.experts:
+            self._check_moe()
+        if self.family == "llama" and self.d_head % 2:
+            raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
+
+
+    def _check_gemma_switches(self) -> None:
+        """The scalings and soft-caps: their ranges, and the settings they cannot work with."""
+        if (not self.embed_multiplier > 0 or self.attn_logit_scale < 0 or self.attn_logit_softcap < 0
+                or self.final_logit_softcap < 0 or self.rope_local_theta < 0):
+            raise ConfigError(
+                f"model.embed_multiplier={self.embed_multiplier}, attn_logit_scale={self.attn_logit_scale}, "
+                f"attn_logit_softcap={self.attn_logit_softcap}, final_logit_softcap={self.final_logit_softcap} and "
+                f"rope_local_theta={self.rope_local_theta} out of range: the multiplier must be greater than 0, the "
+                "others at least 0 (0: off, or the default 1/sqrt(head size) scale). Fix: take them from the model's "
+                "Hugging Face config (e.g. Gemma 2: attn_logit_softcap=50 final_logit_softcap=30), or the defaults."
+            )
+        if self.attn_logit_scale and self.parametrization == "mup":
+            raise ConfigError(
+                f"model.attn_logit_scale={self.attn_logit_scale} with model.parametrization=mup: muP sets the "
+                "attention logits' scale itself (1/head size), so one of the two would be ignored. Fix: "
+                "model.attn_logit_scale=0 under muP, or model.parametrization=standard."
+            )
+        if self.attn_logit_softcap and self.attention == "cudnn":
+            raise ConfigError(
+                f"model.attention=cudnn with model.attn_logit_softcap={self.attn_logit_softcap}: cuDNN's flash "
+                "attention (jax.nn.dot_product_attention) has no logit soft-capping. Fix: model.attention=auto, which "
+                "runs the XLA formulation with the cap on GPU (splash, which caps, on TPU), or model.attention=xla."
+            )
+        if self.mlp_activation != "silu" and self.moe.experts:
+            raise ConfigError(
+                f"model.mlp_activation={self.mlp_activation} with model.moe.experts={self.moe.experts}: the experts "
+                "are SwiGLU MLPs (silu gates). Fix: model.mlp_activation=silu for a mixture of experts."
+            )
+
+    def _check_layer_types(self) -> None:
+        """model.layer_types names every layer's kind, and a sliding layer has a window; rope_local_theta needs both
+        kinds of layer."""
+        types = self.layer_types
+        if types and (len(types) != self.layers or not self.sliding_window):
+            raise ConfigError(
+                f"model.layer_types lists {len(types)} layers with model.layers={self.layers} and "
+                f"model.sliding_window={self.sliding_window}: it gives each layer's kind, sliding (within the window) "
+                "or full, so it needs one entry per layer and a window. Fix: e.g. model.sliding_window=4096 "
+                f"model.layer_types=[{', '.join(['sliding', 'full'] * 2)}, ...] with {self.layers} entries, or "
+                "model.layer_types=[] (every layer sliding when sliding_window > 0)."
+            )
+        if self.rope_local_theta and len(set(self.local_layers)) != 2:
+            raise ConfigError(
+                f"model.rope_local_theta={self.rope_local_theta} gives the sliding layers their own RoPE base, but "
+                f"this model's layers are all {'sliding' if self.local_layers[0] else 'full'}, so either it or "
+                "model.rope_theta would not act. Fix: model.layer_types with both sliding and full layers, or "
+                "model.rope_local_theta=0."
+            )
+
+    def _check_moe(self) -> None:
+        moe = self.moe
+        if self.family != "llama":
+            raise ConfigError(
+                f"model.moe.experts={moe.experts} with model.family={self.family}: the experts are SwiGLU MLPs of the "
+                "llama block (Mixtral, Qwen-MoE, DeepSeek). Fix: model.family=llama, or model.moe.experts=0."
+            )
+        if not self.moe_layers:
+            raise ConfigError(
+                f"model.moe.experts={moe.experts} but no layer is a MoE layer: with model.moe.first={moe.first} and "
+                f"model.moe.every={moe.every}, none of the model.layers={self.layers} layers qualifies (layer i when "
+                f"(i + 1) % every == 0 and i >= first). Fix: e.g. model.moe.first=0 model.moe.every=1."
+            )
+        if self.scan_layers and len(self.moe_layers) != self.layers:
+            raise ConfigError(
+                f"model.scan_layers=true stacks identical layers, but model.moe.first={moe.first} and "
+                f"model.moe.every={moe.every} make {len(self.moe_layers)} of the {self.layers} layers MoE and the rest "
+                "dense. Fix: model.scan_layers=false, or MoE in every layer (model.moe.first=0 model.moe.every=1)."
+            )
+        mlp_targets = {"gate", "up", "down"} & set(self.lora.target_names(self.family)) if self.lora.rank else set()
+        if mlp_targets:
+            raise ConfigError(
+                f"model.lora.targets={self.lora.targets!r} adapts MLP projections ({', '.join(sorted(mlp_targets))}), "
+                "but this model's MLPs are mixtures of experts, which have no LoRA adapters. Fix: adapt the attention "
+                "only, e.g. model.lora.targets=q,k,v,o."
+            )
