@@ -36,3 +36,24 @@ def finetune_overrides(source: Path, corpus: Path) -> list[str]:
     return [f"init.from={source}", f"data.path={corpus}", "data.seq_len=16", "train.batch_size=8", "train.steps=4",
             "train.eval_batches=1", "checkpoint.every_steps=2", "optim.warmup_steps=1", "sample.max_new_tokens=0",
             "observe.plot=false", "observe.tensorboard=false", "observe.progress=off"]
+
+
+def write_hf_tokenizer(folder: Path, texts: list[str], specials: list[str], tokens: dict, template: str) -> Path:
+    """A Hugging Face tokenizer folder as the chat tests use it: a byte-level BPE of at most VOCAB ids trained on
+    `texts`, with the `specials`, tokenizer_config.json holding `tokens` (eos_token, pad_token, ...) and
+    chat_template.jinja."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokens))
+    (folder / "chat_template.jinja").write_text(template)
+    return folder

@@ -333,3 +333,23 @@ def find_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
         return None
     path = tokenizer_file(tokenizer.name)
     return ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None
+
+
+class LazyTemplate:
+    """The tokenizer's chat template, looked up at the first conversation a data reader meets (data in plain text
+    never needs one, and its tokenizer need not have one). `what` names the conversational records in the error
+    ("a conversation (`messages`)"), `fix` is the error's fix for this kind of data."""
+
+    def __init__(self, tokenizer: Tokenizer, what: str, fix: str):
+        self.tokenizer, self.what, self.fix = tokenizer, what, fix
+        self._template, self._looked = None, False
+
+    def __call__(self, where: str) -> ChatTemplate:
+        if not self._looked:
+            self._template, self._looked = find_chat_template(self.tokenizer), True
+        if self._template is None:
+            raise UserError(
+                f"{where} is {self.what}, but the tokenizer data.tokenizer={self.tokenizer.name!r} has no chat "
+                "template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so there is "
+                f"no format to write it in. Fix: {self.fix}")
+        return self._template

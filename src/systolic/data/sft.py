@@ -32,7 +32,7 @@ import numpy as np
 
 from systolic.data import corpus, packed
 from systolic.data.tokenizer import Tokenizer
-from systolic.data.chat import find_chat_template
+from systolic.data.chat import LazyTemplate
 from systolic.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -146,7 +146,11 @@ class _Encoder:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._template, self._looked = None, False
+        self.template = LazyTemplate(
+            tokenizer, "a conversation (`messages`)",
+            "fine-tune a model imported from a Hugging Face folder that has its template (`systolic convert from-hf "
+            "MODEL runs/NAME`, then init.from=runs/NAME), copy the model's chat_template.jinja and "
+            "tokenizer_config.json beside the tokenizer.json, or write the records as prompt/completion text.")
         self.skipped, self.first_skipped = 0, ""
 
     def encode(self, record: dict[str, Any], where: str) -> packed.Example | None:
@@ -181,20 +185,6 @@ class _Encoder:
         head = tok.encode(prompt)
         tail = np.concatenate([tok.encode(completion, add_special_tokens=False), np.array([tok.eot_id], tok.dtype)])
         return np.concatenate([head, tail]), np.concatenate([np.zeros(len(head), bool), np.ones(len(tail), bool)])
-
-    def template(self, where: str):
-        if not self._looked:
-            self._template, self._looked = find_chat_template(self.tokenizer), True
-        if self._template is None:
-            raise UserError(
-                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.tokenizer.name!r} has "
-                "no chat template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so "
-                "there is no format to write it in. Fix: fine-tune a model imported from a Hugging Face folder that has its "
-                "template (`systolic convert from-hf MODEL runs/NAME`, then init.from=runs/NAME), copy the model's "
-                "chat_template.jinja and tokenizer_config.json beside the tokenizer.json, or write the records as "
-                "prompt/completion text."
-            )
-        return self._template
 
 
 def _bad_record(where: str, problem: str, example: str = _EXAMPLE) -> UserError:

@@ -13,10 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tiny import LM_CLI_QUIET, TINY_LM
-from tiny_hf import VOCAB, make_hf_model
+from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
 
 from systolic.cli import main
 from systolic.data import generation_config
@@ -89,17 +88,8 @@ def call(*argv: str) -> tuple[int, str, str]:
 def write_tokenizer(style: Style, folder: Path) -> Path:
     """A Hugging Face tokenizer folder: a byte-level BPE of at most VOCAB ids with the style's special tokens,
     tokenizer_config.json naming them and chat_template.jinja."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=style.specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([f"user\nHi\n\nassistant\n\n{REPLY}\n"] * 50, trainer)  # a conversation: few tokens
-    folder.mkdir(parents=True)
-    bpe.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(style.tokens))
-    (folder / "chat_template.jinja").write_text(style.template)
-    return folder
+    texts = [f"user\nHi\n\nassistant\n\n{REPLY}\n"] * 50  # a conversation: few tokens
+    return write_hf_tokenizer(folder, texts, style.specials, style.tokens, style.template)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from tiny import TINY_LM
-from tiny_hf import VOCAB, make_hf_model
+from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
 
 from systolic.cli import main
 from systolic.data import packed, sft
@@ -86,18 +86,9 @@ def write_jsonl(path: Path, records: list) -> Path:
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A Hugging Face tokenizer folder: a byte-level BPE of at most VOCAB ids, tokenizer_config.json naming its
     special tokens and chat_template.jinja."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [render(r["messages"]) if "messages" in r else r["prompt"] + r["completion"] for r in chats(200)]
-    bpe.train_from_iterator([*texts, render(CONVERSATION)], trainer)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    bpe.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    (folder / "chat_template.jinja").write_text(CHATML)
-    return folder
+    return write_hf_tokenizer(tmp_path_factory.mktemp("tokenizer"), [*texts, render(CONVERSATION)], SPECIALS,
+                              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML)
 
 
 def learnt_runs(rows: packed.PackedRows, decode) -> list[str]:

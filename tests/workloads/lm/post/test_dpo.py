@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tiny_hf import VOCAB, make_hf_model
+from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
 
 from systolic import config as config_lib
 from systolic.data.tokenizer import make_tokenizer
@@ -70,18 +69,8 @@ def runs(tmp_path_factory):
     from systolic.workloads.lm.hf import convert as hf
 
     root = tmp_path_factory.mktemp("dpo")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([p["prompt"] + p["chosen"] + p["rejected"] for p in text_pairs()] * 5, trainer)
-    tok_dir = root / "tokenizer"
-    tok_dir.mkdir()
-    bpe.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                               "pad_token": "<|endoftext|>"}))
-    (tok_dir / "chat_template.jinja").write_text(CHATML)
+    tok_dir = write_hf_tokenizer(root / "tokenizer", [p["prompt"] + p["chosen"] + p["rejected"] for p in text_pairs()] * 5,
+                                 SPECIALS, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, CHATML)
     policy = make_hf_model("llama")
     reference = copy.deepcopy(policy)
     gen = torch.Generator().manual_seed(1)

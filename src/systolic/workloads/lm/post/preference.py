@@ -43,7 +43,7 @@ import numpy as np
 
 from systolic.data import corpus, packed, sft
 from systolic.data.tokenizer import Tokenizer
-from systolic.data.chat import find_chat_template
+from systolic.data.chat import LazyTemplate
 from systolic.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -171,7 +171,10 @@ class _PairEncoder:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._template, self._looked = None, False
+        self.template = LazyTemplate(
+            tokenizer, "a conversational pair (lists of messages)",
+            "post-train a model imported with its template (`systolic convert from-hf MODEL runs/NAME`), or write "
+            "the pairs as strings.")
 
     def encode(self, record: dict[str, Any], where: str) -> tuple[Pair, int]:
         missing = [f for f in FIELDS if f not in record]
@@ -211,17 +214,6 @@ class _PairEncoder:
         prompt_len = max(1, min(_common_prefix(head, ids) for ids in whole))
         pair = tuple((ids, np.arange(len(ids)) >= prompt_len) for ids in whole)
         return pair, prompt_len
-
-    def template(self, where: str):
-        if not self._looked:
-            self._template, self._looked = find_chat_template(self.tokenizer), True
-        if self._template is None:
-            raise UserError(
-                f"{where} is a conversational pair (lists of messages), but the tokenizer data.tokenizer="
-                f"{self.tokenizer.name!r} has no chat template beside it (chat_template.jinja, or `chat_template` in "
-                "tokenizer_config.json), so there is no format to write it in. Fix: post-train a model imported with "
-                "its template (`systolic convert from-hf MODEL runs/NAME`), or write the pairs as strings.")
-        return self._template
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -26,7 +26,7 @@ from systolic.data import corpus
 from systolic.data.generation_config import eos_ids
 from systolic.data.sft import read_records
 from systolic.data.tokenizer import Tokenizer
-from systolic.data.chat import find_chat_template
+from systolic.data.chat import LazyTemplate
 from systolic.errors import UserError
 
 EXAMPLE = ('{"prompt": "What is 17 + 25?", "answer": "42"} or {"messages": [{"role": "user", "content": '
@@ -74,7 +74,10 @@ class _Encoder:
 
     def __init__(self, tokenizer: Tokenizer, max_prompt_len: int):
         self.tokenizer, self.max_prompt_len = tokenizer, max_prompt_len
-        self._template, self._looked = None, False
+        self._template_for = LazyTemplate(
+            tokenizer, "a conversation (`messages`)",
+            "post-train a model whose run keeps its template (imported by `systolic convert from-hf`), or write the "
+            "records as {\"prompt\": \"...\"} text.")
 
     def encode(self, name: str, where: str, record: dict[str, Any]) -> Prompt:
         has_messages, has_prompt = "messages" in record, "prompt" in record
@@ -106,18 +109,6 @@ class _Encoder:
         except UserError as error:  # the template refused this conversation: say which one
             raise UserError(f"{where}: {error}") from None
         return text, template.tokenizer.encode_with_specials(text)[0], template.stop_ids
-
-    def _template_for(self, where: str):
-        if not self._looked:
-            self._template, self._looked = find_chat_template(self.tokenizer), True
-        if self._template is None:
-            raise UserError(
-                f"{where} is a conversation (`messages`), but the tokenizer data.tokenizer={self.tokenizer.name!r} has "
-                "no chat template beside it (chat_template.jinja, or `chat_template` in tokenizer_config.json), so "
-                "there is no format to write it in. Fix: post-train a model whose run keeps its template (imported "
-                "by `systolic convert from-hf`), or write the records as {\"prompt\": \"...\"} text."
-            )
-        return self._template
 
 
 def _bad_record(where: str, problem: str) -> UserError:
