@@ -6,8 +6,10 @@ on the parsed structure: type swaps, deleted keys, huge and non-finite numbers, 
 YAML writes as aliases) and fed in-process to the reader the CLI uses for them: bundled recipes and a run
 directory's config.yaml (config.read_yaml + from_dict), a Hugging Face config.json (hf_config.read_config +
 model_config), safetensors files and their index (hf.Folder, every tensor read), a checkpoint step's manifest
-(Checkpointer.verify) and metrics.jsonl (read_metrics and the resume's row parsing). Run with `pytest -s` to see
-the summary line.
+(Checkpointer.verify) and metrics.jsonl (read_metrics and the resume's row parsing); and a prepared dataset's
+index.json and unigram tables (PreparedDataset.open + unigram), a gan run's cached classifier (read_classifier)
+and the arrays of a checkpoint step whose manifest is gone (restore_params: refused, or finite values). Run with
+`pytest -s` to see the summary line.
 """
 
 from __future__ import annotations
@@ -23,21 +25,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
 
 from systolic import config as config_lib
 from systolic import workloads
 from systolic.config import CheckpointConfig
+from systolic.data import prepare, prepared
 from systolic.engine import checkpoint, loop, rundir
+from systolic.engine.state import TrainState
 from systolic.errors import UserError
 from systolic.observe import metrics
 from systolic.workloads.lm.hf import convert as hf
+from systolic.workloads.gan import evaluate as gan_evaluate
 from systolic.workloads.lm.hf import config as hf_config
 
 SEED = 20261204
 CASES = {"recipe": 100, "run config.yaml": 60, "hf config.json": 90, "safetensors": 70, "safetensors index": 25,
-         "checkpoint manifest": 40, "metrics.jsonl": 50}
+         "checkpoint manifest": 40, "metrics.jsonl": 50, "prepared index.json": 60, "unigram table": 40,
+         "gan classifier": 40, "checkpoint without manifest": 25}
 DEEP = "__DEEP__"  # replaced by 5,000 nested brackets after serialising (json/yaml writers would recurse)
 
 
@@ -196,6 +205,27 @@ def read_metrics(path: Path) -> None:
     [r for r in rows if r.get("step", 0) <= 5]  # noqa: B018 (what truncate_after compares)
 
 
+def read_prepared(path: Path) -> None:
+    dataset = prepared.PreparedDataset.open(path.parent)
+    for split in prepared.SPLITS:
+        dataset.unigram(split)
+        dataset.tokens(split)
+    dataset.describe()
+
+
+def read_classifier(path: Path) -> None:
+    gan_evaluate.read_classifier(path, 8 * 8, 10)
+
+
+def reader_unverified(checkpointer: checkpoint.Checkpointer, abstract: Any) -> Callable[[Path], None]:
+    """Restores the parameters of a step without a manifest: refused (CheckpointDamaged), or finite values."""
+    def read(path: Path) -> None:
+        step = int(path.relative_to(checkpointer.directory).parts[0])
+        params = checkpointer.restore_params(step, abstract)
+        assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(params))
+    return read
+
+
 # THE PROPERTY -------------------------------------------------------------------------------------------------
 
 
@@ -251,12 +281,30 @@ def files(tmp_path_factory):
         (step / name).parent.mkdir(parents=True, exist_ok=True)
         (step / name).write_bytes(data)
     checkpoint._write_manifest(step)
+    source = root / "text"
+    source.mkdir()
+    for i in range(12):
+        (source / f"doc{i}.txt").write_text(f"document {i}: def f(x):\n    return x * {i}\n" * 3)
+    prepare.prepare(str(source), root / "prepared", val_percent=20.0)
+    classifier = root / "gan" / gan_evaluate.CLASSIFIER_FILE
+    classifier.parent.mkdir()
+    params = gan_evaluate.init_classifier(jax.random.PRNGKey(0), 8 * 8, 10)
+    np.savez(classifier, **{f"{name}.{k}": np.asarray(v) for name, layer in params.items() for k, v in layer.items()})
+    unverified = root / "unverified"
+    saver = checkpoint.Checkpointer(unverified, CheckpointConfig(async_save=False))
+    weights = {"w": jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64), "b": jnp.ones((64,))}
+    saver.save(TrainState(step=jnp.int32(3), params=weights, opt_state={}, rng=jax.random.PRNGKey(0)), None,
+               {"workload": "lm"})
+    saver.wait()  # seals the step with its manifest, which the next line removes
+    saver.close()
+    (unverified / "3" / checkpoint.MANIFEST).unlink()
     (root / "run-metrics").mkdir()
     rows = [{"step": s, "split": "train", "loss": 3.0 / s, "lr": 1e-3, "grad_norm": "nan" if s == 3 else 0.5}
             for s in range(1, 9)] + [{"step": 8, "split": "eval", "loss": 0.4}]
     (root / "run-metrics" / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"recipes": sorted(recipes.glob("*.yaml")), "runs": runs, "hf": single, "sharded": sharded, "step": step,
-            "metrics": root / "run-metrics" / metrics.METRICS_FILE}
+            "metrics": root / "run-metrics" / metrics.METRICS_FILE, "prepared": root / "prepared",
+            "classifier": classifier, "unverified": unverified / "3", "weights": weights}
 
 
 def test_every_damaged_file_is_read_or_refused_and_left_unchanged(files):
@@ -271,6 +319,11 @@ def test_every_damaged_file_is_read_or_refused_and_left_unchanged(files):
     checkpointer = checkpoint.Checkpointer(files["step"].parent, CheckpointConfig(async_save=False))
     assert checkpointer.verify(7) is None
     read_metrics(files["metrics"])
+    read_prepared(files["prepared"] / prepared.INDEX_FILE)
+    read_classifier(files["classifier"])
+    unverified = checkpoint.Checkpointer(files["unverified"].parent, CheckpointConfig(async_save=False))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), files["weights"])
+    reader_unverified(unverified, abstract)(files["unverified"] / "params")
 
     rng, tally, failures = random.Random(SEED), Counter(), []
     shards = sorted(files["sharded"].glob("*.safetensors"))
@@ -282,10 +335,17 @@ def test_every_damaged_file_is_read_or_refused_and_left_unchanged(files):
         ("safetensors index", [files["sharded"] / "model.safetensors.index.json"], mutate_json, read_safetensors),
         ("checkpoint manifest", [files["step"] / checkpoint.MANIFEST], mutate_json, reader_verify(checkpointer)),
         ("metrics.jsonl", [files["metrics"]], mutate_jsonl, read_metrics),
+        ("prepared index.json", [files["prepared"] / prepared.INDEX_FILE], mutate_json, read_prepared),
+        ("unigram table", sorted(files["prepared"].glob("*-unigram.npy")), mutate_bytes,
+         lambda path: read_prepared(path.parent / prepared.INDEX_FILE)),
+        ("gan classifier", [files["classifier"]], mutate_bytes, read_classifier),
+        ("checkpoint without manifest", sorted(p for p in (files["unverified"] / "params").rglob("*") if p.is_file()),
+         mutate_bytes, reader_unverified(unverified, abstract)),
     ]
     for kind, originals, mutate, read in plan:
         run_cases(kind, originals, mutate, read, CASES[kind], rng, tally, failures)
     checkpointer.close()
+    unverified.close()
 
     total = sum(tally.values())
     kinds = ", ".join(f"{kind} {CASES[kind]} ({tally[f'{kind}: refused']} refused)" for kind in CASES)

@@ -35,3 +35,15 @@ class CheckpointMismatch(UserError):
         self.directory, self.step, self.detail = directory, step, detail
         super().__init__(f"The checkpoint {directory}/{step} does not match its config ({detail}). Nothing was changed. "
                          "Fix: use the settings it was saved with.")
+
+
+class CheckpointDamaged(UserError):
+    """A checkpoint step without its manifest (nothing to verify its checksums against) whose arrays do not load, or
+    load with NaN/Inf: damaged, as a step that fails its checksums is. A resume sets it aside and falls back."""
+
+    def __init__(self, directory: object, step: int, detail: str):
+        self.directory, self.step, self.detail = directory, step, detail
+        super().__init__(f"The checkpoint {directory}/{step} is damaged: it has no manifest to check its files against, "
+                         f"and {detail}. Nothing was changed. Fix: resume the run (`systolic train`), which moves this "
+                         "step aside and continues from the previous intact one, or move that step folder away by "
+                         "hand, or restore the run directory from a backup.")

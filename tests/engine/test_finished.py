@@ -134,3 +134,45 @@ def test_a_run_whose_config_was_edited_exits_2_saying_so(edited_run, command, tm
         assert "checkpoint.resume=false" in err
     assert tree_listing(edited_run) == before
     assert not list(tmp_path.iterdir())
+
+
+# A step without its manifest: it must load and be finite ---------------------------------------------------------
+
+
+def test_a_manifestless_step_whose_bytes_do_not_load_is_set_aside_and_never_trained_on(two_steps):
+    (two_steps / "2" / "systolic-manifest.json").unlink()
+    for victim in (p for p in (two_steps / "2" / "params").rglob("*") if p.is_file() and p.stat().st_size > 200):
+        data = bytearray(victim.read_bytes())
+        for i in range(0, len(data), 7):
+            data[i] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    ckpt = Checkpointer(two_steps, CheckpointConfig(async_save=False))
+    try:  # generate / convert to-hf / init.from read the parameters alone: one paragraph, nothing moved
+        before = tree_listing(two_steps)
+        with pytest.raises(UserError, match=r"checkpoints/2 is damaged: it has no manifest .* do not load"):
+            ckpt.restore_params(2, jax.eval_shape(lambda: small_state(0, 8)).params)
+        assert tree_listing(two_steps) == before
+    finally:
+        ckpt.close()
+    with warnings.catch_warnings(record=True) as caught:  # a resume sets it aside and falls back to step 1
+        warnings.simplefilter("always")
+        state, _, step = restore_latest(two_steps, width=8)
+    assert step == 1 and float(state.params["w"][0, 0]) == 1.0
+    assert any("has no manifest" in str(w.message) for w in caught)
+    assert [p.name for p in two_steps.iterdir() if p.name.startswith("damaged-2-")]
+
+
+def test_a_manifestless_step_with_non_finite_values_is_set_aside(tmp_path):
+    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(async_save=False))
+    ckpt.save(small_state(1, 8), None, {"workload": "lm"})
+    poisoned = small_state(2, 8)
+    ckpt.save(poisoned.replace(params={**poisoned.params, "w": poisoned.params["w"].at[1, 2].set(jnp.nan)}), None,
+              {"workload": "lm"})
+    ckpt.wait()
+    ckpt.close()
+    (tmp_path / "checkpoints" / "2" / "systolic-manifest.json").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, step = restore_latest(tmp_path / "checkpoints", width=8)
+    assert step == 1
+    assert any("params.w holds NaN or Inf" in str(w.message) for w in caught)

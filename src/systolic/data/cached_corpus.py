@@ -113,6 +113,8 @@ def _open_checked(entry: Path) -> tuple[PreparedDataset | None, str]:
         for split in SPLITS:  # the baseline's counts, which the shard checksums do not cover
             if not problem and int(dataset.unigram(split).sum()) != dataset.index["splits"][split]["tokens"]:
                 problem = f"{split} unigram counts do not add up to its tokens"
+    except UserError as error:  # an unreadable unigram table (safe_npy says why)
+        problem = str(error)
     except (OSError, ValueError, KeyError, TypeError) as error:
         problem = f"{type(error).__name__}: {error}"
     return (None, problem) if problem else (dataset, "")

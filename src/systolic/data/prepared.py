@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from systolic import safe_npy
 from systolic.data import cache
 from systolic.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_file
 from systolic.errors import UserError
@@ -150,6 +151,12 @@ class PreparedDataset:
                 f"{root / INDEX_FILE} is not the index of a prepared dataset (format {FORMAT!r}, version {VERSION}). "
                 f"Fix: prepare the data again with `systolic data prepare SRC --out {root}` into a new folder."
             )
+        if problem := index_problem(index):
+            raise UserError(
+                f"{root / INDEX_FILE} says it is a prepared dataset's index, but {problem}, so the data cannot be "
+                f"read from it (edited by hand, or written by something else). Fix: prepare the data again with "
+                f"`systolic data prepare SRC --out NEW_DIR`, or restore the folder from a good copy."
+            )
         dataset = cls(root, index)
         if verify:
             dataset.verify(trust_verified=trust_verified)
@@ -200,7 +207,17 @@ class PreparedDataset:
                              self.index["shard_tokens"], self.dtype, digest)
 
     def unigram(self, split: str) -> np.ndarray:
-        return np.load(self.root / self.index["splits"][split]["unigram"])
+        """The split's (vocab_size,) int64 count of each id; a UserError naming the file when it is anything else."""
+        recorded = self.index["splits"][split]
+        path = self.root / recorded["unigram"]
+        vocab = self.index["tokenizer"]["vocab_size"]
+        fix = f"prepare the data again (`systolic data prepare {self.index['source']} --out NEW_DIR`)."
+        expected = f"the {split} split's unigram table, a .npy of {vocab} int64 counts"
+        counts = safe_npy.read_array(path, kind="i", shape=(vocab,), expected=expected, fix=fix)
+        if counts.min(initial=0) < 0 or int(counts.sum(dtype=np.float64)) != recorded["tokens"]:
+            raise UserError(f"Could not use {path}: its counts are negative or do not add up to the {recorded['tokens']:,} "
+                            f"tokens {INDEX_FILE} records for the {split} split. Expected {expected}. Fix: {fix}")
+        return counts.astype(np.int64)
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """UserError unless `tokenizer` (data.tokenizer's) is the tokenizer the data was prepared with."""
@@ -225,3 +242,74 @@ class PreparedDataset:
             lines.append(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes of text, "
                          f"{len(s['shards'])} shard(s) of <= {ix['shard_tokens']:,} tokens")
         return "\n".join(lines)
+
+
+# THE INDEX'S SHAPE: what the readers above index into, checked once when the folder is opened ---------------------
+
+
+def index_problem(index: dict[str, Any]) -> str | None:
+    """What is wrong with a parsed index.json's fields ("its splits.train.shards[3] has no 'sha256'"), or None."""
+    tokenizer = index.get("tokenizer")
+    checks = [
+        _field(index, "dtype", str) or (None if _token_dtype(index["dtype"]) else f"its dtype {index['dtype']!r} "
+                                        "is not an unsigned integer type of at most 32 bits"),
+        _field(index, "shard_tokens", int, positive=True), _field(index, "source", str),
+        _field(index, "field", (str, type(None))),
+        _field(index, "val_percent", (int, float)), _field(index, "tokenizer", dict),
+        *([_field(tokenizer, key, kind, at="tokenizer.") for key, kind in
+           (("name", str), ("sha256", str), ("vocab_size", int), ("eot_id", int), ("file", (str, type(None))))]
+          if isinstance(tokenizer, dict) else []),
+        _field(index, "splits", dict),
+    ]
+    if problem := next((c for c in checks if c), None):
+        return problem
+    if tokenizer["vocab_size"] < 1 or not 0 <= tokenizer["eot_id"] < tokenizer["vocab_size"]:
+        return f"its tokenizer.vocab_size {tokenizer['vocab_size']} and eot_id {tokenizer['eot_id']} are out of range"
+    for split in SPLITS:
+        if problem := _split_problem(index["splits"].get(split), f"splits.{split}"):
+            return problem
+    return None
+
+
+def _split_problem(split: Any, at: str) -> str | None:
+    if not isinstance(split, dict):
+        return f"its {at} is missing or not an object"
+    checks = [*(_field(split, key, int, at=f"{at}.", positive=False) for key in ("documents", "tokens", "bytes")),
+              _field(split, "unigram", str, at=f"{at}.", plain_name=True),
+              _field(split, "shards", list, at=f"{at}.")]
+    if problem := next((c for c in checks if c), None):
+        return problem
+    for i, shard in enumerate(split["shards"]):
+        if not isinstance(shard, dict):
+            return f"its {at}.shards[{i}] is not an object"
+        problem = (_field(shard, "file", str, at=f"{at}.shards[{i}].", plain_name=True)
+                   or _field(shard, "tokens", int, at=f"{at}.shards[{i}].", positive=False)
+                   or _field(shard, "sha256", str, at=f"{at}.shards[{i}]."))
+        if problem:
+            return problem
+    if sum(shard["tokens"] for shard in split["shards"]) != split["tokens"]:
+        return f"its {at}.shards do not add up to the split's {split['tokens']} tokens"
+    return None
+
+
+def _field(tree: dict[str, Any], key: str, kind: type | tuple[type, ...], *, at: str = "", positive: bool | None = None,
+           plain_name: bool = False) -> str | None:
+    """What is wrong with tree[key] (missing, of another type, negative or zero, a path rather than a file name)."""
+    if key not in tree:
+        return f"it has no {at}{key!r}"
+    value = tree[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        return f"its {at}{key} is {json.dumps(value)[:60]}, not of the expected type"
+    if positive is not None and (value <= 0 if positive else value < 0):
+        return f"its {at}{key} is {value}, not {'positive' if positive else '>= 0'}"
+    if plain_name and (Path(value).name != value or value in ("", ".", "..")):
+        return f"its {at}{key} {value!r} is not a file name inside the folder"
+    return None
+
+
+def _token_dtype(name: str) -> bool:
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError):
+        return False
+    return dtype.kind == "u" and dtype.itemsize <= 4

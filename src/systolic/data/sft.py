@@ -36,6 +36,11 @@ from systolic.data.chat import LazyTemplate
 from systolic.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
+# Bounds on one record. Finding the assistant turns renders and tokenizes every prefix of a conversation, so its
+# cost grows with the square of its messages (20,000 messages ran for minutes); a row holds data.seq_len + 1
+# tokens, so a conversation of hundreds of turns is cut long before its end anyway. A line is read whole.
+MAX_MESSAGES = 512
+MAX_RECORD_BYTES = 16 << 20
 _EXAMPLE = ('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]} or '
             '{"prompt": "2 + 2 =", "completion": " 4"}')
 
@@ -128,10 +133,13 @@ def read_records(path: str, example: str = _EXAMPLE, reader: str = "data.format=
         name = file.relative_to(root).as_posix() if root.is_dir() else file.name
         opener = gzip.open if file.name.lower().endswith(".gz") else open
         with opener(file, "rb") as lines:
-            for number, raw in enumerate(lines, start=1):
+            for number, raw in enumerate(iter(lambda: lines.readline(MAX_RECORD_BYTES + 1), b""), start=1):
+                where = f"{file} line {number}"
+                if len(raw) > MAX_RECORD_BYTES:
+                    raise _bad_record(where, f"is longer than {MAX_RECORD_BYTES >> 20} MiB, more than one training "
+                                      "example can use (a row holds data.seq_len + 1 tokens)", example)
                 if not raw.strip():
                     continue
-                where = f"{file} line {number}"
                 try:
                     record = json.loads(raw)
                 except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5,000-digit number, deep nesting
@@ -167,6 +175,11 @@ class _Encoder:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise _bad_record(where, "has `messages` that are not a non-empty list of objects with a string `role`")
+        if len(messages) > MAX_MESSAGES:
+            raise _bad_record(where, f"has {len(messages):,} messages, more than the {MAX_MESSAGES} one conversation may "
+                              "hold (each turn is rendered with all before it, so the cost grows with their square, and "
+                              "a row of data.seq_len + 1 tokens would keep only the first few); split it into several "
+                              "conversations")
         try:
             ids, learn = self.template(where).encode_with_mask(messages)
         except UserError as error:  # the template refused this conversation: say which one

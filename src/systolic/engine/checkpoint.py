@@ -13,6 +13,9 @@ Guarantees (tests in tests/engine/test_checkpoint.py and tests/engine/test_relia
   manifest; restoring verifies it and falls back to the previous step when a file differs, is missing or
   cannot be read.
 - A failed write (disk full, permissions) stops the run with `CheckpointWriteError`; earlier steps are untouched.
+- A step without a manifest (killed between the write and the seal, or the manifest deleted) cannot be checked
+  against checksums: its arrays must at least load and be finite, else it is damaged (`CheckpointDamaged`) and a
+  resume sets it aside as it does a step that fails its checksums.
 - An intact step whose arrays do not fit the abstract target (the config changed: another model size or optimizer)
   is a mismatch, not damage: restoring raises `CheckpointMismatch`, naming what differs, and moves nothing.
 """
@@ -31,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from systolic.config import CheckpointConfig
 from systolic.engine.state import TrainState
-from systolic.errors import CheckpointMismatch, CheckpointWriteError, UserError
+from systolic.errors import CheckpointDamaged, CheckpointMismatch, CheckpointWriteError, UserError
 
 MANIFEST = "systolic-manifest.json"
 # How Orbax words a restore target that does not fit the saved tree (checked first by `Checkpointer.mismatch`).
@@ -188,6 +192,8 @@ class Checkpointer:
                         "changed. Fix: resume with the settings it was saved with, or start over with a new --run-dir "
                         "or checkpoint.resume=false."
                     ) from None
+                except CheckpointDamaged as e:
+                    problem = f"it has no manifest and {e.detail}"
                 except Exception as e:  # noqa: BLE001
                     problem = f"it cannot be restored ({type(e).__name__}: {str(e)[:200]})"
             warnings.warn(f"Checkpoint step {step} in {self.directory} is damaged: {problem}. Trying an earlier one.")
@@ -219,6 +225,7 @@ class Checkpointer:
             arrays["opt_state"] = abstract.opt_state
         items = {name: ocp.args.StandardRestore(tree) for name, tree in arrays.items()}
         out = self._restore_fitting(step, arrays, {**items, "data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()})
+        self._check_unverified(step, {name: out[name] for name in arrays})
         train = out["train"]
         state = TrainState(step=train["step"], params=out["params"], opt_state=out.get("opt_state", abstract.opt_state),
                            rng=train["rng"], extra=train.get("extra", {}), frozen=abstract.frozen)
@@ -227,7 +234,23 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """The parameters alone (no optimizer state); raises CheckpointMismatch when they do not fit."""
         args = {"params": ocp.args.StandardRestore(abstract_params)}
-        return self._restore_fitting(step, {"params": abstract_params}, args)["params"]
+        params = self._restore_fitting(step, {"params": abstract_params}, args)["params"]
+        self._check_unverified(step, {"params": params})
+        return params
+
+    def _unverified(self, step: int) -> bool:
+        return not (self.directory / str(step) / MANIFEST).exists()
+
+    def _check_unverified(self, step: int, items: dict[str, Any]) -> None:
+        """A step without a manifest was not checked against checksums, so its restored values are: flipped bytes
+        that still decompress show up as NaN/Inf far more often than not (a float's exponent bits)."""
+        if not self._unverified(step):
+            return
+        for name, tree in items.items():
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
+                    where = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+                    raise CheckpointDamaged(self.directory, step, f"its {name}.{where} holds NaN or Inf")
 
     def mismatch(self, step: int, arrays: dict[str, Any]) -> str | None:
         """What differs between the array items saved at `step` and `arrays` (item name -> abstract tree): leaves on
@@ -259,15 +282,24 @@ class Checkpointer:
     def _restore_fitting(self, step: int, arrays: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         # Checked before reading: Orbax reports a shape mismatch only after starting the reads, and the abandoned
         # reads then print tracebacks to stderr when garbage-collected.
-        detail = self.mismatch(step, arrays)
-        if detail is not None:
-            raise CheckpointMismatch(self.directory, step, detail)
         try:
+            detail = self.mismatch(step, arrays)
+            if detail is not None:
+                raise CheckpointMismatch(self.directory, step, detail)
             return self._manager.restore(step, args=ocp.args.Composite(**args))
-        except ValueError as e:
+        except CheckpointMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types for damaged bytes
             text = str(e)
-            if any(sign in text for sign in _ORBAX_MISMATCH):
+            if isinstance(e, ValueError) and any(sign in text for sign in _ORBAX_MISMATCH):
                 raise CheckpointMismatch(self.directory, step, " ".join(text.split())[:300]) from None
+            if self._unverified(step):
+                cause = e
+                while cause.__cause__ is not None:  # TensorStore's own words (e.g. "Data corruption detected")
+                    cause = cause.__cause__
+                words = " ".join(str(cause).split())
+                raise CheckpointDamaged(self.directory, step, f"its arrays do not load ({type(cause).__name__}: "
+                                        f"{words[:200]})") from None
             raise
 
     def restore_meta(self, step: int) -> dict[str, Any]:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from systolic import safe_npy
+from systolic.errors import UserError
 from systolic.optim.adamw import standard_promotion
 
 CLASSIFIER_FILE = "classifier.npz"
@@ -93,14 +95,30 @@ def load_or_train_classifier(run_dir: Path, images: np.ndarray, labels: np.ndarr
     """Cached in the run directory so every evaluation (and a resumed run) uses the same classifier."""
     path = Path(run_dir) / CLASSIFIER_FILE
     if path.exists():
-        flat = np.load(path)
-        return {name: {"w": flat[f"{name}.w"], "b": flat[f"{name}.b"]} for name in sorted({k.split(".")[0] for k in flat.files})}
+        return read_classifier(path, int(np.prod(images.shape[1:])), int(labels.max()) + 1)
     params = train_classifier(images, labels)
     if jax.process_index() == 0:
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, **{f"{name}.{k}": np.asarray(v) for name, layer in params.items() for k, v in layer.items()})
         tmp.replace(path)
     return params
+
+
+def read_classifier(path: Path, in_dim: int, classes: int) -> dict[str, Any]:
+    """The cached classifier at `path`, whose layers must have the shapes `init_classifier(in_dim, classes)` gives
+    and finite float values; a UserError naming the file otherwise (it is a cache: deleting it retrains it)."""
+    sizes = (in_dim, *HIDDEN, classes)
+    shapes = {f"layer{i}.{k}": shape for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))
+              for k, shape in (("w", (m, n)), ("b", (n,)))}
+    listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+    expected = f"the gan run's cached evaluation classifier, a .npz of float arrays {listed}"
+    fix = (f"delete {path}; the next run or evaluation trains it again from the same seed (about a minute on a CPU), "
+           "so the scores stay comparable.")
+    flat = safe_npy.read_arrays(path, shapes, kind="f", expected=expected, fix=fix)
+    if bad := [name for name, array in flat.items() if not np.isfinite(array).all()]:
+        raise UserError(f"Could not use {path}: its {bad[0]} holds NaN or Inf. Expected {expected}. Fix: {fix}")
+    return {f"layer{i}": {"w": flat[f"layer{i}.w"].astype(np.float32), "b": flat[f"layer{i}.b"].astype(np.float32)}
+            for i in range(len(sizes) - 1)}
 
 
 # SCORING ------------------------------------------------------------------------------------------------------

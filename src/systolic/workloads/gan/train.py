@@ -22,7 +22,8 @@ from systolic.engine.state import TrainState, make_sharded_state
 from systolic.runtime import memory
 from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.gan.config import GANConfig
-from systolic.workloads.gan.model import Discriminator, Generator
+from systolic.workloads.gan.evaluate import HIDDEN
+from systolic.workloads.gan.model import NUM_CLASSES, Discriminator, Generator, num_upsamples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +94,25 @@ def check_fits(cfg: GANConfig, channels: int, abstract: TrainState, mesh: Mesh) 
     """A UserError when the state (networks, optimizer moments, EMA) plus an evaluation's generated images cannot fit
     in the mesh's memory, before anything is allocated."""
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    images = cfg.gan.eval_samples * cfg.image.size**2 * channels * 4
     m = cfg.model
+    images = cfg.gan.eval_samples * sample_floats(cfg, channels) * 4
     memory.check_fits(
         state_bytes + images, list(mesh.devices.flat),
         what=(f"This gan (model.g_channels={m.g_channels}, model.d_channels={m.d_channels}, model.latent_dim="
-              f"{m.latent_dim}, gan.eval_samples={cfg.gan.eval_samples} images of {cfg.image.size}^2)"),
+              f"{m.latent_dim}, gan.eval_samples={cfg.gan.eval_samples} images of {cfg.image.size}^2 generated in "
+              "one batch, with the generator's last feature map)"),
         fix="lower the model's channels or gan.eval_samples, or use more devices.",
     )
+
+
+def sample_floats(cfg: GANConfig, channels: int) -> int:
+    """float32 values an evaluation holds per generated image: the sampler generates all gan.eval_samples in one
+    batch, so every activation of the generator (the projection, each upsampling's feature map, the image) and of
+    the scoring classifier's layers exists once per image."""
+    width, n_up = cfg.model.g_channels, num_upsamples(cfg.image.size)
+    maps = sum((4 * 2 ** (i + 1)) ** 2 * max(width // 2 ** (i + 1), 16) for i in range(n_up))  # (2H, 2W, C/2) each
+    classifier = sum(HIDDEN) + NUM_CLASSES
+    return 16 * width + maps + cfg.image.size**2 * channels + classifier
 
 
 # LOSSES -------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from systolic.data.stream import place
 from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 from systolic.observe.progress import ProgressReporter
+from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, logical_to_spec
 from systolic.workloads.lm.loaded_run import LoadedRun, load_run
@@ -323,6 +324,20 @@ def accuracies(items: Sequence[Item], loglikelihoods: Sequence[np.ndarray]) -> d
             "correct_norm": int(sum(norm))}
 
 
+def check_batch_fits(run: LoadedRun, rows: int, length: int) -> None:
+    """A UserError, before anything is traced, when one batch of `rows` x `length` tokens (the shortest this
+    command will score) cannot fit: its float32 logits over the vocabulary and its residual stream, on the
+    devices beside the parameters, and its inputs, targets and mask on the host."""
+    model = run.cfg.model
+    vocab = run.tokenizer.vocab_size
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.params))
+    batch = rows * length * (4 * (vocab + model.d_model) + 4 + 4 + 1)
+    memory.check_fits(params + batch, list(run.mesh.devices.flat),
+                      what=(f"Scoring batches of {rows:,} rows of {length} tokens (float32 logits over {vocab:,} "
+                            f"token ids and the {model.d_model}-wide residual stream per token, beside the parameters)"),
+                      fix="a smaller --batch-size (leave it out for the run's micro-batch).")
+
+
 # THE COMMAND --------------------------------------------------------------------------------------------------
 
 
@@ -343,6 +358,7 @@ def evaluate_run(run_dir: Path, *, data: str | None = None, choices: Path | None
     run = load_run(Path(run_dir), COMMAND, sharded=True, devices=devices, quantize=quantize)
     # Default: training's micro-batch, which its own evaluation uses and which fits in memory (forward only, less).
     rows = batch_rows(run, batch_size or run.cfg.train.batch_size // run.cfg.train.grad_accum)
+    check_batch_fits(run, rows, run.cfg.data.seq_len if docs is not None else bucket_length(1, run.cfg.model.max_seq_len))
     weights = f"; {run.quantized} weights" if run.quantized else ""
     head = f"{COMMAND} {run_dir}: checkpoint step {run.step}{weights}; {run.layout}; batches of {rows} rows"
     if docs is not None:

@@ -3,7 +3,8 @@
 `nnx.eval_shape` of the model traces every layer, so a config with d_model = 10^7 or 10^5 layers would spend
 minutes tracing (and compiling) before the allocation fails. The count here is arithmetic on the config; the
 bytes are a lower bound: float32 parameters, and for the trained ones a float32 gradient and at least one
-float32 optimizer moment (AdamW keeps two, Muon one), plus one micro-batch of float32 embeddings.
+float32 optimizer moment (AdamW keeps two, Muon one), plus what the backward pass keeps of one micro-batch
+(`activation_floats`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,19 @@ def training_bytes(cfg: LMConfig, vocab: int) -> int:
     total = param_count(cfg.model, vocab)
     trained = lora_params(cfg.model) if cfg.model.lora.rank else total
     micro_batch = cfg.train.batch_size // cfg.train.grad_accum
-    activations = micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
-    return PARAM_BYTES * total + TRAINED_EXTRA_BYTES * trained + activations
+    tokens = micro_batch * cfg.data.seq_len
+    return PARAM_BYTES * total + TRAINED_EXTRA_BYTES * trained + tokens * 4 * activation_floats(cfg.model)
+
+
+def activation_floats(m: ModelConfig) -> int:
+    """float32 values per token of the micro-batch that the backward pass keeps, at least: each layer's input, and
+    without `model.remat=full` also each layer's MLP hidden state and its LoRA adapters' rank-wide products (x A, which
+    B's gradient needs), all layers at once; with remat, one layer's. A LoRA rank of 10^6 on a small model is refused
+    here rather than by the allocator after minutes of compiling."""
+    lora = m.lora.rank * len(m.lora.target_names(m.family)) if m.lora.rank else 0
+    inner = min(m.d_mlp, m.d_expert * m.moe.top_k) if m.moe.experts else m.d_mlp  # dense layers may mix in
+    per_layer = inner + lora
+    return m.layers * m.d_model + (per_layer if m.remat == "full" else m.layers * per_layer)
 
 
 def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> None:
@@ -51,7 +63,7 @@ def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> No
         training_bytes(cfg, vocab), devices,
         what=(f"Training this lm ({params:,} parameters: model.d_model={m.d_model}, model.layers={m.layers}, "
               f"vocabulary {vocab:,}{f', model.moe.experts={m.moe.experts}' if m.moe.experts else ''}; float32 "
-              "parameters, gradients and optimizer moments, and a micro-batch of embeddings)"),
-        fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size) "
-             "or train.batch_size, or use more devices (`systolic plan lm --target ... --search` sizes a target)."),
+              "parameters, gradients and optimizer moments, and a micro-batch's activations kept for the backward pass)"),
+        fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size, "
+             "model.lora.rank) or train.batch_size (or raise train.grad_accum), set model.remat=full, or use more devices (`systolic plan lm --target ... --search` sizes a target)."),
     )

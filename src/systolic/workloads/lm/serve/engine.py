@@ -36,6 +36,7 @@ from systolic.data.chat import find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
+from systolic.runtime import memory
 from systolic.runtime.memory import gib, memory_stats
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
 from systolic.workloads.lm.config import LMConfig
@@ -381,6 +382,12 @@ def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | Non
     if pages < 2:
         raise UserError(f"The KV cache would hold {pages} page(s) of {page_size} tokens ({why}); it needs at least 2 "
                         f"(one is reserved). Fix: a larger --kv-memory-gib (one page is {page_bytes:,} bytes).")
+    # Per running sequence: its row of the page table (int32) and its hidden state (float32) in each decode step.
+    per_seq = 4 * (full + model.d_model)
+    memory.check_fits(pages * page_bytes + max_seqs * per_seq, [device] * split,
+                      what=(f"The KV cache of {pages:,} pages of {page_size} tokens ({why}) and the batch of "
+                            f"--max-seqs {max_seqs:,} sequences"),
+                      fix="a smaller --kv-memory-gib or --max-seqs (or more devices).")
     return pages, (f"KV cache: {pages - 1:,} pages of {page_size} tokens = {(pages - 1) * page_size:,} tokens, "
                    f"{(pages - 1) / full:.1f} full-length sequences ({gib(pages * page_bytes)}"
                    f"{', int8 with float32 scales' if kv_cache == 'int8' else ''}), from {why}")
