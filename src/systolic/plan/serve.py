@@ -55,6 +55,7 @@ class ServeModel:
     head_flops_per_row: float  # 2 x d_model x vocab: the LM head, for each row's last token
     attention_flops_per_key: float  # 4 x layers x heads x head_dim: scores and mix, per token and key it sees
     window: int  # a sliding window's keys (0: none)
+    window_share: float  # the share of the layers that slide (GPT-OSS, Gemma 2: half); the others see every key
     int8_matmuls: bool  # w8a8: int8 x int8 projections, at the chip's int8 peak
     lower_step: Callable[[int, int, int], Any]  # (decoding sequences, prefill tokens, pool pages) -> lowered step
 
@@ -287,7 +288,8 @@ def decode_roofline(m: ServeModel, chip: Chip, tensor: int, n: int, context: int
     """One token for each of n sequences, each at the full context (the batch's slowest step): every weight read
     once, every sequence's keys and values read once. Collectives as compiled, by their share of the step's tokens
     (the tensor-parallel reductions move each token's activations)."""
-    keys = min(context, m.window) if m.window else context
+    # Keys per layer, averaged over the layers: a sliding layer's pages before its window are never read.
+    keys = (1 - m.window_share) * context + m.window_share * min(context, m.window) if m.window else context
     flops = n * (m.matmul_flops_per_token + m.head_flops_per_row + m.attention_flops_per_key * keys)
     hbm_bytes = m.weight_read_bytes_per_chip + n * keys * m.kv_bytes_per_token_per_chip
     return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens))
@@ -296,7 +298,9 @@ def decode_roofline(m: ServeModel, chip: Chip, tensor: int, n: int, context: int
 def prefill_roofline(m: ServeModel, chip: Chip, tensor: int, tokens: int, c: Compile) -> Roofline:
     """A chunk of `tokens` prompt tokens from position 0: causal attention within it (tokens x (tokens + 1) / 2
     keys), its keys and values written, the LM head for its last token."""
-    keys = tokens * (tokens + 1) / 2 if not m.window else sum(min(i + 1, m.window) for i in range(tokens))
+    causal = tokens * (tokens + 1) / 2
+    windowed = sum(min(i + 1, m.window) for i in range(tokens)) if m.window else causal
+    keys = (1 - m.window_share) * causal + m.window_share * windowed if m.window else causal
     flops = tokens * m.matmul_flops_per_token + m.head_flops_per_row + m.attention_flops_per_key * keys
     hbm_bytes = m.weight_read_bytes_per_chip + tokens * m.kv_bytes_per_token_per_chip
     share = tokens / (c.sequences + c.prefill_tokens)

@@ -156,7 +156,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         split = context.current_split()
         impl = m.context_attention if split else attention.choose(
             m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
-            segments=cfg.data.packing == "documents")
+            segments=cfg.data.packing == "documents", sinks=m.attn_sinks)  # sinks: xla, counted by XLA
     # Causal attention's model FLOPs per token (workloads/lm/model/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",

@@ -10,7 +10,12 @@ same block with Gemma's switches: GeGLU (`model.mlp_activation=gelu_tanh`), embe
 (`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
 sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
 final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
-and gives its sliding layers their own RoPE base (`model.rope_local_theta`). Only what the systolic model computes
+and gives its sliding layers their own RoPE base (`model.rope_local_theta`). GPT-OSS is the llama block with
+attention sinks (`model.attn_sinks`), biases on q/k/v and the output projection (`model.qkv_bias`,
+`model.attn_out_bias`), alternating sliding and full layers, YaRN RoPE and a mixture of experts in every layer with
+a router bias, expert biases and its clamped SwiGLU (model.moe's router_bias, expert_bias, swiglu_limit and
+swiglu_alpha); its MXFP4 experts (`quantization_config.quant_method: mxfp4`) are dequantized on import
+(lm/hf/mxfp4.py) and export as float32. Only what the systolic model computes
 is accepted: a setting that would change the math (dynamic or longrope RoPE, partial rotary embeddings, an
 output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
 silently different model after import.
@@ -35,13 +40,13 @@ from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
-from systolic.workloads.lm.hf.tensors import hf_gemma, hf_mixtral
+from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
@@ -68,6 +73,7 @@ def model_config(hf: dict[str, Any], src: Path, *, scan_layers: bool = False) ->
     failure is a UserError naming config.json."""
     model_type = _model_type(hf, src)
     _check_values(hf, src)
+    quant_method(hf, src)  # a quantization other than MXFP4 experts is refused by name
     try:
         built = _model_config(hf, src, model_type, scan_layers)
         # Through the schema, as a recipe's model section is: types coerced, every range validated.
@@ -101,7 +107,8 @@ _INTS = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num
          "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window",
          "max_window_layers", "original_max_position_embeddings", "sliding_window_pattern")
 _NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor",
-            "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq")
+            "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+            "swiglu_alpha", "swiglu_limit")
 CONFIG_MAX_BYTES = 4 << 20
 
 
@@ -143,6 +150,8 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
         return _gpt2_config(hf, src, common)
     if model_type in GEMMA_TYPES:
         return _gemma_config(hf, src, model_type, common)
+    if model_type == "gpt_oss":
+        return _gpt_oss_config(hf, src, common)
     # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
     _require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
                        **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
@@ -200,6 +209,43 @@ def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[s
         theta, scaling, local_theta = local_theta, RopeScalingConfig(), 0.0
     return ModelConfig(**out, qk_norm=True, rope_theta=theta, rope_scaling=scaling,
                        rope_local_theta=local_theta if len(kinds) == 2 else 0.0)
+
+
+def quant_method(hf: dict[str, Any], src: Path) -> str | None:
+    """config.json's quantization_config.quant_method: None (float weights) or mxfp4 (GPT-OSS's experts, which
+    the import dequantizes); any other is a UserError naming it."""
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method != "mxfp4" or hf.get("model_type") != "gpt_oss":
+        raise _unsupported(src, "quantization_config.quant_method", method, "no quantization_config (float weights), "
+                           "or mxfp4 on a GPT-OSS model's experts, which the import dequantizes")
+    return method
+
+
+def _gpt_oss_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> ModelConfig:
+    """GPT-OSS: the llama block with sinks, attention biases, alternating windows and its experts (module
+    docstring)."""
+    d, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or d // heads
+    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    window, layer_types = _layer_kinds(hf, src, types, hf.get("sliding_window"))
+    top_k = int(hf["num_experts_per_tok"])
+    # transformers before swiglu_alpha was a setting computed 1.702 (GptOssConfig's default now).
+    moe = MoeConfig(experts=int(hf["num_local_experts"]), top_k=top_k, mlp_dim=int(hf["intermediate_size"]),
+                    norm_topk_prob=True, aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
+                    router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+    bias = bool(hf.get("attention_bias", True))
+    return ModelConfig(
+        **common, family="llama", d_model=d, layers=layers, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=0 if head_dim == d // heads else head_dim, mlp_dim=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"], rope_theta=theta, rope_scaling=scaling, qkv_bias=bias,
+        attn_out_bias=bias, attn_sinks=True, sliding_window=window, layer_types=layer_types,
+        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe,
+    )
 
 
 def _gemma3_rope(hf: dict[str, Any], src: Path) -> tuple[float, RopeScalingConfig, float]:
@@ -336,6 +382,8 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
         return _gpt2_json(cfg, common)
     if model_type in GEMMA_TYPES:
         return _gemma_json(cfg, model_type, common)
+    if model_type == "gpt_oss":
+        return _gpt_oss_json(cfg, common)
     rope = _rope_json(cfg)
     out = {
         **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
@@ -383,6 +431,42 @@ def _gemma_json(cfg: ModelConfig, model_type: str, common: dict[str, Any]) -> di
             "rope_parameters": {"full_attention": rope, "sliding_attention": sliding}}
 
 
+def _gpt_oss_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a GPT-OSS that computes `cfg` (`_gpt_oss_architecture` checked it); float32 experts, so no
+    quantization_config."""
+    moe, rope = cfg.moe, _rope_json(cfg)
+    out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_expert, "num_hidden_layers": cfg.layers,
+           "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "attention_bias": cfg.qkv_bias,
+           "rope_theta": cfg.rope_theta, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+           "sliding_window": cfg.sliding_window or None, "num_local_experts": moe.experts,
+           "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
+           "swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit,
+           "layer_types": ["sliding_attention" if local and cfg.sliding_window else "full_attention"
+                           for local in cfg.local_layers]}
+    return {**out, "rope_scaling": rope} if cfg.rope_scaling.type != "none" else out
+
+
+def _gpt_oss_architecture(cfg: ModelConfig) -> str:
+    """gpt_oss when this run computes what GptOssForCausalLM does; a UserError naming what differs."""
+    moe = cfg.moe
+    wanted = {"model.attn_sinks": (cfg.attn_sinks, True), "model.attn_out_bias": (cfg.attn_out_bias, cfg.qkv_bias),
+              "model.qk_norm": (cfg.qk_norm, False), "model.moe.experts > 0": (moe.experts > 0, True),
+              "model.moe.every": (moe.every, 1), "model.moe.first": (moe.first, 0),
+              "model.moe.norm_topk_prob": (moe.norm_topk_prob, True), "model.moe.router_bias": (moe.router_bias, True),
+              "model.moe.expert_bias": (moe.expert_bias, True), "model.moe.swiglu_limit > 0": (moe.swiglu_limit > 0, True),
+              "model.moe.shared_experts": (moe.shared_experts, 0), "model.rope_local_theta": (cfg.rope_local_theta, 0.0)}
+    problems = [f"{key}={got} (GPT-OSS: {want})" for key, (got, want) in wanted.items() if got != want]
+    if problems:
+        raise UserError(
+            f"This run has GPT-OSS's switches (attention sinks, an output-projection bias or its experts' biases and "
+            f"clamped SwiGLU) but does not match GptOssForCausalLM: {'; '.join(problems)}. GPT-OSS has sinks, biases "
+            "on q, k, v and o together, and in every layer experts with a router bias, expert biases and the clamped "
+            "SwiGLU. Fix: only runs that one Hugging Face architecture computes can be exported."
+        )
+    return "gpt_oss"
+
+
 def _query_pre_attn_scalar(cfg: ModelConfig) -> int:
     """Gemma 2/3's query_pre_attn_scalar s, whose 1/sqrt(s) scales the logits: the head size by default."""
     if not cfg.attn_logit_scale:
@@ -417,6 +501,8 @@ def architecture(cfg: ModelConfig) -> str:
         return "gpt2"
     if hf_gemma(cfg):
         return _gemma_architecture(cfg)
+    if hf_gpt_oss(cfg):
+        return _gpt_oss_architecture(cfg)
     gemma_only = {"model.attn_logit_scale": cfg.attn_logit_scale, "model.attn_logit_softcap": cfg.attn_logit_softcap,
                   "model.final_logit_softcap": cfg.final_logit_softcap, "model.rope_local_theta": cfg.rope_local_theta}
     if any(gemma_only.values()):

@@ -44,11 +44,11 @@ from systolic.runtime.sharding import rules_for
 from systolic.runtime import memory
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.model import parametrization
-from systolic.workloads.lm.hf import safetensors_file
+from systolic.workloads.lm.hf import mxfp4, safetensors_file
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import DataConfig, LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
+from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, join, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.train import param_shardings
@@ -91,6 +91,20 @@ class Folder:
             for name, info in safetensors_file.read_header(path).items():
                 self.where[name] = path
                 self.shapes[name], self.dtypes[name] = info.shape, info.dtype
+        # MXFP4 tensors (GPT-OSS's experts, quantization_config.quant_method mxfp4): the blocks and scales stand
+        # for one float tensor of the dequantized shape, made when it is read.
+        self.mxfp4: dict[str, tuple[str, str]] = {}
+        config = hf_config.read_config(self.src) if (self.src / "config.json").is_file() else {}
+        if hf_config.quant_method(config, self.src) == "mxfp4":
+            for name in [n for n in self.where if n.endswith("_blocks")]:
+                base = name.removesuffix("_blocks")
+                blocks, scales = mxfp4.quantized_names(base)
+                if scales in self.where and self.dtypes[blocks] == self.dtypes[scales] == "U8":
+                    self.mxfp4[base] = (blocks, scales)
+                    self.where[base], self.shapes[base] = self.where[blocks], mxfp4.dequantized_shape(self.shapes[blocks])
+                    self.dtypes[base] = "F32"
+                    for part in (blocks, scales):
+                        del self.where[part], self.shapes[part], self.dtypes[part]
         self._last: tuple[str, np.ndarray] | None = None
 
     def resolve(self, name: str) -> str | None:
@@ -105,8 +119,11 @@ class Folder:
         if self._last is None or self._last[0] != name:  # GPT-2's c_attn is read once for q, k and v
             try:
                 with safe_open(self.where[name], framework="numpy") as f:
-                    tensor = f.get_tensor(name)
-            except (SafetensorError, OSError) as e:
+                    if name in self.mxfp4:
+                        tensor = mxfp4.dequantize(*(f.get_tensor(part) for part in self.mxfp4[name]))
+                    else:
+                        tensor = f.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as e:
                 raise UserError(f"{self.where[name]}: could not read tensor {name} ({e}). Expected a complete "
                                 "safetensors file. Fix: download the file again.") from None
             finite = np.isfinite(tensor)
@@ -204,7 +221,7 @@ def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
     out = []
     for name, group in group_by(pairs(cfg), lambda p: p.hf).items():
         group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn: q, k, v in this order
-        make = (lambda group=group: np.ascontiguousarray(np.concatenate([part(p) for p in group], axis=-1)))
+        make = (lambda group=group: np.ascontiguousarray(join(group, [part(p) for p in group])))
         out.append((name, hf_shape(group, part_shape(at(group[0].path).shape, group[0])), make))
     return out
 

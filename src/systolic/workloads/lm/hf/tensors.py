@@ -1,7 +1,9 @@
 """The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3, Mistral
 and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2/3's sandwich norms), the mixtures
 of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
-one slice of our stacked (E, ...) weights), and GPT-2.
+one slice of our stacked (E, ...) weights), GPT-OSS (q/k/v/o biases, sinks; its experts are one HF tensor each
+for all experts, in our (E, in, out) layout, the gate and up projections interleaved column by column in one
+gate_up_proj), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -40,6 +42,8 @@ class Tensor:
     part: tuple[int, int] = (0, 1)
     per_expert: bool = False  # one HF tensor per expert ("{j}" in `hf`): expert j's slice of our (E, ...) weight
     offset: float = 0.0  # ours = HF's + offset (Gemma's norms: 1)
+    stacked: bool = False  # the HF tensor has our (E, ...) shape as it is (GPT-OSS's experts): no 2-D flattening
+    interleave: bool = False  # the parts alternate along the last axis (part k: columns k, k + parts, ...)
 
 
 def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
@@ -98,6 +102,32 @@ def _moe_tensors(cfg: ModelConfig) -> list[Tensor]:
     return out
 
 
+def _gpt_oss(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
+    """(top-level tensors, each layer's tensors, per-layer name prefix) of GptOssForCausalLM: Llama's names plus
+    the attention's biases and sinks, and its MLP in every layer: a router with a bias and the experts stacked,
+    gate_up_proj (E, D, 2M) holding the gate's columns at even and the up projection's at odd indices."""
+    top, llama_layer, prefix = _llama(cfg)
+    stacked = lambda ours, hf, **kw: Tensor(("mlp", ours), f"mlp.experts.{hf}", stacked=True, **kw)  # noqa: E731
+    layer = [t for t in llama_layer(0) if t.ours[0] != "mlp"] + [
+        *([_vector(("attn", "bo"), "self_attn.o_proj.bias")] if cfg.attn_out_bias else []),  # (D,)
+        _vector(("attn", "sinks"), "self_attn.sinks"),  # (H,)
+        Tensor(("mlp", "router"), "mlp.router.weight", transpose=True),  # (E, D) -> (D, E)
+        _vector(("mlp", "router_bias"), "mlp.router.bias"),  # (E,)
+        stacked("w_gate", "gate_up_proj", part=(0, 2), interleave=True),  # (E, D, 2M) -> (E, D, M)
+        stacked("w_up", "gate_up_proj", part=(1, 2), interleave=True),
+        stacked("b_gate", "gate_up_proj_bias", part=(0, 2), interleave=True),  # (E, 2M) -> (E, M)
+        stacked("b_up", "gate_up_proj_bias", part=(1, 2), interleave=True),
+        stacked("w_down", "down_proj"),  # (E, M, D)
+        stacked("b_down", "down_proj_bias"),  # (E, D)
+    ]
+    return top, lambda i: layer, prefix
+
+
+def hf_gpt_oss(cfg: ModelConfig) -> bool:
+    """Whether the model exports as GPT-OSS (hf_config.architecture checks the rest): sinks or GPT-OSS's experts."""
+    return cfg.attn_sinks or cfg.attn_out_bias or cfg.moe.swiglu_limit > 0 or cfg.moe.expert_bias or cfg.moe.router_bias
+
+
 def hf_gemma(cfg: ModelConfig) -> bool:
     """Whether the model exports as one of the Gemmas (hf_config.architecture says which), whose norms store w =
     scale - 1: Gemma's embedding scale, GeGLU or sandwich norms, which no other architecture here has."""
@@ -150,7 +180,8 @@ class Pair:
 
 def pairs(cfg: ModelConfig) -> list[Pair]:
     """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    top, layer_tensors, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg)
+    layout = _gpt2 if cfg.family == "gpt2" else _gpt_oss if hf_gpt_oss(cfg) else _llama
+    top, layer_tensors, prefix = layout(cfg)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):
         for t in layer_tensors(i):
@@ -166,7 +197,10 @@ def pairs(cfg: ModelConfig) -> list[Pair]:
 def to_ours(t: Tensor, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """An HF tensor -> our parameter (one layer's slice of it when stacked), float32."""
     index, parts = t.part
-    x = np.split(x, parts, axis=-1)[index] if parts > 1 else x  # (..., out / parts)
+    if t.interleave:
+        x = x[..., index::parts]  # (..., out / parts)
+    elif parts > 1:
+        x = np.split(x, parts, axis=-1)[index]  # (..., out / parts)
     x = x.T if t.transpose else x  # torch Linear (out, in) -> (in, out)
     x = np.asarray(x, np.float32).reshape(shape)
     return x + np.float32(t.offset) if t.offset else x
@@ -174,6 +208,8 @@ def to_ours(t: Tensor, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def to_hf(t: Tensor, x: np.ndarray) -> np.ndarray:
     """Our parameter (one layer of it) -> its part of the HF tensor."""
+    if t.stacked:
+        return x
     x = x.reshape(-1) if t.in_axes is None else x.reshape(math.prod(x.shape[: t.in_axes]), -1)  # (in, out)
     x = np.asarray(x, np.float32) - np.float32(t.offset) if t.offset else x
     return x.T if t.transpose else x  # (in, out) -> torch Linear's (out, in)
@@ -183,11 +219,20 @@ def hf_shape(group: list[Pair], shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the HF tensor made of `group`'s parts, each of our (per-layer) `shape`; what `to_hf` and the
     concatenation of the parts give, without building it."""
     t = group[0].tensor
+    if t.stacked:
+        return (*shape[:-1], shape[-1] * len(group))
     if t.in_axes is None:
         return (math.prod(shape) * len(group),)
     rows, cols = math.prod(shape[: t.in_axes]), math.prod(shape[t.in_axes:])  # (in, out)
     rows, cols = (cols, rows) if t.transpose else (rows, cols)
     return (rows, cols * len(group))
+
+
+def join(group: list[Pair], parts: list[np.ndarray]) -> np.ndarray:
+    """The HF tensor made of `group`'s parts (`to_hf` of each, in part order): side by side, or interleaved."""
+    if group[0].tensor.interleave:
+        return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., out * parts): column by column
+    return np.concatenate(parts, axis=-1)
 
 
 def group_by(items: list[Pair], key: Callable[[Pair], Any]) -> dict[Any, list[Pair]]:

@@ -22,6 +22,10 @@ splash's `attn_logits_soft_cap`; `jax.nn.dot_product_attention` has none, so wit
 the plain formulation written here (also what decoding with a KV cache runs), auto picks it over cuDNN and the cpu
 formulation, and a forced cudnn is refused by the config.
 
+Attention sinks (`model.attn_sinks`, GPT-OSS's learned logit per query head that joins the softmax's denominator,
+so a query may give its keys less than all of its attention) are only in `masked_attention`: auto picks xla for
+them on every platform (the (T, T) scores in memory), and the config refuses a forced splash or cudnn.
+
 `model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
 platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
 error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
@@ -53,12 +57,14 @@ SPLASH_BLOCKS = (512, 256, 128)
 
 
 def choose(setting: str, *, dtype: jnp.dtype, head_dim: int, seq_len: int, segments: bool = False,
-           softcap: bool = False) -> str:
+           softcap: bool = False, sinks: bool = False) -> str:
     """The implementation that `model.attention=setting` means for the program being traced, one of
     IMPLEMENTATIONS; raises a ConfigError for a forced one that this platform, dtype, head size or sequence length
     cannot run (`segments`: with packed documents' segment ids; `softcap`: with soft-capped logits, which cuDNN
-    and the cpu formulation do not compute)."""
+    and the cpu formulation do not compute; `sinks`: with attention sinks, which only xla computes)."""
     platform = compile_platform()
+    if setting == "auto" and sinks:
+        return "xla"
     if setting == "auto":
         if platform == "tpu":
             return "splash" if seq_len % SPLASH_BLOCKS[-1] == 0 else "xla"
@@ -98,22 +104,23 @@ def _cudnn_takes(dtype: jnp.dtype, head_dim: int) -> bool:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, segment_ids: jax.Array | None = None,
-                     window: int = 0, softcap: float = 0.0) -> jax.Array:
+                     window: int = 0, softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention with `impl` (one of IMPLEMENTATIONS, see `choose`): q (B, T, H, hd), k and
     v (B, T, KV, hd), H a multiple of KV, query head h reading key/value head h // (H // KV) -> (B, T, H, hd).
     With `segment_ids` (B, T) int32 a query attends only to keys of its own segment (packed documents); with
     `window` W > 0 only to keys at most W - 1 positions before it; with `softcap` > 0 the scaled logits s become
-    softcap * tanh(s / softcap)."""
+    softcap * tanh(s / softcap); with `sinks` (H,) float32 each head's sink logit joins its softmax's denominator."""
     if impl == "splash":
+        assert sinks is None, "the config refuses splash with sinks"
         return splash_attention(q, k, v, segment_ids, window=window, softcap=softcap)
-    if softcap:
-        assert impl == "xla", impl  # `choose` picks xla for a cap; the config refuses a forced cudnn
+    if softcap or sinks is not None:
+        assert impl == "xla", impl  # `choose` picks xla for a cap or sinks; the config refuses a forced cudnn
         T = q.shape[1]
         positions = jnp.arange(T)
         mask = decode_mask(positions, T, window)[None]  # (1, T, T)
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])  # (B, T, T)
-        return masked_attention(q, k, v, mask, softcap=softcap)
+        return masked_attention(q, k, v, mask, softcap=softcap, sinks=sinks)
     if impl == "cpu":
         return cpu.causal_attention(q, k, v, segment_ids, window=window)
     assert impl in ("cudnn", "xla"), impl
@@ -138,10 +145,12 @@ def decode_mask(positions: jax.Array, keys: int, window: int | jax.Array) -> jax
     return mask & ((key_positions > positions[:, None] - window) | (window <= 0))
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, softcap: float = 0.0) -> jax.Array:
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, softcap: float = 0.0,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention in plain JAX under an explicit mask, with optional logit soft-capping: q (B, T, H, hd),
     k and v (B, S, KV, hd), mask (B or 1, T, S) bool (True: may attend) -> (B, T, H, hd). Scores and softmax in
-    float32, as transformers' eager attention computes them."""
+    float32, as transformers' eager attention computes them. With `sinks` (H,) float32, head h's softmax is over
+    its scores and one more logit sinks[h] whose probability is dropped (GPT-OSS): the weights sum to less than 1."""
     B, T, H, hd = q.shape
     KV = k.shape[2]
     qg = q.reshape(B, T, KV, H // KV, hd)  # (B, T, KV, G, hd): query head h reads key/value head h // G
@@ -149,7 +158,13 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # (B, KV, G, T, S); every query sees at least itself
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # (B, KV, G, T, S); every query sees at least itself
+    else:
+        sink = sinks.astype(jnp.float32).reshape(KV, H // KV)[None, :, :, None, None]  # (1, KV, G, 1, 1)
+        m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sink)  # (B, KV, G, T, 1): the sink's logit included
+        e = jnp.exp(s - m)  # (B, KV, G, T, S)
+        p = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)  # (B, T, KV, G, hd)
     return out.reshape(B, T, H, hd).astype(q.dtype)
 

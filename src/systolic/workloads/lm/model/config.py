@@ -126,6 +126,12 @@ class MoeConfig:
     aux_loss_weight: float = 0.01  # the load-balancing loss E * sum_e f_e P_e (1.0 when balanced) in the loss
     z_loss_weight: float = 0.001  # the router z-loss mean(logsumexp(logits)^2) in the loss
     capacity_factor: float = 0.0  # 0: dropless; > 0: dense dispatch with this much capacity per expert and sequence
+    router_bias: bool = False  # GPT-OSS: a learned bias on the router's logits
+    expert_bias: bool = False  # GPT-OSS: biases on each expert's gate, up and down projections
+    # GPT-OSS's clamped SwiGLU, both > 0 or both 0 (plain silu(gate) * up): gate clamped above at swiglu_limit, up
+    # to [-limit, limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.experts > 0 and layer >= self.first and (layer + 1) % self.every == 0
@@ -153,6 +159,19 @@ class MoeConfig:
                 "model.moe.shared_gate=true gates the shared experts' output, but model.moe.shared_experts=0. Fix: "
                 "model.moe.shared_experts=1 (Qwen2-MoE has one shared expert), or model.moe.shared_gate=false."
             )
+        if self.expert_bias and self.capacity_factor:
+            raise ConfigError(
+                f"model.moe.expert_bias=true with model.moe.capacity_factor={self.capacity_factor}: the experts' "
+                "down-projection bias is added by the routing weights after a dropless dispatch; a capacity "
+                "dispatch would add it for assignments it dropped. Fix: model.moe.capacity_factor=0 (dropless, as "
+                "GPT-OSS routes)."
+            )
+        if self.swiglu_limit < 0 or self.swiglu_alpha < 0 or (self.swiglu_limit > 0) != (self.swiglu_alpha > 0):
+            raise ConfigError(
+                f"model.moe.swiglu_limit={self.swiglu_limit} and model.moe.swiglu_alpha={self.swiglu_alpha}: GPT-OSS's "
+                "clamped SwiGLU takes both (each greater than 0), the plain SwiGLU neither (both 0). Fix: e.g. "
+                "model.moe.swiglu_limit=7 model.moe.swiglu_alpha=1.702 (GPT-OSS), or both 0."
+            )
 
 
 MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
@@ -163,8 +182,8 @@ class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
     family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral), `layer_types` (Qwen2 and Gemma 2/3's
     mix of sliding and full layers), `rope_scaling` (Llama 3.1), and Gemma's `mlp_activation`, `embed_multiplier`,
-    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta` switch on what the open model
-    families add to the block."""
+    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta`, and GPT-OSS's `attn_sinks` and
+    `attn_out_bias` switch on what the open model families add to the block."""
 
     family: Literal["llama", "gpt2"] = "llama"
     vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
@@ -195,6 +214,10 @@ class ModelConfig:
     attn_logit_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # > 0: attention logits s -> cap * tanh(s / cap) before the softmax (Gemma 2)
     final_logit_softcap: float = 0.0  # > 0: output logits z -> cap * tanh(z / cap) (Gemma 2)
+    # GPT-OSS: a learned logit per query head that joins each softmax's denominator (attention "sinks": a query may
+    # attend to nothing), and a bias on the attention's output projection
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -310,7 +333,8 @@ class ModelConfig:
                       f"model.norm_placement={self.norm_placement}": self.norm_placement != "pre",
                       f"model.attn_logit_scale={self.attn_logit_scale}": self.attn_logit_scale,
                       f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
-                      f"model.final_logit_softcap={self.final_logit_softcap}": self.final_logit_softcap}
+                      f"model.final_logit_softcap={self.final_logit_softcap}": self.final_logit_softcap,
+                      "model.attn_sinks=true": self.attn_sinks, "model.attn_out_bias=true": self.attn_out_bias}
         asked = [key for key, on in llama_only.items() if on]
         if self.family == "gpt2" and asked:
             raise ConfigError(
@@ -320,6 +344,7 @@ class ModelConfig:
                 "defaults (false, none, 0, silu, 1, pre)."
             )
         self._check_gemma_switches()
+        self._check_sinks()
         self._check_layer_types()
         if self.lora.rank:
             self.lora.target_names(self.family)  # a ConfigError naming the valid ones
@@ -356,6 +381,15 @@ class ModelConfig:
             raise ConfigError(
                 f"model.mlp_activation={self.mlp_activation} with model.moe.experts={self.moe.experts}: the experts "
                 "are SwiGLU MLPs (silu gates). Fix: model.mlp_activation=silu for a mixture of experts."
+            )
+
+    def _check_sinks(self) -> None:
+        """Attention sinks need an attention that adds them to its softmax: the plain XLA formulation."""
+        if self.attn_sinks and self.attention in ("splash", "cudnn"):
+            raise ConfigError(
+                f"model.attention={self.attention} with model.attn_sinks=true: the {self.attention} kernel's softmax "
+                "has no sink logits (GPT-OSS's per-head term in the denominator). Fix: model.attention=auto, which "
+                "runs the XLA formulation with the sinks, or model.attention=xla."
             )
 
     def _check_layer_types(self) -> None:

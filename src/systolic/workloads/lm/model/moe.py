@@ -3,7 +3,10 @@ each also expert-parallel over the `expert` mesh axis.
 
 Routing (Mixtral, Qwen-MoE): softmax over the router's float32 logits, the top k experts per token, their
 probabilities renormalised to sum to 1 when `norm_topk_prob` (softmax over the top-k logits, as Mixtral does).
-The token's output is the weighted sum of its k experts' SwiGLU outputs.
+The token's output is the weighted sum of its k experts' SwiGLU outputs. GPT-OSS adds a bias to the router's
+logits (`route`'s bias), biases to the experts' projections and a clamped SwiGLU (`SwigluClamp`); the down
+projection's bias is added after the dispatch, as the routing weights' sum of the chosen experts' biases
+(`down_bias`), so the dispatches and their partial sums over `tensor` never see it.
 
 - Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
   grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
@@ -56,11 +59,15 @@ class MoeStats(NamedTuple):
     dropped: jax.Array  # () float32: the share of assignments over capacity (0 when dropless)
 
 
-def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
-    """x (..., D) any dtype, w_router (D, E) float32 -> the routing, computed in float32 at full precision: the
-    softmax and the top-k choice are sensitive to bf16 rounding of the logits."""
+def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool, *,
+          bias: jax.Array | None = None) -> Routing:
+    """x (..., D) any dtype, w_router (D, E) float32, optional bias (E,) float32 on the logits -> the routing,
+    computed in float32 at full precision: the softmax and the top-k choice are sensitive to bf16 rounding of the
+    logits. (GPT-OSS's softmax over the top k logits is the renormalised top k of the softmax: norm_topk_prob.)"""
     logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router,
                         precision=jax.lax.Precision.HIGHEST)  # (..., E)
+    if bias is not None:
+        logits = logits + bias
     probs = jax.nn.softmax(logits, axis=-1)  # (..., E)
     top, experts = jax.lax.top_k(probs, top_k)  # (..., k) each
     if norm_topk_prob:
@@ -97,12 +104,48 @@ def metrics(stats: MoeStats, capacity: bool) -> dict[str, jax.Array]:
 # THE EXPERTS' MATH ON ONE DEVICE ------------------------------------------------------------------------------
 
 
+class SwigluClamp(NamedTuple):
+    """GPT-OSS's clamped SwiGLU (model.moe.swiglu_alpha, swiglu_limit), static."""
+
+    alpha: float
+    limit: float
+
+
 class Experts(NamedTuple):
-    """SwiGLU experts' weights in the compute dtype: the local ones inside shard_map."""
+    """SwiGLU experts' weights in the compute dtype: the local ones inside shard_map; GPT-OSS's gate and up biases
+    and clamp when it has them (the down projection's bias: `down_bias`)."""
 
     w_gate: jax.Array  # (E, D, M)
     w_up: jax.Array  # (E, D, M)
     w_down: jax.Array  # (E, M, D)
+    b_gate: jax.Array | None = None  # (E, M)
+    b_up: jax.Array | None = None  # (E, M)
+    clamp: SwigluClamp | None = None  # static: not an array, kept out of shard_map's operands
+
+    @property
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The weights (and biases, when present) in field order: shard_map's operands."""
+        return tuple(a for a in self[:5] if a is not None)
+
+    def with_arrays(self, arrays: tuple[jax.Array, ...]) -> Experts:
+        """These experts with `arrays` (as `arrays` gives them: this device's part inside shard_map) in place."""
+        return Experts(*arrays, clamp=self.clamp)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, clamp: SwigluClamp | None) -> jax.Array:
+    """silu(gate) * up, or with `clamp` GPT-OSS's gate * sigmoid(alpha * gate) * (up + 1) of the gate clamped above
+    at limit and up clamped to [-limit, limit] (transformers' GptOssExperts._apply_gate)."""
+    if clamp is None:
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, clamp.limit)
+    up = jnp.clip(up, -clamp.limit, clamp.limit)
+    return gate * jax.nn.sigmoid(gate * clamp.alpha) * (up + 1)
+
+
+def down_bias(b_down: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """GPT-OSS's down-projection bias of each token's output: b_down (E, D), experts and weights (..., k) ->
+    (..., D) float32, sum_j weights_j * b_down[experts_j] (each expert adds its bias to its weighted output)."""
+    return jnp.einsum("...k,...kd->...d", weights, jnp.take(b_down, experts, axis=0).astype(jnp.float32))
 
 
 def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Array:
@@ -111,11 +154,19 @@ def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Ar
     if cpu.cpu_tweak("grouped"):  # the rows stay in tiles through the three matmuls
         tiles = cpu.tile_layout(group_sizes, xs.shape[0])
         xt = cpu.to_tiles(xs, tiles)  # (tiles, t, D)
-        h = jax.nn.silu(cpu.tiled_matmul(xt, w.w_gate, tiles)) * cpu.tiled_matmul(xt, w.w_up, tiles)  # (tiles, t, M)
+        gate, up = cpu.tiled_matmul(xt, w.w_gate, tiles), cpu.tiled_matmul(xt, w.w_up, tiles)  # (tiles, t, M) each
+        if w.b_gate is not None:  # each tile is one expert's; padding rows never leave the tiles
+            gate, up = gate + w.b_gate[tiles.group][:, None], up + w.b_up[tiles.group][:, None]
+        h = swiglu(gate, up, w.clamp)  # (tiles, t, M)
         return cpu.from_tiles(cpu.tiled_matmul(h, w.w_down, tiles), tiles)  # (R, D)
     gate = jax.lax.ragged_dot(xs, w.w_gate, group_sizes)  # (R, M)
     up = jax.lax.ragged_dot(xs, w.w_up, group_sizes)  # (R, M)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.w_down, group_sizes)  # (R, D)
+    if w.b_gate is not None:
+        # Each row's expert; rows past the groups get E, whose bias is zero, so they still come out zero.
+        ids = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(xs.shape[0]), side="right")  # (R,)
+        gate = gate + jnp.take(w.b_gate, ids, axis=0, mode="fill", fill_value=0)
+        up = up + jnp.take(w.b_up, ids, axis=0, mode="fill", fill_value=0)
+    return jax.lax.ragged_dot(swiglu(gate, up, w.clamp), w.w_down, group_sizes)  # (R, D)
 
 
 def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
@@ -163,7 +214,9 @@ def _slots_swiglu(xe: jax.Array, w: Experts) -> jax.Array:
     """xe (G, E, C, D) each expert's slots -> (G, E, C, D): batched dense matmuls, one per expert."""
     gate = jnp.einsum("gecd,edm->gecm", xe, w.w_gate)  # (G, E, C, M)
     up = jnp.einsum("gecd,edm->gecm", xe, w.w_up)  # (G, E, C, M)
-    return jnp.einsum("gecm,emd->gecd", jax.nn.silu(gate) * up, w.w_down)  # (G, E, C, D)
+    if w.b_gate is not None:  # empty slots gain them too, but their combine weights are zero
+        gate, up = gate + w.b_gate[:, None], up + w.b_up[:, None]
+    return jnp.einsum("gecm,emd->gecd", swiglu(gate, up, w.clamp), w.w_down)  # (G, E, C, D)
 
 
 def capacity_dispatch(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts, capacity_factor: float,
@@ -255,13 +308,14 @@ def experts_forward(x: jax.Array, r: Routing, w: Experts, capacity_factor: float
     rows = P(batch_axes, seq_axes)
     token_axes = batch_axes + ((seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes or ()))
     up, down = P(expert_axis, None, mlp_axis), P(expert_axis, mlp_axis, None)  # gathered over embed's fsdp
+    specs = (up, up, down, P(expert_axis, mlp_axis), P(expert_axis, mlp_axis))[: len(w.arrays)]  # + biases
 
-    def local(x, experts, weights, w_gate, w_up, w_down):
-        y, dropped = _local(x, experts, weights, Experts(w_gate, w_up, w_down), capacity_factor, ep, tp)
+    def local(x, experts, weights, *arrays):
+        y, dropped = _local(x, experts, weights, w.with_arrays(arrays), capacity_factor, ep, tp)
         return y, jax.lax.pmean(dropped, token_axes)
 
-    y, dropped = jax.shard_map(local, in_specs=(rows, rows, rows, up, up, down), out_specs=(rows, P()))(
-        x, experts, weights, *w)
+    y, dropped = jax.shard_map(local, in_specs=(rows, rows, rows, *specs), out_specs=(rows, P()))(
+        x, experts, weights, *w.arrays)
     return y, dropped
 
 

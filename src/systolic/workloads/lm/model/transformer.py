@@ -11,12 +11,14 @@ weight/bias:
     blocks.attn.wq, wk, wv  self_attn.{q,k,v}_proj (rotate-half) | attn.c_attn split in three (+ bq, bk, bv)
     blocks.attn.bq, bk, bv  self_attn.{q,k,v}_proj.bias (qkv_bias) | (above)
     blocks.attn.q_norm, k_norm  self_attn.{q,k}_norm (qk_norm)  | -
-    blocks.attn.wo          self_attn.o_proj                    | attn.c_proj (+ bo)
+    blocks.attn.wo          self_attn.o_proj (+ bo: attn_out_bias) | attn.c_proj (+ bo)
+    blocks.attn.sinks       self_attn.sinks (GPT-OSS, attn_sinks) | -
     blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, norm_placement=sandwich) | -
     blocks.mlp_norm         post_attention_layernorm (pre_feedforward_layernorm in Gemma 2/3) | ln_2
     blocks.mlp_post_norm    post_feedforward_layernorm (Gemma 2/3)  | -
     blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
     blocks.mlp (model.moe)  router, experts stacked (E, ...) w_gate, w_up, w_down, shared, shared_gate (hf_tensors.py)
+                            (+ router_bias, b_gate, b_up, b_down: GPT-OSS's router.bias and experts' biases)
     final_norm              model.norm                          | ln_f
     lm_head                 lm_head (absent when tie_embeddings)
 
@@ -211,7 +213,9 @@ class Attention(_Projecting):
             self.bv = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
         else:
             self.bq = self.bk = self.bv = None
-        self.bo = _param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" else None
+        self.bo = _param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" or cfg.attn_out_bias else None
+        # GPT-OSS's sinks: one logit per query head in the softmax's denominator (attention.masked_attention).
+        self.sinks = _param(rngs.params(), (h,), ("heads",), cfg.init_std) if cfg.attn_sinks else None
         if cfg.qk_norm:
             self.q_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
             self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
@@ -244,16 +248,24 @@ class Attention(_Projecting):
             q = q * self.q_scale
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         split = context.current_split() if kv is None else None
+        sinks = None if self.sinks is None else self.sinks[...]  # (H,) float32, added to float32 scores
+        if split is not None and sinks is not None:
+            raise UserError(
+                "model.attn_sinks=true with the sequence split over the mesh's context axis: the ring and all-gather "
+                "attentions of context parallelism have no sink logits. Fix: mesh.context=1 for this model."
+            )
         if split is not None:  # the sequence split over the context axis (lm/parallel/context.py), in its balanced order
             out = self._by_window(local, lambda window: context.attention(
                 q, k, v, segment_ids, split=split, variant=self.context_attention, window=window))  # (B, T, H, hd)
         elif kv is None:
             impl = attention.choose(self.attention_setting, dtype=dt, head_dim=q.shape[-1], seq_len=q.shape[1],
-                                    segments=segment_ids is not None, softcap=bool(self.softcap))
+                                    segments=segment_ids is not None, softcap=bool(self.softcap), sinks=sinks is not None)
             out = self._by_window(local, lambda window: attention.causal_attention(
-                q, k, v, impl=impl, segment_ids=segment_ids, window=window, softcap=self.softcap))  # (B, T, H, hd)
+                q, k, v, impl=impl, segment_ids=segment_ids, window=window, softcap=self.softcap,
+                sinks=sinks))  # (B, T, H, hd)
         elif isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
-            out, kv = kv.attend(q[0], k[0], v[0], window=self._window(local), softcap=self.softcap)  # (T, H, hd)
+            out, kv = kv.attend(q[0], k[0], v[0], window=self._window(local), softcap=self.softcap,
+                                sinks=sinks)  # (T, H, hd)
             out = out[None]  # (1, T, H, hd)
         else:
             assert segment_ids is None, "decoding attends over one document per row"
@@ -262,8 +274,9 @@ class Attention(_Projecting):
             ck = jax.lax.dynamic_update_slice(kv[0], k, (0, start, 0, 0))  # (B, S, KV, hd)
             cv = jax.lax.dynamic_update_slice(kv[1], v, (0, start, 0, 0))  # (B, S, KV, hd)
             mask = attention.decode_mask(start + jnp.arange(q.shape[1]), ck.shape[1], self._window(local))  # (T, S)
-            if self.softcap:  # jax.nn.dot_product_attention has no soft-capping
-                out = attention.masked_attention(q, ck, cv, mask[None], softcap=self.softcap)  # (B, T, H, hd)
+            if self.softcap or sinks is not None:  # jax.nn.dot_product_attention has neither
+                out = attention.masked_attention(q, ck, cv, mask[None], softcap=self.softcap,
+                                                 sinks=sinks)  # (B, T, H, hd)
             else:
                 out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
@@ -331,7 +344,8 @@ class MLP(_Projecting):
 class MoE(nnx.Module):
     """A mixture of SwiGLU experts (model.moe, lm/model/moe.py): a float32 router picks top_k of `experts` per token;
     optional shared experts (one MLP of shared_experts * the expert width) see every token, scaled by a sigmoid
-    gate with `shared_gate` (Qwen2-MoE). Expert weights carry the logical `experts` axis (split over the `expert`
+    gate with `shared_gate` (Qwen2-MoE). GPT-OSS adds a router bias, expert biases and a clamped SwiGLU (model.moe's
+    router_bias, expert_bias, swiglu_limit). Expert weights carry the logical `experts` axis (split over the `expert`
     mesh axis) and `expert_mlp` (their hidden axis)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -344,6 +358,14 @@ class MoE(nnx.Module):
         self.w_down = _param(rngs.params(), (e, m, d), ("experts", "expert_mlp", "embed"), std / math.sqrt(2 * cfg.layers))
         self.shared = MLP(cfg, rngs=rngs, width=moe.shared_experts * m) if moe.shared_experts else None
         self.shared_gate = _param(rngs.params(), (d, 1), ("embed", None), std) if moe.shared_gate else None
+        self.router_bias = _param(rngs.params(), (e,), (None,), 0) if moe.router_bias else None
+        if moe.expert_bias:
+            self.b_gate = _param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
+            self.b_up = _param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
+            self.b_down = _param(rngs.params(), (e, d), ("experts", None), 0)
+        else:
+            self.b_gate = self.b_up = self.b_down = None
+        self.clamp = moe_lib.SwigluClamp(moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, moe_lib.MoeStats]:
         """x (B, T, D) -> (y (B, T, D), this layer's stats)."""
@@ -352,9 +374,14 @@ class MoE(nnx.Module):
         # Rows of B*T tokens (XLA partitions top_k over one split axis), but (B, T) when the sequence is split over
         # the context axis: flattening rows split over two mesh axes would gather the sequence (x).
         tokens = x if context.current_split() else x.reshape(b * t, d)
-        routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob)
-        w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+        routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob,
+                                bias=None if self.router_bias is None else self.router_bias[...])
+        biases = () if self.b_gate is None else (self.b_gate[...].astype(dt), self.b_up[...].astype(dt))
+        w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
+                            *biases, clamp=self.clamp)
         y, dropped = moe_lib.experts_forward(x, routing, w, self.capacity_factor)  # (B, T, D)
+        if self.b_down is not None:  # GPT-OSS: each chosen expert's bias, by its routing weight
+            y = y + moe_lib.down_bias(self.b_down[...], routing.experts, routing.weights).reshape(b, t, d).astype(dt)
         if self.shared is not None:
             shared = self.shared(x)  # (B, T, D)
             if self.shared_gate is not None:

@@ -18,7 +18,9 @@ attention's running max and sum) over two sets of keys:
   so memory stays at one block per token whatever the context length; the loop runs only over the blocks some
   token of this step needs (none for a fresh prompt; a sliding window skips the blocks before it).
 Logits are soft-capped (Gemma 2's cap * tanh(s / cap)) before the masking when `softcap` > 0; a layer's window may
-be a traced value (a scan over stacked layers of both kinds, `model.layer_types`).
+be a traced value (a scan over stacked layers of both kinds, `model.layer_types`). GPT-OSS's attention sinks (one
+logit per query head that joins the softmax's denominator) enter the online softmax last, as one more key whose
+value is zero.
 """
 
 from __future__ import annotations
@@ -83,11 +85,11 @@ class PagedKV(NamedTuple):
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | jax.Array,
-               softcap: float = 0.0) -> tuple[jax.Array, PagedKV]:
+               softcap: float = 0.0, sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKV]:
         """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
         pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
         out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window, softcap=softcap,
-                                     page_tokens=self.page_tokens)
+                                     sinks=sinks, page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
 
 
@@ -104,11 +106,13 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array, slo
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool, layer: jax.Array | int,
                            batch: RaggedBatch, *, window: int | jax.Array = 0, softcap: float = 0.0,
-                           block_keys: int | None = None, page_tokens: int | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None, block_keys: int | None = None,
+                           page_tokens: int | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
     positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd),
     this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value head
-    h // (H // KV)). The positions before each sequence's chunk are read from the
+    h // (H // KV)); with `sinks` (H,) head h's logit sinks[h] joins each softmax's denominator. The positions
+    before each sequence's chunk are read from the
     pool's pages, `block_keys` at a time (default `keys_per_block()`); the chunk's own keys from k and v.
     `page_tokens` (static): only the first this many tokens have positions before their chunk (the scheduler puts
     decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
@@ -129,11 +133,23 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool,
     m, l, acc = _chunk_attention(qg, k, v, batch, first, real, softcap)
     chunk_start = (batch.kv_lens - jnp.diff(batch.cu_q_lens))[batch.rows]  # (T,) positions before: in the pages
     n = T if page_tokens is None else page_tokens
-    _, l_paged, acc_paged = _page_attention(qg[:n], pool, layer, batch.page_table[batch.rows[:n]], first[:n],
-                                            chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys, softcap)
-    l, acc = l.at[:n].set(l_paged), acc.at[:n].set(acc_paged)
+    m_paged, l_paged, acc_paged = _page_attention(qg[:n], pool, layer, batch.page_table[batch.rows[:n]], first[:n],
+                                                  chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys,
+                                                  softcap)
+    m, l, acc = m.at[:n].set(m_paged), l.at[:n].set(l_paged), acc.at[:n].set(acc_paged)
+    if sinks is not None:
+        l, acc = _with_sinks(sinks.reshape(KV, -1), m, l, acc)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
     return out.reshape(T, H, hd).astype(q.dtype)
+
+
+def _with_sinks(sinks: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The online softmax's (l, acc) after one more key per head, of logit sinks (KV, G) and value zero: the sum
+    gains exp(sink), rescaled with acc to the larger of the running max m (T, KV, G) and the sink."""
+    sinks = sinks.astype(jnp.float32)[None]  # (1, KV, G)
+    m_new = jnp.maximum(m, sinks)  # (T, KV, G): finite, even for a padding token that saw no key
+    scale = jnp.exp(m - m_new)  # (T, KV, G); exp(-inf) = 0 where no key was seen
+    return l * scale + jnp.exp(sinks - m_new), acc * scale[..., None]
 
 
 def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real, softcap):

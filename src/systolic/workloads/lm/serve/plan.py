@@ -107,7 +107,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         kv_bytes_per_token=kv_bytes, kv_formula=formula, kv_split=split,
         page_size=page_size, matmul_flops_per_token=2.0 * matmul, head_flops_per_row=2.0 * model.d_model * vocab,
         attention_flops_per_key=4.0 * model.layers * model.heads * model.d_head,
-        window=model.sliding_window if all(model.local_layers) else 0,  # with full layers: every key, a bound
+        window=model.sliding_window if any(model.local_layers) else 0,
+        window_share=sum(model.local_layers) / model.layers,
         int8_matmuls=weights == "w8a8",
         lower_step=lower_step)
 
