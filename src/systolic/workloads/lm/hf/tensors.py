@@ -1,7 +1,7 @@
 """The tensor map between the lm model's parameters and Hugging Face's tensors: Llama (and Qwen2, Qwen3, Mistral
 and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2/3's sandwich norms), the mixtures
 of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
-one slice of our stacked (E, ...) weights), and GPT-2.
+one slice of our stacked (E, ...) weights), DeepSeek-V3 (multi-head latent attention, DeepSeek's router), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -98,6 +98,35 @@ def _moe_tensors(cfg: ModelConfig) -> list[Tensor]:
     return out
 
 
+def _deepseek(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
+    """(top-level tensors, each layer's tensors, per-layer name prefix) of DeepseekV3ForCausalLM: Llama's embeddings
+    and norms, multi-head latent attention (lm/model/mla.py), and from layer model.moe.first on DeepSeek's experts
+    (a router with its score correction bias, shared experts); the layers before keep Llama's dense MLP."""
+    top, llama_layer, prefix = _llama(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=0)))
+    dense = [t for t in llama_layer(0) if t.ours[0] in ("attn_norm", "mlp_norm", "mlp")]
+    if cfg.mla.q_lora_rank:  # (rq, D) -> (D, rq); norm (rq,); (H*qk, rq) -> (rq, H, qk)
+        queries = [Tensor(("attn", "wq_a"), "self_attn.q_a_proj.weight", transpose=True),
+                   _vector(("attn", "q_norm", "scale"), "self_attn.q_a_layernorm.weight"),
+                   Tensor(("attn", "wq_b"), "self_attn.q_b_proj.weight", transpose=True)]
+    else:
+        queries = [Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True)]  # (H*qk, D) -> (D, H, qk)
+    attention = [
+        *queries,
+        Tensor(("attn", "wkv_a"), "self_attn.kv_a_proj_with_mqa.weight", transpose=True),  # (r+rope, D) -> (D, r+rope)
+        _vector(("attn", "kv_norm", "scale"), "self_attn.kv_a_layernorm.weight"),  # (r,)
+        Tensor(("attn", "wkv_b"), "self_attn.kv_b_proj.weight", transpose=True),  # (H*(nope+v), r) -> (r, H, nope+v)
+        Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*v) -> (H, v, D)
+    ]
+    expert = lambda ours, hf: Tensor(("mlp", ours), hf, transpose=True, per_expert=True)  # noqa: E731
+    moe = [Tensor(("mlp", "router"), "mlp.gate.weight", transpose=True),  # (E, D) -> (D, E)
+           _vector(("mlp", "score_correction"), "mlp.gate.e_score_correction_bias"),  # (E,)
+           *(expert(f"w_{w}", f"mlp.experts.{{j}}.{w}_proj.weight") for w in ("gate", "up", "down")),
+           *(Tensor(("mlp", "shared", f"w_{w}"), f"mlp.shared_experts.{w}_proj.weight", transpose=True)
+             for w in ("gate", "up", "down"))]  # (S*M, D) -> (D, S*M), down (D, S*M) -> (S*M, D)
+    norms, dense_mlp = dense[:2], dense[2:]
+    return top, lambda i: norms + attention + (moe if cfg.moe.is_moe_layer(i) else dense_mlp), prefix
+
+
 def hf_gemma(cfg: ModelConfig) -> bool:
     """Whether the model exports as one of the Gemmas (hf_config.architecture says which), whose norms store w =
     scale - 1: Gemma's embedding scale, GeGLU or sandwich norms, which no other architecture here has."""
@@ -150,7 +179,7 @@ class Pair:
 
 def pairs(cfg: ModelConfig) -> list[Pair]:
     """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    top, layer_tensors, prefix = (_llama if cfg.family == "llama" else _gpt2)(cfg)
+    top, layer_tensors, prefix = (_gpt2 if cfg.family == "gpt2" else _deepseek if cfg.mla.kv_lora_rank else _llama)(cfg)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):
         for t in layer_tensors(i):
