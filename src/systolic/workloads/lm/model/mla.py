@@ -59,7 +59,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.quant = cfg.quant
         self.attention_setting = cfg.attention
         self.context_attention = cfg.context_attention
-        self.nope, self.rope, self.v_dim, self.rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+        self.nope, self.rope_dim, self.v_dim, self.rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
                                                        mla.kv_lora_rank)
         self.interleave = mla.rope_interleave
         self.scale = cfg.attn_logit_scale or 1 / math.sqrt(mla.qk_head_dim)  # on q . k
@@ -119,7 +119,8 @@ class MultiHeadLatentAttention(nnx.Module):
         implementation (or the context-parallel one). Returns (B, T, H, v)."""
         kv_b = self._project(latent, self.wkv_b)  # (B, T, H, nope + v)
         B, T, H, _ = kv_b.shape
-        k = jnp.concatenate([kv_b[..., :self.nope], jnp.broadcast_to(k_rope, (B, T, H, self.rope))], -1)  # (B, T, H, qk)
+        k_rope = jnp.broadcast_to(k_rope, (B, T, H, self.rope_dim))  # the one RoPE key, in every head
+        k = jnp.concatenate([kv_b[..., :self.nope], k_rope], -1)  # (B, T, H, qk)
         q = jnp.concatenate([q_nope, q_rope], -1)  # (B, T, H, qk)
         v = kv_b[..., self.nope:]  # (B, T, H, v)
         width = max(q.shape[-1], self.v_dim)  # one head size for the kernels: zero columns added where short

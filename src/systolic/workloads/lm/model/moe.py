@@ -75,10 +75,11 @@ def route_grouped(x: jax.Array, w_router: jax.Array, correction: jax.Array, moe:
     steers the choice, not the weights): each of `moe.groups` equal groups of experts is scored by its best two, the
     best `moe.topk_groups` groups stay, and the top_k experts among them are chosen. Their weights are s (divided by
     their sum with norm_topk_prob) times `moe.routed_scale`. x (..., D), w_router (D, E), correction (E,)."""
-    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router,
+    # The weights in float32 too: served ones may be stored in bfloat16.
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)  # (..., E)
     scores = jax.nn.sigmoid(logits)  # (..., E)
-    choice = scores + correction  # (..., E)
+    choice = scores + correction.astype(jnp.float32)  # (..., E)
     e, groups = logits.shape[-1], moe.groups
     if groups > 1:
         grouped = choice.reshape(*choice.shape[:-1], groups, e // groups)  # (..., G, E/G)

@@ -80,7 +80,8 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama (hd: model.rope_dim), scaled as `model.rope_scaling` says (`local`: the sliding layers' tables)."""
+    of Hugging Face Llama (hd: model.rope_dim), scaled as `model.rope_scaling` says (`local`: the sliding layers'
+    tables)."""
     inv_freq, scale = inverse_frequencies(cfg, local=local)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, hd/2)
     angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)

@@ -541,7 +541,8 @@ class Transformer(nnx.Module):
         else:
             new_kv, layer_stats = [], []
             for i, block in enumerate(self.blocks):
-                x, kv_i, stats_i = layer_fn(kinds[i])(block, x, None if kv is None else jax.tree.map(lambda a: a[i], kv))
+                kv_i = None if kv is None else jax.tree.map(lambda a: a[i], kv)  # this layer's (MLA: v None)
+                x, kv_i, stats_i = layer_fn(kinds[i])(block, x, kv_i)
                 new_kv.append(kv_i)
                 layer_stats += [] if stats_i is None else [stats_i]
             if kv is not None:

@@ -93,7 +93,8 @@ class PagedKV(NamedTuple):
                                      page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
 
-    def attend_latent(self, q: jax.Array, rows: jax.Array, *, value_dim: int, scale: float) -> tuple[jax.Array, PagedKV]:
+    def attend_latent(self, q: jax.Array, rows: jax.Array, *, value_dim: int,
+                      scale: float) -> tuple[jax.Array, PagedKV]:
         """MLA's absorbed decode: q (T, H, C) against this step's latent rows (T, C) and the pages' -> (out (T, H,
         value_dim), the PagedKV with the rows written); the keys are the rows, the values their first value_dim
         entries, the logits scaled by `scale`."""
