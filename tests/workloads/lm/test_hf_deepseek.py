@@ -162,7 +162,7 @@ def test_plan_serve_reports_the_latent_kv_size(converted):
         planned.lower_step(2, 3, 8)  # the engine's step lowers against the latent pool
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["deepseek-v3", pytest.param("deepseek-dense", marks=pytest.mark.slow)])
 def test_on_a_mesh_of_8_devices(converted, case):
     """Stacked layers on fsdp x tensor x expert (the heads of q_b, kv_b and o over tensor, the experts over
     expert), plain XLA attention: the same logits and greedy generations."""
@@ -204,7 +204,7 @@ def test_export_loads_in_transformers(converted, tmp_path, case):
     assert diff <= (1e-5 if case == "deepseek-v3" else 0.0)
 
 
-@pytest.mark.parametrize("kv_cache", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 def test_inference_engine_matches_transformers(converted, kv_cache):
     """The imported run through the inference engine's paged latent pool (requests arriving at different steps,
     prompts chunked over steps): transformers' greedy tokens among the byte tokenizer's ids. An int8 pool stores
