@@ -135,7 +135,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     XLA's cost analysis cannot see inside the splash attention kernel (a Pallas kernel, a custom call to XLA): its
     FLOPs are added from the formula's attention term."""
     from systolic.workloads.lm.model import attention
-    from systolic.workloads.lm.model.flops import train_flops_per_token
+    from systolic.workloads.lm.model.flops import attention_width, train_flops_per_token
     from systolic.workloads.lm.model.transformer import resolve_dtype
     from systolic.workloads.lm.train import abstract_batch, build_step
 
@@ -158,7 +158,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
             m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
             segments=cfg.data.packing == "documents", sinks=m.attn_sinks)  # sinks: xla, counted by XLA
     # Causal attention's model FLOPs per token (workloads/lm/model/flops.py): what the kernel must do at the least.
-    attention_flops = tokens * 6 * m.layers * cfg.data.seq_len * m.heads * m.d_head
+    attention_flops = tokens * 3 * m.layers * cfg.data.seq_len * m.heads * attention_width(m)
     remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
              "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
     trainable = param_count(step.abstract.params)

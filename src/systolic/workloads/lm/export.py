@@ -80,9 +80,12 @@ def export_functions(run: LoadedRun, what: Sequence[str], platforms: Sequence[st
         exported["forward"] = export["forward"](params_spec, jax.ShapeDtypeStruct((b, t), jnp.int32))
     if "decode" in what:
         b, t, s = jax.export.symbolic_shape("b, t, s", constraints=(f"s <= {mcfg.max_seq_len}", "t <= s"))
-        kv_shape = (mcfg.layers, b, s, mcfg.n_kv_heads, mcfg.d_head)  # (L, B, S, KV, hd)
-        kv = jax.ShapeDtypeStruct(kv_shape, resolve_dtype(mcfg.dtype))
-        cache = {"k": kv, "v": kv, "length": jax.ShapeDtypeStruct((), jnp.int32)}
+        if mcfg.mla.kv_lora_rank:  # (L, B, S, r + rope): MLA's latent rows, no values (lm/model/mla.py)
+            k = jax.ShapeDtypeStruct((mcfg.layers, b, s, mcfg.mla.cache_width), resolve_dtype(mcfg.dtype))
+            v = None
+        else:  # (L, B, S, KV, hd) each
+            k = v = jax.ShapeDtypeStruct((mcfg.layers, b, s, mcfg.n_kv_heads, mcfg.d_head), resolve_dtype(mcfg.dtype))
+        cache = {"k": k, "v": v, "length": jax.ShapeDtypeStruct((), jnp.int32)}
         exported["decode"] = export["decode"](params_spec, jax.ShapeDtypeStruct((b, t), jnp.int32), cache)
     return exported
 

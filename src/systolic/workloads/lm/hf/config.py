@@ -1,6 +1,7 @@
 """Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
 SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), the mixtures of experts
-Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), and GPT-2.
+Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), DeepSeek-V3 (multi-head latent attention: lm/hf/deepseek.py), and
+GPT-2.
 
 The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
@@ -40,13 +41,15 @@ from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
+from systolic.workloads.lm.hf import deepseek
 from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
@@ -105,10 +108,13 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidde
                   "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
 _INTS = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num_experts", "num_experts_per_tok",
          "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window",
-         "max_window_layers", "original_max_position_embeddings", "sliding_window_pattern")
+         "max_window_layers", "original_max_position_embeddings", "sliding_window_pattern",
+         # DeepSeek-V3's (lm/hf/deepseek.py)
+         "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_routed_experts",
+         "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers")
 _NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-            "swiglu_alpha", "swiglu_limit")
+            "swiglu_alpha", "swiglu_limit", "routed_scaling_factor")
 CONFIG_MAX_BYTES = 4 << 20
 
 
@@ -152,6 +158,8 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
         return _gemma_config(hf, src, model_type, common)
     if model_type == "gpt_oss":
         return _gpt_oss_config(hf, src, common)
+    if model_type == deepseek.MODEL_TYPE:
+        return deepseek.model_config(hf, src, common)
     # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
     _require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
                        **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
@@ -384,6 +392,8 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
         return _gemma_json(cfg, model_type, common)
     if model_type == "gpt_oss":
         return _gpt_oss_json(cfg, common)
+    if model_type == deepseek.MODEL_TYPE:
+        return deepseek.config_json(cfg, common)
     rope = _rope_json(cfg)
     out = {
         **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
@@ -499,6 +509,9 @@ def architecture(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that computes what `cfg` does."""
     if cfg.family == "gpt2":
         return "gpt2"
+    if cfg.mla.kv_lora_rank or cfg.moe.scoring == "sigmoid":
+        deepseek.check(cfg)
+        return deepseek.MODEL_TYPE
     if hf_gemma(cfg):
         return _gemma_architecture(cfg)
     if hf_gpt_oss(cfg):

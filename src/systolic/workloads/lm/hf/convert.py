@@ -136,6 +136,14 @@ class Folder:
             self._last = (name, tensor)
         return self._last[1]
 
+    def mtp_tensors(self, cfg: ModelConfig) -> list[str]:
+        """DeepSeek-V3's multi-token-prediction modules, stored as layers after the decoder's (model.layers.{L}...):
+        they serve speculative decoding only, and are not imported."""
+        if not cfg.mla.kv_lora_rank:
+            return []
+        layer = re.compile(r"model\.layers\.(\d+)\.")
+        return [n for n in self.where if (m := layer.match(n)) and int(m.group(1)) >= cfg.layers]
+
     def check(self, cfg: ModelConfig, expected: list[Pair], shapes: dict[KeyPath, tuple[int, ...]]) -> dict[str, str]:
         """Maps each expected name to its stored name; a missing, unknown or misshapen tensor is a UserError."""
         stored = {p.hf: self.resolve(p.hf) for p in expected}
@@ -155,7 +163,7 @@ class Folder:
                 "systolic converts float checkpoints (F32, F16, BF16); integer or float8 weights come from a "
                 "quantization scheme whose scales it does not apply. Fix: pass the unquantized checkpoint."
             )
-        used = set(stored.values())
+        used = set(stored.values()) | set(self.mtp_tensors(cfg))
         unknown = [n for n in self.where if n not in used and not self.IGNORED.search(n)
                    and not (cfg.tie_embeddings and n.endswith("lm_head.weight"))]
         if unknown:
@@ -267,9 +275,11 @@ def parse_size(text: str) -> int:
 # RUN DIRECTORIES ----------------------------------------------------------------------------------------------
 
 
-def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConfig:
+def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False,
+               say: Callable[[str], None] = print) -> LMConfig:
     """`systolic convert from-hf`: writes `run_dir` (config.yaml, tokenizer.json and its companions, a step-0
-    parameters-only checkpoint). The directory appears complete or not at all. Returns the run's config."""
+    parameters-only checkpoint). The directory appears complete or not at all. Returns the run's config; `say`
+    prints what the import leaves out (DeepSeek's multi-token-prediction layers)."""
     src, run_dir = Path(src), Path(run_dir)
     hf = hf_config.read_config(src)
     mcfg = hf_config.model_config(hf, src, scan_layers=scan_layers)
@@ -291,6 +301,10 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False) -> LMConf
             "seq_len": min(DataConfig.seq_len, mcfg.max_seq_len)}
     cfg = config_lib.from_dict(LMConfig, {"workload": "lm", "model": config_lib.to_dict(mcfg), "data": data})
     params = load_params(src, mcfg, _host_shardings(mcfg))
+    if dropped := Folder(src).mtp_tensors(mcfg):
+        say(f"note: {src}'s {len(dropped)} multi-token-prediction tensors (layers from {mcfg.layers} on, "
+            "num_nextn_predict_layers) are not imported: they serve speculative decoding, which systolic does not run; "
+            "the model's own next-token predictions are unchanged.")
     tmp = run_dir.with_name(f".{run_dir.name}.converting-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

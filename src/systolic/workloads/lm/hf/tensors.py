@@ -3,7 +3,7 @@ and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2
 of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
 one slice of our stacked (E, ...) weights), GPT-OSS (q/k/v/o biases, sinks; its experts are one HF tensor each
 for all experts, in our (E, in, out) layout, the gate and up projections interleaved column by column in one
-gate_up_proj), and GPT-2.
+gate_up_proj), DeepSeek-V3 (multi-head latent attention, DeepSeek's router), and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -126,6 +126,33 @@ def _gpt_oss(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tenso
 def hf_gpt_oss(cfg: ModelConfig) -> bool:
     """Whether the model exports as GPT-OSS (hf_config.architecture checks the rest): sinks or GPT-OSS's experts."""
     return cfg.attn_sinks or cfg.attn_out_bias or cfg.moe.swiglu_limit > 0 or cfg.moe.expert_bias or cfg.moe.router_bias
+def _deepseek(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
+    """(top-level tensors, each layer's tensors, per-layer name prefix) of DeepseekV3ForCausalLM: Llama's embeddings
+    and norms, multi-head latent attention (lm/model/mla.py), and from layer model.moe.first on DeepSeek's experts
+    (a router with its score correction bias, shared experts); the layers before keep Llama's dense MLP."""
+    top, llama_layer, prefix = _llama(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=0)))
+    dense = [t for t in llama_layer(0) if t.ours[0] in ("attn_norm", "mlp_norm", "mlp")]
+    if cfg.mla.q_lora_rank:  # (rq, D) -> (D, rq); norm (rq,); (H*qk, rq) -> (rq, H, qk)
+        queries = [Tensor(("attn", "wq_a"), "self_attn.q_a_proj.weight", transpose=True),
+                   _vector(("attn", "q_norm", "scale"), "self_attn.q_a_layernorm.weight"),
+                   Tensor(("attn", "wq_b"), "self_attn.q_b_proj.weight", transpose=True)]
+    else:
+        queries = [Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True)]  # (H*qk, D) -> (D, H, qk)
+    attention = [
+        *queries,
+        Tensor(("attn", "wkv_a"), "self_attn.kv_a_proj_with_mqa.weight", transpose=True),  # (r+rope, D) -> (D, r+rope)
+        _vector(("attn", "kv_norm", "scale"), "self_attn.kv_a_layernorm.weight"),  # (r,)
+        Tensor(("attn", "wkv_b"), "self_attn.kv_b_proj.weight", transpose=True),  # (H*(nope+v), r) -> (r, H, nope+v)
+        Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*v) -> (H, v, D)
+    ]
+    expert = lambda ours, hf: Tensor(("mlp", ours), hf, transpose=True, per_expert=True)  # noqa: E731
+    moe = [Tensor(("mlp", "router"), "mlp.gate.weight", transpose=True),  # (E, D) -> (D, E)
+           _vector(("mlp", "score_correction"), "mlp.gate.e_score_correction_bias"),  # (E,)
+           *(expert(f"w_{w}", f"mlp.experts.{{j}}.{w}_proj.weight") for w in ("gate", "up", "down")),
+           *(Tensor(("mlp", "shared", f"w_{w}"), f"mlp.shared_experts.{w}_proj.weight", transpose=True)
+             for w in ("gate", "up", "down"))]  # (S*M, D) -> (D, S*M), down (D, S*M) -> (S*M, D)
+    norms, dense_mlp = dense[:2], dense[2:]
+    return top, lambda i: norms + attention + (moe if cfg.moe.is_moe_layer(i) else dense_mlp), prefix
 
 
 def hf_gemma(cfg: ModelConfig) -> bool:
@@ -180,7 +207,8 @@ class Pair:
 
 def pairs(cfg: ModelConfig) -> list[Pair]:
     """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    layout = _gpt2 if cfg.family == "gpt2" else _gpt_oss if hf_gpt_oss(cfg) else _llama
+    layout = (_gpt2 if cfg.family == "gpt2" else _deepseek if cfg.mla.kv_lora_rank else _gpt_oss if hf_gpt_oss(cfg)
+              else _llama)
     top, layer_tensors, prefix = layout(cfg)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):

@@ -132,6 +132,12 @@ class MoeConfig:
     # to [-limit, limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    # DeepSeek-V3's router (lm/model/moe.py `route_grouped`): sigmoid scores, a per-expert correction bias that only
+    # steers the choice, the top `topk_groups` of `groups` expert groups first, the weights times `routed_scale`.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    groups: int = 1  # sigmoid: experts split into this many groups (HF n_group); each group scored by its top 2
+    topk_groups: int = 1  # sigmoid: a token's experts come from its best topk_groups groups (HF topk_group)
+    routed_scale: float = 1.0  # the routed experts' weights times this (HF routed_scaling_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.experts > 0 and layer >= self.first and (layer + 1) % self.every == 0
@@ -172,6 +178,72 @@ class MoeConfig:
                 "clamped SwiGLU takes both (each greater than 0), the plain SwiGLU neither (both 0). Fix: e.g. "
                 "model.moe.swiglu_limit=7 model.moe.swiglu_alpha=1.702 (GPT-OSS), or both 0."
             )
+        self._check_grouped()
+
+    def _check_grouped(self) -> None:
+        """DeepSeek's group-limited sigmoid routing: groups of equal size, enough experts in the chosen groups."""
+        grouped = self.groups != 1 or self.topk_groups != 1
+        if grouped and self.scoring != "sigmoid":
+            raise ConfigError(
+                f"model.moe.groups={self.groups} and topk_groups={self.topk_groups} with model.moe.scoring="
+                f"{self.scoring}: group-limited routing is DeepSeek-V3's sigmoid router's. Fix: model.moe.scoring="
+                "sigmoid, or model.moe.groups=1 model.moe.topk_groups=1."
+            )
+        per_group = self.experts // self.groups if self.groups > 0 and self.experts % self.groups == 0 else 0
+        if self.experts and (not 1 <= self.topk_groups <= self.groups or not per_group
+                             or (grouped and per_group < 2) or self.topk_groups * per_group < self.top_k):
+            raise ConfigError(
+                f"model.moe.groups={self.groups}, topk_groups={self.topk_groups} with experts={self.experts} and "
+                f"top_k={self.top_k}: groups must divide the experts into groups of at least 2 (a group is scored by "
+                "its best two), 1 <= topk_groups <= groups, and the chosen groups must hold top_k experts. Fix: e.g. "
+                "DeepSeek-V3's model.moe.groups=8 model.moe.topk_groups=4 for 256 experts and top_k 8."
+            )
+        if not self.routed_scale > 0:
+            raise ConfigError(
+                f"model.moe.routed_scale={self.routed_scale} must be greater than 0 (it multiplies the routed "
+                "experts' weights). Fix: model.moe.routed_scale=1, or the model's routed_scaling_factor (2.5 in "
+                "DeepSeek-V3)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, lm/model/mla.py): keys and values come from one compressed
+    latent of `kv_lora_rank` values per token (normed, then expanded per head by kv_b), beside a decoupled RoPE key
+    of `qk_rope_head_dim` values shared by all heads. Each head's query and key are a `qk_nope_head_dim` part without
+    positions and a `qk_rope_head_dim` part with; its value has `v_head_dim`. The decode caches hold only the latent
+    and the RoPE key: kv_lora_rank + qk_rope_head_dim values per token and layer."""
+
+    kv_lora_rank: int = 0  # 0: off (the model's attention is grouped-query attention)
+    q_lora_rank: int = 0  # > 0: queries through a normed low-rank bottleneck (q_a, q_b); 0: one projection
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # RoPE on pairs of adjacent dimensions (x0, x1), (x2, x3), ... of the rope part (DeepSeek's layout, HF's
+    # rope_interleave) instead of rotate-half's (x_i, x_{i + n/2}).
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values a cached token takes per layer: the latent and the RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        sizes = {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
+                 "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                 "v_head_dim": self.v_head_dim}
+        if any(v < 0 for v in sizes.values()) or (self.kv_lora_rank and (
+                self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2 or not self.v_head_dim)):
+            raise ConfigError(
+                f"model.mla sizes {', '.join(f'{k}={v}' for k, v in sizes.items())} out of range: all >= 0, and "
+                "with kv_lora_rank > 0 an even qk_rope_head_dim (RoPE turns pairs) and v_head_dim > 0. Fix: take them "
+                "from the model's Hugging Face config (DeepSeek-V3: kv_lora_rank=512 q_lora_rank=1536 "
+                "qk_nope_head_dim=128 qk_rope_head_dim=64 v_head_dim=128)."
+            )
 
 
 MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
@@ -199,6 +271,7 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = RopeScalingConfig()
     lora: LoraConfig = LoraConfig()  # low-rank adapters: train those alone, on frozen weights (init.from)
     moe: MoeConfig = MoeConfig()  # mixture-of-experts MLPs in some or all layers (llama family)
+    mla: MlaConfig = MlaConfig()  # multi-head latent attention instead of grouped-query (DeepSeek-V3; llama family)
     qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
     sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
@@ -252,6 +325,11 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.head_dim or self.d_model // self.heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE turns per head: the head size, or MLA's decoupled RoPE part."""
+        return self.mla.qk_rope_head_dim if self.mla.kv_lora_rank else self.d_head
 
     @property
     def local_layers(self) -> tuple[bool, ...]:
@@ -350,7 +428,9 @@ class ModelConfig:
             self.lora.target_names(self.family)  # a ConfigError naming the valid ones
         if self.moe.experts:
             self._check_moe()
-        if self.family == "llama" and self.d_head % 2:
+        if self.mla.kv_lora_rank:
+            self._check_mla()
+        if self.family == "llama" and self.rope_dim % 2:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
 
 
@@ -410,6 +490,25 @@ class ModelConfig:
                 f"this model's layers are all {'sliding' if self.local_layers[0] else 'full'}, so either it or "
                 "model.rope_theta would not act. Fix: model.layer_types with both sliding and full layers, or "
                 "model.rope_local_theta=0."
+            )
+
+    def _check_mla(self) -> None:
+        """What multi-head latent attention does not combine with: settings of the grouped-query attention it
+        replaces (its own sizes are model.mla's), GPT-2's block, and what MLA's layers do not implement."""
+        asked = {"model.family=gpt2": self.family == "gpt2", f"model.kv_heads={self.kv_heads}": self.kv_heads,
+                 f"model.head_dim={self.head_dim}": self.head_dim, "model.qkv_bias=true": self.qkv_bias,
+                 "model.qk_norm=true": self.qk_norm, f"model.sliding_window={self.sliding_window}": self.sliding_window,
+                 f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
+                 f"model.lora.rank={self.lora.rank}": self.lora.rank,
+                 "model.parametrization=mup": self.parametrization == "mup",
+                 f"model.rope_local_theta={self.rope_local_theta}": self.rope_local_theta}
+        bad = [key for key, on in asked.items() if on]
+        if bad:
+            raise ConfigError(
+                f"{', '.join(bad)} with multi-head latent attention (model.mla.kv_lora_rank={self.mla.kv_lora_rank}): "
+                "MLA's heads read one shared latent with sizes of their own (model.mla), full causal attention, no "
+                "biases, norms of q/k heads, soft-cap, LoRA adapters or muP scaling. Fix: leave these at their "
+                "defaults (kv_heads=0, head_dim=0, false, 0, standard), or model.mla.kv_lora_rank=0."
             )
 
     def _check_moe(self) -> None:

@@ -4,6 +4,7 @@ Per token of training, with N the number of matmul weights (attention projection
 embedding lookup, norms or biases):
     6 * N                         forward (2N) + backward (4N)
   + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
+                                  (MLA: (qk_head_dim + v_head_dim) / 2 for hd)
                                   token, halved because causal attention needs only the lower triangle, x 3 for
                                   forward + backward. With a sliding window W < T a query of a sliding layer
                                   (every layer unless model.layer_types says) sees at most W keys:
@@ -22,10 +23,28 @@ from __future__ import annotations
 from systolic.workloads.lm.model.config import ModelConfig
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention projections: q, k, v and o, or multi-head latent attention's q (or q_a and q_b),
+    kv_a, kv_b and o (lm/model/mla.py; training expands the latent through kv_b)."""
+    d, h, mla = cfg.d_model, cfg.heads, cfg.mla
+    if mla.kv_lora_rank:
+        q = d * mla.q_lora_rank + mla.q_lora_rank * h * mla.qk_head_dim if mla.q_lora_rank else d * h * mla.qk_head_dim
+        kv = d * mla.cache_width + mla.kv_lora_rank * h * (mla.qk_nope_head_dim + mla.v_head_dim)
+        return q + kv + h * mla.v_head_dim * d
+    hd = cfg.d_head
+    return d * h * hd + 2 * d * cfg.n_kv_heads * hd + h * hd * d
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """Per head, the size of a score's dot product plus that of the value mix: 2 x head size, MLA's
+    qk_head_dim + v_head_dim."""
+    return cfg.mla.qk_head_dim + cfg.mla.v_head_dim if cfg.mla.kv_lora_rank else 2 * cfg.d_head
+
+
 def matmul_params(cfg: ModelConfig, vocab: int) -> int:
     """Matmul weights a token is multiplied by (active ones only in MoE layers)."""
-    d, hd = cfg.d_model, cfg.d_head
-    attention = d * cfg.heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.heads * hd * d
+    d = cfg.d_model
+    attention = attention_params(cfg)
     mlp = (3 if cfg.family == "llama" else 2) * d * cfg.d_mlp
     moe_layers = len(cfg.moe_layers)
     return cfg.layers * attention + (cfg.layers - moe_layers) * mlp + moe_layers * moe_active_params(cfg) + d * vocab
@@ -50,7 +69,7 @@ def train_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int) -> float:
     full_keys = seq_len / 2  # per query, on average
     window_keys = window - window**2 / (2 * seq_len) if 0 < window < seq_len else full_keys
     keys = sum(window_keys if local else full_keys for local in cfg.local_layers)  # over the layers
-    attention = 12 * keys * cfg.heads * cfg.d_head
+    attention = 6 * keys * cfg.heads * attention_width(cfg)
     if cfg.lora.rank:
         return 4 * matmul_params(cfg, vocab) + 6 * lora_params(cfg) + attention
     return 6 * matmul_params(cfg, vocab) + attention

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from systolic.runtime.sharding import logical_to_spec
 from systolic.workloads.lm.model import cpu
+from systolic.workloads.lm.model.config import MoeConfig
 
 
 class Routing(NamedTuple):
@@ -73,6 +74,31 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int, norm_topk_prob: bool, *
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), top, logits)
+
+
+def route_grouped(x: jax.Array, w_router: jax.Array, correction: jax.Array, moe: MoeConfig) -> Routing:
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter), in float32: sigmoid scores s of the logits; the
+    choice ranks s + correction (the per-expert bias that DeepSeek's auxiliary-loss-free balancing adjusts; it
+    steers the choice, not the weights): each of `moe.groups` equal groups of experts is scored by its best two, the
+    best `moe.topk_groups` groups stay, and the top_k experts among them are chosen. Their weights are s (divided by
+    their sum with norm_topk_prob) times `moe.routed_scale`. x (..., D), w_router (D, E), correction (E,)."""
+    # The weights in float32 too: served ones may be stored in bfloat16.
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), w_router.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)  # (..., E)
+    scores = jax.nn.sigmoid(logits)  # (..., E)
+    choice = scores + correction.astype(jnp.float32)  # (..., E)
+    e, groups = logits.shape[-1], moe.groups
+    if groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], groups, e // groups)  # (..., G, E/G)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (..., G)
+        best = jax.lax.top_k(group_scores, moe.topk_groups)[1]  # (..., topk_groups)
+        kept = jnp.any(jax.nn.one_hot(best, groups, dtype=jnp.bool_), axis=-2)  # (..., G)
+        choice = jnp.where(jnp.repeat(kept, e // groups, axis=-1), choice, -jnp.inf)  # (..., E)
+    experts = jax.lax.top_k(choice, moe.top_k)[1]  # (..., k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)  # (..., k)
+    if moe.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)  # transformers' epsilon
+    return Routing(experts.astype(jnp.int32), weights * moe.routed_scale, logits)
 
 
 def router_stats(r: Routing, dropped: jax.Array) -> MoeStats:

@@ -22,7 +22,7 @@ from systolic.workloads.lm.model.config import ModelConfig
 def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, float]:
     """(inv_freq float32 (hd/2,), attention_scaling): the rotation speed of each pair of dimensions, and the factor
     on cos and sin (1.0 except for YaRN); `local`: of the sliding layers, which differ with model.rope_local_theta."""
-    dim, theta, scaling = cfg.d_head, cfg.rope_theta, cfg.rope_scaling
+    dim, theta, scaling = cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling
     if local and cfg.rope_local_theta:
         theta, scaling = cfg.rope_local_theta, dataclasses.replace(scaling, type="none")
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)  # (hd/2,) float32, as torch's
@@ -59,7 +59,7 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
     (extrapolation), those that turn fewer than beta_slow times are divided by factor (interpolation), with a linear
     ramp over the dimensions in between; cos and sin are scaled by attention_factor (the paper's sqrt(1/t))."""
     s = cfg.rope_scaling
-    dim, theta, factor = cfg.d_head, cfg.rope_theta, s.factor
+    dim, theta, factor = cfg.rope_dim, cfg.rope_theta, s.factor
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
         return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -80,7 +80,8 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama, scaled as `model.rope_scaling` says (`local`: the sliding layers' tables)."""
+    of Hugging Face Llama (hd: model.rope_dim), scaled as `model.rope_scaling` says (`local`: the sliding layers'
+    tables)."""
     inv_freq, scale = inverse_frequencies(cfg, local=local)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, hd/2)
     angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)

@@ -15,7 +15,7 @@ from typing import Any
 from systolic.runtime import memory
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.model.flops import lora_params
+from systolic.workloads.lm.model.flops import attention_params, lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
 TRAINED_EXTRA_BYTES = 4 + 4  # a float32 gradient and at least one float32 optimizer moment per trained parameter
@@ -23,8 +23,8 @@ TRAINED_EXTRA_BYTES = 4 + 4  # a float32 gradient and at least one float32 optim
 
 def param_count(cfg: ModelConfig, vocab: int) -> int:
     """All parameters (norms and biases left out: a lower bound), adapters included."""
-    d, hd = cfg.d_model, cfg.d_head
-    attention = d * cfg.heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.heads * hd * d
+    d = cfg.d_model
+    attention = attention_params(cfg)
     dense_mlp = (3 if cfg.family == "llama" else 2) * d * cfg.d_mlp
     moe = cfg.moe
     moe_mlp = d * moe.experts + 3 * d * cfg.d_expert * (moe.experts + moe.shared_experts)

@@ -13,6 +13,7 @@ weight/bias:
     blocks.attn.q_norm, k_norm  self_attn.{q,k}_norm (qk_norm)  | -
     blocks.attn.wo          self_attn.o_proj (+ bo: attn_out_bias) | attn.c_proj (+ bo)
     blocks.attn.sinks       self_attn.sinks (GPT-OSS, attn_sinks) | -
+    blocks.attn (model.mla) DeepSeek-V3's self_attn: lm/model/mla.py
     blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, norm_placement=sandwich) | -
     blocks.mlp_norm         post_attention_layernorm (pre_feedforward_layernorm in Gemma 2/3) | ln_2
     blocks.mlp_post_norm    post_feedforward_layernorm (Gemma 2/3)  | -
@@ -52,6 +53,7 @@ from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.model.lora import targeted_weights
+from systolic.workloads.lm.model.mla import MultiHeadLatentAttention
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
 from systolic.workloads.lm.model.rope import apply_rope, rope_tables
 from systolic.workloads.lm.serve.paged_attention import PagedKV
@@ -121,10 +123,11 @@ def _adapted(x: jax.Array, y: jax.Array, adapter: Adapter | None) -> jax.Array:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every position decoded so far; all rows of the batch share `length`."""
+    """Keys and values of every position decoded so far; all rows of the batch share `length`. With model.mla, `k`
+    holds each position's latent and RoPE key (lm/model/mla.py) and `v` is None."""
 
-    k: jax.Array  # (L, B, S, KV, hd) compute dtype
-    v: jax.Array  # (L, B, S, KV, hd)
+    k: jax.Array  # (L, B, S, KV, hd) compute dtype; model.mla: (L, B, S, kv_lora_rank + qk_rope_head_dim)
+    v: jax.Array | None  # (L, B, S, KV, hd); model.mla: None
     length: jax.Array  # () int32: positions [0, length) are filled
 
 
@@ -353,6 +356,9 @@ class MoE(nnx.Module):
         self.dtype = resolve_dtype(cfg.dtype)
         self.top_k, self.norm_topk_prob, self.capacity_factor = moe.top_k, moe.norm_topk_prob, moe.capacity_factor
         self.router = _param(rngs.params(), (d, e), ("embed", None), std)
+        # DeepSeek-V3's correction bias on the sigmoid scores: it steers the choice only, so it gets no gradient.
+        self.score_correction = _param(rngs.params(), (e,), (None,), 0) if moe.scoring == "sigmoid" else None
+        self.moe = moe
         self.w_gate = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
         self.w_up = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
         self.w_down = _param(rngs.params(), (e, m, d), ("experts", "expert_mlp", "embed"), std / math.sqrt(2 * cfg.layers))
@@ -374,8 +380,11 @@ class MoE(nnx.Module):
         # Rows of B*T tokens (XLA partitions top_k over one split axis), but (B, T) when the sequence is split over
         # the context axis: flattening rows split over two mesh axes would gather the sequence (x).
         tokens = x if context.current_split() else x.reshape(b * t, d)
-        routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob,
-                                bias=None if self.router_bias is None else self.router_bias[...])
+        if self.score_correction is None:
+            routing = moe_lib.route(tokens, self.router[...], self.top_k, self.norm_topk_prob,
+                                    bias=None if self.router_bias is None else self.router_bias[...])
+        else:
+            routing = moe_lib.route_grouped(tokens, self.router[...], self.score_correction[...], self.moe)
         biases = () if self.b_gate is None else (self.b_gate[...].astype(dt), self.b_up[...].astype(dt))
         w = moe_lib.Experts(self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt),
                             *biases, clamp=self.clamp)
@@ -398,7 +407,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         sandwich = cfg.norm_placement == "sandwich"
         self.attn_norm = Norm(cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.mla.kv_lora_rank else Attention(cfg, rngs=rngs)
         self.attn_post_norm = Norm(cfg, rngs=rngs) if sandwich else None
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
@@ -513,6 +522,9 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to `max_len` positions."""
         cfg = self.cfg
+        if cfg.mla.kv_lora_rank:  # the latent and the RoPE key of each position (lm/model/mla.py)
+            rows = jnp.zeros((cfg.layers, batch, max_len, cfg.mla.cache_width), self.dtype)
+            return KVCache(rows, None, jnp.zeros((), jnp.int32))
         shape = (cfg.layers, batch, max_len, cfg.n_kv_heads, cfg.d_head)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 
@@ -556,11 +568,12 @@ class Transformer(nnx.Module):
         else:
             new_kv, layer_stats = [], []
             for i, block in enumerate(self.blocks):
-                x, kv_i, stats_i = layer_fn(kinds[i])(block, x, None if kv is None else (kv[0][i], kv[1][i]))
+                kv_i = None if kv is None else jax.tree.map(lambda a: a[i], kv)  # this layer's (MLA: v None)
+                x, kv_i, stats_i = layer_fn(kinds[i])(block, x, kv_i)
                 new_kv.append(kv_i)
                 layer_stats += [] if stats_i is None else [stats_i]
             if kv is not None:
-                kv = (jnp.stack([k for k, _ in new_kv]), jnp.stack([v for _, v in new_kv]))  # (L, B, S, KV, hd)
+                kv = jax.tree.map(lambda *layers: jnp.stack(layers), *new_kv)  # (L, B, S, KV, hd) each (MLA: v None)
             stats = jax.tree.map(lambda *s: jnp.stack(s), *layer_stats) if layer_stats else None  # (L_moe, ...)
 
         if split is not None:

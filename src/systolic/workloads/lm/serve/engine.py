@@ -158,7 +158,7 @@ class InferenceEngine:
         mesh, rules = tensor_layout(model, mesh_tensor) if mesh_tensor > 1 else (None, None)
         run = load_run(run_dir, command, layout=None if mesh is None else (mesh, rules), quantize=quantize)
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-        kv_split = mesh_tensor if model.n_kv_heads % mesh_tensor == 0 else 1  # tensor_layout's choice
+        kv_split = mesh_tensor if kv_splits(model, mesh_tensor) else 1  # tensor_layout's choice
         pages, text = pool_pages(model, page_size, kv_memory_gib=kv_memory_gib, max_seqs=max_seqs,
                                  device=devices[0], split=kv_split, kv_cache=kv_cache)
         say(text)
@@ -349,9 +349,15 @@ def tensor_layout(model: ModelConfig, tensor: int, devices: list[jax.Device] | N
         raise UserError(f"Tensor parallelism over mesh.tensor={tensor} devices needs that many, but there are "
                         f"{len(devices)} here. Fix: mesh.tensor between 1 and {len(devices)}.")
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices[:tensor])
-    split_kv = model.n_kv_heads % tensor == 0
+    split_kv = kv_splits(model, tensor)
     rules = tuple((name, None if name == "kv_heads" and not split_kv else axes) for name, axes in RULE_SETS["tp"])
     return mesh, rules
+
+
+def kv_splits(model: ModelConfig, tensor: int) -> bool:
+    """Whether the pool's key/value heads split over `tensor` devices: not MLA's one latent row, which every head
+    reads (replicated, as vLLM does)."""
+    return not model.mla.kv_lora_rank and model.n_kv_heads % tensor == 0
 
 
 def pool_layout(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> jax.sharding.Sharding:

@@ -35,7 +35,10 @@ def pool_shape(model: ModelConfig, pages: int, page_size: int, kv_cache: str) ->
     """The pool's arrays as `jax.ShapeDtypeStruct`s: one (L, pages, page_size, 2 * KV, hd) in the compute dtype, or
     a QArray of int8 values of that shape and float32 scales (L, pages, page_size, 2 * KV, 1)."""
     _check(kv_cache)
-    shape = (model.layers, pages, page_size, 2 * model.n_kv_heads, model.d_head)
+    if model.mla.kv_lora_rank:  # MLA: one row of latent and RoPE key per token (lm/model/mla.py)
+        shape = (model.layers, pages, page_size, 1, model.mla.cache_width)
+    else:
+        shape = (model.layers, pages, page_size, 2 * model.n_kv_heads, model.d_head)
     if kv_cache == "auto":
         return jax.ShapeDtypeStruct(shape, resolve_dtype(model.dtype))
     return qwix.QArray(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct((*shape[:-1], 1), SCALE_DTYPE),
@@ -44,7 +47,8 @@ def pool_shape(model: ModelConfig, pages: int, page_size: int, kv_cache: str) ->
 
 def token_bytes(model: ModelConfig, kv_cache: str) -> int:
     """Bytes one cached token takes in the pool, all layers, keys and values (and their scales) together: the
-    formula 2 x layers x kv_heads x head_dim x bytes, plus 2 x layers x kv_heads x 4 for int8's scales."""
+    formula 2 x layers x kv_heads x head_dim x bytes, plus 2 x layers x kv_heads x 4 for int8's scales; with MLA
+    layers x (kv_lora_rank + qk_rope_head_dim) x bytes, plus layers x 4."""
     one = pool_shape(model, 1, 1, kv_cache)
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(one))
 

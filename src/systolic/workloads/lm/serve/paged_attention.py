@@ -17,6 +17,9 @@ attention's running max and sum) over two sets of keys:
 - the positions before each chunk, from the pool: every token gathers its own sequence's pages, a block at a time,
   so memory stays at one block per token whatever the context length; the loop runs only over the blocks some
   token of this step needs (none for a fresh prompt; a sliding window skips the blocks before it).
+Multi-head latent attention (model.mla, lm/model/mla.py) keeps one row per token and layer instead, its latent and
+RoPE key (L, pages, page_size, 1, kv_lora_rank + qk_rope_head_dim): the one key head of its absorbed queries, whose
+values are each row's first kv_lora_rank entries (`value_dim`), read from the same pages.
 Logits are soft-capped (Gemma 2's cap * tanh(s / cap)) before the masking when `softcap` > 0; a layer's window may
 be a traced value (a scan over stacked layers of both kinds, `model.layer_types`). GPT-OSS's attention sinks (one
 logit per query head that joins the softmax's denominator) enter the online softmax last, as one more key whose
@@ -92,22 +95,34 @@ class PagedKV(NamedTuple):
                                      sinks=sinks, page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
 
+    def attend_latent(self, q: jax.Array, rows: jax.Array, *, value_dim: int,
+                      scale: float) -> tuple[jax.Array, PagedKV]:
+        """MLA's absorbed decode: q (T, H, C) against this step's latent rows (T, C) and the pages' -> (out (T, H,
+        value_dim), the PagedKV with the rows written); the keys are the rows, the values their first value_dim
+        entries, the logits scaled by `scale`."""
+        pool = write_kv(self.pool, self.layer, rows[:, None], None, self.batch.slots)
+        out = ragged_paged_attention(q, rows[:, None], None, pool, self.layer, self.batch, scale=scale,
+                                     value_dim=value_dim, page_tokens=self.page_tokens)
+        return out, self._replace(pool=pool)
 
-def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array, slots: jax.Array) -> Pool:
-    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized)."""
+
+def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array) -> Pool:
+    """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized); v None:
+    MLA's latent rows k (T, 1, C) alone."""
     T, KV, hd = k.shape
     page_size = pool.shape[2]
-    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
+    kv = k if v is None else jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
     where = (layer, slots // page_size, slots % page_size)
     if isinstance(pool, qwix.QArray):  # values (T, 2KV, hd) int8 and scales (T, 2KV, 1) into their two arrays
         return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv))
     return pool.at[where].set(kv.astype(pool.dtype))
 
 
-def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool, layer: jax.Array | int,
+def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool: Pool, layer: jax.Array | int,
                            batch: RaggedBatch, *, window: int | jax.Array = 0, softcap: float = 0.0,
                            sinks: jax.Array | None = None, block_keys: int | None = None,
-                           page_tokens: int | None = None) -> jax.Array:
+                           page_tokens: int | None = None, scale: float | None = None,
+                           value_dim: int = 0) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
     positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd),
     this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value head
@@ -118,12 +133,17 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool,
     decodes and continued prompts first, fresh prompts after), so only they read pages: a step that prefills new
     prompts beside a few decodes reads the decodes' pages, not a copy per prompt token. With an int8 pool, the
     chunk's own keys and values are read as the pool stores them too, so a token sees the same keys whether they
-    came in its own step or from the pages (chunk sizes, prefix caching and preemption change no output)."""
+    came in its own step or from the pages (chunk sizes, prefix caching and preemption change no output).
+    `scale`: on the logits (default 1/sqrt(hd)). `value_dim` > 0: MLA's latent pool (v None), k the rows (T, 1, C),
+    the values their first value_dim entries -> (T, H, value_dim)."""
     if isinstance(pool, qwix.QArray):
-        k, v = as_stored(k), as_stored(v)
+        k, v = as_stored(k), None if v is None else as_stored(v)
+    if value_dim:
+        v = k[..., :value_dim]  # (T, 1, value_dim): after the int8 round trip, as the pages give them back
     T, H, hd = q.shape
     KV = k.shape[1]
-    qg = (q * (1.0 / math.sqrt(hd))).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    qg = (q * scale).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
     pos = batch.positions  # (T,)
     if isinstance(window, int):
         first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
@@ -135,12 +155,12 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool: Pool,
     n = T if page_tokens is None else page_tokens
     m_paged, l_paged, acc_paged = _page_attention(qg[:n], pool, layer, batch.page_table[batch.rows[:n]], first[:n],
                                                   chunk_start[:n], real[:n], (m[:n], l[:n], acc[:n]), block_keys,
-                                                  softcap)
+                                                  softcap, value_dim)
     m, l, acc = m.at[:n].set(m_paged), l.at[:n].set(l_paged), acc.at[:n].set(acc_paged)
     if sinks is not None:
         l, acc = _with_sinks(sinks.reshape(KV, -1), m, l, acc)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd); padding tokens may see nothing
-    return out.reshape(T, H, hd).astype(q.dtype)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KV, G, hd_v); padding tokens may see nothing
+    return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
 
 
 def _with_sinks(sinks: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -167,18 +187,18 @@ def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real, softcap):
     return m, jnp.sum(p, axis=-1), acc
 
 
-def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys, softcap):
+def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys, softcap, value_dim):
     """Continues the online softmax `carry` over each token's keys at positions [first, end) in its sequence's
     pages (`tables` (T, pages_per_seq): each token's sequence's page table), a block at a time, over the blocks some
-    token of this step needs."""
+    token of this step needs. value_dim > 0: MLA's rows, keys and (their first value_dim entries) values."""
     T, KV, G, hd = qg.shape
-    L, P, page_size = pool.shape[:3]
+    L, P, page_size, row_heads = pool.shape[:4]
     block_pages = max(1, (block_keys or keys_per_block()) // page_size)
     B = block_pages * page_size  # keys per block
     # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
     # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
     # be split over the mesh).
-    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, 2 * KV, a.shape[-1]), pool)  # int8: and scales
+    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, row_heads, a.shape[-1]), pool)  # int8: and scales
     null = layer * P + NULL_PAGE  # this layer's null page
     tables = tables + layer * P  # (T, pages_per_seq)
     blocks = -(-tables.shape[1] // block_pages)
@@ -193,8 +213,8 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         # where the step's shorter sequences would each fetch pages from memory only to mask them.
         needed = real & (j * B < end) & ((j + 1) * B > first)  # (T,)
         ids = jnp.where(needed[:, None], ids, null)
-        kv = _gather(pages, ids, qg.dtype).reshape(T, B, 2 * KV, hd)  # (T, B, 2KV, hd)
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, B, KV, hd) each
+        kv = _gather(pages, ids, qg.dtype).reshape(T, B, row_heads, hd)  # (T, B, 2KV, hd), MLA: (T, B, 1, C)
+        k, v = (kv, kv[..., :value_dim]) if value_dim else (kv[:, :, 0::2], kv[:, :, 1::2])  # (T, B, KV, hd) each
         s = _capped(jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (T, KV, G, B)
         keys = j * B + jnp.arange(B)  # (B,) key positions
         visible = (keys[None] < end[:, None]) & (keys[None] >= first[:, None])  # (T, B)

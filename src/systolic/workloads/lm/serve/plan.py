@@ -62,7 +62,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
     pool_sharding = pool_layout(params, mesh, rules)
-    heads = 2 * model.n_kv_heads
+    heads = pool_shape(model, 1, page_size, "auto").shape[3]  # 2 x kv_heads, MLA's one latent row
     split = heads // pool_sharding.shard_shape((1, 1, 1, heads, 1))[3]  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
     step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
@@ -92,7 +92,13 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
 
     matmul = matmul_params(model, vocab) - model.d_model * vocab  # the layers' (the LM head's counted per row)
     kv_bytes = token_bytes(model, kv_cache)  # the lowered pool's, scales included
-    if kv == "int8":
+    mla = model.mla
+    latent = f"({mla.kv_lora_rank} latent + {mla.qk_rope_head_dim} RoPE key)"
+    if mla.kv_lora_rank and kv == "int8":  # MLA's cache: the compressed latent and the RoPE key (lm/model/mla.py)
+        formula = f"{model.layers} layers x ({latent} x 1 byte + a 4-byte scale)"
+    elif mla.kv_lora_rank:
+        formula = f"{model.layers} layers x {latent} x {jnp.dtype(dtype).itemsize} bytes"
+    elif kv == "int8":
         formula = f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x ({model.d_head} x 1 byte + a 4-byte scale)"
     else:
         formula = (f"2 x {model.layers} layers x {model.n_kv_heads} KV heads x {model.d_head} x "
@@ -106,11 +112,19 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
             0 if model.tie_embeddings else mesh_lib.bytes_per_device(embed)),
         kv_bytes_per_token=kv_bytes, kv_formula=formula, kv_split=split,
         page_size=page_size, matmul_flops_per_token=2.0 * matmul, head_flops_per_row=2.0 * model.d_model * vocab,
-        attention_flops_per_key=4.0 * model.layers * model.heads * model.d_head,
+        attention_flops_per_key=attention_flops_per_key(model),
         window=model.sliding_window if any(model.local_layers) else 0,
         window_share=sum(model.local_layers) / model.layers,
         int8_matmuls=weights == "w8a8",
         lower_step=lower_step)
+
+
+def attention_flops_per_key(model) -> float:
+    """Multiply-adds x 2 of one query token against one cached key, all layers: scores and value mix per head;
+    MLA's absorbed decode reads a latent row of kv_lora_rank + qk_rope_head_dim and mixes kv_lora_rank values."""
+    if model.mla.kv_lora_rank:
+        return 2.0 * model.layers * model.heads * (model.mla.cache_width + model.mla.kv_lora_rank)
+    return 4.0 * model.layers * model.heads * model.d_head
 
 
 def _stored(path, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
