@@ -78,6 +78,8 @@ class PipelineConfig:
                 f"pipeline.microbatches={self.microbatches} and pipeline.repeats={self.repeats}: both count things "
                 "and must be at least 1. Fix: e.g. pipeline.microbatches=8 pipeline.repeats=1 (GPipe).")
 
+MAX_MIXTURE_RATIO = 1e6  # data.mixture: the largest weight over the smallest
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -119,6 +121,17 @@ class DataConfig:
                     "Fix: give every folder a weight greater than 0."
                 )
             sources.append((path, value))
+        weights = [w for _, w in sources]
+        # Grain's mix scales the weights to integers, the smallest to 100 (`text.mixture_counts`): that scale and
+        # the sum must be finite, and a source that gets under one row in a million is noise in any run.
+        if sources and (not math.isfinite(sum(weights)) or not math.isfinite(100 / min(weights))
+                        or max(weights) / min(weights) > MAX_MIXTURE_RATIO):
+            raise ConfigError(
+                f"data.mixture={self.mixture!r}: the weights range from {min(weights):g} to {max(weights):g}. Expected "
+                f"weights whose sum is a finite number and whose largest is at most {MAX_MIXTURE_RATIO:g} times the "
+                "smallest (they are proportions: only their ratios count). Fix: rescale them, e.g. "
+                "data.mixture='data/web:0.7,data/code:0.3', and drop a source that should get almost no rows."
+            )
         return sources
 
     def validate(self) -> None:
