@@ -26,8 +26,9 @@ def prepare(*, workload: str | None, stepping: bool, compiles: bool) -> None:
     """Prepares the process for a command that runs `workload` (None: none), once its platform is chosen:
     `stepping` (many steps of one compiled function) gets the host allocator setting, `compiles` the compile
     cache and the extension imports. Then arms the interrupt handlers: a signal recorded so far raises here."""
-    from systolic.runtime import cpu_tuning
+    from systolic.runtime import cpu_tuning, xla_env
 
+    xla_env.check_at_start()  # XLA_FLAGS that would abort the process, a JAX_PLATFORMS that is not installed
     # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
     cpu_tuning.apply_at_start(workload=workload, stepping=stepping)
     if compiles:  # the others (launch, tokenizer, data) need none of this, and start faster
