@@ -9,6 +9,7 @@ from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
                              TrainConfig, check_positive, check_seed)
+from systolic.data.tokenizer import unicode_problem
 from systolic.errors import ConfigError
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.post.config import DPOConfig, GRPOConfig, RewardConfig
@@ -201,6 +202,10 @@ class SampleConfig:
                 f"sample.prompt (--prompt) holds a NUL byte at character {self.prompt.index(chr(0))}; a prompt is text, "
                 "and tokenizers and terminals stop or fail at NUL. Fix: remove it from the prompt."
             )
+        problem = unicode_problem(self.prompt)
+        if problem:  # bytes that are not UTF-8 in the command line: no tokenizer can encode it
+            raise ConfigError(f"sample.prompt (--prompt) is not Unicode text: {problem}. Expected UTF-8 text. Fix: "
+                              "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that character.")
         if (not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0
                 or not 0 < self.top_p <= 1):
             raise ConfigError(
