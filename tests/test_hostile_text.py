@@ -361,6 +361,9 @@ def test_jax_platforms_failures_are_explained():
     if not any("cuda" in e.name for e in metadata.entry_points(group="jax_plugins")):
         with pytest.raises(UserError, match="jax's CUDA plugin is not installed"):
             xla_env.check_platforms("cuda")
+    if not xla_env.tpu_device_files():  # refused before libtpu prints its pages of warnings
+        with pytest.raises(UserError, match="asks for tpu, but"):
+            xla_env.check_platforms("cpu,tpu")
     xla_env.check_platforms("cpu")
 
 

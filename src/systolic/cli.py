@@ -12,7 +12,7 @@ import textwrap
 import warnings
 
 from systolic.errors import UserError
-from systolic.runtime import interrupts, startup, xla_env
+from systolic.runtime import interrupts, startup
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         # exception, e.g. "ImportError: Encountered an error while initializing the extension".
         if interrupts.received():
             return _interrupted(interrupts.received())
-        failure = xla_env.backend_failure(e)  # JAX_PLATFORMS=tpu on a host without a TPU
+        from systolic.runtime import xla_env
+
+        failure = xla_env.backend_failure(e)  # jax could not start the platform JAX_PLATFORMS names
         if failure is None:
             raise
         _show_traceback_if_debugging(args)

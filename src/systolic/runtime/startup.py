@@ -12,13 +12,12 @@ from systolic.runtime import interrupts
 def cpu_only_host() -> None:
     """On a host with no accelerator device files, JAX_PLATFORMS=cpu (unless the user set it): with libtpu
     installed, jax would otherwise probe for a TPU at start-up and print libtpu's warnings about not finding one."""
-    import glob  # here, not at the top: the CLI imports this module before its interrupt handlers are installed
+    # Here, not at the top: the CLI imports this module before its interrupt handlers are installed.
+    from systolic.runtime import xla_env
 
     if "JAX_PLATFORMS" in os.environ:
         return
-    tpu = glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
-    gpu = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
-    if not tpu and not gpu:
+    if not xla_env.tpu_device_files() and not xla_env.gpu_device_files():
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -52,8 +52,8 @@ def check_xla_flags(value: str) -> None:
 
 
 def check_platforms(value: str) -> None:
-    """A GPU platform needs jax's plugin for it (without one jax fails with an AssertionError); TPU needs libtpu.
-    Whether the device itself answers is known only when jax starts it (`backend_failure`)."""
+    """A GPU platform needs jax's plugin for it (without one jax fails with an AssertionError); TPU needs libtpu and
+    a TPU's device files. Whether the device itself answers is known only when jax starts it (`backend_failure`)."""
     import importlib.util
     from importlib import metadata
 
@@ -63,10 +63,26 @@ def check_platforms(value: str) -> None:
             missing = f"jax's {platform.upper() if platform != 'gpu' else 'GPU'} plugin is not installed"
         elif platform == "tpu" and importlib.util.find_spec("libtpu") is None:
             missing = "libtpu is not installed"
+        elif platform == "tpu" and not tpu_device_files():  # else libtpu prints pages of warnings before it fails
+            missing = "this host has no TPU (no /dev/accel* or /dev/vfio/* device)"
         else:
             continue
         raise UserError(f"JAX_PLATFORMS={value!r} asks for {platform}, but {missing}, so jax cannot start it. "
                         f"{_PLATFORMS_FIX}")
+
+
+def tpu_device_files() -> list[str]:
+    """A TPU VM's device files: /dev/accel* (v2 to v5e) or /dev/vfio/N (v5p, v6e)."""
+    import glob
+
+    return glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
+
+
+def gpu_device_files() -> list[str]:
+    """An NVIDIA (/dev/nvidia0, ...) or AMD (/dev/kfd) GPU's device files."""
+    import glob
+
+    return glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
 
 
 def backend_failure(error: BaseException) -> str | None:
