@@ -30,7 +30,8 @@ from systolic.cli import main
 from systolic.data import template_sandbox
 from systolic.data.bpe import BPETokenizer
 from systolic.data.chat import ChatTemplate, find_chat_template
-from systolic.data.tokenizer import ByteTokenizer, check_unicode
+from systolic.data.tokenizer import ByteTokenizer
+from systolic.data.unicode_text import check_unicode
 from systolic.engine import checkpoint
 from systolic.observe import metrics
 from systolic.errors import ConfigError, UserError

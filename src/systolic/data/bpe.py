@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from systolic import outfile
 from systolic.data import corpus
-from systolic.data.tokenizer import check_unicode
+from systolic.data.unicode_text import check_unicode
 from systolic.errors import ConfigError, UserError
 
 EOT_TOKEN = "<|endoftext|>"

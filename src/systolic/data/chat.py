@@ -10,8 +10,9 @@ Rendering follows transformers: Jinja2's immutable sandbox (templates from the H
 trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception`, `strftime_now`, a `tojson` that does
 not escape HTML, and the variables messages, tools=None, documents=None, add_generation_prompt and the special
 tokens. It runs under a budget of time, memory, output and recursion (data/template_sandbox.py); a template that
-breaks it is refused when a run takes it (`find_chat_template`) and on any conversation after that. The text is tokenized with special tokens matched and none added (add_special_tokens=False), so the ids
-equal `apply_chat_template(..., tokenize=True)`; tests/data/test_chat.py checks both against transformers.
+breaks it is refused when a run takes it (`find_chat_template`) and on any conversation after that. The text is
+tokenized with special tokens matched and none added (add_special_tokens=False), so the ids equal
+`apply_chat_template(..., tokenize=True)`; tests/data/test_chat.py checks both against transformers.
 
 The assistant mask marks what the model should learn to write: each assistant message from just after its
 header (the generation prompt, e.g. `<|im_start|>assistant\\n`) through the end-of-turn token the template writes

@@ -13,7 +13,6 @@ that takes the object. The functions here that read a run directory only decide 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from systolic import outfile
+from systolic.data.unicode_text import check_unicode
 from systolic.errors import ConfigError, UserError
 
 
@@ -32,31 +32,6 @@ RUN_FILE = "tokenizer.json"  # a run's own copy of its BPE tokenizer, in the run
 # templates of additional_chat_templates/.
 COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json",
                    "model_token_ids.json")
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def unicode_problem(text: str) -> str | None:
-    """What makes `text` not Unicode text, or None: a lone surrogate, what Python makes of bytes that are not UTF-8
-    in a command-line argument (U+DC80-U+DCFF, surrogateescape) or a JSON \\ud800 escape without its pair gives.
-    No tokenizer can encode such a string."""
-    match = _SURROGATE.search(text)
-    if match is None:
-        return None
-    code = ord(match.group())
-    origin = (f"the byte 0x{code - 0xDC00:02X}, which is not valid UTF-8 there" if 0xDC80 <= code <= 0xDCFF
-              else f"a lone surrogate U+{code:04X}, such as a JSON \\u{code:04x} escape without its pair")
-    return f"character {match.start()} is {origin}"
-
-
-def check_unicode(text: str, what: str = "The text to tokenize") -> str:
-    """`text`, or a UserError naming `what` when it is not Unicode text (`unicode_problem`)."""
-    problem = unicode_problem(text)
-    if problem is None:
-        return text
-    raise UserError(f"{what} is not Unicode text: {problem}. Expected UTF-8 text. Fix: convert it to UTF-8 (e.g. "
-                    "`iconv -f latin1 -t utf-8`) or remove that character.")
 
 
 class Tokenizer(Protocol):

@@ -9,7 +9,7 @@ from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
                              TrainConfig, check_positive, check_seed)
-from systolic.data.tokenizer import unicode_problem
+from systolic.data.unicode_text import unicode_problem
 from systolic.errors import ConfigError
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.post.config import DPOConfig, GRPOConfig, RewardConfig

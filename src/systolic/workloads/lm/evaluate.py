@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.data import corpus, text
 from systolic.data.stream import place
-from systolic.data.tokenizer import Tokenizer, unicode_problem
+from systolic.data.tokenizer import Tokenizer
+from systolic.data.unicode_text import unicode_problem
 from systolic.errors import UserError
 from systolic.observe.progress import ProgressReporter
 from systolic.runtime import mesh as mesh_lib

@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 
 from systolic.data.generation_config import eos_ids
-from systolic.data.tokenizer import Tokenizer, check_unicode, make_tokenizer, run_tokenizer
+from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
+from systolic.data.unicode_text import check_unicode
 from systolic.data.chat import find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
