@@ -357,9 +357,7 @@ def test_jax_platforms_failures_are_explained():
     assert "No jellyfish device found" in said and "Fix: unset JAX_PLATFORMS" in said and "set JAX_PLATFORMS=''" not in said
     assert xla_env.backend_failure(RuntimeError("something else")) is None
     assert xla_env.backend_failure(ValueError("Unable to initialize backend")) is None
-    from importlib import metadata
-
-    if not any("cuda" in e.name for e in metadata.entry_points(group="jax_plugins")):
+    if not any("cuda" in name for name in xla_env._jax_plugins()):
         with pytest.raises(UserError, match="jax's CUDA plugin is not installed"):
             xla_env.check_platforms("cuda")
     if not xla_env.tpu_device_files():  # refused before libtpu prints its pages of warnings

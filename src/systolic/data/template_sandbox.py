@@ -182,7 +182,9 @@ def _serve() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the caller's to handle; it ends us by closing stdin
-    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)  # a soft limit may not exceed the hard one a container set
+    soft = WORKER_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(WORKER_MEMORY_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     sys.setrecursionlimit(RECURSION_LIMIT)
     for line in sys.stdin:
         try:
@@ -216,6 +218,9 @@ class _Worker:
                 line = _read_line(process.stdout.fileno(), time.monotonic() + timeout_s)
             except BrokenPipeError:
                 line = b""
+            except BaseException:  # an interrupt mid-request: its answer would be read as the next request's
+                self.stop()
+                raise
             if line is None:
                 self.stop()
                 raise TemplateFailed(f"it ran for more than {timeout_s:g} s", over_budget=True)

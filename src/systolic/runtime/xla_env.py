@@ -55,9 +55,8 @@ def check_platforms(value: str) -> None:
     """A GPU platform needs jax's plugin for it (without one jax fails with an AssertionError); TPU needs libtpu and
     a TPU's device files. Whether the device itself answers is known only when jax starts it (`backend_failure`)."""
     import importlib.util
-    from importlib import metadata
 
-    plugins = {entry.name for entry in metadata.entry_points(group="jax_plugins")}
+    plugins = _jax_plugins()
     for platform in filter(None, (p.strip().lower() for p in value.split(","))):
         if platform in _GPU_PLATFORMS and not any(kind in name for kind in _GPU_PLATFORMS[platform] for name in plugins):
             missing = f"jax's {platform.upper() if platform != 'gpu' else 'GPU'} plugin is not installed"
@@ -99,6 +98,20 @@ def backend_failure(error: BaseException) -> str | None:
 _PLATFORMS_FIX = ("Expected a platform this host has: cpu always; cuda with an NVIDIA GPU, its driver and jax[cuda12]; "
                   "tpu on a TPU VM with jax[tpu]. Fix: unset JAX_PLATFORMS (systolic picks cpu on a host without "
                   "accelerators), or name a platform this host has.")
+
+
+def _jax_plugins() -> set[str]:
+    """The PJRT plugins jax finds, as it finds them: the `jax_plugins` entry points (jax_cuda12_plugin's
+    "xla_cuda12") and the modules of the `jax_plugins` namespace package (jax-cuda12-pjrt's)."""
+    import pkgutil
+    from importlib import metadata
+
+    names = {entry.name for entry in metadata.entry_points(group="jax_plugins")}
+    try:
+        import jax_plugins
+    except ImportError:
+        return names
+    return names | {module.name for module in pkgutil.iter_modules(jax_plugins.__path__)}
 
 
 def _bad_flags(value: str, problem: str) -> UserError:
