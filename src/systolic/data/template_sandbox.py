@@ -166,7 +166,7 @@ def render_jobs(request: dict[str, Any]) -> list[str]:
     except MemoryError:
         raise TemplateFailed(f"it needed more than {WORKER_MEMORY_BYTES >> 30} GiB of memory", over_budget=True) from None
     except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as e:
-        # raise_exception, an undefined variable, a sandbox violation (dunders, range over MAX_RANGE); data of the
+        # raise_exception, an undefined variable, a sandbox violation (a dunder attribute); data of the
         # wrong type ("text" + a list), a missing key, a division by zero
         raise TemplateFailed(f"{type(e).__name__}: {_sentence(e)}", over_budget=False) from None
 
