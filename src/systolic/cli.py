@@ -57,12 +57,19 @@ def main(argv: list[str] | None = None) -> int:
                      "pick another path, then run the command again (an interrupted run resumes from its last "
                      "checkpoint).")
         return 2
-    except Exception:
+    except Exception as e:
         # A signal that landed inside C code (an extension's import, an XLA callback) can surface as another
         # exception, e.g. "ImportError: Encountered an error while initializing the extension".
         if interrupts.received():
             return _interrupted(interrupts.received())
-        raise
+        from systolic.runtime import xla_env
+
+        failure = xla_env.backend_failure(e)  # jax could not start the platform JAX_PLATFORMS names
+        if failure is None:
+            raise
+        _show_traceback_if_debugging(args)
+        _print_error(failure)
+        return 2
     finally:
         interrupts.restore(previous_handlers)
 

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from systolic import outfile
 from systolic.data import corpus
+from systolic.data.unicode_text import check_unicode
 from systolic.errors import ConfigError, UserError
 
 EOT_TOKEN = "<|endoftext|>"
@@ -105,18 +106,31 @@ class BPETokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """Ids of `text`, with the special tokens the file's post-processor adds (e.g. Llama's <s>) unless
         `add_special_tokens` is False (text that continues other text, such as a completion after its prompt)."""
-        return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, self.dtype)
+        try:
+            return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, self.dtype)
+        except TypeError:  # the Rust side refuses a str it cannot convert to UTF-8
+            check_unicode(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode` of each text, run in parallel threads by the Rust library."""
-        return [np.asarray(e.ids, self.dtype) for e in self._tokenizer.encode_batch(list(texts))]
+        try:
+            return [np.asarray(e.ids, self.dtype) for e in self._tokenizer.encode_batch(list(texts))]
+        except TypeError:
+            for text in texts:
+                check_unicode(text)
+            raise
 
     def encode_with_specials(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Ids of `text` in which special tokens are spelt out, such as a rendered chat template ("<|im_end|>" is
         that token, as transformers matches it by default), with nothing added by the post-processor (as
         `apply_chat_template` tokenizes, add_special_tokens=False); and each id's [start, end) characters in
         `text`, int64 (N, 2)."""
-        encoding = self._with_specials.encode(text, add_special_tokens=False)
+        try:
+            encoding = self._with_specials.encode(text, add_special_tokens=False)
+        except TypeError:
+            check_unicode(text)
+            raise
         return np.asarray(encoding.ids, self.dtype), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
 
     @functools.cached_property

@@ -9,8 +9,10 @@ these files beside its own tokenizer.json (`systolic.data.tokenizer.COMPANION_FI
 Rendering follows transformers: Jinja2's immutable sandbox (templates from the Hub are untrusted code),
 trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception`, `strftime_now`, a `tojson` that does
 not escape HTML, and the variables messages, tools=None, documents=None, add_generation_prompt and the special
-tokens. The text is tokenized with special tokens matched and none added (add_special_tokens=False), so the ids
-equal `apply_chat_template(..., tokenize=True)`; tests/data/test_chat.py checks both against transformers.
+tokens. It runs under a budget of time, memory, output and recursion (data/template_sandbox.py); a template that
+breaks it is refused when a run takes it (`find_chat_template`) and on any conversation after that. The text is
+tokenized with special tokens matched and none added (add_special_tokens=False), so the ids equal
+`apply_chat_template(..., tokenize=True)`; tests/data/test_chat.py checks both against transformers.
 
 The assistant mask marks what the model should learn to write: each assistant message from just after its
 header (the generation prompt, e.g. `<|im_start|>assistant\\n`) through the end-of-turn token the template writes
@@ -24,23 +26,19 @@ spans instead, as for transformers' `return_assistant_tokens_mask` and TRL's ass
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
 import numpy as np
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
 
+from systolic.data import template_sandbox
 from systolic.data.generation_config import eos_ids
+from systolic.data.template_sandbox import CLOSE, OPEN, TemplateFailed
 from systolic.data.tokenizer import RUN_FILE, ByteTokenizer, Tokenizer, tokenizer_file
 from systolic.errors import UserError
 
@@ -53,9 +51,10 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 
 Message = Mapping[str, Any]  # {"role": "user", "content": "..."}; other keys (tool_calls, ...) reach the template too
 
-# Private-use characters that bracket `{% generation %}` output while its spans are found, then are removed.
-_OPEN, _CLOSE = "\ue000", "\ue001"
-_marking = contextvars.ContextVar("marking_generation", default=False)
+# A rendering may write this many characters plus OUTPUT_PER_INPUT_CHAR per character of the conversation (as
+# JSON): room for any real template's markup and default system text, and a bound on what the tokenizer is given.
+OUTPUT_BASE_CHARS = 1 << 20
+OUTPUT_PER_INPUT_CHAR = 4
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -69,7 +68,10 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.where = where  # the file it came from, for errors
         try:
-            self._template = _compile(source)
+            template_sandbox.check_syntax(source)
+        except RecursionError:  # Jinja's parser recurses once per level of nesting
+            raise UserError(f"The chat template {where} nests its blocks or expressions too deeply to parse. Fix: "
+                            "restore the model's own template file.") from None
         except jinja2.TemplateSyntaxError as e:
             raise UserError(
                 f"The chat template {where} is not a valid Jinja template: {e.message} (line {e.lineno}). Expected "
@@ -85,7 +87,7 @@ class ChatTemplate:
         folder = Path(folder)
         config = _read_json(folder / CONFIG_FILE)
         if (folder / TEMPLATE_FILE).is_file():
-            source, where = (folder / TEMPLATE_FILE).read_text(encoding="utf-8"), folder / TEMPLATE_FILE
+            source, where = _read_template(folder / TEMPLATE_FILE), folder / TEMPLATE_FILE
         else:
             source, where = _config_template(config, folder / CONFIG_FILE), folder / CONFIG_FILE
         if source is None:
@@ -95,7 +97,7 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
         """The text of `messages`, as `apply_chat_template(messages, tokenize=False)` writes it; with
         add_generation_prompt, followed by the header that starts the assistant's reply."""
-        return self._render(messages, add_generation_prompt, mark=False)
+        return self._render(messages, [(len(messages), add_generation_prompt, False)])[0]
 
     def encode(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> np.ndarray:
         """Token ids of `render(...)`, as `apply_chat_template(messages, tokenize=True)` gives them."""
@@ -116,13 +118,13 @@ class ChatTemplate:
         """The rendered conversation and the [start, end) characters of its assistant turns."""
         if self.marks_generation:
             return self._generation_spans(messages)
-        text = self.render(messages)
+        turns = [i for i, message in enumerate(_plain_messages(messages)) if message.get("role") == "assistant"]
+        # One request: the whole conversation, then for each assistant turn the text before it with the
+        # generation prompt and the text through it.
+        text, *renders = self._render(messages, [(len(messages), False, False)] + [
+            job for i in turns for job in ((i, True, False), (i + 1, False, False))])
         spans = []
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            header = self.render(messages[:i], add_generation_prompt=True)
-            turn = self.render(messages[: i + 1])
+        for i, header, turn in zip(turns, renders[::2], renders[1::2]):
             if not (turn.startswith(header) and text.startswith(turn)):
                 raise UserError(
                     f"The chat template {self.where} renders the conversation differently depending on what follows "
@@ -154,37 +156,63 @@ class ChatTemplate:
                 ids.add(int(after[0]))
         return tuple(sorted(ids))
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool, *, mark: bool) -> str:
-        messages = _plain_messages(messages)
-        token = _marking.set(mark)
+    def check(self) -> None:
+        """Renders a two-turn conversation, so that a template that breaks its budget (template_sandbox.py) is
+        refused when a run takes it (an import, a post-training run, a server's start), not on the first
+        conversation. A template whose rules refuse this conversation passes: the conversations it is given
+        decide."""
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        # raise_exception, an undefined variable, a sandbox violation; or data of the wrong type ("text" + a list)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            self.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}])
+            self.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+        except _OverBudget:
+            raise
+        except UserError:
+            pass
+
+    def _render(self, messages: Sequence[Message], jobs: list[tuple[int, bool, bool]]) -> list[str]:
+        """The texts of `jobs`, each (how many of the messages, add_generation_prompt, mark generation blocks), in
+        one request to the sandbox's worker."""
+        messages = _plain_messages(messages)
+        try:
+            size = len(json.dumps(messages, ensure_ascii=False))
+        except (TypeError, ValueError) as e:  # a value that JSON cannot carry to the worker
+            raise UserError(f"A conversation must hold JSON values only, but {e}. Fix: pass strings, numbers, lists "
+                            "and objects.") from None
+        try:
+            return template_sandbox.render(
+                self.source, self.special_tokens, [(messages[:n], prompt, mark) for n, prompt, mark in jobs],
+                max_chars=OUTPUT_BASE_CHARS + OUTPUT_PER_INPUT_CHAR * size)
+        except TemplateFailed as e:
+            if e.over_budget:
+                raise _OverBudget(
+                    f"The chat template {self.where} was stopped: {e}. A chat template only lays out messages; one "
+                    f"that runs longer than {template_sandbox.TIME_BUDGET_S:g} s, writes more than "
+                    f"{OUTPUT_BASE_CHARS:,} characters plus {OUTPUT_PER_INPUT_CHAR} per character of the "
+                    f"conversation, recurses without end or needs over {template_sandbox.WORKER_MEMORY_BYTES >> 30} GiB "
+                    "is broken or hostile. Fix: restore the model's own template (chat_template.jinja, or "
+                    "`chat_template` in tokenizer_config.json)."
+                ) from None
             raise UserError(
                 f"The chat template {self.where} failed on this conversation: {e}. Templates raise when a "
                 "conversation breaks their rules (roles that do not alternate user/assistant, a system message "
                 "where none is allowed) or reads something the conversation lacks. Fix: change the conversation to "
                 "follow the rule named above."
             ) from None
-        finally:
-            _marking.reset(token)
 
     def _generation_spans(self, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
-        marked = self._render(messages, False, mark=True)
+        marked, plain = self._render(messages, [(len(messages), False, True), (len(messages), False, False)])
         parts, spans, length, start = [], [], 0, None
-        for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
-            if piece == _OPEN and start is None:
+        for piece in re.split(f"([{OPEN}{CLOSE}])", marked):
+            if piece == OPEN and start is None:
                 start = length
-            elif piece == _CLOSE and start is not None:
+            elif piece == CLOSE and start is not None:
                 spans.append((start, length))
                 start = None
-            elif piece not in (_OPEN, _CLOSE):
+            elif piece not in (OPEN, CLOSE):
                 parts.append(piece)
                 length += len(piece)
         text = "".join(parts)
-        if start is not None or text != self.render(messages):
+        if start is not None or text != plain:
             raise UserError(
                 f"The chat template {self.where} changes the text inside its {{% generation %}} blocks (or the "
                 f"conversation contains the private-use characters U+E000/U+E001 used to find them), so the "
@@ -192,6 +220,10 @@ class ChatTemplate:
                 "of output, not inside filters or captured variables, and remove those characters from the messages."
             )
         return text, spans
+
+
+class _OverBudget(UserError):
+    """A template stopped by its budget: refused by `check`, where a conversation the template's rules refuse is not."""
 
 
 def template_tokens(config: Mapping[str, Any], legacy: Mapping[str, Any]) -> dict[str, str]:
@@ -211,78 +243,6 @@ def template_tokens(config: Mapping[str, Any], legacy: Mapping[str, Any]) -> dic
     return tokens
 
 
-# THE JINJA ENVIRONMENT ----------------------------------------------------------------------------------------
-
-
-class _Generation(Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' tag for the text an assistant produces): rendered as
-    its body, bracketed by _OPEN/_CLOSE while `_generation_spans` is looking for it."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_output"), [], [], body).set_lineno(lineno)
-
-    def _output(self, caller) -> str:
-        text = caller()
-        return f"{_OPEN}{text}{_CLOSE}" if _marking.get() else text
-
-
-class _Namespace(Namespace):
-    """`namespace(...)` that refuses underscore-prefixed names, a way towards Python internals that the sandbox does
-    not check on namespaces."""
-
-    def __init__(*args, **kwargs):  # Namespace's signature: `self` may also be a keyword
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        _check_public(attrs)
-        Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _check_public([name])
-        Namespace.__setitem__(self, name, value)
-
-
-class _DictMaker:
-    """`dict` inside templates: makes dicts without handing the template the `dict` type itself."""
-
-    def __call__(self, *args, **kwargs) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, keys, value=None) -> dict:
-        return dict.fromkeys(keys, value)
-
-
-def _check_public(names) -> None:
-    for name in names:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a template may not store the underscore-prefixed name {name!r}")
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect the plain JSON that transformers writes.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=_DictMaker(), namespace=_Namespace)
-    return env
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    return _environment().from_string(source)
-
-
 # READING A MODEL FOLDER ---------------------------------------------------------------------------------------
 
 
@@ -298,6 +258,14 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise UserError(f"{path} cannot be read as a JSON object ({problem}). Expected the file as the model's Hugging "
                         "Face folder has it. Fix: restore it from the model, or delete it if the model has none.")
     return data
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"The chat template {path} is not UTF-8 text ({e.reason} at byte {e.start}). Expected the "
+                        "Jinja template a Hugging Face model ships. Fix: restore it from the model's folder.") from None
 
 
 def _config_template(config: Mapping[str, Any], path: Path) -> str | None:
@@ -328,11 +296,15 @@ def _plain_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
 def find_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
     """The chat template among the companions of `tokenizer`'s tokenizer.json (the file its name, a spec, points
     at), or None: the byte tokenizer, a file not named tokenizer.json (no Hugging Face folder's, see
-    `tokenizer_files`), or a folder without a template."""
+    `tokenizer_files`), or a folder without a template. A template that breaks its budget is refused here
+    (`ChatTemplate.check`)."""
     if tokenizer.name == ByteTokenizer.name:
         return None
     path = tokenizer_file(tokenizer.name)
-    return ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None
+    template = ChatTemplate.load(path.parent, tokenizer) if path.name == RUN_FILE else None
+    if template is not None:
+        template.check()
+    return template
 
 
 class LazyTemplate:

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from systolic import outfile
+from systolic.data.unicode_text import check_unicode
 from systolic.errors import ConfigError, UserError
 
 
@@ -60,7 +61,12 @@ class ByteTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """UTF-8 bytes of `text` as a uint16 array (bytes have no special tokens to add)."""
-        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            check_unicode(text)
+            raise
+        return np.frombuffer(data, np.uint8).astype(np.uint16)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(text) for text in texts]

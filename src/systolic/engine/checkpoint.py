@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -49,12 +50,33 @@ FAULT_ENV = "SYSTOLIC_FAULT"  # testing aid: "kill_during_save:STEP" or "fail_sa
 
 class _OrbaxFailureLogs(logging.Filter):
     """Orbax logs a failed save with its traceback (absl, ERROR, twice: its thread and its wait) and then raises
-    the failure to us, where it becomes one paragraph (`CheckpointWriteError`): the logs would repeat it raw.
-    SYSTOLIC_DEBUG=1 keeps them."""
+    the failure to us, where it becomes one paragraph (`CheckpointWriteError`): the logs would repeat it raw. On a
+    full disk, the writes it abandons log again when collected ("asyncio: Task exception was never retrieved",
+    after the paragraph). SYSTOLIC_DEBUG=1 keeps them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        quiet = os.environ.get("SYSTOLIC_DEBUG", "") in ("", "0")
-        return not (quiet and record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        if not _quiet() or record.levelno < logging.ERROR:
+            return True
+        abandoned = record.name == "asyncio" and "never retrieved" in str(record.msg) and "orbax" in record.getMessage()
+        return not (abandoned or "orbax" in record.pathname)
+
+
+def _quiet() -> bool:
+    return os.environ.get("SYSTOLIC_DEBUG", "") in ("", "0")
+
+
+class _ClosedLoopCallbacks:
+    """A `sys.unraisablehook` that drops what tensorstore reports when a write that Orbax abandoned (a full disk)
+    finishes after Orbax closed its event loop ("RuntimeError: Event loop is closed", one traceback per file,
+    before the paragraph), and passes everything else to the hook it replaced."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+        if not (closed and _quiet()):
+            self.previous(unraisable)
 
 
 _ORBAX_FILTER = _OrbaxFailureLogs()
@@ -63,6 +85,9 @@ _ORBAX_FILTER = _OrbaxFailureLogs()
 class Checkpointer:
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: a filter object is added only once
+        logging.getLogger("asyncio").addFilter(_ORBAX_FILTER)
+        if not isinstance(sys.unraisablehook, _ClosedLoopCallbacks):  # once per process
+            sys.unraisablehook = _ClosedLoopCallbacks(sys.unraisablehook)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True

@@ -12,13 +12,12 @@ from systolic.runtime import interrupts
 def cpu_only_host() -> None:
     """On a host with no accelerator device files, JAX_PLATFORMS=cpu (unless the user set it): with libtpu
     installed, jax would otherwise probe for a TPU at start-up and print libtpu's warnings about not finding one."""
-    import glob  # here, not at the top: the CLI imports this module before its interrupt handlers are installed
+    # Here, not at the top: the CLI imports this module before its interrupt handlers are installed.
+    from systolic.runtime import xla_env
 
     if "JAX_PLATFORMS" in os.environ:
         return
-    tpu = glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
-    gpu = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
-    if not tpu and not gpu:
+    if not xla_env.tpu_device_files() and not xla_env.gpu_device_files():
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
@@ -26,8 +25,9 @@ def prepare(*, workload: str | None, stepping: bool, compiles: bool) -> None:
     """Prepares the process for a command that runs `workload` (None: none), once its platform is chosen:
     `stepping` (many steps of one compiled function) gets the host allocator setting, `compiles` the compile
     cache and the extension imports. Then arms the interrupt handlers: a signal recorded so far raises here."""
-    from systolic.runtime import cpu_tuning
+    from systolic.runtime import cpu_tuning, xla_env
 
+    xla_env.check_at_start()  # XLA_FLAGS that would abort the process, a JAX_PLATFORMS that is not installed
     # Before anything creates jax's backend (XLA reads XLA_FLAGS once) or starts its thread pools (the allocator).
     cpu_tuning.apply_at_start(workload=workload, stepping=stepping)
     if compiles:  # the others (launch, tokenizer, data) need none of this, and start faster

@@ -9,6 +9,7 @@ from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
                              TrainConfig, check_positive, check_seed)
+from systolic.data.unicode_text import unicode_problem
 from systolic.errors import ConfigError
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.post.config import DPOConfig, GRPOConfig, RewardConfig
@@ -78,6 +79,8 @@ class PipelineConfig:
                 f"pipeline.microbatches={self.microbatches} and pipeline.repeats={self.repeats}: both count things "
                 "and must be at least 1. Fix: e.g. pipeline.microbatches=8 pipeline.repeats=1 (GPipe).")
 
+MAX_MIXTURE_RATIO = 1e6  # data.mixture: the largest weight over the smallest
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -119,6 +122,17 @@ class DataConfig:
                     "Fix: give every folder a weight greater than 0."
                 )
             sources.append((path, value))
+        weights = [w for _, w in sources]
+        # Grain's mix scales the weights to integers, the smallest to 100 (`text.mixture_counts`): that scale and
+        # the sum must be finite, and a source that gets under one row in a million is noise in any run.
+        if sources and (not math.isfinite(sum(weights)) or not math.isfinite(100 / min(weights))
+                        or max(weights) / min(weights) > MAX_MIXTURE_RATIO):
+            raise ConfigError(
+                f"data.mixture={self.mixture!r}: the weights range from {min(weights):g} to {max(weights):g}. Expected "
+                f"weights whose sum is a finite number and whose largest is at most {MAX_MIXTURE_RATIO:g} times the "
+                "smallest (they are proportions: only their ratios count). Fix: rescale them, e.g. "
+                "data.mixture='data/web:0.7,data/code:0.3', and drop a source that should get almost no rows."
+            )
         return sources
 
     def validate(self) -> None:
@@ -188,6 +202,10 @@ class SampleConfig:
                 f"sample.prompt (--prompt) holds a NUL byte at character {self.prompt.index(chr(0))}; a prompt is text, "
                 "and tokenizers and terminals stop or fail at NUL. Fix: remove it from the prompt."
             )
+        problem = unicode_problem(self.prompt)
+        if problem:  # bytes that are not UTF-8 in the command line: no tokenizer can encode it
+            raise ConfigError(f"sample.prompt (--prompt) is not Unicode text: {problem}. Expected UTF-8 text. Fix: "
+                              "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove that character.")
         if (not math.isfinite(self.temperature) or self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0
                 or not 0 < self.top_p <= 1):
             raise ConfigError(

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from systolic.data import corpus, text
 from systolic.data.stream import place
 from systolic.data.tokenizer import Tokenizer
+from systolic.data.unicode_text import unicode_problem
 from systolic.errors import UserError
 from systolic.observe.progress import ProgressReporter
 from systolic.runtime import memory
@@ -226,6 +227,9 @@ def _parse_item(path: Path, number: int, line: str) -> Item:
         raise bad(f'"context" is a {type(context).__name__}, not a string')
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise bad(f'"choices" is {json.dumps(choices)[:80]}, not a list of two or more non-empty strings')
+    problem = next(filter(None, map(unicode_problem, (context, *choices))), None)
+    if problem:  # a JSON \ud800 escape without its pair
+        raise bad(f"a string is not Unicode text ({problem})")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
         raise bad(f'"label" is {json.dumps(label)}, not an index into the {len(choices)} choices '
                   f'(0 to {len(choices) - 1})')

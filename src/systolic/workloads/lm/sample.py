@@ -13,6 +13,7 @@ from flax import nnx
 
 from systolic.data.generation_config import eos_ids
 from systolic.data.tokenizer import Tokenizer, make_tokenizer, run_tokenizer
+from systolic.data.unicode_text import check_unicode
 from systolic.data.chat import find_chat_template
 from systolic.engine import finished
 from systolic.errors import UserError
@@ -97,6 +98,8 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
     if chat and prompt is None:
         raise UserError("--chat needs --prompt: it is the user's message that the model replies to. Fix: e.g. "
                         "`systolic generate RUN --chat --prompt \"What is a monad?\"`.")
+    if system is not None:
+        check_unicode(system, "--system")  # --prompt is sample.prompt, checked with the other sample settings
     command = "systolic generate --chat" if chat else "systolic generate"
     cfg = finished.read_config(run_dir, LMConfig, command)  # the settings checked before the slow part
     overrides = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,

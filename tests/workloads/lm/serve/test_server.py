@@ -41,6 +41,10 @@ MODEL = ModelConfig(d_model=64, layers=2, heads=4, kv_heads=2, max_seq_len=CONTE
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# A hostile branch before it: a conversation whose last message is "spin" runs two loops of 10**10 steps, which the
+# template's time budget stops (data/template_sandbox.py) with a 400 for that request alone.
+SPIN = ("{% if messages[-1]['content'] == 'spin' %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
+        "{% endfor %}{% endif %}")
 KEY = "test-key"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
 START_TIMEOUT_S = 600  # loading and compiling the engine's programs on a busy 2-core machine
@@ -79,7 +83,7 @@ def run_dir(tmp_path_factory) -> Path:
     assert "lm_head.weight" in [name for name, _, _ in tensors]
     hf.write_safetensors(folder, tensors, 1 << 30)
     (folder / "config.json").write_text(json.dumps(hf_config.hf_config(MODEL, VOCAB, {})))
-    (folder / "chat_template.jinja").write_text(CHATML)
+    (folder / "chat_template.jinja").write_text(SPIN + CHATML)
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
                                                               "pad_token": "<|endoftext|>"}))
     assert main(["convert", "from-hf", str(folder), str(root / "run")]) == 0
@@ -276,6 +280,13 @@ def bad_inputs(model: str):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None,
          None, 400, "messages[0].content", None),
         ("/v1/chat/completions", {**chat, "top_logprobs": 3}, None, None, 400, "top_logprobs", None),
+        # Text that is not Unicode (a JSON escape of a lone surrogate), and a template stopped by its budget.
+        ("/v1/completions", None, b'{"model": "' + model.encode() + b'", "prompt": "a\\ud800b"}', None, 400, "prompt",
+         None),
+        ("/v1/chat/completions", None, b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": '
+         b'"\\udc80"}]}', None, 400, "messages", None),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "spin"}]}, None, None, 400,
+         "messages", None),
         ("/v1/completions", ok, None, {"Authorization": "Bearer wrong"}, 401, None, "invalid_api_key"),
         ("/v1/nowhere", ok, None, None, 404, None, "not_found"),
     ]

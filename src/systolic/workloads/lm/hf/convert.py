@@ -290,7 +290,9 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False,
     _check_free(run_dir)
     tokenizer = src / RUN_FILE
     # Without a tokenizer.json the run uses bytes: right for a model that systolic trained and exported.
-    ids = make_tokenizer(str(tokenizer) if tokenizer.is_file() else "byte").vocab_size
+    made = make_tokenizer(str(tokenizer) if tokenizer.is_file() else "byte")
+    find_chat_template(made)  # a template over its budget is refused before anything is written
+    ids = made.vocab_size
     if ids > mcfg.vocab_size:
         which = f"its {RUN_FILE}" if tokenizer.is_file() else f"the byte tokenizer (there is no {RUN_FILE})"
         raise UserError(

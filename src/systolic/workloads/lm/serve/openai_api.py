@@ -351,7 +351,10 @@ def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer) -
                               f"{tokenizer.vocab_size - 1}. Fix: encode the prompt with this model's tokenizer, or "
                               "send text.", param="prompt")
         return ids.astype(np.int32)
-    ids = tokenizer.encode(prompt).astype(np.int32)
+    try:
+        ids = tokenizer.encode(prompt).astype(np.int32)
+    except UserError as e:  # text that is not Unicode (a lone surrogate from a JSON escape)
+        raise bad_request(str(e), param="prompt") from None
     return ids if len(ids) else np.array([tokenizer.eot_id], np.int32)
 
 

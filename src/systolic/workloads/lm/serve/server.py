@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -117,7 +118,8 @@ class _Handlers:
         self._authorize(request)
         req = api.parse_chat(await _json_body(request))
         api.check_model(req.model, self.info.name)
-        ids = api.chat_prompt_ids(req.messages, self.info.chat_template, self.info.name)
+        # In a worker thread: rendering waits on the template's sandbox (up to its time budget), not the event loop.
+        ids = await run_in_threadpool(api.chat_prompt_ids, req.messages, self.info.chat_template, self.info.name)
         budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context, default=None,
                                   prompt_param="messages", limit_param="max_tokens")
         # The reply ends at the template's end of turn (<|im_end|>, <|eot_id|>) as well as at the end of text.
