@@ -18,7 +18,7 @@ PACKAGE = "systolic"
 # with its longest matching prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("", "errors"),
-    ("safe_json", "safe_yaml", "outfile", "command"),  # command: a command as declared data (no imports above errors)
+    ("safe_json", "safe_yaml", "safe_npy", "outfile", "command"),  # command: a command as declared data (no imports above errors)
     ("config",),
     ("runtime",),
     ("data", "observe"),
