@@ -1,5 +1,5 @@
 """Importing systolic on a host without accelerators starts jax on the CPU as quietly as the CLI does: a user's own
-script prints none of libtpu's errors about a missing TPU (runtime/startup.cpu_only_host)."""
+script prints none of libtpu's errors about a missing TPU (systolic/__init__.py)."""
 
 import glob
 import importlib.util

@@ -9,27 +9,6 @@ import os
 from systolic.runtime import interrupts
 
 
-def cpu_only_host() -> None:
-    """On a host with no accelerator device files, JAX_PLATFORMS=cpu (unless the user set it): with libtpu
-    installed, jax would otherwise probe for a TPU at start-up and print libtpu's errors about not finding one.
-    Runs when systolic is imported (systolic/__init__.py), so a user's own script is as quiet as the CLI. Where jax
-    was imported first, its platform setting is made too (jax read the environment then); it acts until jax starts
-    a backend, and after that changes nothing."""
-    import glob  # here, not at the top: the CLI imports this module before its interrupt handlers are installed
-    import sys
-
-    if "JAX_PLATFORMS" in os.environ:
-        return
-    tpu = glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
-    gpu = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
-    if tpu or gpu:
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.config.jax_platforms is None:  # None: the user's script chose no platform either
-        jax.config.update("jax_platforms", "cpu")
-
-
 def prepare(*, workload: str | None, stepping: bool, compiles: bool) -> None:
     """Prepares the process for a command that runs `workload` (None: none), once its platform is chosen:
     `stepping` (many steps of one compiled function) gets the host allocator setting, `compiles` the compile
