@@ -305,6 +305,22 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(imported, tmp_path):
     assert (tmp_path / "resumed" / "chat_template.jinja").read_text() == CHATML
 
 
+def test_a_small_chat_set_gets_a_batch_it_fills_and_the_log_says_so(imported, tmp_path):
+    """34 conversations fill fewer rows than the recipe's 16: the batch is lowered to what they fill (a multiple of
+    the 8 devices), with a warning; a batch the user sets is kept and refused with the settings that would work."""
+    data = write_jsonl(tmp_path / "chats.jsonl", chats(34))
+    args = [a for a in sft_overrides(imported, data) if not a.startswith("train.batch_size=")]
+    with pytest.warns(UserWarning, match=r"train.batch_size lowered from 16 to 8: the 28 training examples fill 9 "
+                                         r"rows .* train.steps=2 is then 2 passes over them"):
+        code, _, err = call("train", "lm", *args, "train.steps=2", "sample.max_new_tokens=0", "--run-dir",
+                            str(tmp_path / "run"))
+    assert code == 0, err
+    assert "batch_size: 8" in (tmp_path / "run" / "config.yaml").read_text()
+    code, _, err = call("train", "lm", *args, "train.batch_size=16", "--run-dir", str(tmp_path / "asked"))
+    assert code == 2 and "fewer than one batch of train.batch_size=16. Fix: train.batch_size=8, or data.seq_len=" in err
+    assert not (tmp_path / "asked").exists()
+
+
 # BAD INPUT ----------------------------------------------------------------------------------------------------
 
 CHAT = ["train", "lm", *TINY_LM, "data.format=chat", "data.packing=documents", "sample.max_new_tokens=0", "-q"]
