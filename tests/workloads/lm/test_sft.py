@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from tiny import TINY_LM
-from tiny_hf import VOCAB, make_hf_model
+from tiny_hf import CHATML, CONVERSATION, SYSTEM, chats, make_hf_model, render, save_chat_tokenizer
 
 from systolic.cli import main
 from systolic.data import packed, sft
@@ -27,54 +27,12 @@ from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import UserError
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML without a default system message, so the rows of the tiny model (64 positions) hold whole conversations.
-CHATML = """{%- for message in messages %}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Spain": "Madrid", "Italy": "Rome", "Japan": "Tokyo",
-            "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi"}
-SYSTEM = {"role": "system", "content": "Be brief."}
-CONVERSATION = [SYSTEM, {"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Germany?"},
-                {"role": "assistant", "content": "Berlin, I think."}]
-
-
 def call(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(argv))
     assert "Traceback" not in err.getvalue()
     return code, out.getvalue(), " ".join(err.getvalue().split())  # the CLI wraps error paragraphs
-
-
-def chats(n: int) -> list[dict]:
-    """`n` records with a pattern to learn, short enough for the tiny model's 64 positions: the assistant names the
-    capital of the country the user names. Conversations, some with a system message, some of two turns; every
-    fifth record is prompt/completion text."""
-    rng = np.random.default_rng(0)
-    countries = list(CAPITALS)
-    records = []
-    for i in range(n):
-        a, b = (countries[j] for j in rng.choice(len(countries), 2, replace=False))
-        if i % 5 == 4:
-            records.append({"prompt": f"{a}:", "completion": f" {CAPITALS[a]}."})
-            continue
-        messages = [SYSTEM] if i % 3 == 0 else []
-        messages += [{"role": "user", "content": a}, {"role": "assistant", "content": f"{CAPITALS[a]}."}]
-        if i % 4 == 0:
-            messages += [{"role": "user", "content": b}, {"role": "assistant", "content": f"{CAPITALS[b]}."}]
-        records.append({"messages": messages})
-    return records
-
-
-def render(messages: list[dict]) -> str:
-    """CHATML's text, for training the tokenizer."""
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -84,20 +42,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A Hugging Face tokenizer folder: a byte-level BPE of at most VOCAB ids, tokenizer_config.json naming its
-    special tokens and chat_template.jinja."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [render(r["messages"]) if "messages" in r else r["prompt"] + r["completion"] for r in chats(200)]
-    bpe.train_from_iterator([*texts, render(CONVERSATION)], trainer)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    bpe.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    (folder / "chat_template.jinja").write_text(CHATML)
-    return folder
+    return save_chat_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def learnt_runs(rows: packed.PackedRows, decode) -> list[str]:
