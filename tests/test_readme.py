@@ -33,10 +33,11 @@ MARKER = "<!-- newcomer-test"
 
 # Appended to the commands that train or time a model from scratch: lm-tiny's shape at a few thousand parameters.
 SMALL_LM = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "data.seq_len=32",
-            "train.batch_size=4", "train.eval_batches=1", "data.max_bytes=300000", "observe.tensorboard=false",
-            "observe.plot=false"]
+            "train.batch_size=4", "train.eval_batches=1", "data.max_bytes=300000", "data.val_percent=30",
+            "observe.tensorboard=false", "observe.plot=false"]
 # From an imported run the model is the source's: only the rows shrink, to the tiny model's context.
-SMALL_FINE_TUNE = ["data.seq_len=64", "train.eval_batches=1", "observe.tensorboard=false", "observe.plot=false"]
+SMALL_FINE_TUNE = ["data.seq_len=64", "data.val_percent=30", "train.eval_batches=1", "observe.tensorboard=false",
+                   "observe.plot=false"]
 # The plans' recipes (llama-1b, llama-8b) at one small layer: the same compiles, in seconds.
 SMALL_PLAN = ["model.layers=1", "model.d_model=64", "model.heads=2", "model.kv_heads=1", "model.mlp_dim=128",
               "model.vocab_size=1024", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]

@@ -149,3 +149,4 @@ def test_the_sample_after_training_is_prompted_with_the_opening_of_held_out_text
     assert opening(ids, tok) == "The blackbird starts before the light,"
     assert opening(ids, tok, max_chars=200) == "The blackbird starts before the light, and by the time the kettle boils"
     assert opening(np.array([tok.eot_id]), tok) == ""
+    assert opening(ids, tok, max_tokens=18) == "The blackbird s"  # what the model's context leaves the prompt

@@ -57,16 +57,19 @@ def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.G
             say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
         return
     if not settings.prompt and held_out is not None:
-        settings = dataclasses.replace(settings, prompt=opening(held_out, tokenizer))
+        room = nnx.merge(graphdef, params).cfg.max_seq_len - settings.max_new_tokens  # the prompt's share of the context
+        settings = dataclasses.replace(settings, prompt=opening(held_out, tokenizer, max_tokens=max(room, 0)))
         described += ", prompted with the opening of a held-out document"
     say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
 
 
-def opening(tokens: Any, tokenizer: Tokenizer, max_chars: int = 40) -> str:
+def opening(tokens: Any, tokenizer: Tokenizer, max_chars: int = 40, max_tokens: int | None = None) -> str:
     """The first non-blank line of the first document in `tokens` (ids, each document ended by the end-of-document
-    id), cut to at most `max_chars` characters at a space where it is longer; "" for an empty document."""
+    id) within its first `max_tokens` ids, cut to at most `max_chars` characters at a space where it is longer; ""
+    for an empty document."""
     # Enough ids for max_chars characters under any tokenizer; index arrays work on every kind of token source.
-    head = np.asarray(tokens[np.arange(min(4 * max_chars, len(tokens)))])
+    count = min(4 * max_chars, len(tokens), 4 * max_chars if max_tokens is None else max_tokens)
+    head = np.asarray(tokens[np.arange(count)])
     ends = np.flatnonzero(head == tokenizer.eot_id)
     text = tokenizer.decode(head[: ends[0] if len(ends) else len(head)])
     line = next((line.strip() for line in text.splitlines() if line.strip()), "")
