@@ -57,7 +57,8 @@ def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.G
             say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
         return
     if not settings.prompt and held_out is not None:
-        room = nnx.merge(graphdef, params).cfg.max_seq_len - settings.max_new_tokens  # the prompt's share of the context
+        # The prompt's share of the context, less one for a start token the encoder may add (Llama's).
+        room = nnx.merge(graphdef, params).cfg.max_seq_len - settings.max_new_tokens - 1
         settings = dataclasses.replace(settings, prompt=opening(held_out, tokenizer, max_tokens=max(room, 0)))
         described += ", prompted with the opening of a held-out document"
     say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
