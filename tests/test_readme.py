@@ -111,7 +111,8 @@ def save_hf_chat_model(folder: Path) -> None:
 
 
 def environment(root: Path, devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # A newcomer's environment: not the test session's fake devices or strict dtype promotion (conftest.py).
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUMPY_DTYPE_PROMOTION")}
     env["HOME"] = str(root / "home")
     if devices > 1:  # as the README says for a mesh larger than the machine
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
