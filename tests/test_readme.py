@@ -40,7 +40,7 @@ SMALL_FINE_TUNE = ["data.seq_len=64", "data.val_percent=30", "train.eval_batches
                    "observe.plot=false"]
 # The plans' recipes (llama-1b, llama-8b) at one small layer: the same compiles, in seconds.
 SMALL_PLAN = ["model.layers=1", "model.d_model=64", "model.heads=2", "model.kv_heads=1", "model.mlp_dim=128",
-              "model.vocab_size=1024", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+              "model.vocab_size=1024", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=32"]
 
 
 def readme_commands() -> list[str]:
