@@ -2,14 +2,18 @@
 built from a config with no download, and the overrides of a short fine-tune from an imported run. torch and
 transformers are imported when a model is made: the test modules skip themselves when they are missing."""
 
+import json
 from pathlib import Path
+
+import numpy as np
 
 VOCAB = 320  # >= the byte tokenizer's 258 ids, so a fine-tune on bytes fits
 
 
-def make_hf_model(family: str):
+def make_hf_model(family: str, positions: int = 64):
     """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
-    no near-ties), norm scales near 1 and biases near 0 (a large random final-norm bias would fix the argmax)."""
+    no near-ties), norm scales near 1 and biases near 0 (a large random final-norm bias would fix the argmax);
+    `positions` the Llama's context (its RoPE has no table: more costs nothing)."""
     import torch
     import transformers
 
@@ -17,7 +21,7 @@ def make_hf_model(family: str):
     if family == "llama":
         config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-6,
+            num_key_value_heads=2, max_position_embeddings=positions, rope_theta=50000.0, rms_norm_eps=1e-6,
             bos_token_id=1, eos_token_id=2, attn_implementation="eager")
         model = transformers.LlamaForCausalLM(config)
     else:
@@ -42,8 +46,6 @@ def write_hf_tokenizer(folder: Path, texts: list[str], specials: list[str], toke
     """A Hugging Face tokenizer folder as the chat tests use it: a byte-level BPE of at most VOCAB ids trained on
     `texts`, with the `specials`, tokenizer_config.json holding `tokens` (eos_token, pad_token, ...) and
     chat_template.jinja."""
-    import json
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
@@ -57,3 +59,55 @@ def write_hf_tokenizer(folder: Path, texts: list[str], specials: list[str], toke
     (folder / "tokenizer_config.json").write_text(json.dumps(tokens))
     (folder / "chat_template.jinja").write_text(template)
     return folder
+
+
+# A chat model's tokenizer folder (tests/workloads/lm/test_sft.py, tests/test_readme.py): a byte-level BPE trained
+# here on capital-city conversations, saved with a ChatML template as a Hugging Face folder has them.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML without a default system message, so the rows of the tiny model (64 positions) hold whole conversations.
+CHATML = """{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+CAPITALS = {"France": "Paris", "Germany": "Berlin", "Spain": "Madrid", "Italy": "Rome", "Japan": "Tokyo",
+            "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi"}
+SYSTEM = {"role": "system", "content": "Be brief."}
+CONVERSATION = [SYSTEM, {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Germany?"},
+                {"role": "assistant", "content": "Berlin, I think."}]
+
+
+def chats(n: int) -> list[dict]:
+    """`n` records with a pattern to learn, short enough for the tiny model's 64 positions: the assistant names the
+    capital of the country the user names. Conversations, some with a system message, some of two turns; every
+    fifth record is prompt/completion text."""
+    rng = np.random.default_rng(0)
+    countries = list(CAPITALS)
+    records = []
+    for i in range(n):
+        a, b = (countries[j] for j in rng.choice(len(countries), 2, replace=False))
+        if i % 5 == 4:
+            records.append({"prompt": f"{a}:", "completion": f" {CAPITALS[a]}."})
+            continue
+        messages = [SYSTEM] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": a}, {"role": "assistant", "content": f"{CAPITALS[a]}."}]
+        if i % 4 == 0:
+            messages += [{"role": "user", "content": b}, {"role": "assistant", "content": f"{CAPITALS[b]}."}]
+        records.append({"messages": messages})
+    return records
+
+
+def render(messages: list[dict]) -> str:
+    """CHATML's text, for training the tokenizer."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def save_chat_tokenizer(folder: Path) -> Path:
+    """A Hugging Face tokenizer folder in `folder`: a byte-level BPE of at most VOCAB ids trained on `chats`,
+    tokenizer_config.json naming its special tokens and chat_template.jinja (CHATML)."""
+    texts = [render(r["messages"]) if "messages" in r else r["prompt"] + r["completion"] for r in chats(200)]
+    return write_hf_tokenizer(folder, [*texts, render(CONVERSATION)], SPECIALS,
+                              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML)

@@ -91,8 +91,7 @@ def _parse(argv: list[str] | None):
         args.overrides += extra
     if command.platform is not None:
         command.platform(args)  # before anything initialises a jax backend
-    else:
-        startup.cpu_only_host()
+    # (A host without accelerators runs on the CPU from `import systolic` on: systolic/__init__.py.)
     # args.workload: the workload the command names or whose own command it is (None for info, data, launch),
     # known before JAX starts so its XLA:CPU flags apply.
     startup.prepare(workload=args.workload, stepping=command.stepping, compiles=command.compiles)

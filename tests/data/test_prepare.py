@@ -199,6 +199,17 @@ def test_train_on_prepared_data_resumes_to_the_same_losses(prepared_dir, tmp_pat
     assert "match their SHA-256" in capsys.readouterr().out
 
 
+def test_a_bpe_prepared_dataset_brings_its_tokenizer(corpus_dir, bpe_file, tmp_path):
+    """No data.tokenizer: the run takes the one the data was prepared with (a copy in its folder), not the byte one."""
+    data = tmp_path / "bpe-data"
+    assert main(["data", "prepare", str(corpus_dir), "--out", str(data), "--tokenizer", str(bpe_file),
+                 "--val-percent", "30", "--workers", "1"]) == 0
+    run = tmp_path / "run"
+    assert main([*TRAIN, f"data.path={data}", "train.steps=2", "--run-dir", str(run)]) == 0
+    assert f"tokenizer: {data / 'tokenizer.json'}" in (run / "config.yaml").read_text()
+    assert (run / "tokenizer.json").read_bytes() == bpe_file.read_bytes()
+
+
 def _fails_cleanly(argv: list[str], capsys, message: str, untouched: Path) -> None:
     before = _files(untouched) if untouched.exists() else None
     assert main(argv) == 2

@@ -126,6 +126,11 @@ def test_plan_json_carries_every_figure():
     assert plan["price_source"] == "--price-per-chip-hour"
     text = cli("--target", "v5e-4", "--mesh", "fsdp=4", *TINY)
     assert "the TPU compiler (libtpu) for topology v5e:2x2" in text.stdout and "fits" in text.stdout
+    # While it compiles, stderr says what, for which target (stdout is the report, or JSON alone).
+    progress = text.stderr.splitlines()
+    assert progress[0] == "plan: tracing the lm train step for v5e-4 (4 chips, mesh data=1 x fsdp=4 x tensor=1)"
+    assert progress[1].startswith("plan: compiling it (") and "the TPU compiler (libtpu) for topology v5e:2x2" in progress[1]
+    assert progress[2].startswith("plan: compiled in ") and "plan:" not in proc.stdout
 
 
 def test_unknown_target_is_one_paragraph_and_exit_2():

@@ -41,3 +41,12 @@ def test_slices_need_devices_that_span_them():
     # One process of 8 CPU devices is one slice: mesh.slices=2 says what it needs instead of building a wrong mesh.
     with pytest.raises(ConfigError, match="mesh.slices=2 splits the data axis across 2 processes.*span 1"):
         mesh_lib.make_mesh(MeshConfig(data=-1, slices=2))
+
+
+def test_a_mesh_larger_than_the_cpu_says_how_to_try_it_on_fake_devices():
+    with pytest.raises(ConfigError) as e:
+        mesh_lib.resolve_shape(MeshConfig(fsdp=2, tensor=2), 1, cpu=True)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # accelerators: more devices are hardware, not a flag
+        mesh_lib.resolve_shape(MeshConfig(fsdp=2), 1)
+    assert "XLA_FLAGS" not in str(e.value)

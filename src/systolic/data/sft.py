@@ -68,7 +68,31 @@ class ChatCorpus:
 
 
 def load_chat_corpus(path: str, tokenizer: Tokenizer, *, seq_len: int, val_percent: float) -> ChatCorpus:
-    """Reads, encodes, splits and packs the records at `path` into rows of `seq_len + 1` tokens."""
+    """Reads, encodes, splits and packs the records at `path` into rows of `seq_len + 1` tokens. The last result is
+    kept while its files are unchanged: a run sizes its batch from it (lm/resolve.py), then trains on it."""
+    global _last
+    key = (_signature(path), tokenizer.name, seq_len, val_percent)
+    if _last is not None and _last[0] == key and key[0] is not None:
+        return _last[1]
+    data = _load(path, tokenizer, seq_len=seq_len, val_percent=val_percent)
+    _last = (key, data)
+    return data
+
+
+_last: tuple[tuple, ChatCorpus] | None = None  # load_chat_corpus's last (key, result)
+
+
+def _signature(path: str) -> tuple | None:
+    """The files at `path` with their sizes and modification times; None when they cannot be listed."""
+    root = Path(path).expanduser()
+    try:
+        files = corpus.list_files(root, suffixes=SUFFIXES) if root.is_dir() else [root]
+        return tuple((str(f.absolute()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    except (OSError, UserError):
+        return None
+
+
+def _load(path: str, tokenizer: Tokenizer, *, seq_len: int, val_percent: float) -> ChatCorpus:
     encoder = _Encoder(tokenizer)
     row_len = seq_len + 1
     names, examples, truncated = [], [], 0

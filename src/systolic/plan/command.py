@@ -108,13 +108,20 @@ def plan(args: argparse.Namespace) -> int:
         return _search(args, workload, cfg, recipe, target, mesh,
                             math.prod(shape[a] for a in mesh_lib.BATCH_AXES), command)
     result = plan_step(args.workload, plan_fn, cfg, target, mesh=mesh, train_items=args.tokens,
-                       price_per_chip_hour=args.price_per_chip_hour)
+                       price_per_chip_hour=args.price_per_chip_hour, progress=_progress)
     if args.json:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:
         print(command)
         print(format_plan(result))
     return 0
+
+
+def _progress(line: str) -> None:
+    """What the planner is compiling, on stderr: stdout keeps the report (or the one JSON object of --json)."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: str, data_parallel: int,
@@ -141,7 +148,7 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
     tried = plan_search.search(args.workload, workload.command("plan"), cfg, target, mesh=mesh,
                                data_parallel=data_parallel, grad_accum=cfg.train.grad_accum, configure=configure,
                                train_items=args.tokens, price_per_chip_hour=args.price_per_chip_hour,
-                               say=(lambda _: None) if args.json else print)
+                               say=(lambda _: None) if args.json else print, progress=_progress)
     chosen = plan_search.best(tried)
     if args.json:
         print(json.dumps({"recipe": recipe, "candidates": [dataclasses.asdict(c) for c in tried],

@@ -232,15 +232,21 @@ def peak_of(memory: Any) -> int:
 
 
 def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], cfg: Any, target: Target, *,
-              mesh: str, train_items: float | None = None, price_per_chip_hour: float | None = None) -> Plan:
+              mesh: str, train_items: float | None = None, price_per_chip_hour: float | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> Plan:
     """Lowers the workload's step for `target` (model code sees `compile_platform()` = the target's platform),
-    compiles it once and reads every figure."""
+    compiles it once and reads every figure. `progress` gets a line as each phase starts and when the compile ends:
+    a billion-parameter step takes minutes to compile on a small host, which should not look like a hang."""
     devices = devices_for(target)
     start = time.perf_counter()
+    progress(f"plan: tracing the {workload} train step for {target.name} ({target.chips} chips, mesh {mesh})")
     with for_target(target):
         program = plan_fn(cfg, devices)  # the workloads' size checks compare against the target, not this host
+        progress(f"plan: compiling it ({program.params / 1e6:,.1f}M parameters) with {target.compiler}; a billion "
+                 "parameters take a few minutes on a small host")
         compiled, out_of_memory = compile_lowered(program.lowered, target)
     compile_s = time.perf_counter() - start
+    progress(f"plan: compiled in {compile_s:,.1f} s" + ("" if compiled is not None else ": it does not fit"))
     chip = target.chip
     peak = chip.peak_bf16_flops if program.dtype == "bfloat16" else chip.peak_fp32_flops
     price = price_per_chip_hour if price_per_chip_hour is not None else chip.price_per_chip_hour

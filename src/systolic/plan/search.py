@@ -32,8 +32,10 @@ class Candidate:
 def search(workload: str, plan_fn: Callable[[Any, list[Any]], Any], cfg: Any, target: Target, *, mesh: str,
            data_parallel: int, grad_accum: int, configure: Callable[[Any, str, int], Any],
            train_items: float | None = None, price_per_chip_hour: float | None = None,
-           say: Callable[[str], None] = lambda _: None) -> list[Candidate]:
-    """Every candidate compiled, in the order tried. `configure(cfg, remat, global_batch)` is the config to plan."""
+           say: Callable[[str], None] = lambda _: None,
+           progress: Callable[[str], None] = lambda _: None) -> list[Candidate]:
+    """Every candidate compiled, in the order tried. `configure(cfg, remat, global_batch)` is the config to plan;
+    `say` gets each candidate's row, `progress` plan_step's lines, each naming the candidate."""
     tried: list[Candidate] = []
     steps = MAX_PER_CHIP.bit_length()  # exponents 0 .. log2(MAX_PER_CHIP)
     fits_below = -1  # the largest exponent known to fit (for the policy before: a lower bound for this one)
@@ -43,8 +45,10 @@ def search(workload: str, plan_fn: Callable[[Any, list[Any]], Any], cfg: Any, ta
             mid = (lo + hi) // 2
             per_chip = grad_accum * 2**mid
             batch = per_chip * data_parallel
+            named = f"model.remat={remat} train.batch_size={batch}: "
             plan = plan_step(workload, plan_fn, configure(cfg, remat, batch), target, mesh=mesh,
-                             train_items=train_items, price_per_chip_hour=price_per_chip_hour)
+                             train_items=train_items, price_per_chip_hour=price_per_chip_hour,
+                             progress=lambda line, named=named: progress(line.replace("plan: ", "plan: " + named, 1)))
             tried.append(Candidate(remat, per_chip, batch, plan))
             say(format_row(tried[-1]))
             lo, hi = (mid, hi) if plan.fits else (lo, mid)

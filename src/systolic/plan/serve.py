@@ -196,13 +196,14 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     donates it to be updated in place, as libtpu does; so the full pool is added to what the small one leaves."""
     pages = n * m.pages(context) + 1  # + the null page
     compiled_pages = pages if target.chip.platform == "tpu" else n + 1
+    what = f"{m.weights} weights, {m.kv} KV: {n} decoding sequences + {prefill_tokens} prompt tokens"
+    say(f"  compiling {what} for {target.name} ...")  # minutes for a large model: not a hang
     lowered = m.lower_step(n, prefill_tokens, compiled_pages)
     start = time.perf_counter()
     compiled, out_of_memory = compile_lowered(lowered, target)
     seconds = time.perf_counter() - start
     page_bytes = m.page_size * m.kv_bytes_per_token / m.kv_split
     pool = int(pages * page_bytes)
-    what = f"{m.weights} weights, {m.kv} KV: {n} decoding sequences + {prefill_tokens} prompt tokens"
     if compiled is None:
         needed = needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
         say(f"  compiled {what} in {seconds:.0f} s: DOES NOT FIT"

@@ -26,26 +26,32 @@ AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "stage", "fsdp", "expert")  # the axes that hold different examples (stage: outside the pipeline)
 
 
-def resolve_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
-    """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit."""
+def resolve_shape(cfg: MeshConfig, n_devices: int, *, cpu: bool = False) -> tuple[int, ...]:
+    """Axis sizes (in AXES order) with -1 filled in; raises a ConfigError naming a valid choice when they do not fit
+    (and, for `cpu` devices, how to try the layout on fake ones)."""
     sizes = [cfg.data, cfg.stage, cfg.fsdp, cfg.expert, cfg.context, cfg.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % fixed:
-            raise _mismatch(cfg, n_devices)
+            raise _mismatch(cfg, n_devices, fixed if cpu else None)
         sizes[sizes.index(-1)] = n_devices // fixed
     if math.prod(sizes) != n_devices:
-        raise _mismatch(cfg, n_devices)
+        raise _mismatch(cfg, n_devices, math.prod(sizes) if cpu else None)
     return tuple(sizes)  # type: ignore[return-value]
 
 
-def _mismatch(cfg: MeshConfig, n_devices: int) -> ConfigError:
+def _mismatch(cfg: MeshConfig, n_devices: int, fake_devices: int | None) -> ConfigError:
+    # A layout meant for a pod can be tried on a laptop: XLA:CPU splits the host into as many devices as asked.
+    fake = ("" if fake_devices is None else
+            f" To try this layout on this machine's CPU, give it {fake_devices} fake devices: start the command with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={fake_devices} (slower than one device: they share "
+            "the same cores).")
     return ConfigError(
         f"The mesh mesh.data={cfg.data} mesh.stage={cfg.stage} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} "
         f"mesh.context={cfg.context} mesh.tensor={cfg.tensor} does not fit the "
         f"{n_devices} available device(s): the product of the axis sizes must equal the device count (-1 takes "
         f"the rest). Fix: e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1 (pure data parallel over {n_devices}), or "
-        f"sizes whose product is {n_devices}."
+        f"sizes whose product is {n_devices}.{fake}"
     )
 
 
@@ -57,7 +63,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     the slower data-center network is the data-parallel gradient reduction (jax's `create_hybrid_device_mesh`).
     Devices without a slice index (CPU, GPU) take each process as a slice."""
     devices = devices if devices is not None else jax.devices()
-    shape = resolve_shape(cfg, len(devices))
+    shape = resolve_shape(cfg, len(devices), cpu=jax.process_count() == 1 and devices[0].platform == "cpu")
     if cfg.slices == 1:
         return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
     from jax.experimental import mesh_utils

@@ -9,18 +9,6 @@ import os
 from systolic.runtime import interrupts
 
 
-def cpu_only_host() -> None:
-    """On a host with no accelerator device files, JAX_PLATFORMS=cpu (unless the user set it): with libtpu
-    installed, jax would otherwise probe for a TPU at start-up and print libtpu's warnings about not finding one."""
-    # Here, not at the top: the CLI imports this module before its interrupt handlers are installed.
-    from systolic.runtime import xla_env
-
-    if "JAX_PLATFORMS" in os.environ:
-        return
-    if not xla_env.tpu_device_files() and not xla_env.gpu_device_files():
-        os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def prepare(*, workload: str | None, stepping: bool, compiles: bool) -> None:
     """Prepares the process for a command that runs `workload` (None: none), once its platform is chosen:
     `stepping` (many steps of one compiled function) gets the host allocator setting, `compiles` the compile

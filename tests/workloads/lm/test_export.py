@@ -92,10 +92,17 @@ def test_bad_input_is_one_paragraph_and_exit_2(exported, tmp_path, capsys):
         (["export", str(tmp_path / "fresh"), "--out", str(tmp_path / "m.jaxexport")], "has no complete checkpoint"),
         (["export", str(exported / "run"), "--out", str(tmp_path / "m.jaxexport"), "--platforms", "cpu,gpu"],
          "gpu is not a platform"),
-        (["export", str(exported / "run"), "--out", str(tmp_path / "missing" / "m.jaxexport")], "existing directory"),
+        (["export", str(exported / "run"), "--out", str(tmp_path / "fresh" / "config.yaml" / "m.jaxexport")],
+         "config.yaml is a file"),
     ]
     for argv, fragment in cases:
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.replace("\n", " ")
         assert fragment in " ".join(err.split()) and "Traceback" not in err
     assert not list(tmp_path.glob("m.*"))
+
+
+def test_out_in_folders_that_do_not_exist_yet_creates_them(exported, tmp_path):
+    out = tmp_path / "exp" / "deeper" / "p3.jaxexport"
+    assert cli.main(["export", str(exported / "run"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p3.jaxexport", "p3.json", "p3.params.npz"]

@@ -135,3 +135,18 @@ def test_prefill_then_steps_match_full_forward():
     np.testing.assert_allclose(last, full[:, 4], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(steps, full[:, 5:8], atol=1e-5, rtol=1e-5)
     assert int(length) == 8
+
+
+def test_the_sample_after_training_is_prompted_with_the_opening_of_held_out_text():
+    """No sample.prompt: the first line of the first held-out document, cut at a space (a model of prose is not
+    asked to continue `def `)."""
+    from systolic.data.tokenizer import ByteTokenizer
+    from systolic.workloads.lm.sample import opening
+
+    tok = ByteTokenizer()
+    docs = ["\n  The blackbird starts before the light, and by the time the kettle boils\nsecond line", "other"]
+    ids = np.concatenate([np.append(tok.encode(d), tok.eot_id) for d in docs])
+    assert opening(ids, tok) == "The blackbird starts before the light,"
+    assert opening(ids, tok, max_chars=200) == "The blackbird starts before the light, and by the time the kettle boils"
+    assert opening(np.array([tok.eot_id]), tok) == ""
+    assert opening(ids, tok, max_tokens=18) == "The blackbird s"  # what the model's context leaves the prompt

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tiny import TINY_LM
-from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
+from tiny_hf import CHATML, CONVERSATION, SYSTEM, chats, make_hf_model, render, save_chat_tokenizer
 
 from systolic.cli import main
 from systolic.data import packed, sft
@@ -27,54 +27,12 @@ from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import UserError
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML without a default system message, so the rows of the tiny model (64 positions) hold whole conversations.
-CHATML = """{%- for message in messages %}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Spain": "Madrid", "Italy": "Rome", "Japan": "Tokyo",
-            "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi"}
-SYSTEM = {"role": "system", "content": "Be brief."}
-CONVERSATION = [SYSTEM, {"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Germany?"},
-                {"role": "assistant", "content": "Berlin, I think."}]
-
-
 def call(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(argv))
     assert "Traceback" not in err.getvalue()
     return code, out.getvalue(), " ".join(err.getvalue().split())  # the CLI wraps error paragraphs
-
-
-def chats(n: int) -> list[dict]:
-    """`n` records with a pattern to learn, short enough for the tiny model's 64 positions: the assistant names the
-    capital of the country the user names. Conversations, some with a system message, some of two turns; every
-    fifth record is prompt/completion text."""
-    rng = np.random.default_rng(0)
-    countries = list(CAPITALS)
-    records = []
-    for i in range(n):
-        a, b = (countries[j] for j in rng.choice(len(countries), 2, replace=False))
-        if i % 5 == 4:
-            records.append({"prompt": f"{a}:", "completion": f" {CAPITALS[a]}."})
-            continue
-        messages = [SYSTEM] if i % 3 == 0 else []
-        messages += [{"role": "user", "content": a}, {"role": "assistant", "content": f"{CAPITALS[a]}."}]
-        if i % 4 == 0:
-            messages += [{"role": "user", "content": b}, {"role": "assistant", "content": f"{CAPITALS[b]}."}]
-        records.append({"messages": messages})
-    return records
-
-
-def render(messages: list[dict]) -> str:
-    """CHATML's text, for training the tokenizer."""
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -84,11 +42,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A Hugging Face tokenizer folder: a byte-level BPE of at most VOCAB ids, tokenizer_config.json naming its
-    special tokens and chat_template.jinja."""
-    texts = [render(r["messages"]) if "messages" in r else r["prompt"] + r["completion"] for r in chats(200)]
-    return write_hf_tokenizer(tmp_path_factory.mktemp("tokenizer"), [*texts, render(CONVERSATION)], SPECIALS,
-                              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML)
+    return save_chat_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def learnt_runs(rows: packed.PackedRows, decode) -> list[str]:
@@ -294,6 +248,22 @@ def test_sft_lowers_the_held_out_loss_and_resumes_exactly(imported, tmp_path):
         resumed = {s: r["loss"] for s, r in _metrics(tmp_path / "resumed", split).items()}
         assert resumed == whole, split
     assert (tmp_path / "resumed" / "chat_template.jinja").read_text() == CHATML
+
+
+def test_a_small_chat_set_gets_a_batch_it_fills_and_the_log_says_so(imported, tmp_path):
+    """34 conversations fill fewer rows than the recipe's 16: the batch is lowered to what they fill (a multiple of
+    the 8 devices), with a warning; a batch the user sets is kept and refused with the settings that would work."""
+    data = write_jsonl(tmp_path / "chats.jsonl", chats(34))
+    args = [a for a in sft_overrides(imported, data) if not a.startswith("train.batch_size=")]
+    with pytest.warns(UserWarning, match=r"train.batch_size lowered from 16 to 8: the 28 training examples fill 9 "
+                                         r"rows .* train.steps=2 is then 2 passes over them"):
+        code, _, err = call("train", "lm", *args, "train.steps=2", "sample.max_new_tokens=0", "--run-dir",
+                            str(tmp_path / "run"))
+    assert code == 0, err
+    assert "batch_size: 8" in (tmp_path / "run" / "config.yaml").read_text()
+    code, _, err = call("train", "lm", *args, "train.batch_size=16", "--run-dir", str(tmp_path / "asked"))
+    assert code == 2 and "fewer than one batch of train.batch_size=16. Fix: train.batch_size=8, or data.seq_len=" in err
+    assert not (tmp_path / "asked").exists()
 
 
 # BAD INPUT ----------------------------------------------------------------------------------------------------

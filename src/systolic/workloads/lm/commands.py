@@ -198,5 +198,5 @@ WORKLOAD = Workload(
               "plan": Lazy(f"{ENTRY}:plan"), "plan_serve": Lazy("systolic.workloads.lm.serve.plan:plan_serve")},
     options={"eval": _EVAL_OPTIONS},
     # With init.from: the source's model and tokenizer.
-    resolve_config=Lazy("systolic.workloads.lm.init_from:resolve_config"),
+    resolve_config=Lazy("systolic.workloads.lm.resolve:resolve_config"),
     own_commands=(_GENERATE, _SERVE, _QUANTIZE_CMD, _EXPORT, _TOKENIZER, _CONVERT))

@@ -188,7 +188,7 @@ class InitConfig:
 class SampleConfig:
     """What `generate` does by default, and the sample printed at the end of training."""
 
-    prompt: str = "def "
+    prompt: str = ""  # empty: `generate` starts a fresh document; the sample after training, the data's own text
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 40

@@ -88,7 +88,8 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
         params = dpo_task.policy_params(cfg, result.state) if dpo else model_params(result.state)
-        sample.say_sample(say, tokenizer, prepared.graphdef, params, cfg.sample, chat=chat or dpo)
+        sample.say_sample(say, tokenizer, prepared.graphdef, params, cfg.sample, chat=chat or dpo,
+                          held_out=None if chat or dpo else data.val_tokens)
     return result
 
 

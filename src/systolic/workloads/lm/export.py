@@ -102,8 +102,10 @@ def export_run(run_dir: Path, out: Path, *, what: str = "forward",
                         f"jax.export targets. Fix: a comma-separated subset of {', '.join(PLATFORMS)}, e.g. "
                         "--platforms cpu,cuda.")
     out = Path(out)
-    if out.is_dir() or not out.parent.is_dir():
-        raise UserError(f"--out {out}: expected a file path in an existing directory (e.g. --out model.jaxexport).")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)  # folders missing are made
+    if blocking is not None:
+        raise UserError(f"--out {out}: {blocking} is a file, so no folder can hold the export there. Fix: choose "
+                        f"another path, e.g. --out {blocking.parent / 'model.jaxexport'}.")
     paths = {name: out if i == 0 else out.with_name(f"{out.stem}.{name}{out.suffix}")
              for i, name in enumerate(WHAT[what])}
     params_path, manifest_path = out.with_name(out.stem + ".params.npz"), out.with_name(out.stem + ".json")
@@ -149,6 +151,7 @@ def _manifest(run: LoadedRun, exported: dict[str, jax.export.Exported], files: d
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # `--out exp/model.jaxexport` where exp/ is new
         tmp.write_bytes(data)
         os.replace(tmp, path)
     except OSError as e:

@@ -46,15 +46,39 @@ def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, sett
 
 
 def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any,
-               settings: SampleConfig, *, chat: bool) -> None:
+               settings: SampleConfig, *, chat: bool, held_out: Any = None) -> None:
     """Prints the end-of-training sample: with `chat` and a chat template beside the tokenizer, the reply to
-    `settings.prompt` as a user message, in the template; otherwise the prompt's continuation."""
+    `settings.prompt` as a user message, in the template (none without a prompt); otherwise the prompt's
+    continuation. An empty prompt takes the opening of the held-out text `held_out` (token ids, documents each
+    ended by the end-of-document id), so a model of prose is prompted with prose, and of code with code."""
     template = find_chat_template(tokenizer) if chat else None
     described = f"temperature {settings.temperature}, top-k {settings.top_k}"
     if template is not None:
-        say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
-    else:
-        say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
+        if settings.prompt:
+            say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
+        return
+    if not settings.prompt and held_out is not None:
+        # The prompt's share of the context, less one for a start token the encoder may add (Llama's).
+        room = nnx.merge(graphdef, params).cfg.max_seq_len - settings.max_new_tokens - 1
+        settings = dataclasses.replace(settings, prompt=opening(held_out, tokenizer, max_tokens=max(room, 0)))
+        described += ", prompted with the opening of a held-out document"
+    say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
+
+
+def opening(tokens: Any, tokenizer: Tokenizer, max_chars: int = 40, max_tokens: int | None = None) -> str:
+    """The first non-blank line of the first document in `tokens` (ids, each document ended by the end-of-document
+    id) within its first `max_tokens` ids, cut to at most `max_chars` characters at a space where it is longer; ""
+    for an empty document."""
+    # Enough ids for max_chars characters under any tokenizer; index arrays work on every kind of token source.
+    count = min(4 * max_chars, len(tokens), 4 * max_chars if max_tokens is None else max_tokens)
+    head = np.asarray(tokens[np.arange(count)])
+    ends = np.flatnonzero(head == tokenizer.eot_id)
+    text = tokenizer.decode(head[: ends[0] if len(ends) else len(head)])
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if len(line) <= max_chars:
+        return line
+    cut = line.rfind(" ", 0, max_chars + 1)
+    return line[: cut if cut > 0 else max_chars]
 
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
