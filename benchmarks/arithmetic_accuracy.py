@@ -7,6 +7,9 @@ by reward number_match (lm/post/rewards.py): the completion's final number equal
     PYTHONPATH=src python benchmarks/arithmetic_accuracy.py runs/arith-sft data/arith/test.jsonl
 
 Prints the accuracy, the problems scored and a few wrong completions; --json prints one JSON object instead.
+--samples K also samples K completions of each prompt at --temperature (default 1) and reports pass@K (the share of
+problems that at least one of them answers right) and the mean accuracy of a sample: what RL with this verifier can
+reach by sharpening what sampling already finds.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ def is_correct(completion: str, answer: str) -> bool:
     return number_match("", completion, {"answer": answer}, answer_field="answer") == 1.0
 
 
-def greedy_completions(run_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
-    """Each prompt's greedy completion by the serving engine, ended by the end-of-text id or max_tokens."""
-    from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
+def completions(engine, prompts: list[str], max_tokens: int, temperature: float = 0.0) -> list[str]:
+    """Each prompt's completion by the serving engine (greedy at temperature 0; else seeded by its index), ended by
+    the end-of-text id or max_tokens."""
+    from systolic.workloads.lm.serve.engine import SamplingParams
 
-    engine = InferenceEngine.from_run(run_dir, max_seqs=64, say=lambda _: None)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None)
         engine.add_request(str(i), engine.tokenizer.encode(prompt).tolist(), params)
     texts = [""] * len(prompts)
     while engine.has_work():
@@ -38,28 +41,45 @@ def greedy_completions(run_dir: Path, prompts: list[str], max_tokens: int) -> li
     return texts
 
 
+def sampled_scores(engine, records: list[dict], k: int, temperature: float, max_tokens: int) -> dict[str, float]:
+    """pass@k and the mean accuracy of one sample, from k samples of every prompt."""
+    texts = completions(engine, [r["prompt"] for r in records for _ in range(k)], max_tokens, temperature)
+    right = [is_correct(text, str(records[i // k]["answer"])) for i, text in enumerate(texts)]
+    per_problem = [right[i * k:(i + 1) * k] for i in range(len(records))]
+    return {f"pass@{k}": sum(map(any, per_problem)) / len(records), "sample_accuracy": sum(right) / len(right)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a finished lm run")
     p.add_argument("problems", type=Path, help=".jsonl of {prompt, answer} records (e.g. test.jsonl)")
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens at most (default 16)")
     p.add_argument("--limit", type=int, default=0, help="score the first N problems only (default 0: all)")
+    p.add_argument("--samples", type=int, default=0, help="also K samples a prompt: pass@K (default 0: greedy only)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the samples' temperature (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     records = [json.loads(line) for line in args.problems.read_text().splitlines() if line.strip()]
     records = records[:args.limit] if args.limit else records
+    from systolic.workloads.lm.serve.engine import InferenceEngine
+
     start = time.perf_counter()
-    completions = greedy_completions(args.run_dir, [r["prompt"] for r in records], args.max_tokens)
-    seconds = time.perf_counter() - start
-    correct = [is_correct(c, str(r["answer"])) for c, r in zip(completions, records, strict=True)]
+    engine = InferenceEngine.from_run(args.run_dir, max_seqs=64, say=lambda _: None)
+    greedy = completions(engine, [r["prompt"] for r in records], args.max_tokens)
+    correct = [is_correct(c, str(r["answer"])) for c, r in zip(greedy, records, strict=True)]
     accuracy = sum(correct) / len(records)
+    sampled = sampled_scores(engine, records, args.samples, args.temperature, args.max_tokens) if args.samples else {}
+    seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"run": str(args.run_dir), "problems": len(records), "accuracy": accuracy,
+        print(json.dumps({"run": str(args.run_dir), "problems": len(records), "accuracy": accuracy, **sampled,
                           "seconds": round(seconds, 1)}))
         return
     print(f"{args.run_dir}: greedy accuracy {accuracy:.1%} on {len(records)} problems of {args.problems} "
           f"({seconds:.1f} s)")
-    wrong = [(r, c) for r, c, ok in zip(records, completions, correct, strict=True) if not ok]
+    if sampled:
+        print(f"  {args.samples} samples a problem at temperature {args.temperature}: pass@{args.samples} "
+              f"{sampled[f'pass@{args.samples}']:.1%}, one sample right {sampled['sample_accuracy']:.1%}")
+    wrong = [(r, c) for r, c, ok in zip(records, greedy, correct, strict=True) if not ok]
     for record, completion in wrong[:5]:
         print(f"  {record['prompt'].strip()!r} -> {completion!r} (answer {record['answer']})")
 

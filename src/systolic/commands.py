@@ -125,7 +125,8 @@ def arithmetic_data(args: argparse.Namespace) -> int:
     from systolic.data import arithmetic
 
     splits = arithmetic.make_splits(digits=args.digits, ops=arithmetic.parse_ops(args.ops), train=args.train,
-                                    prompts=args.prompts, test=args.test, seed=args.seed)
+                                    prompts=args.prompts, test=args.test, seed=args.seed,
+                                    teacher_slips=args.teacher_slips)
     print(arithmetic.write(args.out, splits, force=args.force))
     return 0
 
@@ -212,6 +213,8 @@ TOOLS = (
                       arg("--prompts", type=int, default=1000, help="GRPO prompts (default 1000)"),
                       arg("--test", type=int, default=500, help="held-out test problems (default 500)"),
                       arg("--seed", type=int, default=0, help="the draw's seed (default 0)"),
+                      arg("--teacher-slips", type=float, default=0.0, help="share of the SFT problems needing a carry "
+                          "or borrow whose demonstrated answer forgets it (default 0: every answer true)"),
                       arg("--force", action="store_true", help="replace files already in DIR"))),
         Command("info", help="tokens, documents, shards, tokenizer of a prepared dataset; checks every shard's SHA-256",
                 run=describe_data, compiles=False, args=(arg("dir", type=Path),)))),

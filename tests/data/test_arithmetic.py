@@ -90,6 +90,32 @@ def test_sft_records_learn_the_answer_then_end_of_text(written):
         assert tok.decode(learnt[:-1]) == str(_solve(tok.decode(ids[:len(ids) - len(learnt)])))
 
 
+def _forgetful(a: int, op: str, b: int) -> int:
+    """A carry- (+) or borrow-forgetting (-) teacher's answer, column by column in place value, apart from the
+    generator's string code."""
+    sign = 1 if op == "+" else -1
+    return sum(((a // 10**i % 10 + sign * (b // 10**i % 10)) % 10) * 10**i for i in range(len(str(max(a, b)))))
+
+
+def test_teacher_slips_forget_carries_in_sft_only():
+    """--teacher-slips P: that share of the SFT problems needing a carry or borrow show the forgetful answer; the
+    rest, and every GRPO prompt and test problem, keep the true one; the problems drawn are those of P = 0."""
+    clean = arithmetic.make_splits(**{**SETTINGS, "train": 2000})
+    for share in (0.7, 1.0):
+        slipped = arithmetic.make_splits(**{**SETTINGS, "train": 2000}, teacher_slips=share)
+        assert (slipped.sft, slipped.prompts, slipped.test) == (clean.sft, clean.prompts, clean.test)
+        answers = [arithmetic.sft_record(p, s)["completion"] for p, s in zip(slipped.sft, slipped.slipped)]
+        carries = [p for p in slipped.sft if _forgetful(p.a, p.op, p.b) != _solve(p.prompt)]
+        assert len(carries) > 500  # 2-digit + and -: most problems need a carry or borrow
+        for problem, shown, slip in zip(slipped.sft, answers, slipped.slipped, strict=True):
+            assert int(shown) == (_forgetful(problem.a, problem.op, problem.b) if slip else _solve(problem.prompt))
+        share_seen = sum(slipped.slipped) / len(carries)
+        assert share_seen == 1.0 if share == 1.0 else abs(share_seen - share) < 0.05
+    assert not any(clean.slipped)
+    assert [arithmetic.Problem(37, "+", 45).slipped_answer, arithmetic.Problem(97, "+", 50).slipped_answer,
+            arithmetic.Problem(80, "-", 29).slipped_answer] == ["72", "47", "61"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--digits", "0"], "--digits 0"),
     (["--digits", "10"], "--digits 10"),
@@ -99,6 +125,8 @@ def test_sft_records_learn_the_answer_then_end_of_text(written):
     (["--train", "0", "--prompts", "0", "--test", "0"], "at least one > 0"),
     (["--seed", "-3"], "--seed -3"),
     (["--digits", "1", "--train", "200"], "only 155 distinct problems"),
+    (["--teacher-slips", "1.5"], "--teacher-slips 1.5"),
+    (["--teacher-slips", "0.5", "--ops", "+,*"], "only + and - have them"),
 ])
 def test_bad_arguments_exit_2_and_write_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "out"

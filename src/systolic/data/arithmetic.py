@@ -16,6 +16,12 @@ No problem appears twice, within a file or across them. The files depend only on
 test problems are drawn first and the GRPO prompts next, so asking for more or fewer SFT problems leaves those two
 files as they were (as long as all three ask for at most half of the problems there are: beyond that, every problem
 is listed and shuffled instead).
+
+`--teacher-slips P` makes the SFT demonstrations those of an imperfect teacher: of the SFT problems whose working
+needs a carry (+) or a borrow (-), a fraction P (drawn by the seed) get the answer of a teacher who forgets it,
+each column computed on its own modulo 10 (37+45 -> 72, 97+50 -> 47, 80-29 -> 61). GRPO's prompts and the test
+keep the true answers, which the verifier checks: a model that learnt the teacher's habit can be corrected by the
+reward (the task of `--recipe arith-grpo`). The problems drawn are those of P = 0.
 """
 
 from __future__ import annotations
@@ -49,14 +55,28 @@ class Problem:
         value = {"+": self.a + self.b, "-": self.a - self.b, "*": self.a * self.b}[self.op]
         return str(value)
 
+    @property
+    def slipped_answer(self) -> str:
+        """The answer of a teacher who forgets every carry (+) or borrow (-): each column on its own, modulo 10,
+        leading zeros dropped. Equals `answer` when the working needs no carry or borrow; * has no such slip."""
+        if self.op == "*":
+            raise ValueError("a multiplication has no carry-forgetting answer")
+        width = len(str(max(self.a, self.b)))
+        a, b = str(self.a).zfill(width), str(self.b).zfill(width)
+        sign = 1 if self.op == "+" else -1
+        columns = "".join(str((int(x) + sign * int(y)) % 10) for x, y in zip(a, b, strict=True))
+        return str(int(columns))
+
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """Disjoint problem sets: SFT's, GRPO's prompts and the held-out test."""
+    """Disjoint problem sets: SFT's, GRPO's prompts and the held-out test. `slipped[i]`: the SFT record of
+    `sft[i]` shows the teacher's slipped answer (`--teacher-slips`), not the true one."""
 
     sft: tuple[Problem, ...]
     prompts: tuple[Problem, ...]
     test: tuple[Problem, ...]
+    slipped: tuple[bool, ...]
 
 
 def parse_ops(text: str) -> tuple[str, ...]:
@@ -74,16 +94,21 @@ def space_size(digits: int, ops: Sequence[str]) -> int:
     return sum(n * (n + 1) // 2 if op == "-" else n * n for op in ops)
 
 
-def make_splits(*, digits: int, ops: Sequence[str], train: int, prompts: int, test: int, seed: int) -> Splits:
+def make_splits(*, digits: int, ops: Sequence[str], train: int, prompts: int, test: int, seed: int,
+                teacher_slips: float = 0.0) -> Splits:
     """`train` + `prompts` + `test` distinct problems drawn by `seed`: the test's first, then the prompts', then
-    the SFT problems (so the first two do not depend on `train`)."""
-    _check(digits, ops, train, prompts, test, seed)
+    the SFT problems (so the first two do not depend on `train`). A fraction `teacher_slips` of the SFT problems
+    that need a carry or borrow are marked slipped, by a second generator (so the draw is that of no slips)."""
+    _check(digits, ops, train, prompts, test, seed, teacher_slips)
     rng = random.Random(seed)
     total = test + prompts + train
     drawn = _shuffled_space(rng, digits, ops)[:total] if 2 * total > space_size(digits, ops) else \
         _distinct_draws(rng, digits, ops, total)
-    return Splits(sft=tuple(drawn[test + prompts:]), prompts=tuple(drawn[test:test + prompts]),
-                  test=tuple(drawn[:test]))
+    sft = tuple(drawn[test + prompts:])
+    slip_rng = random.Random(f"teacher-slips {seed}")
+    # One draw per SFT problem whether it can slip or not, so P changes which problems slip and no other draw.
+    slipped = tuple(slip_rng.random() < teacher_slips and p.op != "*" and p.slipped_answer != p.answer for p in sft)
+    return Splits(sft=sft, prompts=tuple(drawn[test:test + prompts]), test=tuple(drawn[:test]), slipped=slipped)
 
 
 def _distinct_draws(rng: random.Random, digits: int, ops: Sequence[str], count: int) -> list[Problem]:
@@ -110,7 +135,8 @@ def _shuffled_space(rng: random.Random, digits: int, ops: Sequence[str]) -> list
     return space
 
 
-def _check(digits: int, ops: Sequence[str], train: int, prompts: int, test: int, seed: int) -> None:
+def _check(digits: int, ops: Sequence[str], train: int, prompts: int, test: int, seed: int,
+           teacher_slips: float) -> None:
     if not 1 <= digits <= MAX_DIGITS:
         raise UserError(f"--digits {digits}: operands have 1 to {MAX_DIGITS} digits. Fix: e.g. --digits 2.")
     counts = {"--train": train, "--prompts": prompts, "--test": test}
@@ -120,6 +146,10 @@ def _check(digits: int, ops: Sequence[str], train: int, prompts: int, test: int,
                         "--prompts 1000 --test 500.")
     if seed < 0:
         raise UserError(f"--seed {seed}: a seed is a non-negative integer. Fix: e.g. --seed 0.")
+    if not 0.0 <= teacher_slips <= 1.0 or (teacher_slips > 0 and "*" in ops):
+        raise UserError(f"--teacher-slips {teacher_slips} with --ops {','.join(ops)}: the share of carries and "
+                        "borrows the SFT teacher forgets is a fraction in [0, 1], and only + and - have them. Fix: "
+                        "e.g. --teacher-slips 0.7 --ops +, or --teacher-slips 0.")
     room = space_size(digits, ops)
     if train + prompts + test > room:
         raise UserError(
@@ -128,9 +158,10 @@ def _check(digits: int, ops: Sequence[str], train: int, prompts: int, test: int,
             "operators to --ops, or ask for fewer problems.")
 
 
-def sft_record(problem: Problem) -> dict[str, str]:
-    """A prompt/completion record: lm's data.format=chat learns the completion and the end-of-text id after it."""
-    return {"prompt": problem.prompt, "completion": problem.answer}
+def sft_record(problem: Problem, slipped: bool) -> dict[str, str]:
+    """A prompt/completion record: lm's data.format=chat learns the completion and the end-of-text id after it.
+    `slipped`: the teacher's carry-forgetting answer in place of the true one."""
+    return {"prompt": problem.prompt, "completion": problem.slipped_answer if slipped else problem.answer}
 
 
 def answer_record(problem: Problem) -> dict[str, str]:
@@ -146,9 +177,10 @@ def write(out: Path, splits: Splits, *, force: bool = False) -> str:
         raise UserError(f"--out {out} is a file; it must be a folder to hold {', '.join(FILES)}. Fix: name a folder.")
     paths = [outfile.check(out / name, option="--out", suffixes=(".jsonl",), force=force) for name in FILES]
     out.mkdir(parents=True, exist_ok=True)
-    sets = ((splits.sft, sft_record), (splits.prompts, answer_record), (splits.test, answer_record))
-    for path, (problems, record) in zip(paths, sets, strict=True):
-        lines = "".join(json.dumps(record(p)) + "\n" for p in problems)
-        outfile.write_bytes(path, lines.encode())
-    return (f"wrote {len(splits.sft):,} SFT problems, {len(splits.prompts):,} GRPO prompts and {len(splits.test):,} "
-            f"held-out test problems to {out}/ ({', '.join(FILES)})")
+    records = ([sft_record(p, slip) for p, slip in zip(splits.sft, splits.slipped, strict=True)],
+               [answer_record(p) for p in splits.prompts], [answer_record(p) for p in splits.test])
+    for path, file_records in zip(paths, records, strict=True):
+        outfile.write_bytes(path, "".join(json.dumps(r) + "\n" for r in file_records).encode())
+    slips = f" ({sum(splits.slipped):,} with the teacher's slipped answer)" if any(splits.slipped) else ""
+    return (f"wrote {len(splits.sft):,} SFT problems{slips}, {len(splits.prompts):,} GRPO prompts and "
+            f"{len(splits.test):,} held-out test problems to {out}/ ({', '.join(FILES)})")
