@@ -48,7 +48,7 @@ from systolic.workloads.lm.hf import safetensors_file
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import DataConfig, LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, pairs, part_shape, to_hf, to_ours
+from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, join, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.train import param_shardings
@@ -166,7 +166,7 @@ def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
     vocab = cfg.padded_vocab(0)
     flat_shapes = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, vocab))[0]
     shapes = {tuple(k.key for k in path): x.shape for path, x in flat_shapes}
-    expected = pairs(cfg)
+    expected = pairs(cfg, str(hf_config.read_config(src).get("model_type")))  # the folder's tensor names (Phi-3's fused)
     stored = folder.check(cfg, expected, shapes)
     groups = group_by(expected, lambda p: p.path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
@@ -202,9 +202,9 @@ def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
         return to_hf(p.tensor, np.asarray(x[p.index]))
 
     out = []
-    for name, group in group_by(pairs(cfg), lambda p: p.hf).items():
-        group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn: q, k, v in this order
-        make = (lambda group=group: np.ascontiguousarray(np.concatenate([part(p) for p in group], axis=-1)))
+    for name, group in group_by(pairs(cfg, hf_config.architecture(cfg)), lambda p: p.hf).items():
+        group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn, Phi-3's qkv_proj: q, k, v in order
+        make = (lambda group=group: np.ascontiguousarray(join(group[0].tensor, [part(p) for p in group])))
         out.append((name, hf_shape(group, part_shape(at(group[0].path).shape, group[0])), make))
     return out
 

@@ -1,6 +1,12 @@
 """Rotary position embeddings in Hugging Face Llama's rotate-half layout, with the RoPE scalings of the open model
-families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+) and YaRN. With
-`model.rope_local_theta` (Gemma 3) the sliding-window layers rotate by their own base, unscaled.
+families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+), YaRN and LongRoPE (Phi-3). With
+`model.rope_local_theta` (Gemma 3) the sliding-window layers rotate by their own base, unscaled; with
+`model.partial_rotary_factor` (Phi-4-mini) only the first `d_rope` dimensions of each head rotate.
+
+LongRoPE picks its set of frequencies per forward pass as transformers does: the long factors when the sequence
+reaches past original_max_seq_len (its largest position + 1, per row), the short ones otherwise, for every position
+of the pass; a decode step decides by its own position, so keys cached before the switch keep the short rotation.
+The inference engine decides per token by its sequence's length after the step (`extent`).
 
 The inverse frequencies are a function of the config alone, so they are computed once per trace on the host, in
 NumPy float32 with the operations of transformers' `modeling_rope_utils.py` in the same order: an imported model
@@ -19,10 +25,11 @@ import numpy as np
 from systolic.workloads.lm.model.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 (hd/2,), attention_scaling): the rotation speed of each pair of dimensions, and the factor
-    on cos and sin (1.0 except for YaRN); `local`: of the sliding layers, which differ with model.rope_local_theta."""
-    dim, theta, scaling = cfg.d_head, cfg.rope_theta, cfg.rope_scaling
+def inverse_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False) -> tuple[np.ndarray, float]:
+    """(inv_freq float32 (d_rope/2,), attention_scaling): the rotation speed of each pair of rotated dimensions, and
+    the factor on cos and sin (1.0 except for YaRN and LongRoPE); `local`: of the sliding layers, which differ with
+    model.rope_local_theta; `long`: LongRoPE's set for sequences past original_max_seq_len (else its short set)."""
+    dim, theta, scaling = cfg.d_rope, cfg.rope_theta, cfg.rope_scaling
     if local and cfg.rope_local_theta:
         theta, scaling = cfg.rope_local_theta, dataclasses.replace(scaling, type="none")
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)  # (hd/2,) float32, as torch's
@@ -35,6 +42,8 @@ def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.nd
         return inv_freq / np.float32(scaling.factor), 1.0
     if scaling.type == "llama3":
         return _llama3(inv_freq, cfg), 1.0
+    if scaling.type == "longrope":
+        return _longrope(pos_freqs, cfg, long)
     assert scaling.type == "yarn", scaling.type
     return _yarn(pos_freqs, cfg)
 
@@ -78,21 +87,44 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(scale)
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama, scaled as `model.rope_scaling` says (`local`: the sliding layers' tables)."""
+def _longrope(pos_freqs: np.ndarray, cfg: ModelConfig, long: bool) -> tuple[np.ndarray, float]:
+    """LongRoPE: each frequency divided by its own factor (the long or the short set); cos and sin scaled by
+    attention_factor, by default sqrt(1 + ln(factor) / ln(original_max_seq_len)) (1 for factor <= 1)."""
+    s = cfg.rope_scaling
+    ext = np.asarray(s.long_factor if long else s.short_factor, np.float32)  # (d_rope/2,)
+    scale = s.attention_factor or (math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_seq_len))
+                                   if s.factor > 1 else 1.0)
+    return (1.0 / (ext * pos_freqs)).astype(np.float32), float(scale)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False,
+                extent: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, d_rope), in the rotate-half layout
+    of Hugging Face Llama, scaled as `model.rope_scaling` says (`local`: the sliding layers' tables). LongRoPE
+    takes its long set where `extent` (B or 1, T or 1), the sequence length each token decides by, passes
+    original_max_seq_len; by default each row's largest position + 1."""
     inv_freq, scale = inverse_frequencies(cfg, local=local)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, hd/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)
+    inv = jnp.asarray(inv_freq)  # (d_rope/2,)
+    if cfg.rope_scaling.type == "longrope" and not (local and cfg.rope_local_theta):
+        if extent is None:
+            extent = jnp.max(positions, axis=-1, keepdims=True) + 1  # (B or 1, 1)
+        long = (extent > cfg.rope_scaling.original_max_seq_len)[..., None]  # (B or 1, T or 1, 1)
+        inv = jnp.where(long, jnp.asarray(inverse_frequencies(cfg, long=True)[0]), inv)  # (B or 1, T or 1, d_rope/2)
+    angles = positions.astype(jnp.float32)[..., None] * inv  # (B, T, d_rope/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, d_rope)
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
-    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, hd)
+    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32, over the tables' first d_rope
+    dimensions (the rest pass unrotated: partial RoPE)."""
+    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, d_rope)
+    d_rope = cos.shape[-1]
     h = x.astype(jnp.float32)
-    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, hd/2) each
-    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, hd)
-    return (h * cos + rotated * sin).astype(x.dtype)
+    h, rest = h[..., :d_rope], h[..., d_rope:]  # (B, T, N, d_rope), (B, T, N, hd - d_rope)
+    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, d_rope/2) each
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, d_rope)
+    out = h * cos + rotated * sin
+    return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
