@@ -133,7 +133,7 @@ EXPECTED = {  # what the import switches on
     "granite": dict(switches=dict(embed_multiplier=6.0, residual_multiplier=0.5, attn_logit_scale=0.2,
                                   logit_divisor=4.0)),
 }
-PAGED = ("qwen2-layer-types", "gemma2", "gemma3", "phi3", "smollm3")  # also through the inference engine
+PAGED = ("qwen2-layer-types", "gemma2", "gemma3", "smollm3")  # also through the inference engine
 
 
 def make_hf_model(case: str):

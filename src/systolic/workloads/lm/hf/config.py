@@ -1,20 +1,21 @@
 """Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
-SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), the mixtures of experts
-Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), and GPT-2.
+SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), Phi-3/Phi-4, OLMo 2,
+SmolLM3, Granite, the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), and GPT-2.
 
 The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
 (`model.sliding_window`, on the layers that `layer_types` marks sliding: `model.layer_types`); RoPE scaling
 (`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or `rope_scaling` (4.x). The Gemmas are the
-same block with Gemma's switches: GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
+same block with Gemma's switches (and Phi-3, OLMo 2, SmolLM3 and Granite with theirs: `_family_switches`): GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
 (`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
 sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
 final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
 and gives its sliding layers their own RoPE base (`model.rope_local_theta`). Only what the systolic model computes
-is accepted: a setting that would change the math (dynamic or longrope RoPE, partial rotary embeddings, an
+is accepted: a setting that would change the math (dynamic RoPE, partial rotary embeddings outside Phi-3, an
 output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
 silently different model after import.
-Export writes the architecture the switches call for: Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
+Export writes the architecture the switches call for: OLMo 2's post-norms, Phi-3's longrope or partial RoPE,
+SmolLM3's NoPE layers, Granite's multipliers -> that family (`_family_architecture`); Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
 with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
 sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
 Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.model.rope import apply_rope
 
 
 class LayerKind(NamedTuple):
@@ -43,12 +42,3 @@ def with_traced(shared: LayerKind, traced: LayerKind | None) -> LayerKind:
         return shared
     return LayerKind(*(s if t is None else t for s, t in zip(shared, traced, strict=True)))
 
-
-def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array], on: bool | jax.Array) -> jax.Array:
-    """x (B, T, N, hd) rotated by `rope` on a layer whose kind has rope `on` (a Python bool, or traced in a scan of
-    RoPE and NoPE layers, where the select keeps a NoPE layer's x bit for bit)."""
-    if on is True:
-        return apply_rope(x, rope)
-    if on is False:
-        return x
-    return jnp.where(on, apply_rope(x, rope), x)

@@ -5,8 +5,9 @@ families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 
 
 LongRoPE picks its set of frequencies per forward pass as transformers does: the long factors when the sequence
 reaches past original_max_seq_len (its largest position + 1, per row), the short ones otherwise, for every position
-of the pass; a decode step decides by its own position, so keys cached before the switch keep the short rotation.
-The inference engine decides per token by its sequence's length after the step (`extent`).
+of the pass. Decoding (lm/generate.py) gives what transformers' Phi-3 `generate` gives, which recomputes its cache
+over the whole sequence at the step that takes it past original_max_seq_len (`longrope_switch_step`). The inference
+engine decides per token by its sequence's length after the step (`extent`) and keeps its cached keys as they are.
 
 The inverse frequencies are a function of the config alone, so they are computed once per trace on the host, in
 NumPy float32 with the operations of transformers' `modeling_rope_utils.py` in the same order: an imported model
@@ -128,3 +129,24 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, d_rope)
     out = h * cos + rotated * sin
     return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
+
+
+def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array], on: bool | jax.Array) -> jax.Array:
+    """x (B, T, N, hd) rotated by `rope` on a layer that rotates (`on`: a Python bool, or traced in a scan of RoPE
+    and NoPE layers, where the select keeps a NoPE layer's x bit for bit)."""
+    if on is True:
+        return apply_rope(x, rope)
+    if on is False:
+        return x
+    return jnp.where(on, apply_rope(x, rope), x)
+
+
+
+def longrope_switch_step(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> int | None:
+    """The decode step (1 ... new_tokens - 1; step i feeds the (i-1)-th new token) at which a sequence decoded from a
+    prompt of prompt_len passes LongRoPE's original_max_seq_len, where transformers' Phi-3 `generate` recomputes its
+    cache with the long factors; None when there is no such step (no LongRoPE, or no crossing)."""
+    if cfg.rope_scaling.type != "longrope":
+        return None
+    step = cfg.rope_scaling.original_max_seq_len + 1 - prompt_len
+    return step if 1 <= step < new_tokens else None

@@ -50,10 +50,10 @@ from systolic.workloads.lm.config import PipelineConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
-from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, rotate, stacked_kinds, with_traced
+from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, stacked_kinds, with_traced
 from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
-from systolic.workloads.lm.model.rope import rope_tables
+from systolic.workloads.lm.model.rope import rope_tables, rotate
 from systolic.workloads.lm.serve.paged_attention import PagedKV
 
 ACT = ("batch", "seq", "act_embed")
