@@ -420,3 +420,23 @@ def test_moe_configs_that_do_not_import_or_export(tmp_path):
         == "mixtral"
     with pytest.raises(UserError, match=r"Mixtral .* renormalises the top-k weights in every layer"):
         hf_config.architecture(plain)  # Qwen2-MoE's raw probabilities, but no biases or shared expert
+
+
+def test_phi_olmo_smollm_granite_runs_that_no_architecture_computes_do_not_export():
+    """Each family's switches pick it on export; a switch it does not compute beside them is named, not dropped."""
+    base = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2)
+    picks = {name: hf_config.architecture(dataclasses.replace(base, **switches)) for name, switches in {
+        "olmo2": dict(norm_placement="post", qk_norm=True, qk_norm_scope="all"),
+        "phi3": dict(partial_rotary_factor=0.5), "smollm3": dict(no_rope_layers=(1,)),
+        "granite": dict(residual_multiplier=0.5)}.items()}
+    assert picks == {name: name for name in picks}
+    refused = {
+        "OLMo 2 has both norm_placement=post and q/k norms": dict(norm_placement="post"),
+        r"Olmo2ForCausalLM \(model.qk_norm_scope\)": dict(qk_norm=True, qk_norm_scope="all"),
+        "model.qk_norm on": dict(residual_multiplier=0.5, qk_norm=True),
+        "model.qkv_bias on": dict(partial_rotary_factor=0.5, qkv_bias=True),
+        r"sliding RoPE layers \[0\]": dict(no_rope_layers=(1,), sliding_window=4, layer_types=("sliding", "full")),
+    }
+    for match, switches in refused.items():
+        with pytest.raises(UserError, match=match):
+            hf_config.architecture(dataclasses.replace(base, **switches))

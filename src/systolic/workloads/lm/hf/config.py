@@ -210,7 +210,9 @@ def _family_architecture(cfg: ModelConfig) -> str:
     switches = {  # the llama block's switches that are on, by the name the error shows
         "model.qkv_bias": cfg.qkv_bias, "model.qk_norm": cfg.qk_norm, "model.moe": cfg.moe.experts,
         "model.sliding_window": cfg.sliding_window, "model.layer_types": len(set(cfg.local_layers)) > 1,
-        "model.norm_placement": cfg.norm_placement != "pre", "model.qk_norm_scope": cfg.qk_norm_scope != "head",
+        "model.norm_placement=post": cfg.norm_placement == "post",
+        "model.norm_placement=sandwich": cfg.norm_placement == "sandwich",
+        "model.qk_norm_scope": cfg.qk_norm_scope != "head",
         "model.rope_scaling.type=longrope": cfg.rope_scaling.type == "longrope",
         "model.partial_rotary_factor": cfg.partial_rotary_factor != 1, "model.no_rope_layers": cfg.no_rope_layers,
         "model.embed_multiplier": cfg.embed_multiplier != 1, "model.attn_logit_scale": cfg.attn_logit_scale,
@@ -219,14 +221,14 @@ def _family_architecture(cfg: ModelConfig) -> str:
         "model.rope_local_theta": cfg.rope_local_theta, "model.mlp_activation": cfg.mlp_activation != "silu"}
     on = {k for k, v in switches.items() if v}
     families = {  # model_type: (the switches that pick it, the others it computes too)
-        "olmo2": ({"model.norm_placement", "model.qk_norm_scope"}, {"model.qk_norm"}),
+        "olmo2": ({"model.norm_placement=post", "model.qk_norm_scope"}, {"model.qk_norm"}),
         "phi3": ({"model.rope_scaling.type=longrope", "model.partial_rotary_factor"}, {"model.sliding_window"}),
         "smollm3": ({"model.no_rope_layers"}, {"model.sliding_window", "model.layer_types"}),
         "granite": ({"model.residual_multiplier", "model.logit_divisor", "model.embed_multiplier",
                      "model.attn_logit_scale"}, set()),
     }
     model_type = next((t for t, (picks, _) in families.items() if on & picks), "")
-    if not model_type or (model_type == "granite" and on & {"model.mlp_activation", "model.norm_placement"}):
+    if not model_type or (model_type == "granite" and on & {"model.mlp_activation", "model.norm_placement=sandwich"}):
         return ""  # Gemma's scaled embeddings and logits are Gemma's (_gemma_architecture)
     picks, also = families[model_type]
     extra = sorted(on - picks - also)
