@@ -440,3 +440,37 @@ def test_phi_olmo_smollm_granite_runs_that_no_architecture_computes_do_not_expor
     for match, switches in refused.items():
         with pytest.raises(UserError, match=match):
             hf_config.architecture(dataclasses.replace(base, **switches))
+
+
+def test_phi_olmo_smollm_granite_hub_configs_import(tmp_path):
+    """config.json as the hub has them (shapes of Phi-3-mini-128k with 4.x's "su" scaling, Phi-4-mini, OLMo-2-1B,
+    SmolLM3-3B, granite-3.1-2b): each family's switches from their keys."""
+    base = dict(vocab_size=32064, intermediate_size=8192, num_hidden_layers=32, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, hidden_act="silu", hidden_size=3072, num_attention_heads=32)
+    pairs = [1.0 + i / 48 for i in range(48)]
+    phi3 = hf_config.model_config(dict(base, model_type="phi3", architectures=["Phi3ForCausalLM"],
+                                       original_max_position_embeddings=4096, sliding_window=262144, rope_scaling={
+                                           "type": "su", "short_factor": pairs, "long_factor": pairs}), tmp_path)
+    assert (phi3.rope_scaling.type, phi3.rope_scaling.factor, phi3.rope_scaling.original_max_seq_len,
+            phi3.sliding_window, phi3.partial_rotary_factor) == ("longrope", 32.0, 4096, 262144, 1.0)
+    phi4 = hf_config.model_config(dict(base, model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=200064,
+                                       num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+                                       partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+                                       rope_scaling={"type": "longrope", "short_factor": pairs, "long_factor": pairs}),
+                                  tmp_path)
+    assert (phi4.d_head, phi4.d_rope, phi4.tie_embeddings, hf_config.architecture(phi4)) == (128, 96, True, "phi3")
+    olmo2 = hf_config.model_config(dict(base, model_type="olmo2", architectures=["Olmo2ForCausalLM"],
+                                        hidden_size=2048, num_attention_heads=16, rope_theta=500000.0), tmp_path)
+    assert (olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_scope, olmo2.rope_theta) == ("post", True, "all", 5e5)
+    smollm3 = hf_config.model_config(dict(base, model_type="smollm3", architectures=["SmolLM3ForCausalLM"],
+                                          hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                                          num_hidden_layers=36, rope_theta=5e6, use_sliding_window=False,
+                                          no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)]), tmp_path)
+    assert smollm3.no_rope_layers == tuple(range(3, 36, 4)) and smollm3.tie_embeddings and not smollm3.sliding_window
+    granite = hf_config.model_config(dict(base, model_type="granite", architectures=["GraniteForCausalLM"],
+                                          hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                                          num_hidden_layers=40, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True),
+                                     tmp_path)
+    assert (granite.embed_multiplier, granite.residual_multiplier, granite.attn_logit_scale, granite.logit_divisor) \
+        == (12.0, 0.22, 0.015625, 8.0)
