@@ -186,6 +186,6 @@ def test_gemma3_1b_recipe_is_gemma_3_1b_shaped():
 
 @pytest.mark.slow  # a 1B model through the TPU compiler: minutes on a 2-core host
 def test_gemma3_1b_recipe_plans_on_a_v5e_slice():
-    p = plan_workload("lm", "gemma3-1b", {"fsdp": 4}, extra=("train.batch_size=8",))
+    p = plan_workload("lm", "gemma3-1b", {"fsdp": 4})  # micro-batches of 4 rows: one per chip
     assert (p.fits, p.chips, p.topology) == (True, 4, "v5e:2x2")
     assert 0.95e9 < p.params < 1.05e9
