@@ -171,3 +171,26 @@ def test_sim_3d_plans_pencil_transposes_as_all_to_all_and_gathers_nothing():
     assert p.collectives["all-to-all"]["count"] > 0 and p.collectives["all-to-all"]["bytes"] > 0
     assert p.collectives["all-gather"]["count"] == 0
     assert p.xla_flops_per_step > 5 * p.xla_flops_raw, p.flops_note  # 10 solver steps a frame
+
+
+def test_gemma3_1b_recipe_is_gemma_3_1b_shaped():
+    """The recipe's model section: ~1.0B parameters, five sliding layers per full one, Gemma 3's switches, and
+    it exports as Gemma3ForCausalLM (what `convert from-hf` makes of google/gemma-3-1b-pt's config.json)."""
+    from systolic import config as config_lib
+    from systolic import workloads
+    from systolic.workloads.lm.hf.config import architecture
+    from systolic.workloads.lm.model.sizes import param_count
+
+    w = workloads.get("lm")
+    cfg, _ = config_lib.load(w.config, "gemma3-1b", [], w.default_recipe)
+    model = cfg.model
+    assert model.local_layers == ((True,) * 5 + (False,)) * 4 + (True,) * 2
+    assert 0.95e9 < param_count(model, model.padded_vocab(0)) < 1.05e9
+    assert architecture(model) == "gemma3_text"
+
+
+@pytest.mark.slow  # a 1B model through the TPU compiler: minutes on a 2-core host
+def test_gemma3_1b_recipe_plans_on_a_v5e_slice():
+    p = plan_workload("lm", "gemma3-1b", {"fsdp": 4})  # micro-batches of 4 rows: one per chip
+    assert (p.fits, p.chips, p.topology) == (True, 4, "v5e:2x2")
+    assert 0.95e9 < p.params < 1.05e9

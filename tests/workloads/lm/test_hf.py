@@ -189,7 +189,8 @@ def _write_broken(src: Path, dst: Path, family: str) -> None:
     # A Llama folder relabelled Gemma: its SwiGLU is not the GeGLU that Gemma computes.
     ("gemma", ["hidden_act = 'silu'", "gelu_pytorch_tanh"]),
     ("dynamic", ["rope_type = 'dynamic'", "default, linear, llama3, yarn"]),
-    ("longrope", ["rope_type = 'longrope'"]),
+    # LongRoPE converts (Phi-3's), with its per-dimension factors: without them it is refused by name.
+    ("longrope", ["short_factor / long_factor", "two lists of positive numbers"]),
     ("partial-rotary", ["partial_rotary_factor = 0.5"]),
     ("qwen3-attention-bias", ["attention_bias = True"]),
 ])

@@ -260,7 +260,7 @@ def test_deepseek_v3_hub_config_imports_and_unsupported_settings_are_refused(tmp
     """DeepSeek-V3's own config.json (as the hub has it, 4.x style) imports; settings that transformers' model
     does not compute, or that we do not, are refused by name."""
     cfg = hf_config.model_config(HUB, tmp_path)
-    assert (cfg.mla.cache_width, cfg.moe.experts, cfg.moe.first, cfg.rope_dim, cfg.rope_scaling.attention_factor) == (
+    assert (cfg.mla.cache_width, cfg.moe.experts, cfg.moe.first, cfg.d_rope, cfg.rope_scaling.attention_factor) == (
         576, 256, 3, 64, 1.0)
     assert cfg.attn_logit_scale == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
     refused = {"attention_bias": (True, "attention_bias = True"), "scoring_func": ("softmax", "scoring_func"),
@@ -280,7 +280,7 @@ def test_mla_settings_that_do_not_combine_are_refused():
     from systolic import config as config_lib
 
     ok = config_lib.from_dict(ModelConfig, base, "model.")
-    assert ok.rope_dim == 8
+    assert ok.d_rope == 8
     for extra, message in ((dict(kv_heads=2), "model.kv_heads=2"), (dict(sliding_window=4), "sliding_window=4"),
                            (dict(qk_norm=True), "qk_norm"), (dict(lora=dict(rank=4)), "lora.rank=4")):
         with pytest.raises(Exception, match=message):

@@ -6,7 +6,10 @@ SmolLM-like Llama (tied embeddings, 3 query heads sharing one key/value head), a
 biases, a gated shared expert), a Qwen2 whose window covers only its second layer (`layer_types`), Gemma (GeGLU,
 embeddings times sqrt(d_model), (1 + w) norms), Gemma 2 (sandwich norms, query_pre_attn_scalar, attention and final
 logit soft-caps, a sliding and a full layer) and Gemma 3 (q/k norms, a sliding layer with its own RoPE base and a
-full one with linear RoPE scaling). Each tiny random model is imported
+full one with linear RoPE scaling), Phi-3 (fused q/k/v and gate/up tensors, LongRoPE; and Phi-4-mini's partial
+RoPE with tied embeddings), OLMo 2 (norms after the sublayers, q/k norms over all heads), SmolLM3 (a NoPE layer, here
+also the sliding one) and Granite (embedding, residual, attention and logit multipliers). Each tiny random model is
+imported
 and must give transformers' float32 logits and greedy generations, on one device and on a mesh of 8, and its
 export must load in `from_pretrained` with no missing or unexpected tensors and the same logits. The MoE models' 8-device
 mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/model/moe.py). The models with per-layer
@@ -88,6 +91,22 @@ CASES = {
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                              "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                 "rope_theta": 10000.0}}), DEFAULT_MESH),
+    # LongRoPE with an original context of 16: the logits of 12 positions take the short factors, the generations
+    # (to 28) and test_longrope_past_the_original_context the long ones.
+    "phi3": ("Phi3ForCausalLM", dict(LLAMA, pad_token_id=0, original_max_position_embeddings=16, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.5 + 0.7 * i for i in range(8)]}), DEFAULT_MESH),
+    # Phi-4-mini's shape: RoPE over 3/4 of each head (6 of 8 pairs), tied embeddings.
+    "phi4-mini": ("Phi3ForCausalLM", dict(LLAMA, pad_token_id=0, original_max_position_embeddings=16,
+                                          tie_word_embeddings=True, partial_rotary_factor=0.75, rope_scaling={
+                                              "type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                                              "long_factor": [2.0 + 0.5 * i for i in range(6)]}), DEFAULT_MESH),
+    "olmo2": ("Olmo2ForCausalLM", dict(LLAMA, pad_token_id=0), DEFAULT_MESH),
+    # Every second layer without RoPE (layer 1), and that one sliding: the layers differ in both fields of their kind.
+    "smollm3": ("SmolLM3ForCausalLM", dict(LLAMA, pad_token_id=0, no_rope_layer_interval=2, use_sliding_window=True,
+                                           sliding_window=5), DEFAULT_MESH),
+    "granite": ("GraniteForCausalLM", dict(LLAMA, embedding_multiplier=6.0, residual_multiplier=0.5,
+                                           attention_multiplier=0.2, logits_scaling=4.0), DEFAULT_MESH),
 }
 EXPECTED = {  # what the import switches on
     "llama3-rope": dict(rope="llama3"), "linear-rope": dict(rope="linear"), "yarn-rope": dict(rope="yarn"),
@@ -106,8 +125,15 @@ EXPECTED = {  # what the import switches on
     "gemma3": dict(tie_embeddings=True, sliding_window=5, qk_norm=True, rope="linear", switches=dict(
         mlp_activation="gelu_tanh", embed_multiplier=8.0, norm_placement="sandwich", attn_logit_scale=24**-0.5,
         attn_logit_softcap=0.0, final_logit_softcap=8.0, layer_types=("sliding", "full"), rope_local_theta=100.0)),
+    "phi3": dict(rope="longrope"),
+    "phi4-mini": dict(rope="longrope", tie_embeddings=True, switches=dict(partial_rotary_factor=0.75)),
+    "olmo2": dict(qk_norm=True, switches=dict(norm_placement="post", qk_norm_scope="all")),
+    "smollm3": dict(tie_embeddings=True, sliding_window=5, switches=dict(no_rope_layers=(1,),
+                                                                         layer_types=("full", "sliding"))),
+    "granite": dict(switches=dict(embed_multiplier=6.0, residual_multiplier=0.5, attn_logit_scale=0.2,
+                                  logit_divisor=4.0)),
 }
-PAGED = ("qwen2-layer-types", "gemma2", "gemma3")  # also through the inference engine
+PAGED = ("qwen2-layer-types", "gemma2", "gemma3", "smollm3")  # also through the inference engine
 
 
 def make_hf_model(case: str):
@@ -240,6 +266,21 @@ def test_export_loads_in_transformers(converted, tmp_path, case):
     diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
     print(f"{case}: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
     assert diff == 0.0  # float32 in, float32 out: the weights and the math are the same
+
+
+@pytest.mark.parametrize("case", ["phi3", "phi4-mini"])
+def test_longrope_past_the_original_context(converted, case):
+    """24 positions, past the original context of 16: every position rotates by the long factors, as transformers
+    picks them for the whole forward pass."""
+    model, _, run_dir = converted(case)
+    run = load_run(run_dir, "test")
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 24))
+    logits, _ = ours(run.cfg.model, run.params, tokens)
+    ref = hf_logits(model, tokens)
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
+    short = dataclasses.replace(run.cfg.model.rope_scaling, long_factor=run.cfg.model.rope_scaling.short_factor)
+    graphdef = model_graphdef(dataclasses.replace(run.cfg.model, dtype="float32", rope_scaling=short), VOCAB)
+    assert np.abs(np.asarray(nnx.merge(graphdef, run.params)(jnp.asarray(tokens, jnp.int32))) - ref).max() > 0.1
 
 
 @pytest.mark.parametrize("case", PAGED)
@@ -379,3 +420,57 @@ def test_moe_configs_that_do_not_import_or_export(tmp_path):
         == "mixtral"
     with pytest.raises(UserError, match=r"Mixtral .* renormalises the top-k weights in every layer"):
         hf_config.architecture(plain)  # Qwen2-MoE's raw probabilities, but no biases or shared expert
+
+
+def test_phi_olmo_smollm_granite_runs_that_no_architecture_computes_do_not_export():
+    """Each family's switches pick it on export; a switch it does not compute beside them is named, not dropped."""
+    base = ModelConfig(vocab_size=VOCAB, d_model=64, heads=4, layers=2)
+    picks = {name: hf_config.architecture(dataclasses.replace(base, **switches)) for name, switches in {
+        "olmo2": dict(norm_placement="post", qk_norm=True, qk_norm_scope="all"),
+        "phi3": dict(partial_rotary_factor=0.5), "smollm3": dict(no_rope_layers=(1,)),
+        "granite": dict(residual_multiplier=0.5)}.items()}
+    assert picks == {name: name for name in picks}
+    refused = {
+        "OLMo 2 has both norm_placement=post and q/k norms": dict(norm_placement="post"),
+        r"Olmo2ForCausalLM \(model.qk_norm_scope\)": dict(qk_norm=True, qk_norm_scope="all"),
+        "model.qk_norm on": dict(residual_multiplier=0.5, qk_norm=True),
+        "model.qkv_bias on": dict(partial_rotary_factor=0.5, qkv_bias=True),
+        r"sliding RoPE layers \[0\]": dict(no_rope_layers=(1,), sliding_window=4, layer_types=("sliding", "full")),
+    }
+    for match, switches in refused.items():
+        with pytest.raises(UserError, match=match):
+            hf_config.architecture(dataclasses.replace(base, **switches))
+
+
+def test_phi_olmo_smollm_granite_hub_configs_import(tmp_path):
+    """config.json as the hub has them (shapes of Phi-3-mini-128k with 4.x's "su" scaling, Phi-4-mini, OLMo-2-1B,
+    SmolLM3-3B, granite-3.1-2b): each family's switches from their keys."""
+    base = dict(vocab_size=32064, intermediate_size=8192, num_hidden_layers=32, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, hidden_act="silu", hidden_size=3072, num_attention_heads=32)
+    pairs = [1.0 + i / 48 for i in range(48)]
+    phi3 = hf_config.model_config(dict(base, model_type="phi3", architectures=["Phi3ForCausalLM"],
+                                       original_max_position_embeddings=4096, sliding_window=262144, rope_scaling={
+                                           "type": "su", "short_factor": pairs, "long_factor": pairs}), tmp_path)
+    assert (phi3.rope_scaling.type, phi3.rope_scaling.factor, phi3.rope_scaling.original_max_seq_len,
+            phi3.sliding_window, phi3.partial_rotary_factor) == ("longrope", 32.0, 4096, 262144, 1.0)
+    phi4 = hf_config.model_config(dict(base, model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=200064,
+                                       num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+                                       partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+                                       rope_scaling={"type": "longrope", "short_factor": pairs, "long_factor": pairs}),
+                                  tmp_path)
+    assert (phi4.d_head, phi4.d_rope, phi4.tie_embeddings, hf_config.architecture(phi4)) == (128, 96, True, "phi3")
+    olmo2 = hf_config.model_config(dict(base, model_type="olmo2", architectures=["Olmo2ForCausalLM"],
+                                        hidden_size=2048, num_attention_heads=16, rope_theta=500000.0), tmp_path)
+    assert (olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_scope, olmo2.rope_theta) == ("post", True, "all", 5e5)
+    smollm3 = hf_config.model_config(dict(base, model_type="smollm3", architectures=["SmolLM3ForCausalLM"],
+                                          hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                                          num_hidden_layers=36, rope_theta=5e6, use_sliding_window=False,
+                                          no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)]), tmp_path)
+    assert smollm3.no_rope_layers == tuple(range(3, 36, 4)) and smollm3.tie_embeddings and not smollm3.sliding_window
+    granite = hf_config.model_config(dict(base, model_type="granite", architectures=["GraniteForCausalLM"],
+                                          hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                                          num_hidden_layers=40, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True),
+                                     tmp_path)
+    assert (granite.embed_multiplier, granite.residual_multiplier, granite.attn_logit_scale, granite.logit_divisor) \
+        == (12.0, 0.22, 0.015625, 8.0)

@@ -35,7 +35,8 @@ def test_the_documented_list_is_the_converters_table():
     assert documented == {(arch, model_type) for model_type, arch in hf_config.ARCHITECTURES.items()}
     rope = next(row for row in rows if "rope_type" in row).split("|")[1]
     assert set(re.findall(r"`(\w+)`", rope)) - {"rope_type", "attention_factor", "beta_fast", "beta_slow", "truncate",
-                                               "mscale", "mscale_all_dim"} == set(hf_config.ROPE_TYPES)
+                                               "mscale", "mscale_all_dim", "su", "short_factor",
+                                               "long_factor"} == set(hf_config.ROPE_TYPES)
 
 
 CASES = {
@@ -47,6 +48,23 @@ CASES = {
     "heads that do not divide the width": ({"num_attention_heads": 5, "num_key_value_heads": 5},
                                            ["d_model=64 is not divisible by model.heads=5", "num_attention_heads"]),
     "a partial rotary factor": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor = 0.5"]),
+    "longrope factors of the wrong length": (
+        {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 16,
+         "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+        ["short_factor and long_factor have 4 entries", "8 pairs"]),
+    "longrope without its factors": (
+        {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope"}},
+        ["short_factor / long_factor"]),
+    "a partial rotary factor of an odd count": (
+        {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.1},
+        ["partial_rotary_factor=0.1", "= 1 dimensions"]),
+    "OLMo 2 with biases": ({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "attention_bias": True},
+                           ["attention_bias = True"]),
+    "SmolLM3 with a flag list of the wrong length": (
+        {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0, 1]},
+        ["no_rope_layers = [1, 0, 1]", "2 entries"]),
+    "Granite with MLP biases": ({"model_type": "granite", "architectures": ["GraniteForCausalLM"], "mlp_bias": True},
+                                ["mlp_bias = True"]),
 }
 
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from systolic.workloads.lm.config import LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.layer_kind import LayerKind
 from systolic.workloads.lm.model.transformer import Transformer, make_ropes
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 from systolic.workloads.lm.train import make_loss_fn
@@ -34,7 +35,7 @@ def layer_outputs(model: Transformer, tokens: jax.Array) -> dict[str, jax.Array]
     x = model.embed_tokens(tokens, positions)  # (B, T, D)
     out = {"embed": x}
     for i, block in enumerate(model.blocks):
-        attn, _ = block.attn(block.attn_norm(x), ropes, False, 0, None)  # (B, T, D); a full (not sliding) layer
+        attn, _ = block.attn(block.attn_norm(x), ropes, LayerKind(sliding=False, rope=True), 0, None)  # (B, T, D)
         x = x + attn
         mlp = block.mlp(block.mlp_norm(x))  # (B, T, D)
         x = x + mlp

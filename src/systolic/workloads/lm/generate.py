@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.errors import UserError
+from systolic.workloads.lm.model.rope import longrope_switch_step
 from systolic.workloads.lm.model.transformer import KVCache, Transformer
 
 
@@ -117,5 +118,16 @@ def _generate_jit(graphdef, params, prompt, key, temperature, top_k, top_p, voca
         token = sample(logits, step_key)
         return (token, cache), token
 
-    _, rest = jax.lax.scan(step, (first, cache), keys[1:])  # (N-1, B)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, N)
+    switch = longrope_switch_step(_merge(graphdef, params).cfg, P, max_new_tokens)
+    if switch is None:
+        _, rest = jax.lax.scan(step, (first, cache), keys[1:])  # (N-1, B)
+        return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, N)
+    # LongRoPE: where the sequence passes the original context, every position turns to the long factors: the whole
+    # sequence runs again into a fresh cache, as transformers' Phi-3 generate recomputes its cache there.
+    (_, cache), before = jax.lax.scan(step, (first, cache), keys[1:switch])  # (switch-1, B)
+    sequence = jnp.concatenate([prompt, first[:, None], before.T], axis=1)  # (B, P + switch)
+    fresh = _merge(graphdef, params).init_cache(B, P + max_new_tokens - 1)
+    logits, cache = prefill(graphdef, params, sequence, fresh)
+    token = sample(logits, keys[switch])  # (B,)
+    _, after = jax.lax.scan(step, (token, cache), keys[switch + 1:])  # (N-1-switch, B)
+    return jnp.concatenate([first[:, None], before.T, token[:, None], after.T], axis=1)  # (B, N)

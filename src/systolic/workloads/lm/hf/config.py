@@ -1,13 +1,13 @@
 """Hugging Face `config.json` <-> the lm workload's `ModelConfig`: Llama (incl. Llama 3.1+ RoPE scaling and
-SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), the mixtures of experts
-Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), DeepSeek-V3 (multi-head latent attention: lm/hf/deepseek.py), and
-GPT-2.
+SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3 (text), Phi-3/Phi-4, OLMo 2,
+SmolLM3, Granite, GPT-OSS, the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), DeepSeek-V3
+(multi-head latent attention: lm/hf/deepseek.py), and GPT-2.
 
 The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
 (`model.sliding_window`, on the layers that `layer_types` marks sliding: `model.layer_types`); RoPE scaling
 (`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or `rope_scaling` (4.x). The Gemmas are the
-same block with Gemma's switches: GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
+same block with Gemma's switches (and Phi-3, OLMo 2, SmolLM3 and Granite with theirs: `_family_switches`): GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
 (`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
 sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
 final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
@@ -17,10 +17,11 @@ attention sinks (`model.attn_sinks`), biases on q/k/v and the output projection 
 a router bias, expert biases and its clamped SwiGLU (model.moe's router_bias, expert_bias, swiglu_limit and
 swiglu_alpha); its MXFP4 experts (`quantization_config.quant_method: mxfp4`) are dequantized on import
 (lm/hf/mxfp4.py) and export as float32. Only what the systolic model computes
-is accepted: a setting that would change the math (dynamic or longrope RoPE, partial rotary embeddings, an
+is accepted: a setting that would change the math (dynamic RoPE, partial rotary embeddings outside Phi-3, an
 output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
 silently different model after import.
-Export writes the architecture the switches call for: Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
+Export writes the architecture the switches call for: OLMo 2's post-norms, Phi-3's longrope or partial RoPE,
+SmolLM3's NoPE layers, Granite's multipliers -> that family (`_family_architecture`); Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
 with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
 sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
 Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral
@@ -48,12 +49,13 @@ from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rope_type values that import (to model.rope_scaling.type)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # rope_type values that import (to model.rope_scaling.type)
 # Where a user reads which families and settings convert; tests/workloads/lm/test_hf_unsupported.py checks the table
 # there against ARCHITECTURES and ROPE_TYPES.
 SUPPORTED_LIST = 'the table "Which models convert" in docs/porting-from-pytorch.md'
@@ -114,7 +116,8 @@ _INTS = ("num_key_value_heads", "head_dim", "n_inner", "num_local_experts", "num
          "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers")
 _NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "router_aux_loss_coef", "partial_rotary_factor",
             "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-            "swiglu_alpha", "swiglu_limit", "routed_scaling_factor")
+            "swiglu_alpha", "swiglu_limit", "routed_scaling_factor", "embedding_multiplier", "residual_multiplier",
+            "attention_multiplier", "logits_scaling")
 CONFIG_MAX_BYTES = 4 << 20
 
 
@@ -165,17 +168,127 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
                        **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
-    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {},
+                           partial=model_type == "phi3")
     window, layer_types = _sliding_window(hf, src, model_type)
     return ModelConfig(
         **common, family="llama", d_model=d, layers=hf["num_hidden_layers"], heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads, head_dim=0 if head_dim == d // heads else head_dim,
         mlp_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
         rope_scaling=scaling, qkv_bias=model_type in QWEN2_BIASES and bool(hf.get("qkv_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=window, layer_types=layer_types,
-        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"), sliding_window=window, layer_types=layer_types,
+        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "smollm3")),
         moe=_moe(hf, src, model_type) if model_type in MOE_TYPES else MoeConfig(),
+        **_family_switches(hf, src, model_type),
     )
+
+
+# PHI-3, OLMO 2, SMOLLM3, GRANITE: Llama's block with their switches ---------------------------------------------
+
+FAMILY_TYPES = ("phi3", "olmo2", "smollm3", "granite")
+
+
+def _family_switches(hf: dict[str, Any], src: Path, model_type: str) -> dict[str, Any]:
+    """The switches of Phi-3 (partial RoPE; its fused tensors are lm/hf/tensors.py's), OLMo 2 (norms after the
+    sublayers, q/k norms over all heads), SmolLM3 (NoPE layers) and Granite (the four multipliers); none for the
+    other llama-family architectures."""
+    if model_type == "phi3":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        return {"partial_rotary_factor": float(1.0 if partial is None else partial)}
+    if model_type == "olmo2":
+        return {"norm_placement": "post", "qk_norm_scope": "all"}
+    if model_type == "smollm3":
+        layers = hf["num_hidden_layers"]
+        flags = hf.get("no_rope_layers")  # per layer: 1 rotates, 0 is a NoPE layer (transformers' naming)
+        if flags is None:
+            interval = int(hf.get("no_rope_layer_interval", 4))
+            flags = [int((i + 1) % interval != 0) for i in range(layers)] if interval > 0 else None
+        if not isinstance(flags, list) or len(flags) != layers or set(flags) - {0, 1}:
+            raise _unsupported(src, "no_rope_layers", hf.get("no_rope_layers"),
+                               f"a list of {layers} entries, 1 (RoPE) or 0 (no RoPE), or a positive interval")
+        return {"no_rope_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
+    if model_type == "granite":
+        d_head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        attention = float(hf.get("attention_multiplier", 1.0))
+        return {"embed_multiplier": float(hf.get("embedding_multiplier", 1.0)),
+                "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
+                # Granite's attention_multiplier replaces 1/sqrt(head size); that one is our default (0)
+                "attn_logit_scale": 0.0 if attention == d_head**-0.5 else attention,
+                "logit_divisor": float(hf.get("logits_scaling", 1.0))}
+    return {}
+
+
+def _family_architecture(cfg: ModelConfig) -> str:
+    """phi3, olmo2, smollm3 or granite when `cfg` has their switches (one of them computes it), "" when it has
+    none of them; a UserError naming what fits none."""
+    switches = {  # the llama block's switches that are on, by the name the error shows
+        "model.qkv_bias": cfg.qkv_bias, "model.qk_norm": cfg.qk_norm, "model.moe": cfg.moe.experts,
+        "model.sliding_window": cfg.sliding_window, "model.layer_types": len(set(cfg.local_layers)) > 1,
+        "model.norm_placement=post": cfg.norm_placement == "post",
+        "model.norm_placement=sandwich": cfg.norm_placement == "sandwich",
+        "model.qk_norm_scope": cfg.qk_norm_scope != "head",
+        "model.rope_scaling.type=longrope": cfg.rope_scaling.type == "longrope",
+        "model.partial_rotary_factor": cfg.partial_rotary_factor != 1, "model.no_rope_layers": cfg.no_rope_layers,
+        "model.embed_multiplier": cfg.embed_multiplier != 1, "model.attn_logit_scale": cfg.attn_logit_scale,
+        "model.residual_multiplier": cfg.residual_multiplier != 1, "model.logit_divisor": cfg.logit_divisor != 1,
+        "model.attn_logit_softcap": cfg.attn_logit_softcap, "model.final_logit_softcap": cfg.final_logit_softcap,
+        "model.rope_local_theta": cfg.rope_local_theta, "model.mlp_activation": cfg.mlp_activation != "silu"}
+    on = {k for k, v in switches.items() if v}
+    families = {  # model_type: (the switches that pick it, the others it computes too)
+        "olmo2": ({"model.norm_placement=post", "model.qk_norm_scope"}, {"model.qk_norm"}),
+        "phi3": ({"model.rope_scaling.type=longrope", "model.partial_rotary_factor"}, {"model.sliding_window"}),
+        "smollm3": ({"model.no_rope_layers"}, {"model.sliding_window", "model.layer_types"}),
+        "granite": ({"model.residual_multiplier", "model.logit_divisor", "model.embed_multiplier",
+                     "model.attn_logit_scale"}, set()),
+    }
+    model_type = next((t for t, (picks, _) in families.items() if on & picks), "")
+    if not model_type or (model_type == "granite" and on & {"model.mlp_activation", "model.norm_placement=sandwich"}):
+        return ""  # Gemma's scaled embeddings and logits are Gemma's (_gemma_architecture)
+    picks, also = families[model_type]
+    extra = sorted(on - picks - also)
+    problems = [f"{', '.join(extra)} on" if extra else ""]
+    if model_type == "olmo2" and not (cfg.norm_placement == "post" and cfg.qk_norm_scope == "all"):
+        problems.append("OLMo 2 has both norm_placement=post and q/k norms with qk_norm_scope=all")
+    if model_type == "phi3" and cfg.d_head * cfg.heads != cfg.d_model:
+        problems.append(f"a head size {cfg.d_head} other than d_model / heads (Phi-3 derives it)")
+    if model_type == "smollm3" and cfg.sliding_window and not all(cfg.local_layers):
+        sliding_rope = [i for i, (s, r) in enumerate(zip(cfg.local_layers, cfg.rope_layers)) if s and r]
+        if sliding_rope:
+            problems.append(f"sliding RoPE layers {sliding_rope} (SmolLM3 slides only on NoPE layers)")
+    problems = [p for p in problems if p]
+    if problems:
+        raise UserError(
+            f"This run has the switches of {ARCHITECTURES[model_type]} ({', '.join(sorted(on & picks))}) but "
+            f"matches no Hugging Face architecture: {'; '.join(problems)}. {ARCHITECTURES[model_type]} computes "
+            f"{', '.join(sorted(picks | also))} and nothing else of the llama block's switches. Fix: only runs that "
+            f"one Hugging Face architecture computes can be exported ({SUPPORTED_LIST} lists them)."
+        )
+    return model_type
+
+
+def _family_json(cfg: ModelConfig, model_type: str, out: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a Phi-3, OLMo 2, SmolLM3 or Granite from the Llama one `out` (`_family_architecture` checked
+    that the architecture computes `cfg`)."""
+    out = {**out, "attention_bias": False}
+    if model_type == "phi3":
+        out.pop("rope_scaling", None)  # transformers' Phi3Config would read it over rope_parameters
+        rope = {**out["rope_parameters"], "partial_rotary_factor": cfg.partial_rotary_factor}
+        original = cfg.rope_scaling.original_max_seq_len if cfg.rope_scaling.type == "longrope" else cfg.max_seq_len
+        return {**out, "rope_parameters": rope, "partial_rotary_factor": cfg.partial_rotary_factor,
+                "original_max_position_embeddings": original, "sliding_window": cfg.sliding_window or None,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}
+    if model_type == "olmo2":
+        return out
+    out["mlp_bias"] = False
+    if model_type == "smollm3":
+        window = cfg.sliding_window or None
+        return {**out, "no_rope_layers": [int(rope) for rope in cfg.rope_layers], "use_sliding_window": bool(window),
+                "sliding_window": window,
+                "layer_types": ["sliding_attention" if local and window else "full_attention"
+                                for local in cfg.local_layers]}
+    return {**out, "embedding_multiplier": cfg.embed_multiplier, "residual_multiplier": cfg.residual_multiplier,
+            "attention_multiplier": cfg.attn_logit_scale or cfg.d_head**-0.5, "logits_scaling": cfg.logit_divisor}
 
 
 def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[str, Any]) -> ModelConfig:
@@ -325,16 +438,21 @@ def _gpt2_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> Model
     )
 
 
-def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any]) -> tuple[float, RopeScalingConfig]:
+def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any], *, partial: bool = False
+          ) -> tuple[float, RopeScalingConfig]:
     """(rope_theta, scaling) of the RoPE parameters `rope` as transformers 5 standardises them: `rope_scaling` (4.x)
-    over `rope_parameters`, the theta inside the dict over the top-level `rope_theta`."""
+    over `rope_parameters`, the theta inside the dict over the top-level `rope_theta`. `partial`: the architecture
+    rotates part of each head (Phi-3: the caller reads partial_rotary_factor), which the others refuse."""
     if any(isinstance(v, dict) for v in rope.values()):
         raise _unsupported(src, "per-layer-type rope_parameters", rope, "one set of RoPE parameters for every layer")
     kind = rope.get("rope_type", rope.get("type", "default"))
     theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise _unsupported(src, "partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
+    if kind in ("su", "yarn") and hf.get("model_type") == "phi3":
+        kind = "longrope"  # what transformers' Phi3Config makes of Phi-3's "su" (and "yarn") scaling
+    fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction not in (None, 1, 1.0) and not partial:
+        raise _unsupported(src, "partial_rotary_factor", fraction, "1.0 (RoPE over the whole head; partial RoPE "
+                           "converts for Phi3ForCausalLM)")
     if kind not in ROPE_TYPES:
         raise _unsupported(src, "rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
     if kind == "default":
@@ -349,6 +467,8 @@ def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any]) -> tuple[float, R
         return theta, RopeScalingConfig(type="llama3", factor=float(rope["factor"]), original_max_seq_len=original,
                                         low_freq_factor=float(rope["low_freq_factor"]),
                                         high_freq_factor=float(rope["high_freq_factor"]))
+    if kind == "longrope":
+        return theta, _longrope(hf, src, rope, original)
     factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
     attention_factor = rope.get("attention_factor")
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -361,6 +481,20 @@ def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any]) -> tuple[float, R
     )
 
 
+def _longrope(hf: dict[str, Any], src: Path, rope: dict[str, Any], original: int) -> RopeScalingConfig:
+    """LongRoPE's scaling (Phi-3): the short and long factors; factor defaults to max_position_embeddings over the
+    original context, as transformers derives it for the default attention_factor."""
+    factors = [rope.get("short_factor"), rope.get("long_factor")]
+    if not all(isinstance(f, list) and f and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                 and math.isfinite(x) and x > 0 for x in f) for f in factors):
+        raise _unsupported(src, "rope_parameters short_factor / long_factor", factors,
+                           "two lists of positive numbers, one per rotated pair of dimensions")
+    return RopeScalingConfig(
+        type="longrope", factor=float(rope.get("factor") or hf["max_position_embeddings"] / original),
+        original_max_seq_len=original, attention_factor=float(rope.get("attention_factor") or 0.0),
+        short_factor=tuple(float(x) for x in factors[0]), long_factor=tuple(float(x) for x in factors[1]))
+
+
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
@@ -368,10 +502,16 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> tuple[int, tuple[str, ...]]:
     """(model.sliding_window, model.layer_types): Mistral's window applies to every layer; Qwen's (with
     use_sliding_window) to the layers from max_window_layers on, or to those `layer_types` marks sliding."""
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         return int(hf.get("sliding_window") or 0), ()
     if model_type == "qwen3_moe":  # one switch for every layer
         return (int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window", False) else 0), ()
+    if model_type == "smollm3":  # the window on the layers layer_types marks sliding (transformers: the NoPE ones)
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        flags = hf.get("no_rope_layers") or []
+        types = hf.get("layer_types") or ["sliding_attention" if window is not None and i < len(flags) and not
+                                          flags[i] else "full_attention" for i in range(hf["num_hidden_layers"])]
+        return _layer_kinds(hf, src, types, window)
     if model_type not in ("qwen2", "qwen3", "qwen2_moe"):
         return 0, ()  # transformers' Llama has no sliding window
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
@@ -405,6 +545,8 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
         out["rope_scaling"] = rope  # what transformers 4.x reads (with the top-level rope_theta); 5 reads either
     if model_type in MOE_TYPES:
         out.update(_moe_json(cfg, model_type))
+    if model_type in FAMILY_TYPES:
+        return _family_json(cfg, model_type, out)
     if model_type == "llama":
         return {**out, "attention_bias": False, "mlp_bias": False}
     if model_type in ("mistral", "mixtral"):
@@ -512,6 +654,9 @@ def architecture(cfg: ModelConfig) -> str:
     if cfg.mla.kv_lora_rank or cfg.moe.scoring == "sigmoid":
         deepseek.check(cfg)
         return deepseek.MODEL_TYPE
+    family = _family_architecture(cfg)
+    if family:
+        return family
     if hf_gemma(cfg):
         return _gemma_architecture(cfg)
     if hf_gpt_oss(cfg):
@@ -619,6 +764,10 @@ def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
     if s.type == "llama3":
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
+    if s.type == "longrope":
+        out = {"rope_type": "longrope", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+               "short_factor": list(s.short_factor), "long_factor": list(s.long_factor)}
+        return {**out, "attention_factor": s.attention_factor} if s.attention_factor else out
     out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
            "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
     return {**out, "attention_factor": s.attention_factor} if s.attention_factor else out

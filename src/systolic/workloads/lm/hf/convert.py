@@ -191,7 +191,7 @@ def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
     vocab = cfg.padded_vocab(0)
     flat_shapes = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, vocab))[0]
     shapes = {tuple(k.key for k in path): x.shape for path, x in flat_shapes}
-    expected = pairs(cfg)
+    expected = pairs(cfg, str(hf_config.read_config(src).get("model_type")))  # the folder's tensor names (Phi-3's fused)
     stored = folder.check(cfg, expected, shapes)
     groups = group_by(expected, lambda p: p.path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shardings)
@@ -213,8 +213,9 @@ def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
 Export = list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]  # (HF name, shape, function making it)
 
 
-def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
-    """Every HF tensor of host params (pure dict of NumPy arrays), each built only when its function is called."""
+def export_tensors(cfg: ModelConfig, params: dict[str, Any], model_type: str = "") -> Export:
+    """Every HF tensor of host params (pure dict of NumPy arrays), each built only when its function is called;
+    `model_type`: the architecture written (hf_tensors.pairs: Phi-3's fused tensors)."""
 
     def at(path: KeyPath) -> np.ndarray:
         x = params
@@ -227,9 +228,9 @@ def export_tensors(cfg: ModelConfig, params: dict[str, Any]) -> Export:
         return to_hf(p.tensor, np.asarray(x[p.index]))
 
     out = []
-    for name, group in group_by(pairs(cfg), lambda p: p.hf).items():
-        group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn: q, k, v in this order
-        make = (lambda group=group: np.ascontiguousarray(join(group, [part(p) for p in group])))
+    for name, group in group_by(pairs(cfg, model_type), lambda p: p.hf).items():
+        group = sorted(group, key=lambda p: p.tensor.part[0])  # GPT-2's c_attn, Phi-3's qkv_proj: q, k, v in order
+        make = (lambda group=group: np.ascontiguousarray(join(group[0].tensor, [part(p) for p in group])))
         out.append((name, hf_shape(group, part_shape(at(group[0].path).shape, group[0])), make))
     return out
 
@@ -346,7 +347,8 @@ def export_run(run_dir: Path, out: Path, *, max_shard_bytes: int = 5 * 10**9) ->
     try:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
-        files = write_safetensors(tmp, export_tensors(run.cfg.model, params), max_shard_bytes)
+        tensors = export_tensors(run.cfg.model, params, hf["model_type"])
+        files = write_safetensors(tmp, tensors, max_shard_bytes)
         if generation is not None:  # else the run's own copy, among the tokenizer's files
             (tmp / generation_config.GENERATION_FILE).write_text(json.dumps(generation, indent=2), encoding="utf-8")
             files.append(generation_config.GENERATION_FILE)

@@ -3,7 +3,9 @@ and the Gemmas, which name them alike and add q/k/v biases, q/k norms or Gemma 2
 of experts Mixtral, Qwen2-MoE and Qwen3-MoE (the same attention; each expert's matrices are separate HF tensors,
 one slice of our stacked (E, ...) weights), GPT-OSS (q/k/v/o biases, sinks; its experts are one HF tensor each
 for all experts, in our (E, in, out) layout, the gate and up projections interleaved column by column in one
-gate_up_proj), DeepSeek-V3 (multi-head latent attention, DeepSeek's router), and GPT-2.
+gate_up_proj), DeepSeek-V3 (multi-head latent attention, DeepSeek's router), Phi-3 (Llama's tensors with q, k and v
+fused into one `qkv_proj` and gate and up into one `gate_up_proj`: each of ours is a slice of the fused tensor's
+rows), OLMo 2 (norms after the sublayers only, q/k norms over all heads) and GPT-2.
 
 Each `Tensor` entry names one of our parameters, its HF tensor and the layout change between them; `to_ours`
 and `to_hf` apply it in either direction, so import and export read the same table. Our RoPE uses HF's
@@ -30,9 +32,10 @@ KeyPath = tuple[Any, ...]  # a key path into the params pure dict, e.g. ("blocks
 class Tensor:
     """One parameter of ours <-> (a part of) one HF tensor.
 
-    Import: take part `part[0]` of `part[1]` equal slices of the HF tensor's last axis, transpose when HF stores
-    the matrix (out, in) (torch Linear), reshape to our shape. Export is the inverse: our axes [:in_axes] become
-    the HF matrix's rows and the rest its columns (in_axes None: a vector).
+    Import: take part `part[0]` of `part[1]` slices of the HF tensor's output axis (the first of a torch Linear's
+    (out, in), the last of GPT-2's Conv1D (in, out)), equal or of `sizes`, transpose when HF stores the matrix
+    (out, in) (torch Linear), reshape to our shape. Export is the inverse: our axes [:in_axes] become the HF matrix's
+    rows and the rest its columns (in_axes None: a vector), the parts joined along the output axis.
     """
 
     ours: tuple[str, ...]
@@ -44,16 +47,23 @@ class Tensor:
     offset: float = 0.0  # ours = HF's + offset (Gemma's norms: 1)
     stacked: bool = False  # the HF tensor has our (E, ...) shape as it is (GPT-OSS's experts): no 2-D flattening
     interleave: bool = False  # the parts alternate along the last axis (part k: columns k, k + parts, ...)
+    sizes: tuple[int, ...] = ()  # unequal parts: every part's length along the output axis (Phi-3's q, k, v)
+
+    @property
+    def out_axis(self) -> int:
+        """The HF tensor's output axis, along which the parts of a fused tensor sit."""
+        return 0 if self.transpose and self.in_axes is not None else -1
 
 
 def _vector(ours: tuple[str, ...], hf: str, **kw: Any) -> Tensor:
     return Tensor(ours, hf, in_axes=None, **kw)
 
 
-def _llama(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
+def _llama(cfg: ModelConfig, model_type: str) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
     """(top-level tensors, each layer's tensors, per-layer name prefix) of LlamaForCausalLM, and of Qwen2ForCausalLM
     (+ q/k/v biases), Qwen3ForCausalLM (+ q/k norms), MistralForCausalLM, and with model.moe of MixtralForCausalLM,
-    Qwen2MoeForCausalLM (+ a gated shared expert) and Qwen3MoeForCausalLM in their MoE layers."""
+    Qwen2MoeForCausalLM (+ a gated shared expert) and Qwen3MoeForCausalLM in their MoE layers; Phi-3's fused
+    projections when `model_type` is phi3, OLMo 2's norms with norm_placement=post."""
     norm = lambda ours, hf: _vector(ours, hf, offset=1.0 if hf_gemma(cfg) else 0.0)  # noqa: E731
     top = [Tensor(("embed",), "model.embed_tokens.weight"), norm(("final_norm", "scale"), "model.norm.weight")]
     if not cfg.tie_embeddings:
@@ -62,26 +72,41 @@ def _llama(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]
         mlp_norms = [norm(("attn_post_norm", "scale"), "post_attention_layernorm.weight"),
                      norm(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight"),
                      norm(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight")]
+    elif cfg.norm_placement == "post":  # OLMo 2: the sublayers' outputs normed, their inputs not
+        mlp_norms = [norm(("attn_post_norm", "scale"), "post_attention_layernorm.weight"),
+                     norm(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight")]
     else:
         mlp_norms = [norm(("mlp_norm", "scale"), "post_attention_layernorm.weight")]
     attention = [
-        norm(("attn_norm", "scale"), "input_layernorm.weight"),
-        Tensor(("attn", "wq"), "self_attn.q_proj.weight", transpose=True),  # (H*hd, D) -> (D, H, hd)
-        Tensor(("attn", "wk"), "self_attn.k_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
-        Tensor(("attn", "wv"), "self_attn.v_proj.weight", transpose=True),  # (KV*hd, D) -> (D, KV, hd)
+        *([norm(("attn_norm", "scale"), "input_layernorm.weight")] if cfg.norm_placement != "post" else []),
+        *_projections(cfg, model_type),
         *([_vector(("attn", f"b{w}"), f"self_attn.{w}_proj.bias") for w in "qkv"] if cfg.qkv_bias else []),  # (N*hd,) -> (N, hd)
         *([norm(("attn", f"{w}_norm", "scale"), f"self_attn.{w}_norm.weight") for w in "qk"]
-          if cfg.qk_norm else []),  # (hd,)
+          if cfg.qk_norm else []),  # (hd,), or (N*hd,) -> (N, hd) over all heads (OLMo 2)
         Tensor(("attn", "wo"), "self_attn.o_proj.weight", transpose=True, in_axes=2),  # (D, H*hd) -> (H, hd, D)
         *mlp_norms,
     ]
-    dense = [
-        Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
-        Tensor(("mlp", "w_up"), "mlp.up_proj.weight", transpose=True),  # (M, D) -> (D, M)
-        Tensor(("mlp", "w_down"), "mlp.down_proj.weight", transpose=True),  # (D, M) -> (M, D)
-    ]
+    if model_type == "phi3":  # gate_up_proj (2M, D): the gate's rows, then up's
+        gate_up = [Tensor(("mlp", w), "mlp.gate_up_proj.weight", transpose=True, part=(k, 2))  # -> (D, M) each
+                   for k, w in enumerate(("w_gate", "w_up"))]
+    else:
+        gate_up = [Tensor(("mlp", "w_gate"), "mlp.gate_proj.weight", transpose=True),  # (M, D) -> (D, M)
+                   Tensor(("mlp", "w_up"), "mlp.up_proj.weight", transpose=True)]  # (M, D) -> (D, M)
+    dense = [*gate_up, Tensor(("mlp", "w_down"), "mlp.down_proj.weight", transpose=True)]  # (D, M) -> (M, D)
     moe = _moe_tensors(cfg) if cfg.moe.experts else []
     return top, lambda i: attention + (moe if cfg.moe.is_moe_layer(i) else dense), "model.layers.{i}."
+
+
+def _projections(cfg: ModelConfig, model_type: str) -> list[Tensor]:
+    """The q, k and v projections: Llama's three tensors, or Phi-3's qkv_proj (H*hd + 2*KV*hd, D) holding q's rows,
+    then k's, then v's."""
+    names = ("wq", "wk", "wv")
+    if model_type == "phi3":
+        sizes = tuple(n * cfg.d_head for n in (cfg.heads, cfg.n_kv_heads, cfg.n_kv_heads))
+        return [Tensor(("attn", w), "self_attn.qkv_proj.weight", transpose=True, part=(k, 3), sizes=sizes)
+                for k, w in enumerate(names)]  # -> (D, H, hd), (D, KV, hd), (D, KV, hd)
+    return [Tensor(("attn", w), f"self_attn.{w[1]}_proj.weight", transpose=True)  # (N*hd, D) -> (D, N, hd)
+            for w in names]
 
 
 def _moe_tensors(cfg: ModelConfig) -> list[Tensor]:
@@ -106,7 +131,7 @@ def _gpt_oss(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tenso
     """(top-level tensors, each layer's tensors, per-layer name prefix) of GptOssForCausalLM: Llama's names plus
     the attention's biases and sinks, and its MLP in every layer: a router with a bias and the experts stacked,
     gate_up_proj (E, D, 2M) holding the gate's columns at even and the up projection's at odd indices."""
-    top, llama_layer, prefix = _llama(cfg)
+    top, llama_layer, prefix = _llama(cfg, "gpt_oss")
     stacked = lambda ours, hf, **kw: Tensor(("mlp", ours), f"mlp.experts.{hf}", stacked=True, **kw)  # noqa: E731
     layer = [t for t in llama_layer(0) if t.ours[0] != "mlp"] + [
         *([_vector(("attn", "bo"), "self_attn.o_proj.bias")] if cfg.attn_out_bias else []),  # (D,)
@@ -126,11 +151,14 @@ def _gpt_oss(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tenso
 def hf_gpt_oss(cfg: ModelConfig) -> bool:
     """Whether the model exports as GPT-OSS (hf_config.architecture checks the rest): sinks or GPT-OSS's experts."""
     return cfg.attn_sinks or cfg.attn_out_bias or cfg.moe.swiglu_limit > 0 or cfg.moe.expert_bias or cfg.moe.router_bias
+
+
 def _deepseek(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tensor]], str]:
     """(top-level tensors, each layer's tensors, per-layer name prefix) of DeepseekV3ForCausalLM: Llama's embeddings
     and norms, multi-head latent attention (lm/model/mla.py), and from layer model.moe.first on DeepSeek's experts
     (a router with its score correction bias, shared experts); the layers before keep Llama's dense MLP."""
-    top, llama_layer, prefix = _llama(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=0)))
+    dense_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=0))
+    top, llama_layer, prefix = _llama(dense_cfg, "deepseek_v3")
     dense = [t for t in llama_layer(0) if t.ours[0] in ("attn_norm", "mlp_norm", "mlp")]
     if cfg.mla.q_lora_rank:  # (rq, D) -> (D, rq); norm (rq,); (H*qk, rq) -> (rq, H, qk)
         queries = [Tensor(("attn", "wq_a"), "self_attn.q_a_proj.weight", transpose=True),
@@ -157,8 +185,9 @@ def _deepseek(cfg: ModelConfig) -> tuple[list[Tensor], Callable[[int], list[Tens
 
 def hf_gemma(cfg: ModelConfig) -> bool:
     """Whether the model exports as one of the Gemmas (hf_config.architecture says which), whose norms store w =
-    scale - 1: Gemma's embedding scale, GeGLU or sandwich norms, which no other architecture here has."""
-    return cfg.embed_multiplier != 1 or cfg.mlp_activation != "silu" or cfg.norm_placement != "pre"
+    scale - 1: Gemma's GeGLU or sandwich norms, which no other architecture here has (Granite scales its embeddings
+    too, with SwiGLU and pre-norms)."""
+    return cfg.mlp_activation != "silu" or cfg.norm_placement == "sandwich"
 
 
 def hf_mixtral(cfg: ModelConfig) -> bool:
@@ -205,11 +234,17 @@ class Pair:
         return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
-def pairs(cfg: ModelConfig) -> list[Pair]:
-    """Every (HF tensor, our parameter) correspondence of a model, in HF's order."""
-    layout = (_gpt2 if cfg.family == "gpt2" else _deepseek if cfg.mla.kv_lora_rank else _gpt_oss if hf_gpt_oss(cfg)
-              else _llama)
-    top, layer_tensors, prefix = layout(cfg)
+def pairs(cfg: ModelConfig, model_type: str = "") -> list[Pair]:
+    """Every (HF tensor, our parameter) correspondence of a model, in HF's order. `model_type`: the HF architecture
+    where its tensors are not named by the switches alone (phi3: fused projections of what is otherwise Llama)."""
+    if cfg.family == "gpt2":
+        top, layer_tensors, prefix = _gpt2(cfg)
+    elif cfg.mla.kv_lora_rank:
+        top, layer_tensors, prefix = _deepseek(cfg)
+    elif hf_gpt_oss(cfg):
+        top, layer_tensors, prefix = _gpt_oss(cfg)
+    else:
+        top, layer_tensors, prefix = _llama(cfg, model_type)
     out = [Pair(t.hf, t.ours, None, t) for t in top]
     for i in range(cfg.layers):
         for t in layer_tensors(i):
@@ -227,8 +262,8 @@ def to_ours(t: Tensor, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     index, parts = t.part
     if t.interleave:
         x = x[..., index::parts]  # (..., out / parts)
-    elif parts > 1:
-        x = np.split(x, parts, axis=-1)[index]  # (..., out / parts)
+    elif parts > 1:  # a slice of the output axis: equal parts, or of `sizes`
+        x = np.split(x, np.cumsum(t.sizes)[:-1] if t.sizes else parts, axis=t.out_axis)[index]
     x = x.T if t.transpose else x  # torch Linear (out, in) -> (in, out)
     x = np.asarray(x, np.float32).reshape(shape)
     return x + np.float32(t.offset) if t.offset else x
@@ -243,6 +278,16 @@ def to_hf(t: Tensor, x: np.ndarray) -> np.ndarray:
     return x.T if t.transpose else x  # (in, out) -> torch Linear's (out, in)
 
 
+def join(t: Tensor, parts: list[np.ndarray]) -> np.ndarray:
+    """The HF tensor made of `to_hf`'s parts (in `part` order): joined along its output axis, or interleaved
+    column by column (`interleave`: GPT-OSS's gate_up_proj)."""
+    if len(parts) == 1:
+        return parts[0]
+    if t.interleave:
+        return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., out * parts)
+    return np.concatenate(parts, axis=t.out_axis)
+
+
 def hf_shape(group: list[Pair], shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the HF tensor made of `group`'s parts, each of our (per-layer) `shape`; what `to_hf` and the
     concatenation of the parts give, without building it."""
@@ -252,15 +297,8 @@ def hf_shape(group: list[Pair], shape: tuple[int, ...]) -> tuple[int, ...]:
     if t.in_axes is None:
         return (math.prod(shape) * len(group),)
     rows, cols = math.prod(shape[: t.in_axes]), math.prod(shape[t.in_axes:])  # (in, out)
-    rows, cols = (cols, rows) if t.transpose else (rows, cols)
-    return (rows, cols * len(group))
-
-
-def join(group: list[Pair], parts: list[np.ndarray]) -> np.ndarray:
-    """The HF tensor made of `group`'s parts (`to_hf` of each, in part order): side by side, or interleaved."""
-    if group[0].tensor.interleave:
-        return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # (..., out * parts): column by column
-    return np.concatenate(parts, axis=-1)
+    cols = sum(t.sizes) if t.sizes else cols * len(group)  # the parts side by side on the output axis
+    return (cols, rows) if t.transpose else (rows, cols)
 
 
 def group_by(items: list[Pair], key: Callable[[Pair], Any]) -> dict[Any, list[Pair]]:

@@ -15,9 +15,11 @@ class RopeScalingConfig:
     """RoPE frequencies stretched for contexts longer than pre-training's, as Hugging Face's `rope_parameters`
     compute them (`lm/model/rope.py`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1+) divides the
     low frequencies by `factor`, keeps the high ones and blends in between; `yarn` blends per frequency between
-    the two by `beta_fast`/`beta_slow` and scales cos and sin by `attention_factor`."""
+    the two by `beta_fast`/`beta_slow` and scales cos and sin by `attention_factor`; `longrope` (Phi-3, Phi-4-mini)
+    divides each frequency by its own `short_factor` entry while a sequence stays within original_max_seq_len and by
+    its `long_factor` entry once it runs past it, and scales cos and sin by `attention_factor`."""
 
-    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    type: Literal["none", "linear", "llama3", "yarn", "longrope"] = "none"
     factor: float = 1.0
     original_max_seq_len: int = 0  # llama3 and yarn: the pre-training context (HF original_max_position_embeddings)
     low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_seq_len / low_freq_factor are divided
@@ -26,6 +28,10 @@ class RopeScalingConfig:
     beta_slow: float = 1.0  # yarn: ... below which it is divided by factor
     attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = YaRN's 0.1 * ln(factor) + 1
     truncate: bool = True  # yarn: round the blended band of dimensions outwards to whole dimensions
+    # longrope: one divisor per rotated pair of dimensions, for sequences within original_max_seq_len and beyond it;
+    # attention_factor 0 = LongRoPE's sqrt(1 + ln(factor) / ln(original_max_seq_len))
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def validate(self) -> None:
         positive = {"factor": self.factor, "low_freq_factor": self.low_freq_factor, "beta_fast": self.beta_fast,
@@ -47,7 +53,19 @@ class RopeScalingConfig:
                 f"{self.low_freq_factor}: llama3 scaling blends the frequencies between the two bands, dividing by "
                 "their difference. Fix: e.g. model.rope_scaling.low_freq_factor=1 model.rope_scaling.high_freq_factor=4."
             )
-        if self.type in ("llama3", "yarn") and self.original_max_seq_len <= 0:
+        if self.type != "longrope" and (self.short_factor or self.long_factor):
+            raise ConfigError(
+                f"model.rope_scaling.short_factor and long_factor are set with model.rope_scaling.type={self.type}: "
+                "only longrope reads them. Fix: model.rope_scaling.type=longrope, or leave both empty."
+            )
+        if self.type == "longrope" and not (self.short_factor and len(self.short_factor) == len(self.long_factor)
+                                            and all(f > 0 for f in self.short_factor + self.long_factor)):
+            raise ConfigError(
+                f"model.rope_scaling.type=longrope needs short_factor and long_factor, one positive divisor per "
+                f"rotated pair of dimensions each, but got {len(self.short_factor)} and {len(self.long_factor)} "
+                "entries. Fix: copy both lists from the model's Hugging Face rope_parameters (Phi-3's rope_scaling)."
+            )
+        if self.type in ("llama3", "yarn", "longrope") and self.original_max_seq_len <= 0:
             raise ConfigError(
                 f"model.rope_scaling.type={self.type} needs model.rope_scaling.original_max_seq_len, the context the "
                 "model was pre-trained with (Hugging Face's original_max_position_embeddings), but it is 0. Fix: e.g. "
@@ -254,8 +272,10 @@ class ModelConfig:
     """A decoder-only transformer. `family` picks the Llama or GPT-2 block; 0 means "derive it". Within the llama
     family, `qkv_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral), `layer_types` (Qwen2 and Gemma 2/3's
     mix of sliding and full layers), `rope_scaling` (Llama 3.1), and Gemma's `mlp_activation`, `embed_multiplier`,
-    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta`, and GPT-OSS's `attn_sinks` and
-    `attn_out_bias` switch on what the open model families add to the block."""
+    `norm_placement`, `attn_logit_scale`, the soft-caps and `rope_local_theta`, Phi-3's `partial_rotary_factor`,
+    OLMo 2's post-norms and `qk_norm_scope`, SmolLM3's `no_rope_layers`, Granite's `residual_multiplier` and
+    `logit_divisor`, and GPT-OSS's `attn_sinks` and `attn_out_bias` switch on what the open model families add to the
+    block; `mla` replaces its attention by DeepSeek-V3's."""
 
     family: Literal["llama", "gpt2"] = "llama"
     vocab_size: int = 0  # 0: the tokenizer's vocabulary, rounded up to `vocab_multiple`
@@ -274,15 +294,21 @@ class ModelConfig:
     mla: MlaConfig = MlaConfig()  # multi-head latent attention instead of grouped-query (DeepSeek-V3; llama family)
     qkv_bias: bool = False  # llama family: biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # llama family: RMSNorm of each head's q and k before RoPE, one scale per head_dim entry
+    # head: each head's q and k normed over head_dim (Qwen3, Gemma 3); all: q and k normed over all their heads at
+    # once, one scale per (head, head_dim) entry (OLMo 2)
+    qk_norm_scope: Literal["head", "all"] = "head"
     sliding_window: int = 0  # > 0: a query attends to itself and the sliding_window - 1 positions before it
     # Per layer, "sliding" (within sliding_window) or "full" (every earlier position); (): every layer sliding when
     # sliding_window > 0, else full. Gemma 2 alternates sliding and full, Gemma 3 has five sliding layers per full one.
     layer_types: tuple[Literal["sliding", "full"], ...] = ()
     rope_local_theta: float = 0.0  # > 0: the sliding layers' RoPE base, unscaled (Gemma 3); 0: rope_theta everywhere
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head size * this) dimensions of q and k (Phi-4-mini)
+    no_rope_layers: tuple[int, ...] = ()  # layers (from 0) whose q and k are not rotated at all (SmolLM3's NoPE layers)
     mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # llama family: SwiGLU's gate, or GeGLU's (Gemma)
     embed_multiplier: float = 1.0  # the embeddings times this into the residual stream (Gemma: sqrt(d_model))
-    # pre: x + f(norm(x)). sandwich: x + norm(f(norm(x))), a second norm on each sublayer's output (Gemma 2/3)
-    norm_placement: Literal["pre", "sandwich"] = "pre"
+    # pre: x + f(norm(x)). sandwich: x + norm(f(norm(x))), a second norm on each sublayer's output (Gemma 2/3).
+    # post: x + norm(f(x)), the sublayer's output normed and its input not (OLMo 2)
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
     # attention logits q.k times this; 0: 1/sqrt(head size). Gemma 2/3: 1/sqrt(query_pre_attn_scalar)
     attn_logit_scale: float = 0.0
     attn_logit_softcap: float = 0.0  # > 0: attention logits s -> cap * tanh(s / cap) before the softmax (Gemma 2)
@@ -291,6 +317,8 @@ class ModelConfig:
     # attend to nothing), and a bias on the attention's output projection
     attn_sinks: bool = False
     attn_out_bias: bool = False
+    residual_multiplier: float = 1.0  # each sublayer's output times this before it joins the residual (Granite)
+    logit_divisor: float = 1.0  # the output logits divided by this (Granite's logits_scaling)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -327,16 +355,24 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.heads
 
     @property
-    def rope_dim(self) -> int:
-        """The dimensions RoPE turns per head: the head size, or MLA's decoupled RoPE part."""
-        return self.mla.qk_rope_head_dim if self.mla.kv_lora_rank else self.d_head
-
-    @property
     def local_layers(self) -> tuple[bool, ...]:
         """Whether each layer attends within model.sliding_window (a sliding layer) or to every earlier position."""
         if self.layer_types:
             return tuple(kind == "sliding" for kind in self.layer_types)
         return (self.sliding_window > 0,) * self.layers
+
+    @property
+    def d_rope(self) -> int:
+        """The dimensions of each q and k head that RoPE rotates (the first ones; the rest pass unrotated): MLA's
+        decoupled RoPE part, else the head size times partial_rotary_factor."""
+        if self.mla.kv_lora_rank:
+            return self.mla.qk_rope_head_dim
+        return int(self.d_head * self.partial_rotary_factor)
+
+    @property
+    def rope_layers(self) -> tuple[bool, ...]:
+        """Whether each layer rotates q and k (false for model.no_rope_layers)."""
+        return tuple(i not in self.no_rope_layers for i in range(self.layers))
 
     @property
     def d_expert(self) -> int:
@@ -412,7 +448,12 @@ class ModelConfig:
                       f"model.attn_logit_scale={self.attn_logit_scale}": self.attn_logit_scale,
                       f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
                       f"model.final_logit_softcap={self.final_logit_softcap}": self.final_logit_softcap,
-                      "model.attn_sinks=true": self.attn_sinks, "model.attn_out_bias=true": self.attn_out_bias}
+                      "model.attn_sinks=true": self.attn_sinks, "model.attn_out_bias=true": self.attn_out_bias,
+                      f"model.qk_norm_scope={self.qk_norm_scope}": self.qk_norm_scope != "head",
+                      f"model.partial_rotary_factor={self.partial_rotary_factor}": self.partial_rotary_factor != 1,
+                      f"model.no_rope_layers={list(self.no_rope_layers)}": self.no_rope_layers,
+                      f"model.residual_multiplier={self.residual_multiplier}": self.residual_multiplier != 1,
+                      f"model.logit_divisor={self.logit_divisor}": self.logit_divisor != 1}
         asked = [key for key, on in llama_only.items() if on]
         if self.family == "gpt2" and asked:
             raise ConfigError(
@@ -423,6 +464,7 @@ class ModelConfig:
             )
         self._check_gemma_switches()
         self._check_sinks()
+        self._check_family_switches()
         self._check_layer_types()
         if self.lora.rank:
             self.lora.target_names(self.family)  # a ConfigError naming the valid ones
@@ -430,8 +472,23 @@ class ModelConfig:
             self._check_moe()
         if self.mla.kv_lora_rank:
             self._check_mla()
-        if self.family == "llama" and self.rope_dim % 2:
+        if self.family == "llama" and self.d_rope % 2 and self.partial_rotary_factor == 1:
             raise ConfigError(f"Rotary embeddings need an even head size, but the head size is {self.d_head}. Fix: change model.d_model, model.heads or model.head_dim.")
+        if self.family == "llama" and (self.d_rope % 2 or not self.d_rope):
+            raise ConfigError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} rotates int({self.d_head} x "
+                f"{self.partial_rotary_factor}) = {self.d_rope} dimensions of each head, but RoPE rotates pairs: it "
+                "needs an even number above 0. Fix: a factor that gives an even count (e.g. 0.5 or 0.75 of a head "
+                "size of 128), or model.partial_rotary_factor=1."
+            )
+        n_pairs = self.d_rope // 2
+        if self.rope_scaling.type == "longrope" and len(self.rope_scaling.short_factor) != n_pairs:
+            raise ConfigError(
+                f"model.rope_scaling.short_factor and long_factor have {len(self.rope_scaling.short_factor)} entries, "
+                f"but RoPE rotates {n_pairs} pairs of dimensions per head (head size {self.d_head} x "
+                f"partial_rotary_factor {self.partial_rotary_factor} / 2). Fix: one divisor per rotated pair, as the "
+                "model's Hugging Face rope_parameters give them."
+            )
 
 
     def _check_gemma_switches(self) -> None:
@@ -471,6 +528,23 @@ class ModelConfig:
                 "has no sink logits (GPT-OSS's per-head term in the denominator). Fix: model.attention=auto, which "
                 "runs the XLA formulation with the sinks, or model.attention=xla."
             )
+    def _check_family_switches(self) -> None:
+        """Phi-3's partial RoPE, OLMo 2's q/k norm scope, SmolLM3's NoPE layers and Granite's multipliers: ranges."""
+        bad_layers = [i for i in self.no_rope_layers if not 0 <= i < self.layers]
+        if (not 0 < self.partial_rotary_factor <= 1 or not self.residual_multiplier > 0 or not self.logit_divisor > 0
+                or bad_layers or len(set(self.no_rope_layers)) != len(self.no_rope_layers)):
+            raise ConfigError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor}, residual_multiplier="
+                f"{self.residual_multiplier}, logit_divisor={self.logit_divisor} or no_rope_layers="
+                f"{list(self.no_rope_layers)} out of range: the factor must be in (0, 1], the multiplier and divisor "
+                f"greater than 0, and no_rope_layers distinct layer indexes in [0, {self.layers}). Fix: take them from "
+                "the model's Hugging Face config (e.g. SmolLM3: every fourth layer, [3, 7, ...]), or the defaults."
+            )
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ConfigError(
+                f"model.qk_norm_scope={self.qk_norm_scope} says how q and k are normed, but model.qk_norm=false, so "
+                "they are not. Fix: model.qk_norm=true (OLMo 2: with qk_norm_scope=all), or qk_norm_scope=head."
+            )
 
     def _check_layer_types(self) -> None:
         """model.layer_types names every layer's kind, and a sliding layer has a window; rope_local_theta needs both
@@ -501,14 +575,18 @@ class ModelConfig:
                  f"model.attn_logit_softcap={self.attn_logit_softcap}": self.attn_logit_softcap,
                  f"model.lora.rank={self.lora.rank}": self.lora.rank,
                  "model.parametrization=mup": self.parametrization == "mup",
-                 f"model.rope_local_theta={self.rope_local_theta}": self.rope_local_theta}
+                 f"model.rope_local_theta={self.rope_local_theta}": self.rope_local_theta,
+                 "model.attn_sinks=true": self.attn_sinks, "model.attn_out_bias=true": self.attn_out_bias,
+                 f"model.partial_rotary_factor={self.partial_rotary_factor}": self.partial_rotary_factor != 1,
+                 f"model.no_rope_layers={list(self.no_rope_layers)}": self.no_rope_layers}
         bad = [key for key, on in asked.items() if on]
         if bad:
             raise ConfigError(
                 f"{', '.join(bad)} with multi-head latent attention (model.mla.kv_lora_rank={self.mla.kv_lora_rank}): "
-                "MLA's heads read one shared latent with sizes of their own (model.mla), full causal attention, no "
-                "biases, norms of q/k heads, soft-cap, LoRA adapters or muP scaling. Fix: leave these at their "
-                "defaults (kv_heads=0, head_dim=0, false, 0, standard), or model.mla.kv_lora_rank=0."
+                "MLA's heads read one shared latent with sizes of their own (model.mla), full causal attention with RoPE "
+                "on every layer over its qk_rope_head_dim, no biases, sinks, norms of q/k heads, soft-cap, LoRA "
+                "adapters or muP scaling. Fix: leave these at their defaults (kv_heads=0, head_dim=0, false, 0, 1, [], "
+                "standard), or model.mla.kv_lora_rank=0."
             )
 
     def _check_moe(self) -> None:

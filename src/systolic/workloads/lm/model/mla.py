@@ -83,11 +83,12 @@ class MultiHeadLatentAttention(nnx.Module):
     def _project(self, x: jax.Array, w: nnx.Param, contract: int = 1) -> jax.Array:
         return quant_lib.project(x, w[...].astype(self.dtype), contract, self.quant)
 
-    def __call__(self, x, ropes, local, start, kv, segment_ids=None):
+    def __call__(self, x, ropes, kind, start, kv, segment_ids=None):
         """As transformer.Attention: x (B, T, D), kv None (training), this layer's cache (rows (B, S, r + rope),
-        None) with x's rows written at `start`, or the engine's PagedKV. Every MLA layer is full (`local` is
-        False). Returns (y (B, T, D), updated kv or None)."""
-        del local
+        None) with x's rows written at `start`, or the engine's PagedKV. Every MLA layer is full and rotates (the
+        config refuses windows and NoPE layers with MLA), so `kind` says nothing here. Returns (y (B, T, D),
+        updated kv or None)."""
+        del kind
         rope = ropes.full
         q = self._queries(x)  # (B, T, H, nope + rope)
         q_nope, q_rope = q[..., :self.nope], self._rotate(q[..., self.nope:], rope)

@@ -1,6 +1,13 @@
 """Rotary position embeddings in Hugging Face Llama's rotate-half layout, with the RoPE scalings of the open model
-families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+) and YaRN. With
-`model.rope_local_theta` (Gemma 3) the sliding-window layers rotate by their own base, unscaled.
+families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 3.1+), YaRN and LongRoPE (Phi-3). With
+`model.rope_local_theta` (Gemma 3) the sliding-window layers rotate by their own base, unscaled; with
+`model.partial_rotary_factor` (Phi-4-mini) only the first `d_rope` dimensions of each head rotate.
+
+LongRoPE picks its set of frequencies per forward pass as transformers does: the long factors when the sequence
+reaches past original_max_seq_len (its largest position + 1, per row), the short ones otherwise, for every position
+of the pass. Decoding (lm/generate.py) gives what transformers' Phi-3 `generate` gives, which recomputes its cache
+over the whole sequence at the step that takes it past original_max_seq_len (`longrope_switch_step`). The inference
+engine decides per token by its sequence's length after the step (`extent`) and keeps its cached keys as they are.
 
 The inverse frequencies are a function of the config alone, so they are computed once per trace on the host, in
 NumPy float32 with the operations of transformers' `modeling_rope_utils.py` in the same order: an imported model
@@ -19,10 +26,11 @@ import numpy as np
 from systolic.workloads.lm.model.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 (hd/2,), attention_scaling): the rotation speed of each pair of dimensions, and the factor
-    on cos and sin (1.0 except for YaRN); `local`: of the sliding layers, which differ with model.rope_local_theta."""
-    dim, theta, scaling = cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling
+def inverse_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False) -> tuple[np.ndarray, float]:
+    """(inv_freq float32 (d_rope/2,), attention_scaling): the rotation speed of each pair of rotated dimensions, and
+    the factor on cos and sin (1.0 except for YaRN and LongRoPE); `local`: of the sliding layers, which differ with
+    model.rope_local_theta; `long`: LongRoPE's set for sequences past original_max_seq_len (else its short set)."""
+    dim, theta, scaling = cfg.d_rope, cfg.rope_theta, cfg.rope_scaling
     if local and cfg.rope_local_theta:
         theta, scaling = cfg.rope_local_theta, dataclasses.replace(scaling, type="none")
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)  # (hd/2,) float32, as torch's
@@ -35,6 +43,8 @@ def inverse_frequencies(cfg: ModelConfig, *, local: bool = False) -> tuple[np.nd
         return inv_freq / np.float32(scaling.factor), 1.0
     if scaling.type == "llama3":
         return _llama3(inv_freq, cfg), 1.0
+    if scaling.type == "longrope":
+        return _longrope(pos_freqs, cfg, long)
     assert scaling.type == "yarn", scaling.type
     return _yarn(pos_freqs, cfg)
 
@@ -59,7 +69,7 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
     (extrapolation), those that turn fewer than beta_slow times are divided by factor (interpolation), with a linear
     ramp over the dimensions in between; cos and sin are scaled by attention_factor (the paper's sqrt(1/t))."""
     s = cfg.rope_scaling
-    dim, theta, factor = cfg.rope_dim, cfg.rope_theta, s.factor
+    dim, theta, factor = cfg.d_rope, cfg.rope_theta, s.factor
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
         return dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -78,22 +88,65 @@ def _yarn(pos_freqs: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(scale)
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, hd), in the rotate-half layout
-    of Hugging Face Llama (hd: model.rope_dim), scaled as `model.rope_scaling` says (`local`: the sliding layers'
-    tables)."""
+def _longrope(pos_freqs: np.ndarray, cfg: ModelConfig, long: bool) -> tuple[np.ndarray, float]:
+    """LongRoPE: each frequency divided by its own factor (the long or the short set); cos and sin scaled by
+    attention_factor, by default sqrt(1 + ln(factor) / ln(original_max_seq_len)) (1 for factor <= 1)."""
+    s = cfg.rope_scaling
+    ext = np.asarray(s.long_factor if long else s.short_factor, np.float32)  # (d_rope/2,)
+    scale = s.attention_factor or (math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_seq_len))
+                                   if s.factor > 1 else 1.0)
+    return (1.0 / (ext * pos_freqs)).astype(np.float32), float(scale)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False,
+                extent: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of positions (B, T) (B may be 1: every row alike), each (B, T, d_rope), in the rotate-half layout
+    of Hugging Face Llama, scaled as `model.rope_scaling` says (`local`: the sliding layers' tables). LongRoPE
+    takes its long set where `extent` (B or 1, T or 1), the sequence length each token decides by, passes
+    original_max_seq_len; by default each row's largest position + 1."""
     inv_freq, scale = inverse_frequencies(cfg, local=local)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # (B, T, hd/2)
-    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, hd)
+    inv = jnp.asarray(inv_freq)  # (d_rope/2,)
+    if cfg.rope_scaling.type == "longrope" and not (local and cfg.rope_local_theta):
+        if extent is None:
+            extent = jnp.max(positions, axis=-1, keepdims=True) + 1  # (B or 1, 1)
+        long = (extent > cfg.rope_scaling.original_max_seq_len)[..., None]  # (B or 1, T or 1, 1)
+        inv = jnp.where(long, jnp.asarray(inverse_frequencies(cfg, long=True)[0]), inv)  # (B or 1, T or 1, d_rope/2)
+    angles = positions.astype(jnp.float32)[..., None] * inv  # (B, T, d_rope/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # (B, T, d_rope)
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
-    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, hd)
+    """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32, over the tables' first d_rope
+    dimensions (the rest pass unrotated: partial RoPE)."""
+    cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, d_rope)
+    d_rope = cos.shape[-1]
     h = x.astype(jnp.float32)
-    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, hd/2) each
-    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, hd)
-    return (h * cos + rotated * sin).astype(x.dtype)
+    h, rest = h[..., :d_rope], h[..., d_rope:]  # (B, T, N, d_rope), (B, T, N, hd - d_rope)
+    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, d_rope/2) each
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, d_rope)
+    out = h * cos + rotated * sin
+    return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
+
+
+def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array], on: bool | jax.Array) -> jax.Array:
+    """x (B, T, N, hd) rotated by `rope` on a layer that rotates (`on`: a Python bool, or traced in a scan of RoPE
+    and NoPE layers, where the select keeps a NoPE layer's x bit for bit)."""
+    if on is True:
+        return apply_rope(x, rope)
+    if on is False:
+        return x
+    return jnp.where(on, apply_rope(x, rope), x)
+
+
+
+def longrope_switch_step(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> int | None:
+    """The decode step (1 ... new_tokens - 1; step i feeds the (i-1)-th new token) at which a sequence decoded from a
+    prompt of prompt_len passes LongRoPE's original_max_seq_len, where transformers' Phi-3 `generate` recomputes its
+    cache with the long factors; None when there is no such step (no LongRoPE, or no crossing)."""
+    if cfg.rope_scaling.type != "longrope":
+        return None
+    step = cfg.rope_scaling.original_max_seq_len + 1 - prompt_len
+    return step if 1 <= step < new_tokens else None

@@ -14,7 +14,8 @@ weight/bias:
     blocks.attn.wo          self_attn.o_proj (+ bo: attn_out_bias) | attn.c_proj (+ bo)
     blocks.attn.sinks       self_attn.sinks (GPT-OSS, attn_sinks) | -
     blocks.attn (model.mla) DeepSeek-V3's self_attn: lm/model/mla.py
-    blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, norm_placement=sandwich) | -
+    (Phi-3 fuses wq, wk, wv into self_attn.qkv_proj and w_gate, w_up into mlp.gate_up_proj: lm/hf/tensors.py)
+    blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, OLMo 2: norm_placement=sandwich, post) | -
     blocks.mlp_norm         post_attention_layernorm (pre_feedforward_layernorm in Gemma 2/3) | ln_2
     blocks.mlp_post_norm    post_feedforward_layernorm (Gemma 2/3)  | -
     blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
@@ -25,9 +26,9 @@ weight/bias:
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
 Gemma's RMSNorm multiplies by (1 + w): its w is our scale - 1 (lm/hf/tensors.py converts), so the norm here is one.
-Layers differ only in their kind (`model.layer_types`: sliding or full attention, and with `model.rope_local_theta`
-their RoPE base): a Python bool per layer when the blocks are a list, a traced one (scanned beside the stacked
-weights) when stacked layers of both kinds run in one scan.
+Layers differ only in their kind (lm/model/layer_kind.py: sliding or full attention by `model.layer_types`, with
+`model.rope_local_theta` their RoPE base, and rotated or not by `model.no_rope_layers`): Python bools per layer when
+the blocks are a list, traced ones (scanned beside the stacked weights) where stacked layers of a scan differ.
 With `model.lora` a targeted projection `w*` has a low-rank adapter `w*_lora` (a, b) beside it (lm/model/lora.py).
 """
 
@@ -52,10 +53,11 @@ from systolic.workloads.lm.config import PipelineConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, stacked_kinds, with_traced
 from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.mla import MultiHeadLatentAttention
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale, output_multiplier
-from systolic.workloads.lm.model.rope import apply_rope, rope_tables
+from systolic.workloads.lm.model.rope import rope_tables, rotate
 from systolic.workloads.lm.serve.paged_attention import PagedKV
 
 ACT = ("batch", "seq", "act_embed")
@@ -147,29 +149,33 @@ class Ropes(NamedTuple):
         return jax.tree.map(lambda s, f: jnp.where(local, s, f), self.sliding, self.full)
 
 
-def make_ropes(positions: jax.Array, cfg: ModelConfig) -> Ropes | None:
-    """The RoPE tables of positions (B or 1, T) for each kind of layer; None for GPT-2's learned positions."""
-    if cfg.family != "llama":
+def make_ropes(positions: jax.Array, cfg: ModelConfig, extent: jax.Array | None = None) -> Ropes | None:
+    """The RoPE tables of positions (B or 1, T) for each kind of layer; None for GPT-2's learned positions (and
+    when no layer rotates). `extent`: the sequence lengths LongRoPE decides by (rope.rope_tables)."""
+    if cfg.family != "llama" or not any(cfg.rope_layers):
         return None
-    full = rope_tables(positions, cfg)
-    return Ropes(full, rope_tables(positions, cfg, local=True) if cfg.rope_local_theta else full)
+    full = rope_tables(positions, cfg, extent=extent)
+    return Ropes(full, rope_tables(positions, cfg, local=True, extent=extent) if cfg.rope_local_theta else full)
 
 
 class Norm(nnx.Module):
     """RMSNorm (llama) or LayerNorm with bias (gpt2) over the last axis of size `size` (d_model by default; the
-    head size for qk_norm, a scale shared by all heads), computed in float32."""
+    head size for qk_norm, a scale shared by all heads), computed in float32. With `heads` > 0 an RMSNorm over the
+    last two axes (heads, size), one scale per entry (OLMo 2's q/k norm over all heads at once)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, size: int = 0, names: tuple[str | None, ...] = (None,)):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, size: int = 0, names: tuple[str | None, ...] = (None,),
+                 heads: int = 0):
         self.eps = cfg.norm_eps
-        size = size or cfg.d_model
-        self.scale = _param(rngs.params(), (size,), names, None)
-        self.bias = _param(rngs.params(), (size,), names, 0) if cfg.family == "gpt2" else None
+        shape = (heads, size) if heads else (size or cfg.d_model,)
+        self.scale = _param(rngs.params(), shape, names, None)
+        self.bias = _param(rngs.params(), shape, names, 0) if cfg.family == "gpt2" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Squares of bf16 activations lose too much precision: normalise in float32.
         h = x.astype(jnp.float32)
         if self.bias is None:
-            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+            axes = tuple(range(-self.scale.ndim, 0))  # (-1,), or (-2, -1) over all heads
+            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=axes, keepdims=True) + self.eps)
             return (h * self.scale[...]).astype(x.dtype)
         h = h - jnp.mean(h, axis=-1, keepdims=True)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
@@ -219,7 +225,10 @@ class Attention(_Projecting):
         self.bo = _param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" or cfg.attn_out_bias else None
         # GPT-OSS's sinks: one logit per query head in the softmax's denominator (attention.masked_attention).
         self.sinks = _param(rngs.params(), (h,), ("heads",), cfg.init_std) if cfg.attn_sinks else None
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "all":  # one scale per (head, head_dim) entry
+            self.q_norm = Norm(cfg, rngs=rngs, size=hd, names=("heads", "head_dim"), heads=h)
+            self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("kv_heads", "head_dim"), heads=kv)
+        elif cfg.qk_norm:
             self.q_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
             self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("head_dim",))
         else:
@@ -229,23 +238,25 @@ class Attention(_Projecting):
         self.wv_lora = _adapter(cfg, "wv", (d,), (kv, hd), ("embed",), ("kv_heads", "head_dim"), rngs)
         self.wo_lora = _adapter(cfg, "wo", (h, hd), (d,), ("heads", "head_dim"), ("embed",), rngs)
 
-    def __call__(self, x, ropes: Ropes | None, local: bool | jax.Array, start, kv, segment_ids=None):
-        """x (B, T, D); `local`: whether this is a sliding layer (a traced bool in a scan over layers of both kinds);
+    def __call__(self, x, ropes: Ropes | None, kind: LayerKind, start, kv, segment_ids=None):
+        """x (B, T, D); `kind`: whether this is a sliding layer and whether it rotates q and k (traced bools in a scan
+        over layers that differ);
         kv None (training: causal over x, within segments when `segment_ids` (B, T) is given),
         this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`, or an
         inference engine step's paged cache (lm/serve/paged_attention.py; B = 1 row of T tokens from many
         sequences). Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
-        rope = None if ropes is None else ropes.of(local)
+        local = kind.sliding
         q = _adapted(x, self._project(x, self.wq), self.wq_lora)  # (B, T, H, hd)
         k = _adapted(x, self._project(x, self.wk), self.wk_lora)  # (B, T, KV, hd)
         v = _adapted(x, self._project(x, self.wv), self.wv_lora)  # (B, T, KV, hd)
         if self.bq is not None:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd per head, or over (heads, hd) (qk_norm_scope=all)
+        if ropes is not None:
+            rope = ropes.of(local)
+            q, k = rotate(q, rope, kind.rope), rotate(k, rope, kind.rope)
         if self.q_scale != 1:
             # Every implementation scales the logits by 1/sqrt(hd); scaling q instead of the logits reaches all.
             q = q * self.q_scale
@@ -402,33 +413,38 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of experts with `moe`.
-    With model.norm_placement=sandwich each sublayer's output is normed too: x + norm(attn(norm(x))) (Gemma 2/3)."""
+    With model.norm_placement=sandwich each sublayer's output is normed too: x + norm(attn(norm(x))) (Gemma 2/3);
+    with post only the output is: x + norm(attn(x)) (OLMo 2). model.residual_multiplier scales each sublayer's
+    output before the sum (Granite)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        sandwich = cfg.norm_placement == "sandwich"
-        self.attn_norm = Norm(cfg, rngs=rngs)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.attn_norm = Norm(cfg, rngs=rngs) if pre else None
         self.attn = MultiHeadLatentAttention(cfg, rngs=rngs) if cfg.mla.kv_lora_rank else Attention(cfg, rngs=rngs)
-        self.attn_post_norm = Norm(cfg, rngs=rngs) if sandwich else None
-        self.mlp_norm = Norm(cfg, rngs=rngs)
+        self.attn_post_norm = Norm(cfg, rngs=rngs) if post else None
+        self.mlp_norm = Norm(cfg, rngs=rngs) if pre else None
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
-        self.mlp_post_norm = Norm(cfg, rngs=rngs) if sandwich else None
+        self.mlp_post_norm = Norm(cfg, rngs=rngs) if post else None
+        self.residual_multiplier = cfg.residual_multiplier
 
-    def __call__(self, x, ropes, local, start, kv, segment_ids=None):
-        """Returns (x, kv, the MoE layer's stats or None); `local`: whether this is a sliding layer."""
+    def __call__(self, x, ropes, kind: LayerKind, start, kv, segment_ids=None):
+        """Returns (x, kv, the MoE layer's stats or None); `kind`: the layer's kind (lm/model/layer_kind.py)."""
         # Not with the sequence split: the barrier's backward reads the gradient's first element, for which XLA
         # would gather the whole sequence onto every device.
         if kv is None and cpu_tweak("barrier") and context.current_split() is None:
             x = gradient_barrier(x)
-        y, kv = self.attn(self.attn_norm(x), ropes, local, start, kv, segment_ids)
-        if self.attn_post_norm is not None:
-            y = self.attn_post_norm(y)
-        x = constrain(x + y, ACT)
-        y = self.mlp(self.mlp_norm(x))
+        y, kv = self.attn(x if self.attn_norm is None else self.attn_norm(x), ropes, kind, start, kv, segment_ids)
+        x = constrain(x + self._residual(y, self.attn_post_norm), ACT)
+        y = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
-        if self.mlp_post_norm is not None:
-            y = self.mlp_post_norm(y)
-        x = constrain(x + y, ACT)
+        x = constrain(x + self._residual(y, self.mlp_post_norm), ACT)
         return x, kv, stats
+
+    def _residual(self, y: jax.Array, post_norm: Norm | None) -> jax.Array:
+        """A sublayer's output y (B, T, D) as it joins the residual stream: normed (sandwich, post), scaled."""
+        y = y if post_norm is None else post_norm(y)
+        # A Python float is weakly typed: the product keeps y's dtype, as Granite multiplies in the model's.
+        return y if self.residual_multiplier == 1 else y * self.residual_multiplier
 
 
 class Transformer(nnx.Module):
@@ -441,6 +457,7 @@ class Transformer(nnx.Module):
         self.logit_scale = output_multiplier(cfg)
         self.embed_multiplier = cfg.embed_multiplier
         self.final_softcap = cfg.final_logit_softcap
+        self.logit_divisor = cfg.logit_divisor
         self.embed = _param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         if cfg.family == "gpt2":
             self.pos_embed = _param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
@@ -495,26 +512,26 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         positions = kv.batch.positions[None]  # (1, T)
         x = self.embed_tokens(tokens[None], positions)  # (1, T, D)
-        ropes = make_ropes(positions, cfg)
+        # Each token's sequence length after this step: what LongRoPE decides by, as a decode step does.
+        ropes = make_ropes(positions, cfg, extent=kv.batch.kv_lens[kv.batch.rows][None])
 
-        def apply(block: Block, carry, layer, local):
+        def apply(block: Block, carry, layer, kind):
             x, pool = carry
-            x, paged, _ = block(x, ropes, local, None, kv._replace(pool=pool, layer=layer))
+            x, paged, _ = block(x, ropes, kind, None, kv._replace(pool=pool, layer=layer))
             return x, paged.pool
 
         carry = (x, kv.pool)
-        kinds = cfg.local_layers
         if cfg.scan_layers:  # the pool rides in the carry: each layer updates it in place
             scan = functools.partial(nnx.scan, out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            if len(set(kinds)) == 1:  # one kind of layer: its window stays a Python int
-                one_kind = lambda block, carry, layer: apply(block, carry, layer, kinds[0])  # noqa: E731
-                carry = scan(one_kind, in_axes=(0, nnx.Carry, 0))(self.blocks, carry, jnp.arange(cfg.layers))
-            else:  # each layer's kind scanned beside its weights
-                carry = scan(apply, in_axes=(0, nnx.Carry, 0, 0))(self.blocks, carry, jnp.arange(cfg.layers),
-                                                                   jnp.asarray(kinds))
+            shared, traced = stacked_kinds(cfg)  # what differs between layers scanned beside their weights
+
+            def scanned(block, carry, layer, traced):
+                return apply(block, carry, layer, with_traced(shared, traced))
+
+            carry = scan(scanned, in_axes=(0, nnx.Carry, 0, 0))(self.blocks, carry, jnp.arange(cfg.layers), traced)
         else:
             for i, block in enumerate(self.blocks):
-                carry = apply(block, carry, i, kinds[i])
+                carry = apply(block, carry, i, layer_kinds(cfg)[i])
         x, pool = carry
         logits = self.readout(x[:, kv.batch.last])  # (1, S, V)
         return logits[0], pool
@@ -546,27 +563,27 @@ class Transformer(nnx.Module):
         ropes = make_ropes(positions, cfg)
         kv = None if cache is None else (cache.k, cache.v)
 
-        def layer_fn(local: bool | None):
-            """One layer: of the kind `local` says (a Python bool), or (None) of the kind its 4th argument says."""
-            def apply(block: Block, x, kv_layer, *traced_local):
-                return block(x, ropes, local if local is not None else traced_local[0], start, kv_layer, segment_ids)
+        def layer_fn(shared: LayerKind):
+            """One layer of kind `shared`, but for the fields its 4th argument (a scan's per-layer kinds) sets."""
+            def apply(block: Block, x, kv_layer, traced: LayerKind | None = None):
+                return block(x, ropes, with_traced(shared, traced), start, kv_layer, segment_ids)
 
             return apply if cfg.remat == "none" else nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
 
-        kinds = cfg.local_layers
         mesh = jax.sharding.get_abstract_mesh()
         if pipeline is not None and cache is None and not mesh.empty and mesh.shape.get(pipeline_lib.AXIS, 1) > 1:
             x, stats = self._pipelined(x, ropes, segment_ids, pipeline, mesh), None  # (B, T, D)
         elif cfg.scan_layers:
             scan = functools.partial(nnx.scan, out_axes=(nnx.Carry, 0, 0),
                                      transform_metadata={nnx.PARTITION_NAME: "layers"})
-            if len(set(kinds)) == 1:  # one kind of layer: its window stays a Python int for the kernels
-                x, kv, stats = scan(layer_fn(kinds[0]), in_axes=(0, nnx.Carry, 0))(self.blocks, x, kv)
-            else:  # each layer's kind scanned beside its weights
-                apply = scan(layer_fn(None), in_axes=(0, nnx.Carry, 0, 0))
-                x, kv, stats = apply(self.blocks, x, kv, jnp.asarray(kinds))  # stats stacked (L, ...) or None
+            # What the layers share stays Python (a window the kernels need as an int); what differs is scanned
+            # beside the weights.
+            shared, traced = stacked_kinds(cfg)
+            apply = scan(layer_fn(shared), in_axes=(0, nnx.Carry, 0, 0))
+            x, kv, stats = apply(self.blocks, x, kv, traced)  # stats stacked (L, ...) or None
         else:
             new_kv, layer_stats = [], []
+            kinds = layer_kinds(cfg)
             for i, block in enumerate(self.blocks):
                 kv_i = None if kv is None else jax.tree.map(lambda a: a[i], kv)  # this layer's (MLA: v None)
                 x, kv_i, stats_i = layer_fn(kinds[i])(block, x, kv_i)
@@ -604,16 +621,16 @@ class Transformer(nnx.Module):
         graphdef, weights = nnx.split(self.blocks)
         start = jnp.zeros((), jnp.int32)
         batch = x.shape[0]
-        local = self.cfg.local_layers[0]
+        kind = layer_kinds(self.cfg)[0]
         # Per-example inputs of the blocks, cut into microbatches with the activations (rope may be shared: (1, T, hd)).
-        rope = None if ropes is None else ropes.of(local)
+        rope = None if ropes is None else ropes.of(kind.sliding)
         rows = {"segment_ids": segment_ids,
                 "rope": None if rope is None else tuple(jnp.broadcast_to(a, (batch, *a.shape[1:])) for a in rope)}
 
         def layer(layer_weights, h, row):
             block = nnx.merge(graphdef, layer_weights)
             layer_ropes = None if row["rope"] is None else Ropes(row["rope"], row["rope"])
-            return block(h, layer_ropes, local, start, None, row["segment_ids"])[0]
+            return block(h, layer_ropes, kind, start, None, row["segment_ids"])[0]
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
@@ -644,6 +661,8 @@ class Transformer(nnx.Module):
             logits = quant_lib.readout(x, self.lm_head[...].astype(self.dtype))
         if self.logit_scale != 1:
             logits = logits * self.logit_scale  # muP's readout multiplier 1/m
+        if self.logit_divisor != 1:
+            logits = logits / self.logit_divisor  # Granite's logits_scaling, before any cap
         if self.final_softcap:
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)  # Gemma 2's cap, in float32
         return constrain(logits, ("batch", "seq", "vocab"))  # (B, T, V)

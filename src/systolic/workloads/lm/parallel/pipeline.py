@@ -89,8 +89,9 @@ def check(cfg: LMConfig, mesh: Mesh) -> None:
     elif model.moe.experts:
         problem = ("the MoE layers' router statistics are not carried through the pipeline yet",
                    "a dense model (model.moe.experts=0) or mesh.stage=1 (expert parallelism works without stages)")
-    elif len(set(model.local_layers)) > 1:
-        problem = ("model.layer_types mixes sliding and full layers, and a stage runs its layers without their kinds",
+    elif len(set(model.local_layers)) > 1 or len(set(model.rope_layers)) > 1:
+        problem = ("model.layer_types mixes sliding and full layers (or model.no_rope_layers RoPE and NoPE layers), "
+                   "and a stage runs its layers without their kinds",
                    "mesh.stage=1 (split the model with mesh.fsdp or mesh.tensor), or one kind of layer")
     elif model.layers % groups:
         problem = (f"model.layers={model.layers} does not split into mesh.stage x pipeline.repeats = {groups} equal "
