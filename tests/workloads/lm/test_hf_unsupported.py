@@ -13,6 +13,7 @@ import pytest
 
 from systolic.cli import main
 from systolic.workloads.lm.hf import config as hf_config
+from systolic.workloads.lm.hf import config_rules, rope_config
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "porting-from-pytorch.md"
@@ -23,20 +24,20 @@ LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=
 
 def supported_table() -> list[str]:
     """The rows of the table under the heading that SUPPORTED_LIST names."""
-    heading = re.search(r'"(.+)"', hf_config.SUPPORTED_LIST).group(1)
+    heading = re.search(r'"(.+)"', config_rules.SUPPORTED_LIST).group(1)
     section = DOC.read_text().split(f"### {heading}\n", 1)[1].split("\n#", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| ")][1:]  # without the header
 
 
 def test_the_documented_list_is_the_converters_table():
-    assert DOC.name in hf_config.SUPPORTED_LIST
+    assert DOC.name in config_rules.SUPPORTED_LIST
     rows = supported_table()
     documented = {m.groups() for row in rows if (m := re.match(r"\| `(\w+)` \(`(\w+)`", row))}
     assert documented == {(arch, model_type) for model_type, arch in hf_config.ARCHITECTURES.items()}
     rope = next(row for row in rows if "rope_type" in row).split("|")[1]
     assert set(re.findall(r"`(\w+)`", rope)) - {"rope_type", "attention_factor", "beta_fast", "beta_slow", "truncate",
                                                "mscale", "mscale_all_dim", "su", "short_factor",
-                                               "long_factor"} == set(hf_config.ROPE_TYPES)
+                                               "long_factor"} == set(rope_config.ROPE_TYPES)
 
 
 CASES = {

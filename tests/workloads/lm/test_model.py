@@ -12,7 +12,8 @@ from flax import nnx
 from systolic.engine.state import param_count
 from systolic.runtime.sharding import activate, named_sharding
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.model.transformer import make_model, resolve_dtype
+from systolic.workloads.lm.model.layers import resolve_dtype
+from systolic.workloads.lm.model.transformer import make_model
 
 VOCAB = 64
 LLAMA = ModelConfig(family="llama", d_model=32, layers=2, heads=4, kv_heads=2, mlp_dim=64, max_seq_len=16, dtype="float32")

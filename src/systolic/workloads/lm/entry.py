@@ -137,7 +137,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     FLOPs are added from the formula's attention term."""
     from systolic.workloads.lm.model import attention
     from systolic.workloads.lm.model.flops import attention_width, train_flops_per_token
-    from systolic.workloads.lm.model.transformer import resolve_dtype
+    from systolic.workloads.lm.model.layers import resolve_dtype
     from systolic.workloads.lm.train import abstract_batch, build_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)

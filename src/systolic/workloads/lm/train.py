@@ -34,7 +34,8 @@ from systolic.workloads.lm.config import LMConfig, PipelineConfig
 from systolic.workloads.lm.model.config import ModelConfig, MoeConfig
 from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
-from systolic.workloads.lm.model.transformer import Transformer, resolve_dtype
+from systolic.workloads.lm.model.layers import resolve_dtype
+from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 from systolic.workloads.lm.post.preference import PreferenceData
 

@@ -43,6 +43,8 @@ from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
 from systolic.workloads.lm.hf import deepseek
+from systolic.workloads.lm.hf.config_rules import SUPPORTED_LIST, require, unsupported
+from systolic.workloads.lm.hf.rope_config import rope_from_hf, rope_to_hf
 from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 
 # Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
@@ -55,10 +57,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # rope_type values that import (to model.rope_scaling.type)
-# Where a user reads which families and settings convert; tests/workloads/lm/test_hf_unsupported.py checks the table
-# there against ARCHITECTURES and ROPE_TYPES.
-SUPPORTED_LIST = 'the table "Which models convert" in docs/porting-from-pytorch.md'
 def read_config(src: Path) -> dict[str, Any]:
     path = Path(src) / "config.json"
     if not path.is_file():
@@ -164,11 +162,11 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
     if model_type == deepseek.MODEL_TYPE:
         return deepseek.model_config(hf, src, common)
     # Qwen2's q/k/v biases come with the architecture; attention_bias (Llama, Qwen3) would add an o_proj bias too.
-    _require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
+    require(hf, src, {"hidden_act": "silu", "mlp_bias": False,
                        **({} if model_type in QWEN2_BIASES else {"attention_bias": False})})
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
-    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {},
+    theta, scaling = rope_from_hf(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {},
                            partial=model_type == "phi3")
     window, layer_types = _sliding_window(hf, src, model_type)
     return ModelConfig(
@@ -205,7 +203,7 @@ def _family_switches(hf: dict[str, Any], src: Path, model_type: str) -> dict[str
             interval = int(hf.get("no_rope_layer_interval", 4))
             flags = [int((i + 1) % interval != 0) for i in range(layers)] if interval > 0 else None
         if not isinstance(flags, list) or len(flags) != layers or set(flags) - {0, 1}:
-            raise _unsupported(src, "no_rope_layers", hf.get("no_rope_layers"),
+            raise unsupported(src, "no_rope_layers", hf.get("no_rope_layers"),
                                f"a list of {layers} entries, 1 (RoPE) or 0 (no RoPE), or a positive interval")
         return {"no_rope_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
     if model_type == "granite":
@@ -297,10 +295,10 @@ def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[s
     # hidden_activation as written (exact "gelu" would be erf).
     act_key, legacy = ("hidden_act", ("gelu",)) if model_type == "gemma" else ("hidden_activation", ())
     if hf.get(act_key, "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", *legacy):
-        raise _unsupported(src, act_key, hf[act_key], "gelu_pytorch_tanh (GeGLU, GELU's tanh approximation)")
-    _require(hf, src, {"attention_bias": False})
+        raise unsupported(src, act_key, hf[act_key], "gelu_pytorch_tanh (GeGLU, GELU's tanh approximation)")
+    require(hf, src, {"attention_bias": False})
     if hf.get("use_bidirectional_attention"):
-        raise _unsupported(src, "use_bidirectional_attention", True, "false (causal attention)")
+        raise unsupported(src, "use_bidirectional_attention", True, "false (causal attention)")
     d, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     head_dim = hf.get("head_dim") or d // heads
     out = dict(common, family="llama", d_model=d, layers=layers, heads=heads,
@@ -309,7 +307,7 @@ def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[s
                tie_embeddings=bool(hf.get("tie_word_embeddings", True)), mlp_activation="gelu_tanh",
                embed_multiplier=d**0.5)  # as transformers computes it, then rounded to the compute dtype
     if model_type == "gemma":
-        theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        theta, scaling = rope_from_hf(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         return ModelConfig(**out, rope_theta=theta, rope_scaling=scaling)
     pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern") or 6)  # transformers' defaults
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -319,7 +317,7 @@ def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[s
                final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0), sliding_window=window,
                layer_types=layer_types)
     if model_type == "gemma2":
-        theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        theta, scaling = rope_from_hf(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         return ModelConfig(**out, rope_theta=theta, rope_scaling=scaling,
                            attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0))
     # Gemma 3: transformers' Gemma3Attention does not apply attn_logit_softcapping (the released configs set it
@@ -340,7 +338,7 @@ def quant_method(hf: dict[str, Any], src: Path) -> str | None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
     if method != "mxfp4" or hf.get("model_type") != "gpt_oss":
-        raise _unsupported(src, "quantization_config.quant_method", method, "no quantization_config (float weights), "
+        raise unsupported(src, "quantization_config.quant_method", method, "no quantization_config (float weights), "
                            "or mxfp4 on a GPT-OSS model's experts, which the import dequantizes")
     return method
 
@@ -350,7 +348,7 @@ def _gpt_oss_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> Mo
     docstring)."""
     d, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     head_dim = hf.get("head_dim") or d // heads
-    theta, scaling = _rope(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta, scaling = rope_from_hf(hf, src, hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     window, layer_types = _layer_kinds(hf, src, types, hf.get("sliding_window"))
     top_k = int(hf["num_experts_per_tok"])
@@ -375,13 +373,14 @@ def _gemma3_rope(hf: dict[str, Any], src: Path) -> tuple[float, RopeScalingConfi
     params = hf.get("rope_parameters") or {}
     if isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict):
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        theta, scaling = _rope({**hf, "rope_theta": 1e6}, src, full)
+        theta, scaling = rope_from_hf({**hf, "rope_theta": 1e6}, src, full)
         local_theta = float(local.get("rope_theta") or 1e4)
     else:
-        theta, scaling = _rope({**hf, "rope_theta": hf.get("rope_theta") or 1e6}, src, hf.get("rope_scaling") or {})
+        theta, scaling = rope_from_hf({**hf, "rope_theta": hf.get("rope_theta") or 1e6}, src,
+                                      hf.get("rope_scaling") or {})
         local, local_theta = {}, float(hf.get("rope_local_base_freq") or 1e4)
     if local.get("rope_type", "default") != "default" or local.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise _unsupported(src, "rope_parameters.sliding_attention", local,
+        raise unsupported(src, "rope_parameters.sliding_attention", local,
                            "the default RoPE on the sliding layers (only the full layers' RoPE is scaled)")
     return theta, scaling, local_theta
 
@@ -391,7 +390,7 @@ def _layer_kinds(hf: dict[str, Any], src: Path, types: list[Any], window: Any) -
     layers (None: no window anywhere): one kind on every layer needs no list."""
     if not isinstance(types, list) or len(types) != hf["num_hidden_layers"] or \
             set(types) - {"full_attention", "sliding_attention"}:
-        raise _unsupported(src, "layer_types", types, f"a list of {hf['num_hidden_layers']} entries, each "
+        raise unsupported(src, "layer_types", types, f"a list of {hf['num_hidden_layers']} entries, each "
                            "full_attention or sliding_attention")
     if window is None or "sliding_attention" not in types:
         return 0, ()
@@ -405,20 +404,20 @@ def _moe(hf: dict[str, Any], src: Path, model_type: str) -> MoeConfig:
     top_k = int(hf["num_experts_per_tok"])
     aux = float(hf.get("router_aux_loss_coef", 0.001)) * top_k  # HF's shares sum to top_k, ours to 1
     if model_type == "mixtral":
-        _require(hf, src, {"router_jitter_noise": 0.0})
+        require(hf, src, {"router_jitter_noise": 0.0})
         return MoeConfig(experts=int(hf["num_local_experts"]), top_k=top_k, mlp_dim=int(hf["intermediate_size"]),
                          norm_topk_prob=True, aux_loss_weight=aux)
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # transformers 5 writes the latter
     dense = list(hf.get("mlp_only_layers") or [])
     if dense != list(range(len(dense))) or not experts:
-        raise _unsupported(src, "mlp_only_layers / num_experts", (dense, experts), "the dense layers first "
+        raise unsupported(src, "mlp_only_layers / num_experts", (dense, experts), "the dense layers first "
                            "(mlp_only_layers = [0, 1, ..., n - 1]) and num_experts > 0")
     width = int(hf["moe_intermediate_size"])
     shared, shared_gate = 0, False
     if model_type == "qwen2_moe":
         size = int(hf["shared_expert_intermediate_size"])
         if not size or size % width:
-            raise _unsupported(src, "shared_expert_intermediate_size", size, f"a positive multiple of "
+            raise unsupported(src, "shared_expert_intermediate_size", size, f"a positive multiple of "
                                f"moe_intermediate_size ({width}): model.moe.shared_experts of that width")
         shared, shared_gate = size // width, True
     return MoeConfig(experts=experts, top_k=top_k, mlp_dim=width, shared_experts=shared, shared_gate=shared_gate,
@@ -427,76 +426,15 @@ def _moe(hf: dict[str, Any], src: Path, model_type: str) -> MoeConfig:
 
 
 def _gpt2_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> ModelConfig:
-    _require(hf, src, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False})
+    require(hf, src, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False})
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise _unsupported(src, "activation_function", hf["activation_function"], "gelu_new (GELU, tanh approximation)")
+        raise unsupported(src, "activation_function", hf["activation_function"], "gelu_new (GELU, tanh approximation)")
     d = hf["n_embd"]
     return ModelConfig(
         **common, family="gpt2", d_model=d, layers=hf["n_layer"], heads=hf["n_head"], mlp_dim=hf.get("n_inner") or 4 * d,
         max_seq_len=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
     )
-
-
-def _rope(hf: dict[str, Any], src: Path, rope: dict[str, Any], *, partial: bool = False
-          ) -> tuple[float, RopeScalingConfig]:
-    """(rope_theta, scaling) of the RoPE parameters `rope` as transformers 5 standardises them: `rope_scaling` (4.x)
-    over `rope_parameters`, the theta inside the dict over the top-level `rope_theta`. `partial`: the architecture
-    rotates part of each head (Phi-3: the caller reads partial_rotary_factor), which the others refuse."""
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise _unsupported(src, "per-layer-type rope_parameters", rope, "one set of RoPE parameters for every layer")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    if kind in ("su", "yarn") and hf.get("model_type") == "phi3":
-        kind = "longrope"  # what transformers' Phi3Config makes of Phi-3's "su" (and "yarn") scaling
-    fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if fraction not in (None, 1, 1.0) and not partial:
-        raise _unsupported(src, "partial_rotary_factor", fraction, "1.0 (RoPE over the whole head; partial RoPE "
-                           "converts for Phi3ForCausalLM)")
-    if kind not in ROPE_TYPES:
-        raise _unsupported(src, "rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
-    if kind == "default":
-        return theta, RopeScalingConfig()
-    if kind == "linear":
-        return theta, RopeScalingConfig(type="linear", factor=float(rope["factor"]))
-    # transformers prefers a top-level original_max_position_embeddings (Phi-3 style), then the dict's, then the
-    # model's own context.
-    original = int(hf["original_max_position_embeddings"] if "original_max_position_embeddings" in hf else
-                   rope.get("original_max_position_embeddings") or hf["max_position_embeddings"])
-    if kind == "llama3":
-        return theta, RopeScalingConfig(type="llama3", factor=float(rope["factor"]), original_max_seq_len=original,
-                                        low_freq_factor=float(rope["low_freq_factor"]),
-                                        high_freq_factor=float(rope["high_freq_factor"]))
-    if kind == "longrope":
-        return theta, _longrope(hf, src, rope, original)
-    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
-    attention_factor = rope.get("attention_factor")
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if attention_factor is None and mscale and mscale_all_dim:
-        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return theta, RopeScalingConfig(
-        type="yarn", factor=factor, original_max_seq_len=original, beta_fast=float(rope.get("beta_fast") or 32),
-        beta_slow=float(rope.get("beta_slow") or 1), attention_factor=float(attention_factor or 0.0),
-        truncate=bool(rope.get("truncate", True)),
-    )
-
-
-def _longrope(hf: dict[str, Any], src: Path, rope: dict[str, Any], original: int) -> RopeScalingConfig:
-    """LongRoPE's scaling (Phi-3): the short and long factors; factor defaults to max_position_embeddings over the
-    original context, as transformers derives it for the default attention_factor."""
-    factors = [rope.get("short_factor"), rope.get("long_factor")]
-    if not all(isinstance(f, list) and f and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                 and math.isfinite(x) and x > 0 for x in f) for f in factors):
-        raise _unsupported(src, "rope_parameters short_factor / long_factor", factors,
-                           "two lists of positive numbers, one per rotated pair of dimensions")
-    return RopeScalingConfig(
-        type="longrope", factor=float(rope.get("factor") or hf["max_position_embeddings"] / original),
-        original_max_seq_len=original, attention_factor=float(rope.get("attention_factor") or 0.0),
-        short_factor=tuple(float(x) for x in factors[0]), long_factor=tuple(float(x) for x in factors[1]))
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _sliding_window(hf: dict[str, Any], src: Path, model_type: str) -> tuple[int, tuple[str, ...]]:
@@ -534,7 +472,7 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
         return _gpt_oss_json(cfg, common)
     if model_type == deepseek.MODEL_TYPE:
         return deepseek.config_json(cfg, common)
-    rope = _rope_json(cfg)
+    rope = rope_to_hf(cfg)
     out = {
         **common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
@@ -569,7 +507,7 @@ def _gemma_json(cfg: ModelConfig, model_type: str, common: dict[str, Any]) -> di
     out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_mlp, "num_hidden_layers": cfg.layers,
            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "attention_bias": False}
-    rope = {**_rope_json(cfg), "rope_theta": cfg.rope_theta}
+    rope = {**rope_to_hf(cfg), "rope_theta": cfg.rope_theta}
     if model_type == "gemma":
         return {**out, "hidden_act": "gelu_pytorch_tanh", "rope_theta": cfg.rope_theta, "rope_parameters": rope}
     local = cfg.local_layers
@@ -586,7 +524,7 @@ def _gemma_json(cfg: ModelConfig, model_type: str, common: dict[str, Any]) -> di
 def _gpt_oss_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
     """config.json of a GPT-OSS that computes `cfg` (`_gpt_oss_architecture` checked it); float32 experts, so no
     quantization_config."""
-    moe, rope = cfg.moe, _rope_json(cfg)
+    moe, rope = cfg.moe, rope_to_hf(cfg)
     out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_expert, "num_hidden_layers": cfg.layers,
            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "attention_bias": cfg.qkv_bias,
@@ -754,25 +692,6 @@ def _moe_architecture(cfg: ModelConfig) -> str:
     )
 
 
-def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
-    """`rope_parameters` without rope_theta, as transformers 5 reads it."""
-    s = cfg.rope_scaling
-    if s.type == "none":
-        return {"rope_type": "default"}
-    if s.type == "linear":
-        return {"rope_type": "linear", "factor": s.factor}
-    if s.type == "llama3":
-        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
-    if s.type == "longrope":
-        out = {"rope_type": "longrope", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-               "short_factor": list(s.short_factor), "long_factor": list(s.long_factor)}
-        return {**out, "attention_factor": s.attention_factor} if s.attention_factor else out
-    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
-    return {**out, "attention_factor": s.attention_factor} if s.attention_factor else out
-
-
 def _gpt2_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
     if cfg.n_kv_heads != cfg.heads or cfg.d_head * cfg.heads != cfg.d_model or cfg.sliding_window:
         raise UserError(
@@ -808,15 +727,3 @@ def _model_type(hf: dict[str, Any], src: Path) -> str:
     return model_type
 
 
-def _require(hf: dict[str, Any], src: Path, expected: dict[str, Any]) -> None:
-    for key, value in expected.items():
-        if key in hf and hf[key] != value:
-            raise _unsupported(src, key, hf[key], repr(value))
-
-
-def _unsupported(src: Path, what: str, got: Any, expected: str) -> UserError:
-    return UserError(
-        f"{src}/config.json sets {what} = {got!r}, which the systolic model does not compute (expected {expected}); "
-        f"converting would give a different model. The families and settings that convert are listed in "
-        f"{SUPPORTED_LIST}. Fix: pass a checkpoint without this setting (another variant or size of the family)."
-    )

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from systolic.errors import UserError
-from systolic.workloads.lm.hf import config as hf_config
+from systolic.workloads.lm.hf.config_rules import require, unsupported
+from systolic.workloads.lm.hf.rope_config import rope_from_hf, rope_to_hf
 from systolic.workloads.lm.model.config import MlaConfig, ModelConfig, MoeConfig
 
 MODEL_TYPE = "deepseek_v3"
@@ -27,20 +28,20 @@ MODEL_TYPE = "deepseek_v3"
 def model_config(hf: dict[str, Any], src: Path, common: dict[str, Any]) -> ModelConfig:
     """Our ModelConfig for a DeepSeek-V3 config.json (`hf_config.model_config` checked the value types, DeepSeek's
     sizes among them)."""
-    hf_config._require(hf, src, {"hidden_act": "silu", "attention_bias": False, "scoring_func": "sigmoid",
+    require(hf, src, {"hidden_act": "silu", "attention_bias": False, "scoring_func": "sigmoid",
                                  "topk_method": "noaux_tc"})
     d, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("num_key_value_heads") not in (None, heads):
         # transformers expands the latent into every query head and would then repeat those heads again.
-        raise hf_config._unsupported(src, "num_key_value_heads", hf["num_key_value_heads"],
+        raise unsupported(src, "num_key_value_heads", hf["num_key_value_heads"],
                                      f"num_attention_heads ({heads}): MLA's keys and values have one head per query")
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    theta, scaling = hf_config._rope(hf, src, rope)
+    theta, scaling = rope_from_hf(hf, src, rope)
     mla = MlaConfig(kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
                     qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
                     v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True)))
     if not mla.kv_lora_rank:
-        raise hf_config._unsupported(src, "kv_lora_rank", hf["kv_lora_rank"], "a latent of at least 1 value")
+        raise unsupported(src, "kv_lora_rank", hf["kv_lora_rank"], "a latent of at least 1 value")
     mscale_all_dim = rope.get("mscale_all_dim")
     logit_scale = 0.0
     if scaling.type != "none" and mscale_all_dim:  # transformers' yarn_apply_mscale
@@ -59,7 +60,7 @@ def _moe(hf: dict[str, Any], src: Path, layers: int) -> MoeConfig:
         return MoeConfig()
     shared = int(hf.get("n_shared_experts") or 0)
     if shared < 1:
-        raise hf_config._unsupported(src, "n_shared_experts", hf.get("n_shared_experts"),
+        raise unsupported(src, "n_shared_experts", hf.get("n_shared_experts"),
                                      "at least 1 (transformers' DeepSeek-V3 always has a shared expert MLP)")
     return MoeConfig(experts=int(hf["n_routed_experts"]), top_k=int(hf["num_experts_per_tok"]),
                      mlp_dim=int(hf["moe_intermediate_size"]), shared_experts=shared,
@@ -96,7 +97,7 @@ def check(cfg: ModelConfig) -> None:
 def config_json(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
     """config.json of a DeepSeek-V3 that computes `cfg` (`check` passed)."""
     mla, moe = cfg.mla, cfg.moe
-    rope = {**hf_config._rope_json(cfg), "rope_theta": cfg.rope_theta}
+    rope = {**rope_to_hf(cfg), "rope_theta": cfg.rope_theta}
     if cfg.attn_logit_scale:  # back to the mscale_all_dim whose mscale^2 / sqrt(qk_head_dim) it is
         mscale = math.sqrt(cfg.attn_logit_scale * math.sqrt(mla.qk_head_dim))
         # Without `mscale` beside it, transformers derives no cos/sin factor from it (ours is attention_factor).

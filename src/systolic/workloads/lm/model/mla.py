@@ -37,6 +37,7 @@ from systolic.runtime.sharding import constrain
 from systolic.workloads.lm.model import attention
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.layers import Norm, param, resolve_dtype
 from systolic.workloads.lm.model.rope import apply_rope
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.serve.paged_attention import PagedKV
@@ -51,9 +52,6 @@ class MultiHeadLatentAttention(nnx.Module):
     wkv_a (D, r + rope) kv_a_proj_with_mqa, kv_norm kv_a_layernorm, wkv_b (r, H, nope + v) kv_b_proj, wo (H, v, D)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        # Imported here, not at the top: transformer.py, whose Block builds this module, imports this one.
-        from systolic.workloads.lm.model.transformer import Norm, _param, resolve_dtype
-
         mla, d, h, std = cfg.mla, cfg.d_model, cfg.heads, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
         self.quant = cfg.quant
@@ -66,18 +64,18 @@ class MultiHeadLatentAttention(nnx.Module):
         latent_cfg = dataclasses.replace(cfg, norm_eps=LATENT_NORM_EPS)
         if mla.q_lora_rank:
             self.wq = None
-            self.wq_a = _param(rngs.params(), (d, mla.q_lora_rank), ("embed", None), std)
+            self.wq_a = param(rngs.params(), (d, mla.q_lora_rank), ("embed", None), std)
             self.q_norm = Norm(latent_cfg, rngs=rngs, size=mla.q_lora_rank)
-            self.wq_b = _param(rngs.params(), (mla.q_lora_rank, h, mla.qk_head_dim), (None, "heads", "head_dim"), std)
+            self.wq_b = param(rngs.params(), (mla.q_lora_rank, h, mla.qk_head_dim), (None, "heads", "head_dim"), std)
         else:
-            self.wq = _param(rngs.params(), (d, h, mla.qk_head_dim), ("embed", "heads", "head_dim"), std)
+            self.wq = param(rngs.params(), (d, h, mla.qk_head_dim), ("embed", "heads", "head_dim"), std)
             self.wq_a = self.q_norm = self.wq_b = None
-        self.wkv_a = _param(rngs.params(), (d, mla.cache_width), ("embed", None), std)
+        self.wkv_a = param(rngs.params(), (d, mla.cache_width), ("embed", None), std)
         self.kv_norm = Norm(latent_cfg, rngs=rngs, size=mla.kv_lora_rank)
-        self.wkv_b = _param(rngs.params(), (mla.kv_lora_rank, h, self.nope + self.v_dim), (None, "heads", "head_dim"),
+        self.wkv_b = param(rngs.params(), (mla.kv_lora_rank, h, self.nope + self.v_dim), (None, "heads", "head_dim"),
                             std)
         # GPT-2's residual-projection init, as the grouped-query attention's.
-        self.wo = _param(rngs.params(), (h, self.v_dim, d), ("heads", "head_dim", "embed"),
+        self.wo = param(rngs.params(), (h, self.v_dim, d), ("heads", "head_dim", "embed"),
                          std / math.sqrt(2 * cfg.layers))
 
     def _project(self, x: jax.Array, w: nnx.Param, contract: int = 1) -> jax.Array:

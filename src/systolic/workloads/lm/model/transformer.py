@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.errors import UserError
-from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import constrain
 from systolic.workloads.lm.model import attention
 from systolic.workloads.lm.parallel import context
@@ -53,6 +52,7 @@ from systolic.workloads.lm.config import PipelineConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
+from systolic.workloads.lm.model.layers import Norm, param, param_from, resolve_dtype
 from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, stacked_kinds, with_traced
 from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.mla import MultiHeadLatentAttention
@@ -64,32 +64,6 @@ ACT = ("batch", "seq", "act_embed")
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-    """Compute dtype for `ModelConfig.dtype`; 'auto' is bfloat16 on accelerators, float32 on CPU (of the platform
-    being compiled for: `systolic plan` traces TPU programs on a CPU host)."""
-    if name == "auto":
-        return jnp.dtype(jnp.bfloat16 if compile_platform() in ("gpu", "tpu") else jnp.float32)
-    return jnp.dtype(name)
-
-
-def _param(key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...], std: float | None) -> nnx.Param:
-    """A float32 parameter with logical axis names; std=None means ones (norm scales), 0 means zeros (biases)."""
-    if std is None:
-        init = nnx.initializers.ones
-    elif std == 0:
-        init = nnx.initializers.zeros
-    else:
-        init = nnx.initializers.normal(std)
-    return _param_from(init, key, shape, names)
-
-
-def _param_from(init, key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
-    """A float32 parameter drawn by `init(key, shape, dtype)`, with logical axis names."""
-    # Eager sharding needs a mesh; without one (unit tests, single CPU) keep only the names as metadata.
-    eager = not jax.sharding.get_abstract_mesh().empty
-    return nnx.Param(nnx.with_partitioning(init, names)(key, shape, jnp.float32), eager_sharding=eager)
-
-
 class Adapter(nnx.Module):
     """LoRA's low-rank update of one projection (in_shape) -> (out_shape), per layer: scale * (x A) B with
     A (*in, r) drawn as PEFT draws it and B (r, *out) zero, so a fresh adapter changes nothing (lm/model/lora.py)."""
@@ -99,8 +73,8 @@ class Adapter(nnx.Module):
         bound = 1 / math.sqrt(math.prod(in_shape))  # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), ...)
         uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)  # noqa: E731
         # `lora_rank` is replicated (runtime/sharding.py); the other axes shard as the adapted weight's do.
-        self.a = _param_from(uniform, rngs.params(), (*in_shape, rank), (*in_names, "lora_rank"))
-        self.b = _param_from(nnx.initializers.zeros, rngs.params(), (rank, *out_shape), ("lora_rank", *out_names))
+        self.a = param_from(uniform, rngs.params(), (*in_shape, rank), (*in_names, "lora_rank"))
+        self.b = param_from(nnx.initializers.zeros, rngs.params(), (rank, *out_shape), ("lora_rank", *out_names))
         self.contract = len(in_shape)
         self.scale = scale
 
@@ -158,30 +132,6 @@ def make_ropes(positions: jax.Array, cfg: ModelConfig, extent: jax.Array | None 
     return Ropes(full, rope_tables(positions, cfg, local=True, extent=extent) if cfg.rope_local_theta else full)
 
 
-class Norm(nnx.Module):
-    """RMSNorm (llama) or LayerNorm with bias (gpt2) over the last axis of size `size` (d_model by default; the
-    head size for qk_norm, a scale shared by all heads), computed in float32. With `heads` > 0 an RMSNorm over the
-    last two axes (heads, size), one scale per entry (OLMo 2's q/k norm over all heads at once)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, size: int = 0, names: tuple[str | None, ...] = (None,),
-                 heads: int = 0):
-        self.eps = cfg.norm_eps
-        shape = (heads, size) if heads else (size or cfg.d_model,)
-        self.scale = _param(rngs.params(), shape, names, None)
-        self.bias = _param(rngs.params(), shape, names, 0) if cfg.family == "gpt2" else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Squares of bf16 activations lose too much precision: normalise in float32.
-        h = x.astype(jnp.float32)
-        if self.bias is None:
-            axes = tuple(range(-self.scale.ndim, 0))  # (-1,), or (-2, -1) over all heads
-            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=axes, keepdims=True) + self.eps)
-            return (h * self.scale[...]).astype(x.dtype)
-        h = h - jnp.mean(h, axis=-1, keepdims=True)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return (h * self.scale[...] + self.bias[...]).astype(x.dtype)
-
-
 class _Projecting(nnx.Module):
     """What Attention and MLP share: x times one of their weights in the compute dtype, with model.quant's operands
     (a weight may be stored quantized for serving: lm/model/quant.py)."""
@@ -211,20 +161,20 @@ class Attention(_Projecting):
         # muP's 1/d_head attention (1 under the standard parametrization), or model.attn_logit_scale instead of
         # every implementation's 1/sqrt(hd).
         self.q_scale = cfg.attn_logit_scale * math.sqrt(hd) if cfg.attn_logit_scale else attention_correction(cfg)
-        self.wq = _param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
-        self.wk = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
-        self.wv = _param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wq = param(rngs.params(), (d, h, hd), ("embed", "heads", "head_dim"), std)
+        self.wk = param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = param(rngs.params(), (d, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         # GPT-2's residual-projection init: keeps the residual stream's variance independent of depth.
-        self.wo = _param(rngs.params(), (h, hd, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.layers))
+        self.wo = param(rngs.params(), (h, hd, d), ("heads", "head_dim", "embed"), std / math.sqrt(2 * cfg.layers))
         if cfg.family == "gpt2" or cfg.qkv_bias:
-            self.bq = _param(rngs.params(), (h, hd), ("heads", "head_dim"), 0)
-            self.bk = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
-            self.bv = _param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
+            self.bq = param(rngs.params(), (h, hd), ("heads", "head_dim"), 0)
+            self.bk = param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
+            self.bv = param(rngs.params(), (kv, hd), ("kv_heads", "head_dim"), 0)
         else:
             self.bq = self.bk = self.bv = None
-        self.bo = _param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" or cfg.attn_out_bias else None
+        self.bo = param(rngs.params(), (d,), (None,), 0) if cfg.family == "gpt2" or cfg.attn_out_bias else None
         # GPT-OSS's sinks: one logit per query head in the softmax's denominator (attention.masked_attention).
-        self.sinks = _param(rngs.params(), (h,), ("heads",), cfg.init_std) if cfg.attn_sinks else None
+        self.sinks = param(rngs.params(), (h,), ("heads",), cfg.init_std) if cfg.attn_sinks else None
         if cfg.qk_norm and cfg.qk_norm_scope == "all":  # one scale per (head, head_dim) entry
             self.q_norm = Norm(cfg, rngs=rngs, size=hd, names=("heads", "head_dim"), heads=h)
             self.k_norm = Norm(cfg, rngs=rngs, size=hd, names=("kv_heads", "head_dim"), heads=kv)
@@ -325,14 +275,14 @@ class MLP(_Projecting):
         self.gelu_gate = cfg.mlp_activation == "gelu_tanh"
         out_std = std / math.sqrt(2 * cfg.layers)
         if self.llama:
-            self.w_gate = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
-            self.w_up = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
-            self.w_down = _param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
+            self.w_gate = param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.w_up = param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.w_down = param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
         else:
-            self.w_fc = _param(rngs.params(), (d, m), ("embed", "mlp"), std)
-            self.b_fc = _param(rngs.params(), (m,), ("mlp",), 0)
-            self.w_proj = _param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
-            self.b_proj = _param(rngs.params(), (d,), (None,), 0)
+            self.w_fc = param(rngs.params(), (d, m), ("embed", "mlp"), std)
+            self.b_fc = param(rngs.params(), (m,), ("mlp",), 0)
+            self.w_proj = param(rngs.params(), (m, d), ("mlp", "embed"), out_std)
+            self.b_proj = param(rngs.params(), (d,), (None,), 0)
         # The up/gate projections (D -> M) and the down projection (M -> D) of either family, adapted or None.
         up, down = ((d,), (m,), ("embed",), ("mlp",)), ((m,), (d,), ("mlp",), ("embed",))
         self.w_gate_lora = _adapter(cfg, "w_gate", *up, rngs) if self.llama else None
@@ -366,20 +316,20 @@ class MoE(nnx.Module):
         moe, d, e, m, std = cfg.moe, cfg.d_model, cfg.moe.experts, cfg.d_expert, cfg.init_std
         self.dtype = resolve_dtype(cfg.dtype)
         self.top_k, self.norm_topk_prob, self.capacity_factor = moe.top_k, moe.norm_topk_prob, moe.capacity_factor
-        self.router = _param(rngs.params(), (d, e), ("embed", None), std)
+        self.router = param(rngs.params(), (d, e), ("embed", None), std)
         # DeepSeek-V3's correction bias on the sigmoid scores: it steers the choice only, so it gets no gradient.
-        self.score_correction = _param(rngs.params(), (e,), (None,), 0) if moe.scoring == "sigmoid" else None
+        self.score_correction = param(rngs.params(), (e,), (None,), 0) if moe.scoring == "sigmoid" else None
         self.moe = moe
-        self.w_gate = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
-        self.w_up = _param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
-        self.w_down = _param(rngs.params(), (e, m, d), ("experts", "expert_mlp", "embed"), std / math.sqrt(2 * cfg.layers))
+        self.w_gate = param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
+        self.w_up = param(rngs.params(), (e, d, m), ("experts", "embed", "expert_mlp"), std)
+        self.w_down = param(rngs.params(), (e, m, d), ("experts", "expert_mlp", "embed"), std / math.sqrt(2 * cfg.layers))
         self.shared = MLP(cfg, rngs=rngs, width=moe.shared_experts * m) if moe.shared_experts else None
-        self.shared_gate = _param(rngs.params(), (d, 1), ("embed", None), std) if moe.shared_gate else None
-        self.router_bias = _param(rngs.params(), (e,), (None,), 0) if moe.router_bias else None
+        self.shared_gate = param(rngs.params(), (d, 1), ("embed", None), std) if moe.shared_gate else None
+        self.router_bias = param(rngs.params(), (e,), (None,), 0) if moe.router_bias else None
         if moe.expert_bias:
-            self.b_gate = _param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
-            self.b_up = _param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
-            self.b_down = _param(rngs.params(), (e, d), ("experts", None), 0)
+            self.b_gate = param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
+            self.b_up = param(rngs.params(), (e, m), ("experts", "expert_mlp"), 0)
+            self.b_down = param(rngs.params(), (e, d), ("experts", None), 0)
         else:
             self.b_gate = self.b_up = self.b_down = None
         self.clamp = moe_lib.SwigluClamp(moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
@@ -458,9 +408,9 @@ class Transformer(nnx.Module):
         self.embed_multiplier = cfg.embed_multiplier
         self.final_softcap = cfg.final_logit_softcap
         self.logit_divisor = cfg.logit_divisor
-        self.embed = _param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+        self.embed = param(rngs.params(), (vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         if cfg.family == "gpt2":
-            self.pos_embed = _param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
+            self.pos_embed = param(rngs.params(), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.init_std)
         else:
             self.pos_embed = None
         if cfg.scan_layers:
@@ -477,7 +427,7 @@ class Transformer(nnx.Module):
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = _param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
+            self.lm_head = param(rngs.params(), (cfg.d_model, vocab), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, pipeline: PipelineConfig | None = None) -> jax.Array:

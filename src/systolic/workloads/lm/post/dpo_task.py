@@ -45,7 +45,7 @@ from systolic.workloads.lm import train
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.model.flops import train_flops_per_token
-from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.post import dpo, preference

@@ -25,7 +25,7 @@ import qwix
 from systolic.errors import UserError
 from systolic.workloads.lm.commands import KV_CACHES
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.serve.paged_attention import Pool
 
 SCALE_DTYPE = jnp.float32

@@ -28,7 +28,7 @@ from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.flops import matmul_params
 from systolic.workloads.lm.model.lora import base_config
-from systolic.workloads.lm.model.transformer import resolve_dtype
+from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.serve.engine import pool_layout, tensor_layout
 from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, token_bytes
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
