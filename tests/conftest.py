@@ -34,12 +34,18 @@ cpu_tuning.apply_at_start(workload="lm", stepping=False)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from slow_list import slow_node_ids  # noqa: E402  (tests/ is on sys.path)
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     platform = jax.default_backend()
+    slow = slow_node_ids()
     for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and platform != "gpu":
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if "tpu" in item.keywords and platform != "tpu":
