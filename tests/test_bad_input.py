@@ -91,6 +91,8 @@ def test_random_bad_input_never_tracebacks_or_damages(existing_run, tmp_path_fac
 def refused(argv: list[str], *fragments: str) -> str:
     code, err = call(argv)
     assert code == 2, f"exit {code}: {err}"
+    # `plan` says what it is about to do on stderr ("plan: tracing ...", issue 34's progress), then the paragraph.
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("plan: "))
     flat = " ".join(err.split())  # wrapped at 110 columns; a long path may start the second line
     assert "Traceback" not in err and flat.startswith("error: "), err
     for fragment in fragments:

@@ -16,7 +16,7 @@ import pytest
 from systolic import config as config_lib
 from systolic.cli import main
 from systolic.workloads import get
-from tiny import LM_CLI_QUIET, TINY_DQN, TINY_GAN, TINY_LM, TINY_MOE, TINY_PQN, TINY_RL, TINY_SIM, TINY_SIM3D
+from tiny import LM_CLI_QUIET, MOE, TINY_DQN, TINY_GAN, TINY_LM, TINY_MOE, TINY_PQN, TINY_RL, TINY_SIM, TINY_SIM3D
 
 BOOKKEEPING = {"validate", "to_dict", "from_dict", "dump_yaml", "_coerce", "__eq__", "__hash__", "__repr__", "_diff",
                "replace", "_replace", "asdict", "_asdict_inner", "fields"}
@@ -155,6 +155,24 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *gemma]))
     logits = Transformer(cfg.model, 64, rngs=nnx.Rngs(0))(jax.numpy.zeros((1, 8), jax.numpy.int32))
     assert 0 < float(jax.numpy.abs(logits).max()) < 3
+    # The switches of Phi-3, OLMo 2, SmolLM3 and Granite, of GPT-OSS and of DeepSeek-V3 are read when their models are
+    # built and run (their parity with transformers: test_hf_families.py, test_hf_gpt_oss.py, test_hf_deepseek.py).
+    families = [
+        ["model.rope_scaling.type=longrope", "model.rope_scaling.factor=2", "model.rope_scaling.original_max_seq_len=4",
+         "model.rope_scaling.short_factor=[1.0,1.5]", "model.rope_scaling.long_factor=[2.0,3.0]",
+         "model.partial_rotary_factor=0.5", "model.norm_placement=post", "model.qk_norm=true",
+         "model.qk_norm_scope=all", "model.no_rope_layers=[1]", "model.residual_multiplier=0.5",
+         "model.logit_divisor=2"],
+        [*MOE, "model.attn_sinks=true", "model.attn_out_bias=true", "model.moe.router_bias=true",
+         "model.moe.expert_bias=true", "model.moe.swiglu_limit=7", "model.moe.swiglu_alpha=1.702"],
+        [*MOE, "model.kv_heads=0", "model.mla.kv_lora_rank=8", "model.mla.q_lora_rank=8", "model.mla.qk_nope_head_dim=8",
+         "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8", "model.mla.rope_interleave=false",
+         "model.moe.scoring=sigmoid", "model.moe.groups=2", "model.moe.topk_groups=1", "model.moe.routed_scale=2.5"],
+    ]
+    for switches in families:
+        cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [*TINY_LM, *switches]))
+        logits = Transformer(cfg.model, 64, rngs=nnx.Rngs(0))(jax.numpy.zeros((1, 8), jax.numpy.int32))
+        assert logits.shape == (1, 8, 64) and bool(jax.numpy.isfinite(logits).all())
     # Muon's settings are read when its optimizer is built, muP's base width when a muP model is (their training:
     # tests/workloads/lm/test_muon.py, test_mup.py).
     from systolic.workloads.lm.optimizer import make_lm_optimizer
