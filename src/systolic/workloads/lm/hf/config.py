@@ -7,7 +7,7 @@ The four Llama-like architectures are one systolic family, `llama`, with switche
 (`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
 (`model.sliding_window`, on the layers that `layer_types` marks sliding: `model.layer_types`); RoPE scaling
 (`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or `rope_scaling` (4.x). The Gemmas are the
-same block with Gemma's switches (and Phi-3, OLMo 2, SmolLM3 and Granite with theirs: `_family_switches`): GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
+same block with Gemma's switches (and Phi-3, OLMo 2, SmolLM3 and Granite with theirs: lm/hf/families.py): GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
 (`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
 sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
 final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
@@ -21,7 +21,7 @@ is accepted: a setting that would change the math (dynamic RoPE, partial rotary 
 output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
 silently different model after import.
 Export writes the architecture the switches call for: OLMo 2's post-norms, Phi-3's longrope or partial RoPE,
-SmolLM3's NoPE layers, Granite's multipliers -> that family (`_family_architecture`); Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
+SmolLM3's NoPE layers, Granite's multipliers -> that family (lm/hf/families.py); Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
 with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
 sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
 Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral
@@ -42,7 +42,7 @@ from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
-from systolic.workloads.lm.hf import deepseek
+from systolic.workloads.lm.hf import deepseek, families
 from systolic.workloads.lm.hf.config_rules import SUPPORTED_LIST, require, unsupported
 from systolic.workloads.lm.hf.rope_config import rope_from_hf, rope_to_hf
 from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
@@ -51,8 +51,7 @@ from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", **families.ARCHITECTURES, "gpt_oss": "GptOssForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -177,117 +176,11 @@ def _model_config(hf: dict[str, Any], src: Path, model_type: str, scan_layers: b
         qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"), sliding_window=window, layer_types=layer_types,
         norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "smollm3")),
         moe=_moe(hf, src, model_type) if model_type in MOE_TYPES else MoeConfig(),
-        **_family_switches(hf, src, model_type),
+        **families.switches(hf, src, model_type),
     )
 
 
 # PHI-3, OLMO 2, SMOLLM3, GRANITE: Llama's block with their switches ---------------------------------------------
-
-FAMILY_TYPES = ("phi3", "olmo2", "smollm3", "granite")
-
-
-def _family_switches(hf: dict[str, Any], src: Path, model_type: str) -> dict[str, Any]:
-    """The switches of Phi-3 (partial RoPE; its fused tensors are lm/hf/tensors.py's), OLMo 2 (norms after the
-    sublayers, q/k norms over all heads), SmolLM3 (NoPE layers) and Granite (the four multipliers); none for the
-    other llama-family architectures."""
-    if model_type == "phi3":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-        return {"partial_rotary_factor": float(1.0 if partial is None else partial)}
-    if model_type == "olmo2":
-        return {"norm_placement": "post", "qk_norm_scope": "all"}
-    if model_type == "smollm3":
-        layers = hf["num_hidden_layers"]
-        flags = hf.get("no_rope_layers")  # per layer: 1 rotates, 0 is a NoPE layer (transformers' naming)
-        if flags is None:
-            interval = int(hf.get("no_rope_layer_interval", 4))
-            flags = [int((i + 1) % interval != 0) for i in range(layers)] if interval > 0 else None
-        if not isinstance(flags, list) or len(flags) != layers or set(flags) - {0, 1}:
-            raise unsupported(src, "no_rope_layers", hf.get("no_rope_layers"),
-                               f"a list of {layers} entries, 1 (RoPE) or 0 (no RoPE), or a positive interval")
-        return {"no_rope_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
-    if model_type == "granite":
-        d_head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        attention = float(hf.get("attention_multiplier", 1.0))
-        return {"embed_multiplier": float(hf.get("embedding_multiplier", 1.0)),
-                "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
-                # Granite's attention_multiplier replaces 1/sqrt(head size); that one is our default (0)
-                "attn_logit_scale": 0.0 if attention == d_head**-0.5 else attention,
-                "logit_divisor": float(hf.get("logits_scaling", 1.0))}
-    return {}
-
-
-def _family_architecture(cfg: ModelConfig) -> str:
-    """phi3, olmo2, smollm3 or granite when `cfg` has their switches (one of them computes it), "" when it has
-    none of them; a UserError naming what fits none."""
-    switches = {  # the llama block's switches that are on, by the name the error shows
-        "model.qkv_bias": cfg.qkv_bias, "model.qk_norm": cfg.qk_norm, "model.moe": cfg.moe.experts,
-        "model.sliding_window": cfg.sliding_window, "model.layer_types": len(set(cfg.local_layers)) > 1,
-        "model.norm_placement=post": cfg.norm_placement == "post",
-        "model.norm_placement=sandwich": cfg.norm_placement == "sandwich",
-        "model.qk_norm_scope": cfg.qk_norm_scope != "head",
-        "model.rope_scaling.type=longrope": cfg.rope_scaling.type == "longrope",
-        "model.partial_rotary_factor": cfg.partial_rotary_factor != 1, "model.no_rope_layers": cfg.no_rope_layers,
-        "model.embed_multiplier": cfg.embed_multiplier != 1, "model.attn_logit_scale": cfg.attn_logit_scale,
-        "model.residual_multiplier": cfg.residual_multiplier != 1, "model.logit_divisor": cfg.logit_divisor != 1,
-        "model.attn_logit_softcap": cfg.attn_logit_softcap, "model.final_logit_softcap": cfg.final_logit_softcap,
-        "model.rope_local_theta": cfg.rope_local_theta, "model.mlp_activation": cfg.mlp_activation != "silu"}
-    on = {k for k, v in switches.items() if v}
-    families = {  # model_type: (the switches that pick it, the others it computes too)
-        "olmo2": ({"model.norm_placement=post", "model.qk_norm_scope"}, {"model.qk_norm"}),
-        "phi3": ({"model.rope_scaling.type=longrope", "model.partial_rotary_factor"}, {"model.sliding_window"}),
-        "smollm3": ({"model.no_rope_layers"}, {"model.sliding_window", "model.layer_types"}),
-        "granite": ({"model.residual_multiplier", "model.logit_divisor", "model.embed_multiplier",
-                     "model.attn_logit_scale"}, set()),
-    }
-    model_type = next((t for t, (picks, _) in families.items() if on & picks), "")
-    if not model_type or (model_type == "granite" and on & {"model.mlp_activation", "model.norm_placement=sandwich"}):
-        return ""  # Gemma's scaled embeddings and logits are Gemma's (_gemma_architecture)
-    picks, also = families[model_type]
-    extra = sorted(on - picks - also)
-    problems = [f"{', '.join(extra)} on" if extra else ""]
-    if model_type == "olmo2" and not (cfg.norm_placement == "post" and cfg.qk_norm_scope == "all"):
-        problems.append("OLMo 2 has both norm_placement=post and q/k norms with qk_norm_scope=all")
-    if model_type == "phi3" and cfg.d_head * cfg.heads != cfg.d_model:
-        problems.append(f"a head size {cfg.d_head} other than d_model / heads (Phi-3 derives it)")
-    if model_type == "smollm3" and cfg.sliding_window and not all(cfg.local_layers):
-        sliding_rope = [i for i, (s, r) in enumerate(zip(cfg.local_layers, cfg.rope_layers)) if s and r]
-        if sliding_rope:
-            problems.append(f"sliding RoPE layers {sliding_rope} (SmolLM3 slides only on NoPE layers)")
-    problems = [p for p in problems if p]
-    if problems:
-        raise UserError(
-            f"This run has the switches of {ARCHITECTURES[model_type]} ({', '.join(sorted(on & picks))}) but "
-            f"matches no Hugging Face architecture: {'; '.join(problems)}. {ARCHITECTURES[model_type]} computes "
-            f"{', '.join(sorted(picks | also))} and nothing else of the llama block's switches. Fix: only runs that "
-            f"one Hugging Face architecture computes can be exported ({SUPPORTED_LIST} lists them)."
-        )
-    return model_type
-
-
-def _family_json(cfg: ModelConfig, model_type: str, out: dict[str, Any]) -> dict[str, Any]:
-    """config.json of a Phi-3, OLMo 2, SmolLM3 or Granite from the Llama one `out` (`_family_architecture` checked
-    that the architecture computes `cfg`)."""
-    out = {**out, "attention_bias": False}
-    if model_type == "phi3":
-        out.pop("rope_scaling", None)  # transformers' Phi3Config would read it over rope_parameters
-        rope = {**out["rope_parameters"], "partial_rotary_factor": cfg.partial_rotary_factor}
-        original = cfg.rope_scaling.original_max_seq_len if cfg.rope_scaling.type == "longrope" else cfg.max_seq_len
-        return {**out, "rope_parameters": rope, "partial_rotary_factor": cfg.partial_rotary_factor,
-                "original_max_position_embeddings": original, "sliding_window": cfg.sliding_window or None,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}
-    if model_type == "olmo2":
-        return out
-    out["mlp_bias"] = False
-    if model_type == "smollm3":
-        window = cfg.sliding_window or None
-        return {**out, "no_rope_layers": [int(rope) for rope in cfg.rope_layers], "use_sliding_window": bool(window),
-                "sliding_window": window,
-                "layer_types": ["sliding_attention" if local and window else "full_attention"
-                                for local in cfg.local_layers]}
-    return {**out, "embedding_multiplier": cfg.embed_multiplier, "residual_multiplier": cfg.residual_multiplier,
-            "attention_multiplier": cfg.attn_logit_scale or cfg.d_head**-0.5, "logits_scaling": cfg.logit_divisor}
-
 
 def _gemma_config(hf: dict[str, Any], src: Path, model_type: str, common: dict[str, Any]) -> ModelConfig:
     """Gemma, Gemma 2 and Gemma 3's text model: the llama block with Gemma's switches (the module docstring)."""
@@ -483,8 +376,8 @@ def hf_config(cfg: ModelConfig, vocab: int, token_ids: dict[str, Any]) -> dict[s
         out["rope_scaling"] = rope  # what transformers 4.x reads (with the top-level rope_theta); 5 reads either
     if model_type in MOE_TYPES:
         out.update(_moe_json(cfg, model_type))
-    if model_type in FAMILY_TYPES:
-        return _family_json(cfg, model_type, out)
+    if model_type in families.FAMILY_TYPES:
+        return families.config_json(cfg, model_type, out)
     if model_type == "llama":
         return {**out, "attention_bias": False, "mlp_bias": False}
     if model_type in ("mistral", "mixtral"):
@@ -592,7 +485,7 @@ def architecture(cfg: ModelConfig) -> str:
     if cfg.mla.kv_lora_rank or cfg.moe.scoring == "sigmoid":
         deepseek.check(cfg)
         return deepseek.MODEL_TYPE
-    family = _family_architecture(cfg)
+    family = families.architecture(cfg)
     if family:
         return family
     if hf_gemma(cfg):
