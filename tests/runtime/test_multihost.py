@@ -107,3 +107,49 @@ def test_two_processes_read_their_own_rows_of_a_prepared_mixture_and_resume_on_o
     systolic(["train", "lm", *run, "mesh.data=1", "--run-dir", str(multi)], devices=1)
     resumed = train_losses(multi)
     np.testing.assert_allclose([resumed[5], resumed[6]], [expected[5], expected[6]], rtol=1e-5)
+
+
+def post_training_args(tmp_path: Path, objective: str) -> list[str]:
+    """DPO on 40 sum pairs, or GRPO on 40 sum prompts (4 prompts x 4 completions a step), from a 2-step TINY_LM run."""
+    base = tmp_path / "base"
+    if not base.exists():
+        systolic(["train", "lm", *TINY_LM, *LM_CLI_QUIET, "train.steps=2", "-q", "--run-dir", str(base)], devices=1)
+    data = tmp_path / f"{objective}.jsonl"
+    rng = np.random.default_rng(0)
+    if objective == "dpo":
+        records = [{"prompt": f"{i}+{i}=", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"} for i in range(40)]
+        extra = [*TINY_LM, "data.seq_len=32", "optim.lr=1e-2"]
+    else:
+        records = [{"prompt": f"{a}+{b}=", "answer": int(a + b)} for a, b in rng.integers(0, 10, (40, 2))]
+        extra = ["data.seq_len=16", "data.val_percent=20", "grpo.max_completion_len=6", "grpo.group_size=4",
+                 "train.batch_size=16", "train.eval_batches=1", "reward.functions=number_match,format",
+                 r"reward.format_pattern=\d", "reward.weights=1,0.5", "optim.lr=1e-3"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["train", "lm", "--recipe", objective, *extra, f"init.from={base}", f"data.path={data}", "train.steps=4",
+            "train.eval_every=2", "checkpoint.every_steps=2", "observe.log_every=1", "observe.progress=off",
+            "sample.max_new_tokens=0", "observe.tensorboard=false", "observe.plot=false", "-q"]
+
+
+def post_rows(run: Path) -> list[dict]:
+    """Every row without its timings (which differ between runs)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_per_s")} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_post_training_on_two_processes_matches_one_and_resumes_on_one(tmp_path, objective):
+    """DPO and GRPO (its rollouts sampled in every process from the policy's current weights) on 2 processes x 1
+    device write the rows of 1 process x 2 devices; stopped at step 2, the checkpoint resumes on 1 process."""
+    args = post_training_args(tmp_path, objective)
+    one = tmp_path / "one"
+    systolic([*args, "mesh.data=2", "--run-dir", str(one)], devices=2)
+    expected = post_rows(one)
+    assert [r["step"] for r in expected if r["split"] == "train"] == [1, 2, 3, 4]
+    two = tmp_path / "two"
+    systolic(["launch", "--processes", "2", "--devices-per-process", "1", "--", *args, "mesh.data=2",
+              "loop.stop_at_step=2", "--run-dir", str(two)], devices=1)
+    got = post_rows(two)
+    assert got == expected[:len(got)] and max(r["step"] for r in got) == 2
+    systolic([*args, "mesh.data=2", "--run-dir", str(two)], devices=2)
+    assert post_rows(two) == expected
