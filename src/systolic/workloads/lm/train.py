@@ -199,10 +199,20 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoeConfig, z_loss: float, pipe: Pi
         loss, metrics = objective(ce, log_z, mask, z_loss)
         if stats is None:
             return loss, metrics
-        router = moe.aux_loss_weight * jnp.mean(stats.aux_loss) + moe.z_loss_weight * jnp.mean(stats.z_loss)
-        return loss + router, {**metrics, "moe/ce": loss, **moe_lib.metrics(stats, capacity=moe.capacity_factor > 0)}
+        router, router_metrics = router_terms(moe, stats)
+        return loss + router, {**metrics, "moe/ce": loss, **router_metrics}
 
     return loss_fn
+
+
+def router_terms(moe: MoeConfig, stats: moe_lib.MoeStats | None) -> tuple[jax.Array | float, dict]:
+    """What an MoE model adds to any objective's loss (SFT's, DPO's, GRPO's): the layers' load-balancing loss and
+    router z-loss (averaged over the layers) by their weights, and their metrics with the experts' load; (0, {})
+    for a dense model. Without them post-training is free to collapse the routing that pretraining balanced."""
+    if stats is None:
+        return 0.0, {}
+    router = moe.aux_loss_weight * jnp.mean(stats.aux_loss) + moe.z_loss_weight * jnp.mean(stats.z_loss)
+    return router, moe_lib.metrics(stats, capacity=moe.capacity_factor > 0)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, pipe: PipelineConfig | None = None):

@@ -299,3 +299,40 @@ def test_a_sharded_step_equals_an_unsharded_one(runs, tmp_path, reference):
     for one, eight in zip(metrics["one"], metrics["eight"], strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen"):
             assert float(eight[key]) == pytest.approx(float(one[key]), rel=1e-5, abs=1e-6), key
+
+
+def test_an_moe_policy_adds_its_router_losses_to_dpos(tmp_path):
+    """DPO's loss of an MoE policy is the DPO loss (`moe/dpo`, the same as with the router weights at 0) plus the
+    weighted router losses of the policy's forward pass."""
+    from flax import nnx
+
+    from tiny import MOE, TINY_LM
+    from tiny_serve import VOCAB as SERVE_VOCAB
+    from tiny_serve import random_params, tiny_model
+
+    from systolic.data.tokenizer import ByteTokenizer
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(f'{{"prompt": "{i}+{i}=", "chosen": "{2 * i}", "rejected": "{2 * i + 1}"}}\n'
+                             for i in range(6)))
+    data = preference.load_preferences(str(pairs), ByteTokenizer(), seq_len=32, val_percent=0)
+    batch = {k: jnp.asarray(v) for k, v in data.train.batch(np.arange(len(data.train))).items()}
+
+    def loss_of(aux: float, z: float):
+        overrides = [*TINY_LM, *MOE, "model.dtype=float32", "objective=dpo", "init.from=unused", "data.path=unused",
+                     "data.packing=documents", "data.seq_len=32", "dpo.reference=live",
+                     f"model.moe.aux_loss_weight={aux}", f"model.moe.z_loss_weight={z}"]
+        cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
+        graphdef, params = random_params(tiny_model(*MOE))
+        reference = jax.tree.map(lambda x: 0.9 * x, params)  # so the log-ratios are not zero
+        return graphdef, params, dpo_task.make_dpo_loss_fn(cfg, SERVE_VOCAB)(params, batch, None, reference)
+
+    graphdef, params, (loss, metrics) = loss_of(0.5, 0.25)
+    _, _, (plain, plain_metrics) = loss_of(0.0, 0.0)
+    _, stats = nnx.merge(graphdef, params).with_moe_stats(batch["inputs"], segment_ids=batch["segment_ids"],
+                                                         positions=batch["positions"])
+    router = 0.5 * np.mean(stats.aux_loss) + 0.25 * np.mean(stats.z_loss)
+    assert router > 0 and float(plain) != 0.0
+    np.testing.assert_allclose(float(metrics["moe/dpo"]), float(plain_metrics["moe/dpo"]), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), float(plain) + router, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["moe/z_loss"]), np.mean(stats.z_loss), rtol=1e-6)

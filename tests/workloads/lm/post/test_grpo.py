@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tiny import TINY_LM
+from tiny import MOE, TINY_LM
 from tiny_serve import LIMIT, PAGE, VOCAB, drive, random_params, tiny_model, token_ids
 
 from systolic import config as config_lib
@@ -70,7 +70,8 @@ def test_the_samplers_logprobs_are_the_training_forward_passes(temperature):
     assert all(len(ids) for ids in completions.ids) and not all(completions.truncated)  # some stopped early
     batch = rollout.make_batch(group, completions, np.zeros(len(group), np.float32), row_len=SEQ_LEN + 1,
                                pad_id=TOKENIZER.pad_id)
-    logps = grpo._forward_logps(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()}, LIMIT, temperature)
+    logps, _ = grpo._forward_logps(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()}, LIMIT,
+                                   temperature)
     mask = batch["loss_mask"].astype(bool)
     assert mask.sum() == sum(len(ids) for ids in completions.ids)
     gap = np.abs(np.asarray(logps) - batch["old_logps"])[mask]
@@ -216,3 +217,30 @@ def test_rollouts_take_every_prompt_once_an_epoch_in_an_order_fixed_by_the_seed(
     drawn = sum((stream._next_prompts(3) for _ in range(5)), [])
     assert drawn[:3] == taken[0] and stream.position == 15
     assert all(sorted(drawn[i:i + 5]) == list(range(5)) for i in (0, 5, 10)) and drawn[:5] != drawn[5:10]
+
+
+def test_an_moe_policy_adds_its_router_losses_which_train_the_router_when_rewards_are_equal():
+    """With model.moe the loss is GRPO's plus the weighted load-balancing and router z-losses, as in SFT: a batch
+    whose groups all have equal rewards (advantages 0) gives the experts no gradient but still moves the router."""
+    moe_cfg = grpo_config(*MOE, "model.moe.aux_loss_weight=0.5", "model.moe.z_loss_weight=0.25")
+    dense_cfg = grpo_config(*MOE, "model.moe.aux_loss_weight=0", "model.moe.z_loss_weight=0")
+    model = tiny_model(*MOE)
+    graphdef, params = random_params(model)
+    group, completions = sample(random_params(tiny_model())[1])  # any completions: the loss is the point here
+    batch = rollout.make_batch(group, completions, np.zeros(len(group), np.float32), row_len=SEQ_LEN + 1,
+                               pad_id=TOKENIZER.pad_id)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    loss, metrics = grpo.make_loss_fn(moe_cfg, graphdef, LIMIT)(params, batch, None)
+    _, stats = nnx.merge(graphdef, params).with_moe_stats(batch["inputs"], segment_ids=batch["segment_ids"],
+                                                         positions=batch["positions"])
+    router = 0.5 * np.mean(stats.aux_loss) + 0.25 * np.mean(stats.z_loss)
+    assert float(metrics["moe/grpo"]) == 0.0 and router > 0
+    np.testing.assert_allclose(float(loss), router, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["moe/aux_loss"]), np.mean(stats.aux_loss), rtol=1e-6)
+    grads = jax.grad(lambda p: grpo.make_loss_fn(moe_cfg, graphdef, LIMIT)(p, batch, None)[0])(params)
+    router_grads = [float(np.abs(np.asarray(g)).max()) for path, g in jax.tree_util.tree_leaves_with_path(grads)
+                    if "router" in jax.tree_util.keystr(path)]
+    assert router_grads and max(router_grads) > 0
+    # Without the router weights, equal rewards train nothing.
+    dense_grads = jax.grad(lambda p: grpo.make_loss_fn(dense_cfg, graphdef, LIMIT)(p, batch, None)[0])(params)
+    assert all(float(np.abs(np.asarray(g)).max()) == 0.0 for g in jax.tree.leaves(dense_grads))

@@ -74,18 +74,18 @@ def policy_params(cfg: LMConfig, state: TrainState) -> dict[str, Any]:
 
 
 def _sums(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], pairs: int, pipe, *,
-          with_logits: bool) -> tuple[jax.Array, ...]:
+          with_logits: bool) -> tuple[Any, ...]:
     """The model's sequence log-probabilities (B, K, 2); with_logits also the completions' lengths and their
-    vocabulary-mean logits summed, each (B, K, 2)."""
+    vocabulary-mean logits summed, each (B, K, 2), and the MoE layers' stats (None for a dense model)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                   pipeline=pipe)  # (B, T, V) float32
+    logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch["segment_ids"],
+                                         positions=batch["positions"], pipeline=pipe)  # (B, T, V) float32
     sequence = batch["sequence"]  # (B, T)
     logps = dpo.sequence_sums(token_logps(logits, batch["targets"]), sequence, pairs)  # (B, K, 2)
     if not with_logits:
         return (logps,)
     lengths = dpo.sequence_sums(jnp.ones(sequence.shape, jnp.float32), sequence, pairs)  # (B, K, 2)
-    return logps, lengths, dpo.sequence_sums(logits.mean(axis=-1), sequence, pairs)
+    return logps, lengths, dpo.sequence_sums(logits.mean(axis=-1), sequence, pairs), stats
 
 
 def with_cached_reference(batch: dict[str, jax.Array], extra: dict[str, jax.Array], pairs: int) -> dict:
@@ -96,38 +96,42 @@ def with_cached_reference(batch: dict[str, jax.Array], extra: dict[str, jax.Arra
 
 
 def make_pair_fn(cfg: LMConfig, vocab: int):
-    """`pair_fn(params, batch, frozen) -> (policy, reference, lengths, mean_logits, valid)`: the (B, K, 2) sequence
-    log-probabilities of the policy and the reference, the completions' lengths and summed mean logits, and
-    `valid` (B, K) float32, 1 for the slots that hold a pair. A cached reference comes in the batch."""
+    """`pair_fn(params, batch, frozen) -> (policy, reference, lengths, mean_logits, valid, stats)`: the (B, K, 2)
+    sequence log-probabilities of the policy and the reference, the completions' lengths and summed mean logits,
+    `valid` (B, K) float32, 1 for the slots that hold a pair, and the policy's MoE stats (None for a dense model). A
+    cached reference comes in the batch."""
     graphdef = train.model_graphdef(cfg.model, vocab)
     ref_graphdef = train.model_graphdef(lora.base_config(cfg.model), vocab)  # the model without adapters
     pairs, live, pipe = preference.pair_slots(cfg.data.seq_len), cfg.dpo.reference == "live", cfg.pipeline
 
     def pair_fn(params: Any, batch: dict[str, jax.Array], frozen: dict[str, Any]):
         policy_weights = lora.combine(params, frozen) if cfg.model.lora.rank else params
-        policy, lengths, mean_logits = _sums(graphdef, policy_weights, batch, pairs, pipe, with_logits=True)
+        policy, lengths, mean_logits, stats = _sums(graphdef, policy_weights, batch, pairs, pipe, with_logits=True)
         if live:  # the frozen weights: the base of a LoRA run, else the copy of init.from kept beside the policy
             (reference,) = _sums(ref_graphdef, jax.lax.stop_gradient(frozen), batch, pairs, pipe, with_logits=False)
         else:
             reference = batch["reference"]
         valid = (batch["pair_ids"][:, :pairs] >= 0).astype(jnp.float32)  # (B, K)
-        return policy, reference, lengths, mean_logits, valid
+        return policy, reference, lengths, mean_logits, valid, stats
 
     return pair_fn
 
 
 def make_dpo_loss_fn(cfg: LMConfig, vocab: int):
     """The engine's `loss_fn(params, batch, key, frozen=None) -> (loss, metrics)`: the mean DPO loss over the
-    batch's pairs, TRL's metrics beside it."""
+    batch's pairs, TRL's metrics beside it; an MoE policy adds its router losses (train.router_terms; the DPO
+    loss alone is `moe/dpo`)."""
     pair_fn = make_pair_fn(cfg, vocab)
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        policy, reference, lengths, mean_logits, valid = pair_fn(params, batch, frozen or {})
+        policy, reference, lengths, mean_logits, valid, stats = pair_fn(params, batch, frozen or {})
         loss = dpo.masked_mean(dpo.pair_losses(policy, reference, lengths, cfg.dpo), valid)
-        return loss, {**dpo.reward_metrics(policy, reference, valid, cfg.dpo.beta),
-                      **dpo.logit_metrics(mean_logits, lengths)}
+        router, router_metrics = train.router_terms(cfg.model.moe, stats)
+        metrics = {**dpo.reward_metrics(policy, reference, valid, cfg.dpo.beta),
+                   **dpo.logit_metrics(mean_logits, lengths), **router_metrics}
+        return (loss + router, {**metrics, "moe/dpo": loss}) if stats is not None else (loss, metrics)
 
     return loss_fn
 
@@ -221,7 +225,7 @@ def make_dpo_evaluate(cfg: LMConfig, vocab: int, eval_batches: list[dict[str, ja
         """(summed loss, correct pairs, summed margin, pairs) (4,) float32 of the batch."""
         if cfg.dpo.reference == "cached":
             batch = with_cached_reference(batch, extra, pairs)
-        policy, reference, lengths, _, valid = pair_fn(params, batch, frozen)
+        policy, reference, lengths, _, valid, _ = pair_fn(params, batch, frozen)
         losses = dpo.pair_losses(policy, reference, lengths, cfg.dpo)  # (B, K)
         rewards = cfg.dpo.beta * (policy - reference)  # (B, K, 2)
         margins = rewards[..., 0] - rewards[..., 1]  # (B, K)

@@ -44,7 +44,7 @@ from systolic.workloads.lm.post.logps import token_logps
 from systolic.workloads.lm.post.prompts import Prompt, load_prompts
 from systolic.workloads.lm.post.rewards import Rewards
 from systolic.workloads.lm.post.rollout import RolloutStream, Sampler, StreamParts
-from systolic.workloads.lm.train import BuiltLMTask, make_state_fns, model_graphdef, model_params
+from systolic.workloads.lm.train import BuiltLMTask, make_state_fns, model_graphdef, model_params, router_terms
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "old_logps")  # (B, T) each
 
@@ -113,10 +113,12 @@ def policy_logps(logits: jax.Array, targets: jax.Array, vocab_limit: int, temper
 
 
 def _forward_logps(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array], vocab_limit: int,
-                   temperature: float) -> jax.Array:
+                   temperature: float) -> tuple[jax.Array, Any]:
+    """The batch's token log-probabilities (B, T) and the MoE layers' stats (None for a dense model)."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])  # (B, T, V)
-    return policy_logps(logits, batch["targets"], vocab_limit, temperature)  # (B, T)
+    logits, stats = model.with_moe_stats(batch["inputs"], segment_ids=batch["segment_ids"],
+                                         positions=batch["positions"])  # (B, T, V)
+    return policy_logps(logits, batch["targets"], vocab_limit, temperature), stats  # (B, T)
 
 
 def make_loss_fn(cfg: LMConfig, graphdef: nnx.GraphDef, vocab_limit: int):
@@ -127,10 +129,16 @@ def make_loss_fn(cfg: LMConfig, graphdef: nnx.GraphDef, vocab_limit: int):
     def loss_fn(params: Any, batch: dict[str, jax.Array], key: jax.Array,
                 frozen: dict[str, Any] | None = None) -> tuple[jax.Array, dict]:
         del key  # no dropout
-        logps = _forward_logps(graphdef, lora.combine(params, frozen or {}), batch, vocab_limit, g.temperature)
-        return grpo_loss(logps, batch["old_logps"], batch.get("ref_logps"), batch["advantages"],
-                         batch["loss_mask"].astype(jnp.float32), clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high,
-                         beta=g.beta, loss=g.loss, max_completion_len=g.max_completion_len)
+        logps, stats = _forward_logps(graphdef, lora.combine(params, frozen or {}), batch, vocab_limit,
+                                      g.temperature)
+        loss, metrics = grpo_loss(logps, batch["old_logps"], batch.get("ref_logps"), batch["advantages"],
+                                  batch["loss_mask"].astype(jnp.float32), clip_eps=g.clip_eps,
+                                  clip_eps_high=g.clip_eps_high, beta=g.beta, loss=g.loss,
+                                  max_completion_len=g.max_completion_len)
+        if stats is None:
+            return loss, metrics
+        router, router_metrics = router_terms(cfg.model.moe, stats)  # the GRPO loss alone: moe/grpo
+        return loss + router, {**metrics, **router_metrics, "moe/grpo": loss}
 
     return loss_fn
 
@@ -139,7 +147,8 @@ def make_ref_logps(cfg: LMConfig, vocab: int, vocab_limit: int, init_state):
     """(state, batch) -> the reference policy's log-probabilities (B, T) float32: init.from's weights, which with
     model.lora are the state's frozen base (no copy), else a copy made once from `init_state`."""
     graphdef = model_graphdef(lora.base_config(cfg.model), vocab)
-    logps = jax.jit(lambda params, batch: _forward_logps(graphdef, params, batch, vocab_limit, cfg.grpo.temperature))
+    logps = jax.jit(lambda params, batch: _forward_logps(graphdef, params, batch, vocab_limit,
+                                                         cfg.grpo.temperature)[0])
     kept: list[Any] = []
 
     def reference(state: TrainState) -> Any:
