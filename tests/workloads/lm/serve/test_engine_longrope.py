@@ -29,10 +29,11 @@ NEW = 16
 rng = np.random.default_rng(3)
 SHORT = rng.integers(0, 256, 10).tolist()  # 10 + 16 new tokens: crosses the original context at its 7th new token
 LONG = rng.integers(0, 256, 20).tolist()  # longer than the original context: long factors from the start
-# Requests after the first ones end: a long prompt whose first pages the first request computed twice (short, then
-# long once it crossed), and a short one that shares its first pages with the first request's short ones.
+# Requests after the first ones end (their lengths the others', for `generate`'s compiled programs): a long prompt
+# whose first pages the first request computed twice (short, then long once it crossed), and a short one that shares
+# its first 8 tokens with the first request's short-rotated pages.
 LATE_LONG = SHORT + rng.integers(0, 256, 10).tolist()
-LATE_SHORT = SHORT + rng.integers(0, 256, 2).tolist()
+LATE_SHORT = SHORT[:8] + rng.integers(0, 256, 2).tolist()
 PROMPTS = {"short": SHORT, "long": LONG, "late-long": LATE_LONG, "late-short": LATE_SHORT}  # greedy requests
 SEED = 11
 
