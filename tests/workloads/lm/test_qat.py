@@ -303,7 +303,7 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                 params = jax.tree.map(lambda s: spec(*s.shape, dtype=s.dtype), params)
                 pool = spec(cfg.layers, pages, page_size, 2 * cfg.n_kv_heads, cfg.d_head, dtype=jnp.bfloat16)
                 batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
-                                    spec(S))
+                                    spec(S), spec(S))
                 sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),
                                        spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32))
                 step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=6)

@@ -4,8 +4,8 @@ choices (decodes before prefill chunks, first come first served, the newest pree
 import numpy as np
 
 from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable, page_hashes
-from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
-                                                    pages_first, token_buckets)
+from systolic.workloads.lm.serve.scheduler import (LONG_ROPE_ROOT, Chunk, Scheduler, Sequence, layout, page_bucket,
+                                                    page_buckets, pages_first, token_buckets)
 
 
 def test_pages_are_taken_and_given_back():
@@ -105,6 +105,42 @@ def test_the_newest_sequence_is_preempted_and_recomputed_with_its_tokens():
     assert [(c.seq.request_id, c.start, c.count) for c in chunks] == [("new", 0, 13)] and chunks[0].samples
 
 
+def test_a_longrope_sequence_is_recomputed_with_the_long_factors_past_the_original_context():
+    """LongRoPE with an original context of 8: the step that would feed a sequence's 9th token sends it back to be
+    computed again as one prompt of its 9 tokens (not a preemption), and its long-rotated pages are keyed apart from
+    the short-rotated ones of the same tokens."""
+    cache = PageCache(16, 4, prefix_caching=True)
+    sched = Scheduler(cache, max_seqs=4, max_tokens_per_step=16, longrope_context=8)
+    seq = sequence("a", 6, 0)
+    sched.add(seq)
+    for count in (6, 1, 1):  # the prompt, then the 7th and 8th tokens: short factors
+        chunks = sched.schedule()
+        assert [(c.start, c.count) for c in chunks] == [(seq.computed, count)] and seq.table.root == b""
+        sched.advance(chunks)
+        seq.tokens.append(100 + seq.computed)
+    short_pages = list(seq.table.pages[:2])  # tokens 0-7, keyed under the short root
+    chunks = sched.schedule()  # 9 tokens: all of them again, none found in the cache
+    assert [(c.seq, c.start, c.count, c.samples) for c in chunks] == [(seq, 0, 9, True)]
+    assert seq.table.root == LONG_ROPE_ROOT and sched.preemptions == 0 and sched.prefix_hit_tokens == 0
+    assert not set(seq.table.pages) & set(short_pages)
+    _, batch = layout(chunks, tokens=16, rows=4, page_size=4, pages_per_seq=4)
+    np.testing.assert_array_equal(batch.seq_lens, [9, 0, 0, 0])
+    sched.advance(chunks)
+    long_pages = list(seq.table.pages[:2])
+    sched.remove(seq)
+    # Each regime finds its own pages: a short prompt of those tokens the short ones, a long one the long ones.
+    short, long = sequence("short", 0, 1), sequence("long", 0, 2)
+    short.tokens, long.tokens = seq.tokens[:8], seq.tokens[:8] + [1, 2, 3]
+    sched.add(short)
+    sched.add(long)
+    chunks = sched.schedule()
+    assert [(c.seq, c.start) for c in chunks] == [(short, 4), (long, 8)]
+    assert short.table.pages[:1] == short_pages[:1] and long.table.pages[:2] == long_pages
+    # A chunk of a long prompt rotates as the whole prompt: by its 11 tokens, not the 8 computed after it.
+    _, batch = layout([Chunk(long, 0, 8)], tokens=8, rows=1, page_size=4, pages_per_seq=4)
+    np.testing.assert_array_equal((batch.kv_lens, batch.seq_lens), ([8], [11]))
+
+
 def test_layout_of_a_ragged_step():
     cache = PageCache(16, 4, prefix_caching=False)
     a, b = sequence("a", 6, 0), sequence("b", 1, 1)
@@ -119,6 +155,7 @@ def test_layout_of_a_ragged_step():
     np.testing.assert_array_equal(batch.slots, [pa[0] * 4 + 3, pa[1] * 4, pa[1] * 4 + 1, pb[0] * 4, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch.page_table, [[*pa, 0], [pb[0], 0, 0], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(batch.kv_lens, [6, 1, 0, 0])
+    np.testing.assert_array_equal(batch.seq_lens, [6, 1, 0, 0])
     np.testing.assert_array_equal(batch.cu_q_lens, [0, 3, 4, 4, 4])
     np.testing.assert_array_equal(batch.last, [2, 3, 0, 0])
     assert int(batch.num_tokens) == 4 and batch.num_seqs.tolist() == [2]

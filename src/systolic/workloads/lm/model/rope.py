@@ -6,8 +6,9 @@ families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 
 LongRoPE picks its set of frequencies per forward pass as transformers does: the long factors when the sequence
 reaches past original_max_seq_len (its largest position + 1, per row), the short ones otherwise, for every position
 of the pass. Decoding (lm/generate.py) gives what transformers' Phi-3 `generate` gives, which recomputes its cache
-over the whole sequence at the step that takes it past original_max_seq_len (`longrope_switch_step`). The inference
-engine decides per token by its sequence's length after the step (`extent`) and keeps its cached keys as they are.
+over the whole sequence at the step that takes it past original_max_seq_len (`longrope_switch_step`); so does the
+inference engine (lm/serve/scheduler.py), which rotates every chunk by its sequence's known length (`extent`) and
+computes a sequence's cache again when its next token takes it past the original context.
 
 The inverse frequencies are a function of the config alone, so they are computed once per trace on the host, in
 NumPy float32 with the operations of transformers' `modeling_rope_utils.py` in the same order: an imported model
@@ -142,11 +143,16 @@ def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array], on: bool | jax.Array
 
 
 
+def longrope_context(cfg: ModelConfig) -> int:
+    """LongRoPE's original context: a sequence of more tokens rotates by the long factors; 0 without LongRoPE."""
+    return cfg.rope_scaling.original_max_seq_len if cfg.rope_scaling.type == "longrope" else 0
+
+
 def longrope_switch_step(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> int | None:
     """The decode step (1 ... new_tokens - 1; step i feeds the (i-1)-th new token) at which a sequence decoded from a
     prompt of prompt_len passes LongRoPE's original_max_seq_len, where transformers' Phi-3 `generate` recomputes its
     cache with the long factors; None when there is no such step (no LongRoPE, or no crossing)."""
-    if cfg.rope_scaling.type != "longrope":
+    if not longrope_context(cfg):
         return None
-    step = cfg.rope_scaling.original_max_seq_len + 1 - prompt_len
+    step = longrope_context(cfg) + 1 - prompt_len
     return step if 1 <= step < new_tokens else None

@@ -462,8 +462,9 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         positions = kv.batch.positions[None]  # (1, T)
         x = self.embed_tokens(tokens[None], positions)  # (1, T, D)
-        # Each token's sequence length after this step: what LongRoPE decides by, as a decode step does.
-        ropes = make_ropes(positions, cfg, extent=kv.batch.kv_lens[kv.batch.rows][None])
+        # Each token's sequence length, all its known tokens (a prompt's every chunk as the whole prompt): what
+        # LongRoPE decides by, as transformers' forward pass over the sequence does.
+        ropes = make_ropes(positions, cfg, extent=kv.batch.seq_lens[kv.batch.rows][None])
 
         def apply(block: Block, carry, layer, kind):
             x, pool = carry

@@ -44,6 +44,7 @@ from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.lora import base_config
+from systolic.workloads.lm.model.rope import longrope_context
 from systolic.workloads.lm.serve.detokenize import TextStream
 from systolic.workloads.lm.serve.kv_cache import PageCache
 from systolic.workloads.lm.serve.kv_pool import make_pool, pool_shape, pool_shardings, token_bytes
@@ -133,7 +134,7 @@ class InferenceEngine:
         self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
                                param_shardings=shardings, pool_sharding=pool_shardings(shape, home))
         self.scheduler = Scheduler(PageCache(kv_pages, page_size, prefix_caching=prefix_caching), max_seqs=max_seqs,
-                                   max_tokens_per_step=max_tokens_per_step)
+                                   max_tokens_per_step=max_tokens_per_step, longrope_context=longrope_context(model))
         self._requests: dict[str, _Request] = {}
         self._cancelled: list[str] = []
         self._arrivals = 0

@@ -13,7 +13,9 @@ its end (a chain: the page's tokens and its predecessor's hash), so two requests
 find the same keys for their common full pages and share them, with a reference count per page. A page whose
 count drops to zero keeps its contents and its key, and waits in least-recently-used order: a later request with
 the same prefix takes it back; an allocation that finds no free page evicts the oldest. Only full pages are
-shared, and they are never written again, so sharing needs no copy-on-write.
+shared, and they are never written again, so sharing needs no copy-on-write. The chain starts from the table's
+`root`, what the keys and values depend on besides the tokens (LongRoPE's short or long factors: scheduler.py), so
+pages of the same tokens computed differently are never shared.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ NULL_PAGE = 0
 
 def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", start: int = 0) -> list[bytes]:
     """The chained keys of the full pages of `tokens` from page index `start` on: key i covers tokens
-    [0, (i + 1) * page_size). `parent` is the key of page start - 1 (b"" for the first). A cryptographic hash,
-    so that no client can craft a prompt whose pages collide with another client's."""
+    [0, (i + 1) * page_size). `parent` is the key of page start - 1 (the table's root for the first). A
+    cryptographic hash, so that no client can craft a prompt whose pages collide with another client's."""
     keys = []
     for i in range(start, len(tokens) // page_size):
         chunk = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64).tobytes()
@@ -41,10 +43,12 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", start: i
 
 @dataclasses.dataclass
 class PageTable:
-    """One sequence's pages and the keys of its full, registered ones (`keys[i]` belongs to `pages[i]`)."""
+    """One sequence's pages and the keys of its full, registered ones (`keys[i]` belongs to `pages[i]`); `root`: the
+    parent of the first page's key (b"" unless the pages' keys and values depend on more than their tokens)."""
 
     pages: list[int] = dataclasses.field(default_factory=list)
     keys: list[bytes] = dataclasses.field(default_factory=list)
+    root: bytes = b""
 
 
 class PageCache:
@@ -129,13 +133,13 @@ class PageCache:
         self._key_of.clear()
 
     def match_prefix(self, table: PageTable, tokens: list[int]) -> int:
-        """Fills the empty `table` with the cached pages that hold a prefix of `tokens`, at most all but the last
-        token (whose logits the step must compute); returns the number of tokens they hold."""
+        """Fills the empty `table` with the cached pages that hold a prefix of `tokens` under its root, at most all
+        but the last token (whose logits the step must compute); returns the number of tokens they hold."""
         assert not table.pages
         if not self.prefix_caching:
             return 0
         usable = (len(tokens) - 1) // self.page_size
-        for key in page_hashes(tokens[:usable * self.page_size], self.page_size):
+        for key in page_hashes(tokens[:usable * self.page_size], self.page_size, table.root):
             page = self._by_key.get(key)
             if page is None:
                 break
@@ -156,7 +160,7 @@ class PageCache:
         start = len(table.keys)
         if full <= start:
             return
-        parent = table.keys[-1] if table.keys else b""
+        parent = table.keys[-1] if table.keys else table.root
         for i, key in enumerate(page_hashes(tokens[:full * self.page_size], self.page_size, parent, start), start):
             page = table.pages[i]
             table.keys.append(key)

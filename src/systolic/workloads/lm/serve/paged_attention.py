@@ -59,6 +59,9 @@ class RaggedBatch(NamedTuple):
     cu_q_lens: jax.Array  # (S + 1,) int32: row r's tokens are [cu_q_lens[r], cu_q_lens[r + 1])
     num_seqs: jax.Array  # (1,) int32
     last: jax.Array  # (S,) int32: the index of each row's last token, whose logits the step samples from
+    # (S,) int32: each row's known tokens, prompt and sampled (padding rows: 0): the length LongRoPE picks its factors
+    # by (lm/model/rope.py), so every chunk of a prompt rotates as the whole prompt does in one pass
+    seq_lens: jax.Array
 
 
 # The pool: (L, pages, page_size, 2 * KV, hd) in the compute dtype, or a QArray of int8 values of that shape and

@@ -78,7 +78,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
         reals = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated)  # noqa: E731
         batch = RaggedBatch(ints(tokens), ints(tokens), ints(tokens), ints(), ints(rows, table), ints(rows),
-                            ints(rows + 1), ints(1), ints(rows))
+                            ints(rows + 1), ints(1), ints(rows), ints(rows))
         sampling = RowSampling(reals(rows), ints(rows), reals(rows),
                                jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows), reals(rows))
         with activate(mesh, rules):

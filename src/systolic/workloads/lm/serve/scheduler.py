@@ -16,6 +16,15 @@ its pages are given back (cached pages stay in the prefix cache) and it returns 
 every token it has, prompt and sampled, to be recomputed as one longer prompt when pages free up. Its sampled
 tokens are kept, so no request is dropped and none is answered twice.
 
+LongRoPE (Phi-3) rotates a sequence by its short factors while it has at most `longrope_context` tokens
+(model.rope_scaling.original_max_seq_len), by its long ones past that, every position alike, as transformers picks
+them per forward pass (lm/model/rope.py). A sequence whose next token takes it past the original context is sent back
+to the queue the same way (not counted as a preemption): its short-rotated pages are given back and all its tokens
+are computed again as one prompt with the long factors, what transformers' Phi-3 `generate` does at that step. Its
+sampled tokens and the keys of its next samples (step.py) do not change; only its latency does. The regime is the
+root of its pages' prefix-cache keys (kv_cache.py), so a long-rotated page is never shared with a short-rotated
+sequence of the same tokens, nor the other way round.
+
 The compiled step has one shape per token bucket (`token_buckets`): T tokens padded to the next bucket, and
 S = min(T, max_seqs) rows, so a fixed set of programs serves every mix of requests.
 """
@@ -31,6 +40,7 @@ from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 
 SMALLEST_BUCKET = 8  # the fewest token slots a step has: tinier steps cost the same on every platform
+LONG_ROPE_ROOT = b"longrope-long"  # the prefix-cache key root of pages rotated by LongRoPE's long factors
 
 
 def token_buckets(max_tokens_per_step: int) -> tuple[int, ...]:
@@ -101,12 +111,14 @@ class Chunk:
 
 
 class Scheduler:
-    """The waiting queue and the running sequences, over the pages of `cache`."""
+    """The waiting queue and the running sequences, over the pages of `cache`. `longrope_context`: LongRoPE's
+    original context, past which a sequence rotates by the long factors (0: the model has one rotation)."""
 
-    def __init__(self, cache: PageCache, *, max_seqs: int, max_tokens_per_step: int):
+    def __init__(self, cache: PageCache, *, max_seqs: int, max_tokens_per_step: int, longrope_context: int = 0):
         self.cache = cache
         self.max_seqs = max_seqs
         self.max_tokens_per_step = max_tokens_per_step
+        self.longrope_context = longrope_context
         self.waiting: list[Sequence] = []  # by arrival
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -125,6 +137,8 @@ class Scheduler:
 
     def schedule(self) -> list[Chunk]:
         """The next step's chunks (possibly none), pages allocated for them; preempts when pages run out."""
+        for seq in [s for s in self.running if s.table.root != self._root(s)]:
+            self._requeue(seq)  # past LongRoPE's original context: recomputed with the long factors
         planned: dict[int, Chunk] = {}  # by arrival
         decoding = [s for s in self.running if s.remaining == 1]
         prefilling = [s for s in self.running if s.remaining > 1]
@@ -152,19 +166,30 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _root(self, seq: Sequence) -> bytes:
+        """What seq's keys and values depend on besides its tokens, as its pages' key root: LongRoPE's long factors
+        once it holds more tokens than the original context."""
+        return LONG_ROPE_ROOT if 0 < self.longrope_context < len(seq.tokens) else b""
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Sends a running sequence back to the queue, its pages given back, to be computed again as one prompt of
+        all its tokens."""
         self.running.remove(seq)
         self.cache.release(seq.table)
         seq.computed = 0
+        self.add(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
         seq.preemptions += 1
         self.preemptions += 1
-        self.add(seq)
 
     def _admit(self, chunks: list[Chunk]) -> None:
         """Moves waiting sequences to running, first come first served, while rows, tokens and pages last."""
         budget = self.max_tokens_per_step - sum(c.count for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
+            seq.table.root = self._root(seq)
             hit = self.cache.match_prefix(seq.table, seq.tokens)
             count = min(len(seq.tokens) - hit, budget)
             if not self.cache.grow(seq.table, hit + count):
@@ -198,6 +223,7 @@ def layout(chunks: list[Chunk], *, tokens: int, rows: int, page_size: int, pages
     kv_lens = np.zeros(rows, np.int32)
     cu_q_lens = np.zeros(rows + 1, np.int32)
     last = np.zeros(rows, np.int32)
+    seq_lens = np.zeros(rows, np.int32)
     t = 0
     for r, chunk in enumerate(chunks):
         seq, n = chunk.seq, chunk.count
@@ -209,8 +235,9 @@ def layout(chunks: list[Chunk], *, tokens: int, rows: int, page_size: int, pages
         slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
         page_table[r, :len(pages)] = pages
         kv_lens[r] = chunk.start + n
+        seq_lens[r] = len(seq.tokens)
         t += n
         cu_q_lens[r + 1:] = t
         last[r] = t - 1
     return ids, RaggedBatch(positions, token_rows, slots, np.int32(t), page_table, kv_lens, cu_q_lens,
-                            np.array([len(chunks)], np.int32), last)
+                            np.array([len(chunks)], np.int32), last, seq_lens)
