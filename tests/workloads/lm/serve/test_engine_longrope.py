@@ -89,7 +89,10 @@ def references(phi3):
     return want
 
 
-@pytest.mark.parametrize("max_tokens_per_step, prefix_caching", [(8, True), (32, False)], ids=["chunked", "whole"])
+@pytest.mark.parametrize("max_tokens_per_step, prefix_caching", [
+    pytest.param(8, True, id="chunked"),
+    pytest.param(32, False, id="whole", marks=pytest.mark.slow),  # the suite's time: one setting in `make test`
+])
 def test_sequences_across_the_original_context_match_transformers(phi3, references, max_tokens_per_step,
                                                                    prefix_caching):
     _, run = phi3
