@@ -4,9 +4,7 @@ transformers' `generate` on the export stops at the end of turn (ChatML's <|im_e
 `systolic generate` and the serving engine stop on every eos id the model declares; a run trained from scratch
 exports the ids its tokenizer defines. Tiny random Llamas and byte-level BPEs built here: no download."""
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 import shutil
@@ -14,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tiny import LM_CLI_QUIET, TINY_LM
+from tiny import LM_CLI_QUIET, TINY_LM, call
 from tiny_hf import CHATML, SPECIALS, VOCAB, make_hf_model, write_hf_tokenizer
 
-from systolic.cli import main
 from systolic.data import generation_config
 from systolic.data.tokenizer import COMPANION_FILES, ByteTokenizer
 from systolic.data.chat import find_chat_template
@@ -68,14 +65,6 @@ STYLES = {
 QUESTION = [{"role": "user", "content": "Hi"}]
 REPLY = "Hello there."
 IDS = generation_config.ID_KEYS
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())
 
 
 def write_tokenizer(style: Style, folder: Path) -> Path:
