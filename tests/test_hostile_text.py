@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tiny import TINY_LM
+from tiny_hf import write_hf_tokenizer
 
 from systolic.cli import main
 from systolic.data import template_sandbox
@@ -92,23 +93,13 @@ def quick_budget(monkeypatch):
 def hf_folder(tmp_path_factory) -> Path:
     """A Hugging Face folder: config.json, random safetensors, a byte-level BPE with ChatML's special tokens, its
     tokenizer_config.json and chat_template.jinja."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("hostile") / "hf"
-    folder.mkdir()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["system user assistant Hi there. What is the capital?"] * 20, trainer)
-    bpe.save(str(folder / "tokenizer.json"))
+    folder = write_hf_tokenizer(tmp_path_factory.mktemp("hostile") / "hf",
+                                ["system user assistant Hi there. What is the capital?"] * 20, SPECIALS,
+                                {"eos_token": "<|im_end|>"}, CHATML, vocab_size=300)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.normal(0, 0.2, x.shape).astype(np.float32), hf.abstract_params(MODEL, VOCAB))
     hf.write_safetensors(folder, hf.export_tensors(MODEL, params), 1 << 30)
     (folder / "config.json").write_text(json.dumps(hf_config.hf_config(MODEL, VOCAB, {})))
-    (folder / "chat_template.jinja").write_text(CHATML)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     return folder
 
 

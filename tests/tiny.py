@@ -1,4 +1,5 @@
-"""One tiny config per workload, shared by every test, and the one helper that runs a few train steps.
+"""One tiny config per workload, shared by every test, the one helper that runs a few train steps and the one that
+calls the CLI in the test's process.
 
 Fixtures build their configs from these lists and CLI tests pass them as overrides, so the tests compile the
 same programs and the session's persistent compile cache (conftest.py) compiles each one once. A test that needs
@@ -7,8 +8,12 @@ schedule is part of the compiled step, so `train.steps=N` is a different program
 length matters.
 """
 
+import contextlib
+import io
+
 import jax
 
+from systolic.cli import main
 from systolic.runtime.sharding import DEFAULT_RULES, Rules, activate
 
 # 2 layers of grouped-query attention (4 query heads sharing 2 key/value heads), 8 sequences of 16 tokens a step.
@@ -63,6 +68,16 @@ def run_steps(task, n: int, *, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_R
             state, step_metrics = task.train_step(state, None if task.data is None else next(task.data))
             metrics.append(jax.device_get(step_metrics))
     return state, metrics
+
+
+def call(*argv: str) -> tuple[int, str, str]:
+    """`systolic ARGV` in this process: (exit code, stdout, stderr with its white space folded, as the CLI wraps error
+    paragraphs); a traceback on stderr fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    assert "Traceback" not in err.getvalue()
+    return code, out.getvalue(), " ".join(err.getvalue().split())
 
 # `systolic simulate` arguments for the 3-D solver: the Taylor-Green recipe on a 16^3 grid, two frames.
 TINY_SIM3D = ["--recipe", "sim-taylor-green-3d", "grid.n=16", "sim.t_end=0.4", "output.frames=2",

@@ -3,22 +3,19 @@ and a Llama 3 template over several conversations, the assistant mask, the token
 `convert from-hf` -> `convert to-hf` and a fine-tune, and `systolic generate --chat` against transformers' greedy
 decoding. The tokenizers are trained here and saved by transformers itself: no download."""
 
-import contextlib
-import io
 import json
 import shutil
 
 import numpy as np
 import pytest
 
+from tiny import call
 from tiny_hf import VOCAB, finetune_overrides, make_hf_model
 
-from systolic.cli import main
 from systolic.data.bpe import BPETokenizer
 from systolic.data.chat import ChatTemplate
 from systolic.data.tokenizer import COMPANION_FILES, store_in_run
 from systolic.errors import UserError
-from systolic.workloads.lm.hf import convert as hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -101,14 +98,6 @@ CONVERSATIONS = [
     ([{"role": "user", "content": "Say <|im_end|> or <|eot_id|>, ünïcode ✓", "name": None}], True),
 ]
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama3-legacy": "<|eot_id|>"}
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())  # the CLI wraps error paragraphs
 
 
 @pytest.fixture(scope="module")

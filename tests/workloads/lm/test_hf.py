@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from flax import nnx
 
-from tiny_hf import VOCAB, finetune_overrides, make_hf_model
+from tiny_hf import VOCAB, finetune_overrides, hf_logits, make_hf_model, our_logits
 
 from systolic import cli
 from systolic import config as config_lib
@@ -40,16 +39,6 @@ transformers = pytest.importorskip("transformers")
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 NEW = 10
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def our_logits(cfg, params, tokens) -> np.ndarray:
-    graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32"), VOCAB)
-    return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens, jnp.int32)))
 
 
 @pytest.fixture(scope="module")

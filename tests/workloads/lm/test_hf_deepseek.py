@@ -9,44 +9,39 @@ decode caches and `systolic plan lm --serve`'s KV figure hold (kv_lora_rank + qk
 and layer."""
 
 import dataclasses
-import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from tiny_hf import (NEW, TOKENS, VOCAB, assert_engine_matches_transformers, assert_matches_transformers,
+                     export_and_reload, hf_logits, imported_on_first_use, load_sharded, randomize)
+
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
-from systolic.workloads.lm import generate as gen
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
 from systolic.workloads.lm.model.transformer import make_model
-from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.serve.kv_pool import token_bytes
 from systolic.workloads.lm.serve.plan import plan_serve
-from systolic.workloads.lm.train import model_graphdef, param_shardings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320
-TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices
-NEW = 16  # 12 + 16 positions: past YaRN's original context of 16
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
             max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 CASES = {
-    # 8 experts in 4 groups of 2, the best 2 groups, 3 experts a token; layer 0 dense.
+    # 8 experts in 4 groups of 2, the best 2 groups, 3 experts a token; layer 0 dense. The 12 + NEW = 28 positions
+    # of the generations run past YaRN's original context of 16.
     "deepseek-v3": dict(BASE, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
                         num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                         first_k_dense_replace=1, norm_topk_prob=True, rope_parameters={
@@ -59,55 +54,22 @@ MESH = MeshConfig(data=1, fsdp=2, tensor=2, expert=2)
 
 
 def make_hf_model(case: str):
-    """A tiny DeepseekV3ForCausalLM with random weights: matrices with std 0.2, norm scales near 1, and the router's
-    correction bias random too (transformers initialises it to zeros, which would hide it)."""
+    """A tiny DeepseekV3ForCausalLM with random weights (tiny_hf.randomize; its vectors are all norm scales), and the
+    router's correction bias random too (transformers initialises it to zeros, which would hide it)."""
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CASES[case],
-                                                                              attn_implementation="eager"))
+    model = randomize(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CASES[case],
+                                                                                        attn_implementation="eager")))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def hf_greedy(model, tokens, vocab_limit: int = VOCAB) -> np.ndarray:
-    suppress = list(range(vocab_limit, VOCAB)) or None
-    with torch.no_grad():
-        out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             suppress_tokens=suppress)
-    return out[:, tokens.shape[1]:].numpy()
-
-
-def ours(cfg, params, tokens) -> tuple[np.ndarray, np.ndarray]:
-    graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32"), VOCAB)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
-    return np.asarray(logits), np.asarray(gen.generate(graphdef, params, tokens, max_new_tokens=NEW))
+    return model
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """case -> (transformers model, its saved folder, the imported run), made on first use."""
-    root, made = tmp_path_factory.mktemp("deepseek"), {}
-
-    def get(case: str):
-        if case not in made:
-            model = make_hf_model(case)
-            model.save_pretrained(root / case)
-            hf.import_run(root / case, root / f"{case}-run")
-            made[case] = (model, root / case, root / f"{case}-run")
-        return made[case]
-
-    return get
+    return imported_on_first_use(tmp_path_factory.mktemp("deepseek"), make_hf_model)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -131,12 +93,7 @@ def test_import_matches_transformers(converted, case):
     np.testing.assert_array_max_ulp(inv_freq, rotary.inv_freq.numpy(), maxulp=1)
     assert scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
 
-    logits, greedy = ours(cfg, run.params, TOKENS)
-    ref = hf_logits(model, TOKENS)
-    print(f"{case}: logits max-abs-diff {np.abs(logits - ref).max():.2e} (max |logit| {np.abs(ref).max():.2f})")
-    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
-    assert len(np.unique(greedy)) > 3  # not a degenerate constant continuation
+    assert_matches_transformers(model, cfg, run.params, case)
 
 
 def test_decode_cache_holds_the_compressed_latent(converted):
@@ -167,38 +124,27 @@ def test_on_a_mesh_of_8_devices(converted, case):
     """Stacked layers on fsdp x tensor x expert (the heads of q_b, kv_b and o over tensor, the experts over
     expert), plain XLA attention: the same logits and greedy generations."""
     model, folder, _ = converted(case)
-    cfg = hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=case == "deepseek-dense")
-    cfg = dataclasses.replace(cfg, attention="xla")
     mesh = mesh_lib.make_mesh(MESH)
     rules = rules_for("default", mesh)
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules))
+    cfg, params = load_sharded(folder, mesh, rules, scan_layers=case == "deepseek-dense", attention="xla")
     attn = params["blocks"]["attn"] if cfg.scan_layers else params["blocks"][0]["attn"]
     assert attn["wkv_b"].addressable_shards[0].data.shape[-2] == 2  # 4 heads over tensor=2
     with activate(mesh, rules):
-        logits, greedy = ours(cfg, params, TOKENS)
-    ref = hf_logits(model, TOKENS)
-    print(f"{case} on 8 devices: logits max-abs-diff {np.abs(logits - ref).max():.2e}")
-    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
+        assert_matches_transformers(model, cfg, params, f"{case} on 8 devices")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers(converted, tmp_path, case):
     model, _, run_dir = converted(case)
-    hf.export_run(run_dir, tmp_path / "out")
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["num_nextn_predict_layers"] == 0
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager", output_loading_info=True)
-    assert type(reloaded) is type(model)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    config, reloaded = export_and_reload(model, run_dir, tmp_path / "out", "DeepseekV3ForCausalLM")
+    assert config["num_nextn_predict_layers"] == 0
     for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
                 "n_routed_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"):
         if case == "deepseek-v3" or key not in ("n_routed_experts", "n_group", "topk_group", "routed_scaling_factor"):
             assert getattr(reloaded.config, key) == getattr(model.config, key), key
     layer = reloaded.model.layers[-1]
     assert layer.self_attn.scaling == pytest.approx(model.model.layers[-1].self_attn.scaling, rel=1e-12)
-    diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
+    diff = np.abs(hf_logits(reloaded, TOKENS) - hf_logits(model, TOKENS)).max()
     print(f"{case}: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
     # The weights are the same; the softmax scale comes back from mscale_all_dim to within float rounding.
     assert diff <= (1e-5 if case == "deepseek-v3" else 0.0)
@@ -211,26 +157,9 @@ def test_inference_engine_matches_transformers(converted, kv_cache):
     each latent row with one scale: the tokens may drift, so only its first tokens must agree."""
     model, folder, _ = converted("deepseek-v3")
     # Layers as a list: the dense first layer and the MoE ones differ (a scan stacks identical layers).
-    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder), dtype="float32")
-    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules_for("fsdp", mesh)))
-    engine = InferenceEngine(cfg, params, ByteTokenizer(), kv_pages=64, page_size=4, max_seqs=4,
-                             max_tokens_per_step=8, kv_cache=kv_cache)
+    engine = assert_engine_matches_transformers(model, folder, scan_layers=False, kv_cache=kv_cache,
+                                                agree=NEW if kv_cache == "auto" else 4)
     assert engine.pool.shape[3:] == (1, 16 + 8) if kv_cache == "auto" else engine.pool.qvalue.shape[3:] == (1, 24)
-    prompts = TOKENS[:4] % 256
-    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())
-    events = {}
-    for step in range(200):
-        if step < len(prompts):
-            engine.add_request(f"r{step}", prompts[step].tolist(), greedy)
-        for event in engine.step():
-            events.setdefault(event.request_id, []).append(event.token_id)
-        if step >= len(prompts) and not engine.has_work():
-            break
-    want = hf_greedy(model, prompts, vocab_limit=ByteTokenizer().vocab_size)
-    agree = NEW if kv_cache == "auto" else 4
-    for i in range(len(prompts)):
-        assert [t for t in events[f"r{i}"] if t is not None][:agree] == want[i].tolist()[:agree], f"r{i}"
 
 
 def test_multi_token_prediction_layers_are_dropped_with_a_note(converted, tmp_path, capsys):

@@ -16,34 +16,28 @@ mesh splits their 4 experts over mesh.expert=4 (all-to-all dispatch, lm/model/mo
 windows or soft-caps also run through the inference engine's paged cache (lm/serve)."""
 
 import dataclasses
-import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from tiny_hf import (TOKENS, VOCAB, assert_engine_matches_transformers, assert_matches_transformers,
+                     export_and_reload, hf_logits, imported_on_first_use, load_sharded, ours, randomize)
+
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
-from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
-from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.train import model_graphdef, param_shardings
+from systolic.workloads.lm.train import model_graphdef
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320
-TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices
-NEW = 16
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 # Gemma's shapes: tied embeddings, an explicit head size, pad id 0.
@@ -137,56 +131,17 @@ PAGED = ("qwen2-layer-types", "gemma2", "gemma3", "smollm3")  # also through the
 
 
 def make_hf_model(case: str):
-    """A tiny transformers model with random weights: matrices with std 0.2 (logits far from uniform, so argmax has
-    no near-ties), norm scales near 1 and biases near 0."""
+    """A tiny transformers model of the case with random weights (tiny_hf.randomize)."""
     architecture, kwargs, _ = CASES[case]
     model_class = getattr(transformers, architecture)
     torch.manual_seed(0)
-    model = model_class(model_class.config_class(**kwargs, attn_implementation="eager"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
-    return model.eval()
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def hf_greedy(model, tokens, vocab_limit: int = VOCAB) -> np.ndarray:
-    """NEW greedy tokens per row, of ids below vocab_limit; the end-of-text id is an ordinary token here (ours does
-    not stop at it either), where min_new_tokens would forbid it."""
-    suppress = list(range(vocab_limit, VOCAB)) or None
-    with torch.no_grad():
-        out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             suppress_tokens=suppress)
-    return out[:, tokens.shape[1]:].numpy()
-
-
-def ours(cfg, params, tokens) -> tuple[np.ndarray, np.ndarray]:
-    """(logits, greedy continuation) of our model in float32, under whatever mesh is active."""
-    graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32"), VOCAB)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
-    return np.asarray(logits), np.asarray(gen.generate(graphdef, params, tokens, max_new_tokens=NEW))
+    return randomize(model_class(model_class.config_class(**kwargs, attn_implementation="eager")))
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """case -> (transformers model, its saved folder, the imported run), made on first use."""
-    root, made = tmp_path_factory.mktemp("families"), {}
-
-    def get(case: str):
-        if case not in made:
-            model = make_hf_model(case)
-            model.save_pretrained(root / case)
-            hf.import_run(root / case, root / f"{case}-run")
-            made[case] = (model, root / case, root / f"{case}-run")
-        return made[case]
-
-    return get
+    return imported_on_first_use(tmp_path_factory.mktemp("families"), make_hf_model)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -212,12 +167,7 @@ def test_import_matches_transformers(converted, case):
         np.testing.assert_array_max_ulp(inv_freq, getattr(rotary, f"{prefix}inv_freq").numpy(), maxulp=1)
         assert scale == pytest.approx(getattr(rotary, f"{prefix}attention_scaling"), rel=1e-12)
 
-    logits, greedy = ours(cfg, run.params, TOKENS)
-    ref = hf_logits(model, TOKENS)
-    print(f"{case}: logits max-abs-diff {np.abs(logits - ref).max():.2e} (max |logit| {np.abs(ref).max():.2f})")
-    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
-    assert len(np.unique(greedy)) > 3  # not a degenerate constant continuation
+    ref, _ = assert_matches_transformers(model, cfg, run.params, case)
     # The window is shorter than the sequence and the caps are low, so each matters.
     for switch in ("sliding_window", "attn_logit_softcap", "final_logit_softcap"):
         if getattr(cfg, switch):
@@ -232,38 +182,26 @@ def test_on_a_mesh_of_8_devices(converted, case):
     """Stacked layers placed straight into an 8-device layout, run with the plain XLA attention (one device runs
     the CPU formulation): the same logits and greedy generations."""
     model, folder, _ = converted(case)
-    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
-                              attention="xla")
     mesh_cfg = CASES[case][2]
     mesh = mesh_lib.make_mesh(mesh_cfg)
     rules = rules_for("default" if mesh_cfg.tensor > 1 else "fsdp", mesh)
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules))
+    cfg, params = load_sharded(folder, mesh, rules, scan_layers=True, attention="xla")
     assert params["blocks"]["attn"]["wq"].addressable_shards[0].data.shape[1] < cfg.d_model  # split, not copied
     with activate(mesh, rules):
-        logits, greedy = ours(cfg, params, TOKENS)
-    ref = hf_logits(model, TOKENS)
-    print(f"{case} on 8 devices: logits max-abs-diff {np.abs(logits - ref).max():.2e}")
-    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
+        assert_matches_transformers(model, cfg, params, f"{case} on 8 devices")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers(converted, tmp_path, case):
     model, _, run_dir = converted(case)
-    hf.export_run(run_dir, tmp_path / "out")
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == [CASES[case][0]]
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager", output_loading_info=True)
-    assert type(reloaded) is type(model)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    _, reloaded = export_and_reload(model, run_dir, tmp_path / "out", CASES[case][0])
     rope_types = lambda config: {kind: params["rope_type"] for kind, params in config.rope_parameters.items()} \
         if "full_attention" in config.rope_parameters else config.rope_parameters["rope_type"]  # noqa: E731
     assert rope_types(reloaded.config) == rope_types(model.config)
     for key in ("sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                 "query_pre_attn_scalar"):
         assert getattr(reloaded.config, key, None) == getattr(model.config, key, None), key
-    diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
+    diff = np.abs(hf_logits(reloaded, TOKENS) - hf_logits(model, TOKENS)).max()
     print(f"{case}: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
     assert diff == 0.0  # float32 in, float32 out: the weights and the math are the same
 
@@ -290,24 +228,7 @@ def test_inference_engine_matches_transformers(converted, case):
     among the byte tokenizer's ids (a run without tokenizer.json samples from those)."""
     model, folder, _ = converted(case)
     # Stacked layers: those of both kinds run in one scan, each with its kind beside its weights.
-    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
-                              dtype="float32")
-    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules_for("fsdp", mesh)))
-    engine = InferenceEngine(cfg, params, ByteTokenizer(), kv_pages=64, page_size=4, max_seqs=4, max_tokens_per_step=8)
-    prompts = TOKENS[:4] % 256
-    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())
-    events = {}
-    for step in range(200):
-        if step < len(prompts):
-            engine.add_request(f"r{step}", prompts[step].tolist(), greedy)
-        for event in engine.step():
-            events.setdefault(event.request_id, []).append(event.token_id)
-        if step >= len(prompts) and not engine.has_work():
-            break
-    want = hf_greedy(model, prompts, vocab_limit=ByteTokenizer().vocab_size)
-    for i in range(len(prompts)):
-        assert [t for t in events[f"r{i}"] if t is not None] == want[i].tolist(), f"r{i}"
+    assert_engine_matches_transformers(model, folder, scan_layers=True)
 
 
 def test_export_picks_the_architecture_that_computes_the_model():

@@ -4,9 +4,7 @@ transformers' `generate` on the export stops at the end of turn (ChatML's <|im_e
 `systolic generate` and the serving engine stop on every eos id the model declares; a run trained from scratch
 exports the ids its tokenizer defines. Tiny random Llamas and byte-level BPEs built here: no download."""
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 import shutil
@@ -14,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tiny import LM_CLI_QUIET, TINY_LM
-from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
+from tiny import LM_CLI_QUIET, TINY_LM, call
+from tiny_hf import CHATML, SPECIALS, VOCAB, make_hf_model, write_hf_tokenizer
 
-from systolic.cli import main
 from systolic.data import generation_config
 from systolic.data.tokenizer import COMPANION_FILES, ByteTokenizer
 from systolic.data.chat import find_chat_template
@@ -29,13 +26,6 @@ from systolic.workloads.lm.serve.engine import InferenceEngine
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CHATML = """{%- for message in messages %}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
 # Llama 3's layout without its dated system header, so a conversation fits the tiny model's 64 positions.
 LLAMA3 = """{{- bos_token }}
 {%- for message in messages %}
@@ -60,7 +50,7 @@ class Style:
 STYLES = {
     # Qwen2.5 Instruct: config.json's eos is <|im_end|> alone and it has no bos; the generation config adds the
     # end of text to the eos ids, pads with it and samples by default.
-    "qwen": Style(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], CHATML,
+    "qwen": Style(SPECIALS, CHATML,
                   {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
                   {"bos_token_id": None, "eos_token_id": 2},
                   {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": True,
@@ -75,14 +65,6 @@ STYLES = {
 QUESTION = [{"role": "user", "content": "Hi"}]
 REPLY = "Hello there."
 IDS = generation_config.ID_KEYS
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())
 
 
 def write_tokenizer(style: Style, folder: Path) -> Path:

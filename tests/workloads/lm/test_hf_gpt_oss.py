@@ -16,25 +16,22 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from tiny_hf import (TOKENS, VOCAB, assert_engine_matches_transformers, assert_matches_transformers,
+                     export_and_reload, hf_logits, load_sharded, randomize, save_and_import)
+
 from systolic.config import MeshConfig
-from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
-from systolic.workloads.lm import generate as gen
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import mxfp4
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
-from systolic.workloads.lm.train import model_graphdef, param_shardings
+from systolic.workloads.lm.train import model_graphdef
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 320
-TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices
-NEW = 16
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, num_local_experts=4,
               num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0, bos_token_id=1, eos_token_id=2,
@@ -44,46 +41,18 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden
 
 
 def make_hf_model():
-    """Matrices with std 0.2 (logits far from uniform: argmax has no near-ties), norm scales near 1, biases near 0,
-    and sinks near 1 (so they take a visible share of each softmax)."""
+    """Random weights as tiny_hf.randomize makes them, with the sinks near 1 too (so they take a visible share of each
+    softmax)."""
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG, attn_implementation="eager"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.normal_(1.0 if name.endswith(("weight", "sinks")) else 0.0, 0.1)
-    return model.eval()
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def hf_greedy(model, tokens, vocab_limit: int = VOCAB) -> np.ndarray:
-    suppress = list(range(vocab_limit, VOCAB)) or None
-    with torch.no_grad():
-        out = model.generate(torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-                             max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             suppress_tokens=suppress)
-    return out[:, tokens.shape[1]:].numpy()
-
-
-def ours(cfg, params, tokens) -> tuple[np.ndarray, np.ndarray]:
-    """(logits, greedy continuation through the KV cache) of our model in float32, under whatever mesh is active."""
-    graphdef = model_graphdef(dataclasses.replace(cfg, dtype="float32"), VOCAB)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
-    return np.asarray(logits), np.asarray(gen.generate(graphdef, params, tokens, max_new_tokens=NEW))
+    return randomize(model, ones=("weight", "sinks"))
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(transformers model, its saved folder, the imported run)."""
     root = tmp_path_factory.mktemp("gpt-oss")
-    model = make_hf_model()
-    model.save_pretrained(root / "hf")
-    hf.import_run(root / "hf", root / "run")
-    return model, root / "hf", root / "run"
+    return save_and_import(make_hf_model(), root / "hf", root / "run")
 
 
 def test_import_matches_transformers(converted):
@@ -95,12 +64,7 @@ def test_import_matches_transformers(converted):
     assert (moe.experts, moe.top_k, moe.mlp_dim, moe.norm_topk_prob, moe.router_bias, moe.expert_bias,
             moe.swiglu_limit, moe.swiglu_alpha) == (4, 2, 32, True, True, True, 1.0, 1.702)
     run = load_run(run_dir, "test")
-    logits, greedy = ours(cfg, run.params, TOKENS)
-    ref = hf_logits(model, TOKENS)
-    print(f"gpt-oss: logits max-abs-diff {np.abs(logits - ref).max():.2e} (max |logit| {np.abs(ref).max():.2f})")
-    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
-    assert len(np.unique(greedy)) > 3  # not a degenerate constant continuation
+    ref, _ = assert_matches_transformers(model, cfg, run.params, "gpt-oss")
     # The sinks, the window (shorter than the sequence) and the clamp each change the logits.
     # Sinks of -1e30 take no share of any softmax: the model without them.
     no_sinks = jax.tree_util.tree_map_with_path(
@@ -114,16 +78,11 @@ def test_import_matches_transformers(converted):
 
 def test_export_loads_in_transformers(converted, tmp_path):
     model, _, run_dir = converted
-    hf.export_run(run_dir, tmp_path / "out")
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == ["GptOssForCausalLM"] and "quantization_config" not in config
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager", output_loading_info=True)
-    assert type(reloaded) is type(model)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    config, reloaded = export_and_reload(model, run_dir, tmp_path / "out", "GptOssForCausalLM")
+    assert "quantization_config" not in config
     for key in ("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit", "attention_bias", "rope_parameters"):
         assert getattr(reloaded.config, key) == getattr(model.config, key), key
-    diff = np.abs(hf_logits(reloaded.eval(), TOKENS) - hf_logits(model, TOKENS)).max()
+    diff = np.abs(hf_logits(reloaded, TOKENS) - hf_logits(model, TOKENS)).max()
     print(f"gpt-oss: exported, reloaded by transformers: logits max-abs-diff {diff:.2e}")
     assert diff == 0.0  # float32 in, float32 out: the weights and the math are the same
 
@@ -132,24 +91,7 @@ def test_inference_engine_matches_transformers(converted):
     """The paged cache's online softmax with the sinks, both kinds of layer in one scan, requests arriving at
     different steps and prompts chunked over steps: transformers' greedy tokens among the byte tokenizer's ids."""
     model, folder, _ = converted
-    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
-                              dtype="float32")
-    mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules_for("fsdp", mesh)))
-    engine = InferenceEngine(cfg, params, ByteTokenizer(), kv_pages=64, page_size=4, max_seqs=4, max_tokens_per_step=8)
-    prompts = TOKENS[:4] % 256
-    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=())
-    events = {}
-    for step in range(200):
-        if step < len(prompts):
-            engine.add_request(f"r{step}", prompts[step].tolist(), greedy)
-        for event in engine.step():
-            events.setdefault(event.request_id, []).append(event.token_id)
-        if step >= len(prompts) and not engine.has_work():
-            break
-    want = hf_greedy(model, prompts, vocab_limit=ByteTokenizer().vocab_size)
-    for i in range(len(prompts)):
-        assert [t for t in events[f"r{i}"] if t is not None] == want[i].tolist(), f"r{i}"
+    assert_engine_matches_transformers(model, folder, scan_layers=True)
 
 
 @pytest.mark.slow
@@ -157,16 +99,12 @@ def test_on_a_mesh_of_8_devices(converted):
     """Stacked layers placed straight into an 8-device layout, the 4 experts over mesh.expert=4 (all-to-all
     dispatch) and their hidden axis with the heads over tensor=2: the same logits and greedy generations."""
     model, folder, _ = converted
-    cfg = dataclasses.replace(hf_config.model_config(hf_config.read_config(folder), folder, scan_layers=True),
-                              attention="xla")
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=2, expert=4))
     rules = rules_for("default", mesh)
-    params = hf.load_params(folder, cfg, param_shardings(cfg, VOCAB, mesh, rules))
+    cfg, params = load_sharded(folder, mesh, rules, scan_layers=True, attention="xla")
     assert params["blocks"]["mlp"]["b_gate"].addressable_shards[0].data.shape[1:] == (1, 16)  # split, not copied
     with activate(mesh, rules):
-        logits, greedy = ours(cfg, params, TOKENS)
-    np.testing.assert_allclose(logits, hf_logits(model, TOKENS), atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(greedy, hf_greedy(model, TOKENS))
+        assert_matches_transformers(model, cfg, params, "gpt-oss on 8 devices")
 
 
 def test_mxfp4_dequantizes_as_transformers_does():

@@ -4,8 +4,6 @@ assistant tokens, a fine-tune of an imported tiny Llama lowers the held-out loss
 inputs are one-paragraph errors. The tokenizer is a byte-level BPE trained here with the `tokenizers` library and
 saved with a ChatML template as a Hugging Face folder has them: no download."""
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -16,24 +14,15 @@ import optax
 import pytest
 from tokenizers import Tokenizer
 
-from tiny import TINY_LM
-from tiny_hf import CHATML, CONVERSATION, SYSTEM, chats, make_hf_model, render, save_chat_tokenizer
+from tiny import TINY_LM, call
+from tiny_hf import CHATML, CONVERSATION, chats, make_hf_model, save_chat_tokenizer
 
-from systolic.cli import main
 from systolic.data import packed, sft
 from systolic.data.tokenizer import ByteTokenizer, make_tokenizer
 from systolic.data.chat import find_chat_template
 from systolic.engine.state import TrainState
 from systolic.engine.step import make_train_step
 from systolic.errors import UserError
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())  # the CLI wraps error paragraphs
-
 
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tiny_hf import VOCAB, make_hf_model, write_hf_tokenizer
+from tiny_hf import CAPITALS, CHATML, SPECIALS, VOCAB, make_hf_model, write_hf_tokenizer
 
 from systolic import config as config_lib
 from systolic.data.tokenizer import make_tokenizer
@@ -28,16 +28,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = """{%- for message in messages %}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Spain": "Madrid", "Italy": "Rome", "Japan": "Tokyo",
-            "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi"}
 SEQ_LEN = 64  # the imported model's positions; each sequence at most 32 tokens
 
 

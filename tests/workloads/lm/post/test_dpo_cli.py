@@ -2,27 +2,16 @@
 metric names in the rows, an exact resume from its checkpoint, and bad pairs refused in one paragraph with exit 2
 and nothing written."""
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
 
-from tiny import LM_CLI_QUIET, TINY_LM
+from tiny import LM_CLI_QUIET, TINY_LM, call
 
-from systolic.cli import main
 
 TRL_NAMES = {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected", "logits/chosen", "logits/rejected"}
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())
 
 
 def write_jsonl(path: Path, records: list) -> Path:

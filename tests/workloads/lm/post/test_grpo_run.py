@@ -1,8 +1,6 @@
 """`systolic train lm --recipe grpo` end to end on a tiny base run: its rows, an exact resume from a checkpoint in the
 middle of a rollout's updates, and bad rewards and prompts stopping the run with one paragraph and exit 2."""
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -10,18 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from tiny import LM_CLI_QUIET, TINY_LM
+from tiny import LM_CLI_QUIET, TINY_LM, call
 
-from systolic.cli import main
 from systolic.workloads.lm.loaded_run import load_run
-
-
-def call(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    assert "Traceback" not in err.getvalue()
-    return code, out.getvalue(), " ".join(err.getvalue().split())  # the CLI wraps error paragraphs
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import pytest
 
+from tiny_hf import write_hf_tokenizer
+
 from systolic.cli import main
 from systolic.data.bpe import BPETokenizer
 from systolic.data.chat import ChatTemplate
@@ -55,19 +57,13 @@ STOP_TIMEOUT_S = 120
 def run_dir(tmp_path_factory) -> Path:
     """An lm run imported from a Hugging Face folder: random weights (std 0.2, so greedy choices have no near-ties)
     and a ChatML tokenizer trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
     root = tmp_path_factory.mktemp("serve-model")
-    folder = root / "hf"
-    folder.mkdir()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(["system user assistant Be brief. What is the capital? Once upon a time"] * 20, trainer)
-    bpe.save(str(folder / "tokenizer.json"))
-    specials = [bpe.token_to_id(t) for t in SPECIALS]
+    texts = ["system user assistant Be brief. What is the capital? Once upon a time"] * 20
+    folder = write_hf_tokenizer(root / "hf", texts, SPECIALS, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                                SPIN + CHATML, vocab_size=300)
+    specials = [Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(t) for t in SPECIALS]
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.normal(0, 0.2, x.shape).astype(np.float32), hf.abstract_params(MODEL, VOCAB))
 
@@ -83,9 +79,6 @@ def run_dir(tmp_path_factory) -> Path:
     assert "lm_head.weight" in [name for name, _, _ in tensors]
     hf.write_safetensors(folder, tensors, 1 << 30)
     (folder / "config.json").write_text(json.dumps(hf_config.hf_config(MODEL, VOCAB, {})))
-    (folder / "chat_template.jinja").write_text(SPIN + CHATML)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
-                                                              "pad_token": "<|endoftext|>"}))
     assert main(["convert", "from-hf", str(folder), str(root / "run")]) == 0
     return root / "run"
 
