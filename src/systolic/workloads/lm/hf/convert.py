@@ -122,7 +122,9 @@ class Folder:
         if self._last is None or self._last[0] != name:  # GPT-2's c_attn is read once for q, k and v
             try:
                 path = self.where[name]
-                f = self._files.get(path) or self._files.setdefault(path, safe_open(path, framework="numpy"))
+                if path not in self._files:
+                    self._files[path] = safe_open(path, framework="numpy")
+                f = self._files[path]
                 if name in self.mxfp4:
                     tensor = mxfp4.dequantize(*(f.get_tensor(part) for part in self.mxfp4[name]))
                 else:
