@@ -46,6 +46,19 @@ def test_a_gan_evaluation_sample_is_sized_with_the_generators_activations():
         gan_train.check_fits(cfg, 1, {}, mesh)
 
 
+def test_a_gan_evaluation_estimate_covers_its_measured_peak():
+    # Peak RSS of `train gan` (2026-12-06, 8x8 digits): model.g_channels=32, 22.2 KiB more per generated image from
+    # 40,000 to 160,000 samples; the default g_channels=128, about 120 KiB per image at 30,000. The 2,000,000
+    # samples at width 32 were estimated at 15 GB, passed this 23 GiB machine's check and were killed: now refused.
+    for width, measured_kib in ((32, 22.2), (128, 120)):
+        cfg = load("gan", [f"model.g_channels={width}", "gan.eval_samples=2000000"])
+        assert 4 * gan_train.sample_floats(cfg, 1) >= measured_kib * 1024
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = load("gan", ["model.g_channels=32", "model.latent_dim=8", "gan.eval_samples=2000000"])
+    with memory.budget(BUDGET, "23 GiB of test budget"), pytest.raises(UserError, match="gan.eval_samples=2000000"):
+        gan_train.check_fits(cfg, 1, {}, mesh)
+
+
 def test_a_kv_pool_over_memory_is_refused():
     model = load("lm", []).model
     with memory.budget(BUDGET, "23 GiB of test budget"), pytest.raises(UserError) as raised:

@@ -422,7 +422,14 @@ class Transformer(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.moe.is_moe_layer(i)) for i in range(cfg.layers)])
+            new_block = lambda rngs, moe: Block(cfg, rngs=rngs, moe=moe)  # noqa: E731
+            if isinstance(rngs.params.key[...], jax.core.Tracer):
+                # Under a trace (jit, eval_shape), each layer in its own small one: a nested jit, inlined where the
+                # model's program compiles (the same values). In one trace, every key drawn from `rngs` costs time
+                # in proportion to the trace's length (flax reads the traced count's `sharding`, and jax's error
+                # for it walks the trace), so L layers cost O(L^2): 128 took 4 minutes to trace; 1,024 would take hours.
+                new_block = nnx.jit(new_block, static_argnums=1)
+            self.blocks = nnx.List([new_block(rngs, cfg.moe.is_moe_layer(i)) for i in range(cfg.layers)])
         self.final_norm = Norm(cfg, rngs=rngs)
         if cfg.tie_embeddings:
             self.lm_head = None
