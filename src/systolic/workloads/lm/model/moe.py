@@ -11,7 +11,9 @@ projection's bias is added after the dispatch, as the routing weights' sum of th
 - Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
   grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
   group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/model/cpu.py,
-  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py).
+  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py). Rows change order only by `move_rows`, a
+  gather in both passes: a scatter of whole rows (what `.at[].set` is, and what a `take`'s gradient is) made the
+  TPU compiler's backend take minutes per layer (docs/planning.md, "Compile time of MoE models").
 - Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
   C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
   dropped (the token keeps its other experts and the residual). One-hot einsums move tokens into (E, C) slots and
