@@ -50,16 +50,17 @@ def test_fsdp_splits_the_state_and_the_gradients_are_reduce_scattered():
     assert fsdp.collectives["reduce-scatter"]["count"] > 0
 
 
-def plan_workload(workload: str, recipe: str, mesh: dict[str, int], *, slices: int = 1, extra=()):
+def plan_workload(workload: str, recipe: str, mesh: dict[str, int], *, slices: int = 1, extra=(), target="v5e-4"):
     from systolic import config as config_lib
     from systolic import workloads
     from systolic.plan import targets
     from systolic.plan.planner import plan_step
 
     w = workloads.get(workload)
-    overrides = [*(f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor")), f"mesh.slices={slices}", *extra]
+    axes = ("data", "fsdp", "expert", "tensor")
+    overrides = [*(f"mesh.{a}={mesh.get(a, 1)}" for a in axes), f"mesh.slices={slices}", *extra]
     cfg, _ = config_lib.load(w.config, recipe, overrides, w.default_recipe)
-    target = targets.resolve("v5e-4", mesh_devices=0, slices=slices)
+    target = targets.resolve(target, mesh_devices=0, slices=slices)
     return plan_step(workload, w.command("plan"), cfg, target, mesh=str(mesh))
 
 
@@ -194,3 +195,15 @@ def test_gemma3_1b_recipe_plans_on_a_v5e_slice():
     p = plan_workload("lm", "gemma3-1b", {"fsdp": 4})  # micro-batches of 4 rows: one per chip
     assert (p.fits, p.chips, p.topology) == (True, 4, "v5e:2x2")
     assert 0.95e9 < p.params < 1.05e9
+
+
+@pytest.mark.slow  # 2.8B parameters of MoE layers through the TPU compiler: minutes on a 2-core host
+def test_gpt_oss_20b_cut_plans_on_a_v5p_slice_with_its_experts_over_the_expert_axis():
+    """Two of gpt-oss-20b's layers (one sliding, one full; the layer scan compiles one body whatever the depth, and
+    the full 24 layers took longer than a test may on this host) at full width, 32 experts over expert=4 of a
+    v5p-8: the dropless dispatch compiles to all-to-alls and the step fits, one 4096-token row per chip."""
+    p = plan_workload("lm", "gpt-oss-20b", {"expert": 4}, target="v5p-8",
+                      extra=("model.layers=2", "model.layer_types=[sliding,full]", "train.batch_size=4"))
+    assert (p.fits, p.chips, p.topology) == (True, 4, "v5:2x2x1")
+    assert 2.7e9 < p.params < 2.9e9
+    assert p.collectives["all-to-all"]["count"] > 0

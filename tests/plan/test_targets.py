@@ -142,6 +142,31 @@ def test_step_cost_weights_each_loop_body_by_its_trips():
     assert cost.counted_flops == lines["main"] + lines["cond"] + lines["body"] + lines["inner_cond"] + inner
 
 
+def test_a_loop_body_calling_a_sparsecore_computation_stands_alone():
+    # v5p's compiler offloads scatters to its SparseCores: a computation on that thread ends with
+    # `}, execution_thread="sparsecore"`, and a loop body made the entry must keep it (gpt-oss-20b on v5p-64).
+    offloaded = """
+%offload (a: s32[4]) -> s32[4] {
+  ROOT %a = s32[4]{0} parameter(0)
+}, execution_thread="sparsecore"
+
+%loop_body (b: s32[4]) -> s32[4] {
+  %b = s32[4]{0} parameter(0)
+  %start = ((s32[4]), s32[4]) call-start(%b), async_execution_thread="sparsecore", to_apply=%offload
+  ROOT %done = s32[4]{0} call-done(%start)
+}
+
+ENTRY %main (x: s32[4]) -> s32[4] {
+  %x = s32[4]{0} parameter(0)
+  ROOT %y = s32[4]{0} call(%x), to_apply=%loop_body
+}
+"""
+    module = hlo_text.parse("HloModule m\n" + offloaded)
+    assert set(module.spans) == {"offload", "loop_body", "main"}
+    alone = hlo_text.parse(hlo_text.as_entry(module, "loop_body"))
+    assert (alone.entry, set(alone.spans)) == ("loop_body", {"offload", "loop_body"})
+
+
 def test_cross_slice_transfers_count_as_dcn_traffic():
     # How libtpu compiles a data-parallel gradient sum over 2 slices: inside each slice an all-reduce, across slices
     # a host transfer to the multi-slice runtime.

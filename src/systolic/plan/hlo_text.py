@@ -68,7 +68,9 @@ def parse(hlo_text: str) -> Module:
             computations[current] = []
             if m.group(1):
                 entry = current
-        elif line == "}" and current is not None:  # (a multi-line backend config may start a line with "}")
+        # A computation ends at "}" alone, or "}, execution_thread=..." for one that runs elsewhere (v5p's SparseCore
+        # scatters); a multi-line backend config may start a line with "}" too.
+        elif (line == "}" or line.startswith("}, execution_thread=")) and current is not None:
             spans[current] = (start, i + 1)
             current = None
         elif current is not None and (m := _INSTR.match(line)):

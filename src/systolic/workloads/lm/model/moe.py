@@ -11,7 +11,9 @@ projection's bias is added after the dispatch, as the routing weights' sum of th
 - Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
   grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
   group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/model/cpu.py,
-  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py).
+  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py). Rows change order only by `move_rows`, a
+  gather in both passes: a scatter of whole rows (what `.at[].set` is, and what a `take`'s gradient is) made the
+  TPU compiler's backend take minutes per layer (docs/planning.md, "Compile time of MoE models").
 - Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
   C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
   dropped (the token keeps its other experts and the residual). One-hot einsums move tokens into (E, C) slots and
@@ -195,6 +197,35 @@ def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w: Experts) -> jax.Ar
     return jax.lax.ragged_dot(swiglu(gate, up, w.clamp), w.w_down, group_sizes)  # (R, D)
 
 
+@jax.custom_vjp
+def move_rows(x: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """out[i] = x[src[i]] (zero where src[i] is out of range): x (R, D), src (R_out,) -> (R_out, D), for a map that
+    sends each row of x to at most one row of out, given both ways: dst (R,) is where each row of x goes (out of
+    range: nowhere), so out[dst[r]] = x[r]. Forward and backward are both gathers (the backward: g[dst]). Written
+    as `.at[].set` or as a plain `take`, one of the two passes is a scatter of whole rows, which the TPU compiler
+    turns into code that took minutes to compile per MoE layer (docs/planning.md)."""
+    return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_fwd(x, src, dst):
+    return move_rows(x, src, dst), (src, dst)
+
+
+def _move_rows_bwd(res, g):
+    src, dst = res
+    return jnp.take(g, dst, axis=0, mode="fill", fill_value=0), None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def inverse(perm: jax.Array, size: int) -> jax.Array:
+    """perm (R,) distinct indices into [0, size) (out of range: skipped) -> (size,) int32, inv[perm[r]] = r, and
+    R (out of range) where no r maps: a scatter of R int32s."""
+    return jnp.full((size,), perm.shape[0], jnp.int32).at[perm].set(jnp.arange(perm.shape[0], dtype=jnp.int32),
+                                                                     mode="drop")
+
+
 def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
     """y (N, k, D) each assignment's expert output, weights (N, k) float32 -> (N, D), summed in float32."""
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype), preferred_element_type=jnp.float32)
@@ -205,11 +236,12 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Experts) -
     """x (N, D), experts and weights (N, k) -> (N, D): every assignment computed, sorted by expert and grouped."""
     n, k = experts.shape
     flat = experts.reshape(-1)  # (N*k,)
-    order = jnp.argsort(flat, stable=True)  # (N*k,) assignments grouped by expert
-    xs = jnp.take(x, order // k, axis=0)  # (N*k, D)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # (N*k,) assignments grouped by expert
+    unsorted = inverse(order, order.shape[0])  # (N*k,) each assignment's place in sorted order
+    xs = move_rows(jnp.repeat(x, k, axis=0), order, unsorted)  # (N*k, D)
     group_sizes = jnp.bincount(flat, length=w.w_gate.shape[0]).astype(jnp.int32)  # (E,)
     ys = _grouped_swiglu(xs, group_sizes, w)  # (N*k, D) in sorted order
-    y = jnp.zeros_like(ys).at[order].set(ys)  # (N*k, D) back in assignment order
+    y = move_rows(ys, unsorted, order)  # (N*k, D) back in assignment order
     return _combine(y.reshape(n, k, -1), weights)
 
 
@@ -283,24 +315,29 @@ def dropless_expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Arra
     dest = sorted_experts // local  # (A,) the device holding each assignment's expert
     counts = jnp.bincount(dest, length=n)  # (n,)
     slot = jnp.arange(flat.shape[0]) - (jnp.cumsum(counts) - counts)[dest]  # (A,) row within dest's slots
+    # Every row moves by `move_rows` (a gather both ways), its maps built by scatters of int32 indices only.
+    placed = inverse(order, flat.shape[0])  # (A,) each assignment's place in sorted order
+    to_slot = (dest * rows + slot)[placed].astype(jnp.int32)  # (A,) each assignment's row of send
+    from_slot = inverse(to_slot, n * rows)  # (n*S,) each row of send's assignment (A: empty)
 
     # DISPATCH: my rows for device j in send[j]; empty rows carry the expert id `local`, past every group.
-    send = jnp.zeros((n, rows, x.shape[-1]), x.dtype).at[dest, slot].set(jnp.take(x, order // k, axis=0))  # (n, S, D)
-    send_ids = jnp.full((n, rows), local, jnp.int32).at[dest, slot].set(sorted_experts % local)  # (n, S)
+    send = move_rows(jnp.repeat(x, k, axis=0), from_slot, to_slot).reshape(n, rows, -1)  # (n, S, D)
+    send_ids = jnp.take(flat % local, from_slot, mode="fill", fill_value=local).reshape(n, rows)  # (n, S)
     recv = jax.lax.all_to_all(send, expert_axis, 0, 0).reshape(n * rows, -1)  # (n*S, D) rows from every device
     recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0).reshape(-1)  # (n*S,)
 
     # MY EXPERTS: the received rows grouped by local expert, empty rows last (ragged_dot leaves them zero).
-    by_expert = jnp.argsort(recv_ids, stable=True)  # (n*S,)
+    by_expert = jnp.argsort(recv_ids, stable=True).astype(jnp.int32)  # (n*S,)
+    received = inverse(by_expert, n * rows)  # (n*S,) each received row's place in expert order
     group_sizes = jnp.bincount(recv_ids, length=local).astype(jnp.int32)  # (E/n,); the id `local` is not counted
-    ys = _grouped_swiglu(jnp.take(recv, by_expert, axis=0), group_sizes, w)  # (n*S, D)
+    ys = _grouped_swiglu(move_rows(recv, by_expert, received), group_sizes, w)  # (n*S, D)
     if mlp_axis:
         ys = jax.lax.psum(ys, mlp_axis)  # the expert hidden axis is split over mlp_axis: add the partial sums
-    back = jnp.zeros_like(ys).at[by_expert].set(ys).reshape(n, rows, -1)  # (n, S, D) in the senders' slots
+    back = move_rows(ys, received, by_expert).reshape(n, rows, -1)  # (n, S, D) in the senders' slots
 
     # COMBINE: the results return to the devices that sent the rows, then to assignment order.
-    done = jax.lax.all_to_all(back, expert_axis, 0, 0)  # (n, S, D): done[j] = device j's results for my rows
-    y = jnp.zeros((flat.shape[0], x.shape[-1]), x.dtype).at[order].set(done[dest, slot])  # (A, D)
+    done = jax.lax.all_to_all(back, expert_axis, 0, 0).reshape(n * rows, -1)  # (n*S, D): device j's in done[j]
+    y = move_rows(done, to_slot, from_slot)  # (A, D)
     return _combine(y.reshape(n_tokens, k, -1), weights)
 
 
