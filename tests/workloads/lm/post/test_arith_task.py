@@ -65,7 +65,7 @@ def test_grpo_trains_away_a_teachers_slip_that_sft_taught(tmp_path):
          "--teacher-slips", "0.7")
     call("data", "arithmetic", "--out", str(prompts), *ONE_DIGIT, "--train", "0", "--prompts", "100", "--test", "0")
     sft, slipped, grpo = (tmp_path / name for name in ("sft", "slipped", "grpo"))
-    # SFT ONE: every problem with its true answer, memorised.
+    # SFT ONE: the problems with their true answers, memorised (data.val_percent=1 holds out one or two).
     call("train", "lm", "--recipe", "arith-sft", f"data.path={clean / 'sft.jsonl'}", *SMALL, "train.steps=300",
          "train.eval_every=300", *QUIET, "--run-dir", str(sft))
     # SFT TWO: 40 steps on the teacher's records (30 of the 45 carries forgotten), as the recipe's slipped stage.
