@@ -1,7 +1,7 @@
 """The arithmetic task of `--recipe arith-grpo` in miniature, end to end through the CLI: the imperfect-teacher
 pipeline of docs/post_training.md (a clean SFT, then a short fine-tune on a teacher's carry-forgetting answers,
-then GRPO with the verifier's reward) on the 100 one-digit additions, with a 64-wide model: 248 s of CPU time on
-this 2-core VM (12 minutes of wall time niced under a load of ~15; a few minutes alone).
+then GRPO with the verifier's reward) on the 100 one-digit additions, with a 64-wide model: 177 s on this 2-core VM
+at a load of ~3 (246 s of CPU time).
 
 The full task needs 900 SFT steps before GRPO has something to correct; here the SFT memorises every problem, so
 what GRPO must find is the one the real run finds first (docs/post_training.md: the slip "all but disappears in 75
