@@ -48,7 +48,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from systolic.errors import ConfigError
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm.model import cpu
+from systolic.workloads.lm.model import cpu, remat
 
 SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
 IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
@@ -226,18 +226,24 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
+def splash_block_sizes(seq_len: int) -> splash.BlockSizes:
+    """The splash kernel's blocks for sequences of seq_len: one block size (queries and keys, forward and backward)."""
+    block = splash_block(seq_len)
+    return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+
+
 def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int, softcap: float):
     """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0, its logits
     soft-capped when `softcap` > 0 (the kernel caps the scaled logits, as Gemma 2 does). Made on each
     trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
-    processing, 0.7 s at 16k positions)."""
-    block = splash_block(seq_len)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    processing, 0.7 s at 16k positions). Its residuals (output and log-sum-exp) carry remat's ATTN_STATS name, so
+    a remat policy can keep them and the backward pass need not run the kernel's forward again."""
     if window:  # keys in [q - (window - 1), q]: causal and local in one mask
         one_head = splash.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
     else:
         one_head = splash.CausalMask((seq_len, seq_len))
     mask = splash.MultiHeadMask([one_head] * heads)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
-                                  attn_logits_soft_cap=softcap or None)
+    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len), head_shards=1, q_seq_shards=1,
+                                  interpret=interpret, attn_logits_soft_cap=softcap or None,
+                                  residual_checkpoint_name=remat.ATTN_STATS)
