@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +36,7 @@ from systolic.plan import hlo_text
 from systolic.plan.targets import PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime import memory as memory_lib
+from systolic.runtime.memory import size_text
 from systolic.runtime.platform import compiling_for
 
 FLOPS_AGREE = 0.05  # XLA's count within 5% of the formula: the MFU needs no explanation
@@ -184,25 +184,6 @@ def devices_for(target: Target) -> list[Any]:
     return devices
 
 
-_SIZE = re.compile(r"([0-9.]+)\s*([KMGTP]?)i?B?\b")
-
-
-def _bytes(text: str) -> float:
-    number, unit = _SIZE.match(text).groups()  # type: ignore[union-attr]
-    return float(number) * 1024 ** "_KMGTP".index(unit or "_") if unit else float(number)
-
-
-def needed_bytes(message: str, argument_bytes: int) -> float | None:
-    """Bytes per chip that a compile-time out-of-memory asked for, from its message: "...the total memory required
-    for HLO temporaries (40.25G) exceeds available HBM (15.75G)" (temporaries only: the arguments are added) or
-    "Used 31.72G of 15.75G hbm" (everything). G is 2**30, as XLA prints sizes."""
-    if m := re.search(r"temporaries \(([0-9.]+[KMGTP]?i?B?)\) exceeds available", message):
-        return _bytes(m.group(1)) + argument_bytes
-    if m := re.search(r"Used ([0-9.]+[KMGTP]?i?B?) of ([0-9.]+[KMGTP]?i?B?)", message):
-        return _bytes(m.group(1))
-    return None
-
-
 @contextlib.contextmanager
 def for_target(target: Target) -> Iterator[None]:
     """Trace for the target's platform (model code asks `compile_platform()`), with memory checks against the
@@ -222,13 +203,6 @@ def compile_lowered(lowered: Any, target: Target) -> tuple[Any, str | None]:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         return None, str(e).strip().splitlines()[0]
-
-
-def peak_of(memory: Any) -> int:
-    """Bytes per chip of a compiled program (its memory analysis): arguments + outputs not aliased to them +
-    temporaries + generated code."""
-    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-               + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
 
 
 def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], cfg: Any, target: Target, *,
@@ -260,7 +234,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                   peak_flops_per_chip=peak, price_per_chip_hour=price, price_source=source, train_items=train_items,
                   notes=program.notes)
     if compiled is None:
-        needed = needed_bytes(out_of_memory or "", program.argument_bytes)
+        needed = memory_lib.needed_bytes(out_of_memory or "", program.argument_bytes)
         return Plan(**common, fits=False, output_bytes=None, alias_bytes=None, temp_bytes=None, code_bytes=None,
                     peak_bytes=int(needed or 0), out_of_memory=out_of_memory,
                     xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
@@ -308,7 +282,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     else:
         mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
                     "formula's count")
-    peak_bytes = peak_of(memory)
+    peak_bytes = memory_lib.program_bytes(memory)
     steps = train_items / program.items_per_step if train_items else None
     wall = steps * step_s if steps else None
     chip_hours = wall / 3600 * target.chips if wall else None
@@ -329,13 +303,6 @@ def _slice_of(compiled: Any) -> list[int]:
     """The slice of each partition: partition p runs on the p-th device of the mesh the inputs are sharded over."""
     mesh = next(s.mesh for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "mesh"))
     return [d.slice_index for d in mesh.devices.flat]
-
-
-def gib_text(b: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:,.2f} {unit}"
-    return f"{b:,.0f} B"
 
 
 def _count_text(n: int) -> str:
@@ -365,19 +332,19 @@ def format_plan(plan: Plan) -> str:
                                                    "rest frozen: no gradients, no optimizer state)"
                                                    if plan.trainable_params not in (None, plan.params) else "")),
     ]
-    arguments = gib_text(plan.argument_bytes) + (f" (optimizer state {gib_text(plan.optimizer_bytes)})"
+    arguments = size_text(plan.argument_bytes) + (f" (optimizer state {size_text(plan.optimizer_bytes)})"
                                                  if plan.optimizer_bytes is not None else "")
     if plan.out_of_memory:
-        needs = f"needs {gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
+        needs = f"needs {size_text(plan.peak_bytes)} of {size_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
         rows += [("per chip: arguments", arguments),
                  ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
                  ("compiler said", plan.out_of_memory)]
     else:
         rows += [
             ("per chip: arguments", arguments),
-            ("per chip: temporaries", gib_text(plan.temp_bytes or 0)),
-            ("per chip: generated code", gib_text(plan.code_bytes or 0)),
-            ("per chip: peak", f"{gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM -> "
+            ("per chip: temporaries", size_text(plan.temp_bytes or 0)),
+            ("per chip: generated code", size_text(plan.code_bytes or 0)),
+            ("per chip: peak", f"{size_text(plan.peak_bytes)} of {size_text(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
             ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)" if plan.model_flops_per_step
                                    else "no formula for this workload"),
@@ -391,9 +358,9 @@ def format_plan(plan: Plan) -> str:
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
-                dcn = f", {gib_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
-                rows.append((f"  {kind}", f"{c['count']:,} per step, {gib_text(c['bytes'])} per chip "
-                                           f"({gib_text(c['wire_bytes'])} over the links{dcn})"))
+                dcn = f", {size_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
+                rows.append((f"  {kind}", f"{c['count']:,} per step, {size_text(c['bytes'])} per chip "
+                                           f"({size_text(c['wire_bytes'])} over the links{dcn})"))
         if not any(c["count"] for c in plan.collectives.values()):
             rows.append(("collectives", "none"))
         rows += [
