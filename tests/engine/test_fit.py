@@ -97,3 +97,9 @@ def test_train_refuses_a_step_too_large_for_the_stated_memory(tmp_path, monkeypa
     assert "a cpu device has 976.56 KiB (SYSTOLIC_DEVICE_MEMORY_BYTES)" in err and "model.remat=full" in err
     assert "systolic plan lm --target <slice> --search" in err and err.count("error:") == 1
     assert not run_dir.exists()
+
+
+def test_bench_refuses_the_same_step_before_timing_it(monkeypatch):
+    monkeypatch.setenv(memory.DEVICE_MEMORY_ENV, "1000000")
+    code, out, err = call("bench", "lm", *TINY_LM, *LM_CLI_QUIET, "--steps", "1", "--json")
+    assert (code, out) == (2, "") and err.startswith("error: The train step needs ") and err.count("error:") == 1

@@ -94,7 +94,7 @@ class Task:
     # What to change when the compiled step does not fit a device's memory (engine/fit.py); an lm names model.remat
     # and `systolic plan --search`.
     memory_advice: str = ("shrink the model or the batch, or spread the state over more devices (a larger mesh.fsdp "
-                          "or more chips); `systolic plan WORKLOAD --target ...` shows what fits a target")
+                          "or more chips); `systolic plan` with --target shows what fits a target")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
     # Host-side metrics of a step, written with its train row (called once per step, after the step's hooks): exact
     # functions of the step (a mixture's tokens per source so far; no state to checkpoint, so a resumed run writes
