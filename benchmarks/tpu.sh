@@ -7,7 +7,7 @@
 #   serve  benchmarks/serve_engine.py on llama-1b in bfloat16 at 16 and 64 requests in flight
 #   rl     `systolic train rl --recipe rl-cartpole`: environment steps/s
 #   sim    `systolic simulate --recipe sim-taylor-green` in float32 on 512^2: solver steps/s
-# Default: all five in order. One command there runs at most 10 minutes: the parts named share 9 minutes, each
+# Default: all five in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
 #
 # It needs this tree, the machine's python3 3.11 with jax 0.10.2 and libtpu (PYTHONPATH names their folder: this

@@ -6,7 +6,7 @@ spectral solver's throughput. tpu.sh installs the carried wheels and sets PYTHON
     SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh         # anywhere: the same parts, tiny models on CPU
 
 One command on the lent machine may run 10 minutes: the parts share a budget of SYSTOLIC_TPU_SH_BUDGET_S (default
-540 s), each part at most its own (PART_BUDGET_S), so any one part, or `test train`, ends inside it. A row that
+480 s), each part at most its own (PART_BUDGET_S), so any one part, or `test train`, ends inside it. A row that
 would start with too little left is reported "skipped: budget". MFU is against the data sheet's 197 TFLOP/s bf16
 peak of a v5e ('TPU v5 lite' in observe/peak_flops.py; an 8192^3 bf16 matmul measured 181 there, 2026-12-06).
 Output in $OUT (default /tmp/tpu-bench): tpu-bench.txt (the table), tpu-bench.jsonl (one line per row),
@@ -32,7 +32,7 @@ from bench_rows import Row, error_line, format_table, preflight, run_bench_row, 
 
 DRY_RUN_ENV = "SYSTOLIC_TPU_SH_DRY_RUN"
 BUDGET_ENV = "SYSTOLIC_TPU_SH_BUDGET_S"
-TOTAL_S = 540.0  # of a command's 10 minutes; the rest is the machine's start, the wheels' install and the preflight
+TOTAL_S = 480.0  # of a command's 10 minutes; the rest: the wheels' install, matplotlib's from the machine's index
 PARTS = ("test", "train", "serve", "rl", "sim")
 PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 300.0, "rl": 180.0, "sim": 150.0}
 MIN_ROW_S = 60.0  # a row never starts with less: opening the chip takes ~15 s and a compile tens of seconds
@@ -119,17 +119,16 @@ def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir:
     if left_s < MIN_ROW_S:
         yield {**row, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
         return
-    status, out, wall_s = run_command(cmd, test_env, left_s, log, "test")
-    summary = out.strip().splitlines()[-1] if status == "ok" and out.strip() else out
-    if status == "failed":  # the summary line says how many failed
-        summary = _pytest_summary(log.name) or summary
+    status, _, wall_s = run_command(cmd, test_env, left_s, log, "test")
+    output = Path(log.name).read_text(encoding="utf-8").rpartition("=== test: ")[2]
+    found = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|deselected|errors?)\b.*?) ?=*$", output, re.M)
+    summary = found[-1] if found else "no summary line (see tpu-bench.log)"
+    # A test module that imports what the machine lacks is a collection error ("ERROR tests/x.py"), which fails the
+    # run but not a `tpu` test: such a run counts as ok, and says so.
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    if status == "failed" and failures and all("::" not in f for f in failures):
+        status, summary = "ok", f"{summary}; {len(failures)} test modules did not import (tpu-bench.log)"
     yield {**row, "status": status, "summary": summary, "error": summary, "wall_s": wall_s}
-
-
-def _pytest_summary(log_path: str) -> str | None:
-    lines = Path(log_path).read_text(encoding="utf-8").splitlines()
-    found = [line for line in lines if re.search(r"\d+ (passed|failed|error)", line)]
-    return found[-1].strip("= ") if found else None
 
 
 def run_train(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
@@ -184,7 +183,7 @@ def run_cli(part: str, label: str, argv: list[str], dry: list[str], imports: str
 
 PART_RUNNERS = {"test": run_tests, "train": run_train, "serve": run_serve,
                 "rl": run_cli("rl", "rl-cartpole", ["train", "rl", *RL], RL_DRY, imports="gymnax"),
-                "sim": run_cli("sim", "sim-taylor-green float32 512^2", ["simulate", *SIM], SIM_DRY, imports=None)}
+                "sim": run_cli("sim", "sim-taylor-green float32", ["simulate", *SIM], SIM_DRY, imports=None)}
 
 
 def report(records: list[dict]) -> str:
