@@ -48,7 +48,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from systolic.errors import ConfigError
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm.model import cpu, remat
+from systolic.workloads.lm.model import cpu, remat, splash_blocks
 
 SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
 IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
@@ -211,7 +211,7 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
     -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    kernel = _splash_kernel(H, T, interpret, window, softcap)
+    kernel = _splash_kernel(H, T, hd, interpret, window, softcap)
     # The kernel does not scale the logits: pre-scale the queries.
     q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
@@ -226,14 +226,25 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
-def splash_block_sizes(seq_len: int) -> splash.BlockSizes:
-    """The splash kernel's blocks for sequences of seq_len: one block size (queries and keys, forward and backward)."""
-    block = splash_block(seq_len)
-    return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+def splash_block_sizes(seq_len: int, head_dim: int) -> splash.BlockSizes:
+    """The splash kernel's blocks for sequences of seq_len: the chip's tuned tiles (lm/model/splash_blocks.py), each
+    cut to one that divides seq_len."""
+    tiles = splash_blocks.tiles_for(head_dim)
+
+    def fit(tile: int, within: int) -> int:
+        tile = min(tile, within)
+        return tile if within % tile == 0 else splash_block(within)
+
+    q, kv = fit(tiles.block_q, seq_len), fit(tiles.block_kv, seq_len)
+    kv_compute = fit(tiles.block_kv_compute, kv)
+    backward = dict(block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=kv_compute)
+    if not tiles.fused_backward:
+        backward |= dict(block_q_dq=q, block_kv_dq=kv)
+    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_compute,
+                             use_fused_bwd_kernel=tiles.fused_backward, **backward)
 
 
-def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int, softcap: float):
+def _splash_kernel(heads: int, seq_len: int, head_dim: int, interpret: bool, window: int, softcap: float):
     """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0, its logits
     soft-capped when `softcap` > 0 (the kernel caps the scaled logits, as Gemma 2 does). Made on each
     trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
@@ -244,6 +255,6 @@ def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int, softc
     else:
         one_head = splash.CausalMask((seq_len, seq_len))
     mask = splash.MultiHeadMask([one_head] * heads)
-    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len), head_shards=1, q_seq_shards=1,
+    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len, head_dim), head_shards=1, q_seq_shards=1,
                                   interpret=interpret, attn_logits_soft_cap=softcap or None,
                                   residual_checkpoint_name=remat.ATTN_STATS)
