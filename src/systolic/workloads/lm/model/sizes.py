@@ -76,5 +76,6 @@ def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> No
               "kept for the backward pass)"),
         fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size, "
              "model.lora.rank) or train.batch_size (or raise train.grad_accum), set model.remat=full or "
-             "optim.moment_dtype=bfloat16, or use more devices (`systolic plan lm --target ... --search` sizes a target)."),
+             "optim.moment_dtype=bfloat16, or use more devices (`systolic plan lm --target ... --search` sizes a "
+             "target)."),
     )
