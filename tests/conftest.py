@@ -6,10 +6,19 @@ XLA reads XLA_FLAGS once, when jax initialises its backend, so this must run bef
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compile-only TPU devices (tpu_aot tests) touch no chip; without this, two test processes that load libtpu at once
-# (pytest-xdist workers) fail on libtpu's /tmp/libtpu_lockfile. `engine.plan.devices_for` sets it for users.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# JAX on the CPU, also on a machine with an accelerator, unless SYSTOLIC_TEST_PLATFORMS names others: on the lent TPU
+# `benchmarks/tpu.sh test` sets it to `tpu,cpu`, so that the chip is JAX's default backend (the `tpu` tests run
+# there; `pytest -m tpu` alone there would skip them all) and the 8 fake CPU devices stay for the CPU side of a test.
+os.environ.setdefault("JAX_PLATFORMS", os.environ.get("SYSTOLIC_TEST_PLATFORMS", "cpu"))
+ON_CHIP = os.environ["JAX_PLATFORMS"] != "cpu"
+# SYSTOLIC_TEST_TPU_ON_CPU=1 runs the `tpu` tests on the CPU (the chip's side there too): a check of the tests
+# themselves while writing them, since the chip is lent rarely.
+TPU_ON_CPU = os.environ.get("SYSTOLIC_TEST_TPU_ON_CPU", "") not in ("", "0")
+if not ON_CHIP:
+    # Compile-only TPU devices (tpu_aot tests) touch no chip; without this, two test processes that load libtpu at
+    # once (pytest-xdist workers) fail on libtpu's /tmp/libtpu_lockfile. `engine.plan.devices_for` sets it for users.
+    # Not on the chip: one process holds it, and a second should fail at once rather than share it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Strict dtype promotion, as Equinox's tests run: mixing dtypes (a bf16 activation times an f32 weight, an int
 # index plus a float) is an error unless the code casts explicitly. The environment variable carries it into the
 # CLI subprocesses that the end-to-end tests start.
@@ -48,8 +57,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and platform != "gpu":
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
-        if "tpu" in item.keywords and platform != "tpu":
-            item.add_marker(pytest.mark.skip(reason="needs a TPU"))
+        if "tpu" in item.keywords and platform != "tpu" and not TPU_ON_CPU:
+            item.add_marker(pytest.mark.skip(reason="needs a TPU (on one: SYSTOLIC_TEST_PLATFORMS=tpu,cpu, as "
+                                                    "benchmarks/tpu.sh test sets)"))
 
 
 # SHARED LM HELPERS --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from systolic.observe.metrics import read_metrics
@@ -20,7 +21,12 @@ def plot_losses(run_dir: Path, out_name: str = "loss.png", key: str = "loss") ->
             values.append(value)
     if not series:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a machine without it (the lent TPU's image) still finishes the run
+        print(f"observe.plot: matplotlib is not installed, so {out_name} was not drawn (metrics.jsonl holds the "
+              "numbers; pip install matplotlib to draw it, or set observe.plot=false)", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hlo import int8_dots
 from tiny import LM_CLI_QUIET, MOE, TINY_LM
 
 from systolic import cli
@@ -226,21 +226,6 @@ def test_lora_fine_tune_of_a_float_run_with_quantized_projections(float_run, tmp
 
 
 # WHAT THE TPU COMPILER RUNS -----------------------------------------------------------------------------------
-
-# Each instruction of optimised HLO text: its name, element type, opcode and operands (printed by name only).
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \(?([a-z0-9]+)\[\S* ([a-z\-]+)\(([^)]*)\)", re.M)
-
-
-def int8_dots(hlo: str) -> int:
-    """How many dots (or the convolutions XLA:TPU makes of them) multiply two int8 operands."""
-    found = INSTRUCTION.findall(hlo)
-    types = {name: dtype for name, dtype, _, _ in found}
-    count = 0
-    for _, _, opcode, operands in found:
-        names = [o.strip().lstrip("%") for o in operands.split(",")]
-        count += opcode in ("dot", "convolution") and [types.get(n) for n in names[:2]] == ["s8", "s8"]
-    return count
-
 
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

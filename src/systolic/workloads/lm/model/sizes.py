@@ -21,6 +21,11 @@ from systolic.workloads.lm.model.flops import attention_params, lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
 GRAD_BYTES = 4  # a float32 gradient per trained parameter
+# What to change when a train step does not fit: this bound's refusal, the compiled step's (engine/fit.py), a plan's.
+MEMORY_FIX = ("set model.remat=full (recompute activations in the backward pass), lower train.batch_size to the largest "
+              "that fits (`systolic plan lm --target <slice> --search` finds it; or raise train.grad_accum), use more "
+              "chips (a larger mesh.fsdp), keep the optimizer's moments in bfloat16 (optim.moment_dtype=bfloat16), "
+              "or shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.lora.rank).")
 
 
 def param_count(cfg: ModelConfig, vocab: int) -> int:
@@ -74,8 +79,5 @@ def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> No
               f"vocabulary {vocab:,}{f', model.moe.experts={m.moe.experts}' if m.moe.experts else ''}; float32 "
               f"parameters and gradients, {cfg.optim.moment_dtype} optimizer moments, and a micro-batch's activations "
               "kept for the backward pass)"),
-        fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size, "
-             "model.lora.rank) or train.batch_size (or raise train.grad_accum), set model.remat=full or "
-             "optim.moment_dtype=bfloat16, or use more devices (`systolic plan lm --target ... --search` sizes a "
-             "target)."),
+        fix=MEMORY_FIX,
     )

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# systolic on one TPU v5e chip, in parts (benchmarks/tpu_bench.py holds the rows and the budgets):
+#   test   `pytest -m tpu` (tests/tpu/: splash against XLA attention, 50 steps against the CPU's, checkpoints across
+#          platforms and a bit-exact resume, an int8 x int8 train step), one process
+#   train  `systolic bench lm` rows: gpt2-124m, llama-1b cut to 8 layers, llama-1b-v5e; step time, tokens/s, MFU
+#          against the 197 TFLOP/s bf16 data sheet, compile time
+#   serve  benchmarks/serve_engine.py on llama-1b in bfloat16 at 16 and 64 requests in flight
+#   rl     `systolic train rl --recipe rl-cartpole`: environment steps/s
+#   sim    `systolic simulate --recipe sim-taylor-green` in float32 on 512^2: solver steps/s
+# Default: all five in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
+# within its own budget, and a row that would start with too little left says "skipped: budget".
+#
+# It needs this tree, the machine's python3 3.11 with jax 0.10.2 and libtpu (PYTHONPATH names their folder: this
+# appends to it), and the wheels that benchmarks/tpu-wheels.sh downloads into .whl-tpu/: when that holds wheels they
+# are installed into $SYSTOLIC_TPU_SH_SITE (default /tmp/site) with no registry. matplotlib and seaborn (gymnax
+# imports them) come from the machine's own index when it has one. systolic runs from src/ (no pip install).
+# JAX's persistent compilation cache is .jax-cache/ (ignored; carry it to reuse compiles from an earlier call).
+# Prints the table; in $OUT (default /tmp/tpu-bench): tpu-bench.txt, tpu-bench.jsonl, tpu-bench.log, pytest.xml,
+# serve-engine.jsonl. Exit code 2 when JAX sees no TPU, 1 when a row failed.
+#
+#   bash benchmarks/tpu-wheels.sh                       # first, here, where the registry is reachable
+#   bash benchmarks/tpu.sh test train                   # on the TPU machine
+#   SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh    # anywhere: the same pipeline, tiny models on CPU
+#
+# With the device tool (a session lent a tpu-v5e), after `bash benchmarks/tpu-wheels.sh` in the root of the
+# session's own checkout (the one the tool sends):
+#   run(command="bash benchmarks/tpu.sh test train", carry=[".whl-tpu", ".jax-cache"], timeout_s=600)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SITE=${SYSTOLIC_TPU_SH_SITE:-/tmp/site}
+if compgen -G ".whl-tpu/*.whl" >/dev/null; then
+  # Appended: the machine's own jax, jaxlib and numpy stay first.
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" .whl-tpu/*.whl
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
+fi
+if ! "$PY" -c "import matplotlib, seaborn" 2>/dev/null && [ -d /opt/pypi/simple ]; then
+  # The machine's own index (KINDS.md), into a folder of its own, appended last so that numpy stays the machine's.
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
+    --index-url file:///opt/pypi/simple --target "$SITE-index" matplotlib seaborn \
+    && export PYTHONPATH="$PYTHONPATH:$SITE-index" || echo "tpu.sh: matplotlib and seaborn did not install from /opt/pypi"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${SYSTOLIC_TPU_SH_DRY_RUN:-}" ]; then
+  # CPU programs stay out of .jax-cache/, which a call to the chip may carry (64 MiB in all).
+  export JAX_PLATFORMS=cpu SYSTOLIC_COMPILE_CACHE=${SYSTOLIC_COMPILE_CACHE:-${TMPDIR:-/tmp}/systolic-tpu-sh-dry-xla}
+fi
+export SYSTOLIC_COMPILE_CACHE=${SYSTOLIC_COMPILE_CACHE:-$PWD/.jax-cache}
+exec "$PY" benchmarks/tpu_bench.py "$@"

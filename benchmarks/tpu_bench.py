@@ -1,0 +1,216 @@
+"""The parts of `benchmarks/tpu.sh` on one TPU v5e chip, one program on the chip at a time: the `tpu` tests, the
+training rows (step time, tokens/s and MFU of `systolic bench lm`), the inference engine's tokens/s, PPO's and the
+spectral solver's throughput. tpu.sh installs the carried wheels and sets PYTHONPATH before it runs this.
+
+    bash benchmarks/tpu.sh [test|train|serve|rl|sim ...]    # default: all five, in that order
+    SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh         # anywhere: the same parts, tiny models on CPU
+
+One command on the lent machine may run 10 minutes: the parts share a budget of SYSTOLIC_TPU_SH_BUDGET_S (default
+480 s), each part at most its own (PART_BUDGET_S), so any one part, or `test train`, ends inside it. A row that
+would start with too little left is reported "skipped: budget". MFU is against the data sheet's 197 TFLOP/s bf16
+peak of a v5e ('TPU v5 lite' in observe/peak_flops.py; an 8192^3 bf16 matmul measured 181 there, 2026-12-06).
+Output in $OUT (default /tmp/tpu-bench): tpu-bench.txt (the table), tpu-bench.jsonl (one line per row),
+tpu-bench.log (every process's output), pytest.xml (the tests, with their measured errors as properties),
+serve-engine.jsonl: five files of the eight that come back.
+
+Exit codes: 0 every row that ran succeeded; 1 a row failed (the table and the log say which); 2 JAX sees no TPU
+(and no dry run was asked for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_rows import Row, error_line, format_table, preflight, run_bench_row, run_command  # sys.path[0]
+
+DRY_RUN_ENV = "SYSTOLIC_TPU_SH_DRY_RUN"
+BUDGET_ENV = "SYSTOLIC_TPU_SH_BUDGET_S"
+TOTAL_S = 480.0  # of a command's 10 minutes; the rest: the wheels' install, matplotlib's from the machine's index
+PARTS = ("test", "train", "serve", "rl", "sim")
+PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 300.0, "rl": 180.0, "sim": 150.0}
+MIN_ROW_S = 60.0  # a row never starts with less: opening the chip takes ~15 s and a compile tens of seconds
+PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "grain", "qwix", "gymnax", "matplotlib",
+            "numpy")
+
+# The training rows, in order (the lead tunes them: batch sizes, steps, timeouts). Measured on the chip 2026-12-06
+# (NOTES-jax-stack.md): gpt2-124m 32 x 1024 46.7% MFU, 284 ms a step, 52 s compile; llama-1b cut to 8 layers,
+# 4 x 2048, remat=dots 40.4%; 8 x 2048 with remat=dots ran out of the chip's 15.75 GiB. batch_size None: the
+# recipe's own.
+TRAIN_ROWS = (
+    Row("gpt2-124m", "gpt2-124m", batch_size=32, seq_len=1024, steps=20, attention="splash", scan_layers=False,
+        timeout_s=180),
+    Row("llama-1b 8 layers", "llama-1b", batch_size=4, seq_len=2048, steps=10, attention="splash", scan_layers=True,
+        timeout_s=200, extra=("model.layers=8", "model.remat=dots")),
+    # The whole model in 15.75 GiB: bf16 optimizer moments (the recipe, added in its own change).
+    Row("llama-1b-v5e", "llama-1b-v5e", batch_size=None, seq_len=2048, steps=5, attention="splash",
+        scan_layers=True, timeout_s=240),
+)
+SERVE = ["--recipe", "llama-1b", "--dtype", "bfloat16", "--levels", "16,64", "--output", "128"]  # warm-up ~144 s
+SERVE_DRY = ["--levels", "1,4", "--prompt", "32", "--output", "16", "--max-seqs", "4",  # its 4 x 256 model
+             "--max-tokens-per-step", "64"]
+# PPO on CartPole as recipe'd (8 seeds); the solver in float32 (the chip has no float64 FFT) on a 512^2 grid.
+RL = ["--recipe", "rl-cartpole", "observe.plot=false"]
+RL_DRY = ["rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
+          "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40"]
+SIM = ["--recipe", "sim-taylor-green", "sim.dtype=float32", "grid.n=512", "output.images=false", "observe.plot=false"]
+SIM_DRY = ["grid.n=32", "output.frames=4"]
+THROUGHPUT = re.compile(r"throughput: ([\d,.]+) ([^;]+); [^;]* ([\d.]+) s; wall time ([\d.]+) s")
+
+
+def main(argv: list[str]) -> int:
+    parts = argv or list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        print(f"tpu_bench: no part {unknown[0]!r}; the parts: {', '.join(PARTS)} (default: all, in that order).",
+              file=sys.stderr)
+        return 2
+    dry_run = os.environ.get(DRY_RUN_ENV, "") not in ("", "0", "false")
+    out_dir = Path(os.environ.get("OUT") or "/tmp/tpu-bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + float(os.environ.get(BUDGET_ENV, TOTAL_S))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    info = preflight(env, PACKAGES, "run benchmarks/tpu-wheels.sh where a registry is reachable and carry .whl-tpu; "
+                     "tpu.sh installs it.")
+    if info is None:
+        return 1
+    if info["backend"] != "tpu" and not dry_run:
+        print(f"tpu_bench: JAX sees no TPU (backend {info['backend']!r}, devices {info['devices']}). Fix: run it on "
+              f"the TPU machine, with JAX_PLATFORMS unset or tpu,cpu; or set {DRY_RUN_ENV}=1 to check the wiring on "
+              "CPU with tiny models.", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(f"{DRY_RUN_ENV}: tiny models on {info['backend']}, XLA attention where the chip takes splash; the "
+              "figures mean nothing")
+    files = {name: out_dir / f"tpu-bench.{name}" for name in ("jsonl", "txt", "log")}
+    records: list[dict] = []
+    with open(files["jsonl"], "w", encoding="utf-8") as jf, open(files["log"], "w", encoding="utf-8") as lf:
+        jf.write(json.dumps({"kind": "env", "dry_run": dry_run, "parts": parts, **info}) + "\n")
+        for part in parts:
+            part_end = min(deadline, time.monotonic() + PART_BUDGET_S[part])
+            for record in PART_RUNNERS[part](dry_run, env, part_end, lf, out_dir):
+                records.append({"part": part, **record})
+                jf.write(json.dumps(records[-1]) + "\n")
+                jf.flush()
+                print(f"  {part} {record['row']}: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
+    table = report(records)
+    print(table)
+    files["txt"].write_text(table + "\n", encoding="utf-8")
+    print(f"in {out_dir}: " + ", ".join(sorted(p.name for p in out_dir.iterdir())))
+    return 1 if any(r["status"] not in ("ok", "skipped") for r in records) else 0
+
+
+def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+    """`pytest -m tpu` in one process (one program holds the chip); SYSTOLIC_TEST_PLATFORMS=tpu,cpu keeps
+    tests/conftest.py from pinning JAX to the CPU. Collection errors (a test module importing what the machine
+    lacks) do not stop the tests that were collected."""
+    where = os.environ.get("SYSTOLIC_TPU_SH_TESTS", "tests/")
+    cmd = [sys.executable, "-m", "pytest", "-m", "tpu", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", f"--junitxml={out_dir / 'pytest.xml'}", where]
+    test_env = env if dry_run else dict(env, SYSTOLIC_TEST_PLATFORMS="tpu,cpu")
+    row = {"row": f"pytest -m tpu {where}", "command": " ".join(cmd[1:])}
+    left_s = part_end - time.monotonic()
+    if left_s < MIN_ROW_S:
+        yield {**row, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+        return
+    status, _, wall_s = run_command(cmd, test_env, left_s, log, "test")
+    output = Path(log.name).read_text(encoding="utf-8").rpartition("=== test: ")[2]
+    found = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|deselected|errors?)\b.*?) ?=*$", output, re.M)
+    summary = found[-1] if found else "no summary line (see tpu-bench.log)"
+    # A test module that imports what the machine lacks is a collection error ("ERROR tests/x.py"), which fails the
+    # run but not a `tpu` test: such a run counts as ok, and says so.
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    if status == "failed" and failures and all("::" not in f for f in failures):
+        status, summary = "ok", f"{summary}; {len(failures)} test modules did not import (tpu-bench.log)"
+    yield {**row, "status": status, "summary": summary, "error": summary, "wall_s": wall_s}
+
+
+def run_train(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+    # Cold compiles are the figure: the rows do not read the persistent cache that the other parts use.
+    bench_env = dict(env, SYSTOLIC_COMPILE_CACHE="off")
+    for row in TRAIN_ROWS:
+        yield run_bench_row(row, dry_run, bench_env, part_end - time.monotonic(), MIN_ROW_S, log, platform="tpu")
+
+
+def run_serve(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+    jsonl = out_dir / "serve-engine.jsonl"
+    args = SERVE_DRY if dry_run else SERVE
+    cmd = [sys.executable, "benchmarks/serve_engine.py", *args, "--json", str(jsonl)]
+    before = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
+    record = {"row": "llama-1b bfloat16" if not dry_run else "4 x 256 llama float32", "command": " ".join(cmd[1:])}
+    left_s = part_end - time.monotonic()
+    if left_s < MIN_ROW_S:
+        yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+        return
+    status, out, wall_s = run_command(cmd, env, left_s, log, "serve")
+    levels = [json.loads(line) for line in jsonl.read_text().splitlines()[before:]] if jsonl.exists() else []
+    yield {**record, "status": status, "error": "" if status == "ok" else out, "levels": levels, "wall_s": wall_s}
+
+
+def run_cli(part: str, label: str, argv: list[str], dry: list[str], imports: str | None):
+    """A part that runs the real CLI (`systolic train rl`, `systolic simulate`) and reads its `throughput:` line;
+    skipped with the reason when `imports` (a module the workload needs) does not import."""
+
+    def run(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+        with tempfile.TemporaryDirectory(prefix=f"tpu-bench-{part}-") as run_dir:
+            cmd = [sys.executable, "-m", "systolic", *argv, *(dry if dry_run else []), "--run-dir", run_dir]
+            record = {"row": label, "command": " ".join(cmd[1:])}
+            if imports:
+                check = subprocess.run([sys.executable, "-c", f"import {imports}"], capture_output=True, text=True,
+                                       env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+                if check.returncode != 0:
+                    yield {**record, "status": "skipped", "wall_s": 0.0,
+                           "error": f"import {imports}: {error_line(check.stderr)}"}
+                    return
+            left_s = part_end - time.monotonic()
+            if left_s < MIN_ROW_S:
+                yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+                return
+            status, out, wall_s = run_command(cmd, env, left_s, log, part)
+            found = THROUGHPUT.search(out) if status == "ok" else None
+            measured = {"throughput": float(found[1].replace(",", "")), "unit": found[2], "compile_s": float(found[3]),
+                        "run_wall_s": float(found[4])} if found else {}
+            yield {**record, **measured, "status": status, "error": "" if status == "ok" else out, "wall_s": wall_s}
+
+    return run
+
+
+PART_RUNNERS = {"test": run_tests, "train": run_train, "serve": run_serve,
+                "rl": run_cli("rl", "rl-cartpole", ["train", "rl", *RL], RL_DRY, imports="gymnax"),
+                "sim": run_cli("sim", "sim-taylor-green float32", ["simulate", *SIM], SIM_DRY, imports=None)}
+
+
+def report(records: list[dict]) -> str:
+    """The training rows' table, then one line per other row (and per serving level)."""
+    lines = []
+    train = [r for r in records if r["part"] == "train"]
+    if train:
+        lines.append(format_table(train))
+    for r in records:
+        if r["part"] == "train":
+            continue
+        head = f"{r['part']:<6} {r['row']}"
+        if r["status"] != "ok":
+            lines.append(f"{head}: {r['status'].upper()}: {r['error']}")
+        elif r["part"] == "test":
+            lines.append(f"{head}: {r['summary']}")
+        elif r["part"] == "serve":
+            lines.append(f"{head}: ok in {r['wall_s']:.0f} s")
+            lines += [f"  {x['in_flight']:>3} in flight: {x['tok_s']:,.0f} output tok/s, TTFT p50 {x['ttft_p50_ms']:.0f} "
+                      f"ms, TPOT p50 {x['tpot_p50_ms']:.1f} ms" for x in r["levels"]]
+        elif "throughput" in r:
+            lines.append(f"{head}: {r['throughput']:,.0f} {r['unit']}, first (compile) {r['compile_s']:.1f} s, run "
+                         f"{r['run_wall_s']:.1f} s")
+        else:
+            lines.append(f"{head}: ok, no throughput line (see tpu-bench.log)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""benchmarks/tpu.sh without a chip: its dry run (SYSTOLIC_TPU_SH_DRY_RUN=1) runs every part's wiring on CPU with tiny
+models, as the chip runs them; without the dry run it refuses a machine where JAX sees no TPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tpu_sh(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), SYSTOLIC_TPU_SH_SITE=str(tmp_path / "site"),
+               SYSTOLIC_TPU_SH_TESTS="tests/tpu", **env)  # the test part collects tests/tpu alone: quicker
+    return subprocess.run(["bash", "benchmarks/tpu.sh", *parts], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=900)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part(tmp_path: Path):
+    proc = tpu_sh(tmp_path, SYSTOLIC_TPU_SH_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "pytest.xml", "serve-engine.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of the 8 allowed
+    env, *rows = [json.loads(line) for line in (out / "tpu-bench.jsonl").read_text().splitlines()]
+    assert env["dry_run"] and env["backend"] == "cpu" and env["parts"] == ["test", "train", "serve", "rl", "sim"]
+    status = {(r["part"], r["row"]): r["status"] for r in rows}
+    assert status.pop(("train", "llama-1b-v5e")) in ("ok", "skipped")  # skipped: "recipe not found" until it lands
+    assert set(status.values()) == {"ok"}, status
+    train = [r for r in rows if r["part"] == "train" and r["status"] == "ok"]
+    assert all(r["step_time_s"] > 0 and r["mfu"] > 0 and r["attention"] == "xla" for r in train)
+    (serve,) = [r for r in rows if r["part"] == "serve"]
+    assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
+    assert all(r["throughput"] > 0 for r in rows if r["part"] in ("rl", "sim"))
+    table = (out / "tpu-bench.txt").read_text()
+    assert table in proc.stdout and "gpt2-124m" in table and "environment steps/s" in table
+
+
+def test_without_a_tpu_it_says_so_and_exits_2(tmp_path: Path):
+    proc = tpu_sh(tmp_path, "train", JAX_PLATFORMS="cpu")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "JAX sees no TPU" in proc.stderr and "SYSTOLIC_TPU_SH_DRY_RUN=1" in proc.stderr
