@@ -1,5 +1,5 @@
-"""optim/adamw.py's `scale_by_adam`: optax's numbers with float32 moments, a float64 NumPy Adam's within bfloat16
-rounding with bfloat16 moments; and Muon's momentum in bfloat16."""
+"""optim/adamw.py's `scale_by_adam`: optax's numbers with the moments stored as the parameters, a float64 NumPy
+Adam's within bfloat16 rounding with bfloat16 moments; and Muon's momentum in bfloat16."""
 
 import jax
 import jax.numpy as jnp
@@ -36,25 +36,32 @@ def adam_reference(grads: list[dict]) -> tuple[list[dict], dict, dict, dict]:
     return steps, mu, nu, {"mu": mu_sum, "nu": nu_sum}
 
 
-def run(tx, grads: list[dict]) -> tuple[list[dict], object]:
-    as32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)  # noqa: E731
-    state = tx.init(as32(grads[0]))
+def run(tx, grads: list[dict], dtype=jnp.float32) -> tuple[list[dict], object]:
+    cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)  # noqa: E731
+    state = tx.init(cast(grads[0]))
     update = jax.jit(tx.update)
     steps = []
     with jax.numpy_dtype_promotion("standard"):
         for g in grads:
-            step, state = update(as32(g), state)
+            step, state = update(cast(g), state)
             steps.append(jax.tree.map(lambda x: np.asarray(x, np.float64), step))
     return steps, state
 
 
-def test_float32_moments_are_optax_adam_bit_for_bit():
-    """With float32 moments the transform is optax.scale_by_adam: same steps, same state tree (so older
-    checkpoints, saved by optax.adamw, restore)."""
-    grads = gradients()
-    ours, ours_state = run(scale_by_adam(b1=B1, b2=B2, eps=EPS, moment_dtype=jnp.float32), grads)
-    theirs, theirs_state = run(optax.scale_by_adam(b1=B1, b2=B2, eps=EPS), grads)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_moments_as_the_parameters_are_optax_adam_bit_for_bit(dtype):
+    """With the moments stored as the parameters (float32 for the lm; float64 for `fit sim` under x64) the transform
+    is optax.scale_by_adam: same steps, same state tree (so older checkpoints, saved by optax.adamw, restore)."""
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", dtype == "float64")
+    try:
+        grads = gradients()
+        ours, ours_state = run(scale_by_adam(b1=B1, b2=B2, eps=EPS), grads, dtype)
+        theirs, theirs_state = run(optax.scale_by_adam(b1=B1, b2=B2, eps=EPS), grads, dtype)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
     assert jax.tree.structure(ours_state) == jax.tree.structure(theirs_state)
+    assert {x.dtype for x in jax.tree.leaves((ours_state.mu, ours_state.nu))} == {np.dtype(dtype)}
     for a, b in zip(jax.tree.leaves((ours, ours_state)), jax.tree.leaves((theirs, theirs_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -75,8 +75,10 @@ def scale_by_adam(*, b1: float, b2: float, eps: float, moment_dtype: Any = None)
         mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * up(m, g), updates, state.mu)
         nu = jax.tree.map(lambda g, v: (1 - b2) * jnp.square(g) + b2 * up(v, g), updates, state.nu)
         count = optax.safe_increment(state.count)
-        # Bias corrections in float32: b ** count in bfloat16 would round to 1 (and divide by 0) within a few steps.
-        c1, c2 = (1 - jnp.asarray(b, jnp.float32) ** count.astype(jnp.float32) for b in (b1, b2))
+        # Bias corrections in the default float (float32; float64 under x64, as optax's): b ** count in bfloat16
+        # would round to 1 (and divide by 0) within a few steps.
+        real = jnp.result_type(float)
+        c1, c2 = (1 - jnp.asarray(b, real) ** count.astype(real) for b in (b1, b2))
         steps = jax.tree.map(lambda m, v: (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype)) + eps), mu, nu)
         return steps, optax.ScaleByAdamState(count=count, mu=jax.tree.map(lambda m, o: m.astype(o.dtype), mu, state.mu),
                                              nu=jax.tree.map(lambda v, o: v.astype(o.dtype), nu, state.nu))

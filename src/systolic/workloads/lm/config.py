@@ -50,14 +50,16 @@ class LMOptimConfig(OptimConfig):
     def _check_bfloat16_decays(self) -> None:
         """A bfloat16 moment keeps 8 significant bits: times a decay above 1 - 2^-8, some moments round back to
         themselves (every one, above 1 - 2^-9, e.g. b2=0.999), so they would stop forgetting old gradients."""
-        decays = {"b1": self.b1, "b2": self.b2, **({"muon_momentum": self.muon_momentum} if self.name == "muon" else {})}
+        decays = {"b1": self.b1, "b2": self.b2}
+        if self.name == "muon":
+            decays["muon_momentum"] = self.muon_momentum
         slow = {k: v for k, v in decays.items() if v > BFLOAT16_MAX_DECAY}
         if self.moment_dtype == "bfloat16" and slow:
             raise ConfigError(
                 f"optim.moment_dtype=bfloat16 with {', '.join(f'optim.{k}={v}' for k, v in slow.items())}: a bfloat16 "
                 f"moment times a decay above {BFLOAT16_MAX_DECAY:.4f} (1 - 2^-8) can round back to itself (it keeps 8 "
-                "significant bits), so it would stop forgetting old gradients. Fix: keep the moments in float32 (optim.moment_dtype=float32), or use "
-                f"decays of at most {BFLOAT16_MAX_DECAY:.4f}, e.g. optim.b2=0.95."
+                "significant bits), so it would stop forgetting old gradients. Fix: keep the moments in float32 "
+                f"(optim.moment_dtype=float32), or use decays of at most {BFLOAT16_MAX_DECAY:.4f}, e.g. optim.b2=0.95."
             )
 
 
