@@ -32,8 +32,7 @@ def moments(opt_state) -> list[jax.Array]:
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_bfloat16_moments_are_sharded_as_their_parameters_and_compile_once(tiny_lm, name):
     """On fsdp=4 x tensor=2 every moment is bfloat16 and split as its parameter; three steps compile once and
-    their losses stay within bfloat16 rounding of float32 moments' (the first step's are equal: the moments start
-    at zero)."""
+    their losses stay within bfloat16 rounding of float32 moments'."""
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
     prepared, state, losses = tiny_lm.run_steps(tiny_lm.make_cfg(f"optim.name={name}", BF16), mesh, 3)
     _, state32, losses32 = tiny_lm.run_steps(tiny_lm.make_cfg(f"optim.name={name}"), mesh, 3)
@@ -45,8 +44,10 @@ def test_bfloat16_moments_are_sharded_as_their_parameters_and_compile_once(tiny_
     for a, b in zip(found, moments(state32.opt_state)):
         assert a.sharding == b.sharding
     assert prepared.task.train_step._cache_size() == 1
-    assert losses[0] == losses32[0] and losses[1:] != losses32[1:]
     np.testing.assert_allclose(losses, losses32, rtol=1e-3)
+    # The rounding acted: the parameters after the steps differ from float32 moments' (the losses may not yet).
+    pairs = zip(jax.tree.leaves(state.params), jax.tree.leaves(state32.params))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
 
 
 def train_and_save(tiny_lm, cfg, mesh, directory):
