@@ -63,7 +63,7 @@ def measure(shape, impl: str, tiles: SplashTiles | None) -> float:
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     if tiles is None:
         return time_call(step, q, k, v)
-    with mock.patch.object(splash_blocks, "tiles_for", lambda head_dim: tiles):
+    with mock.patch.object(splash_blocks, "tiles_for", lambda head_dim, seq_len: tiles):
         return time_call(step, q, k, v)
 
 
@@ -87,12 +87,12 @@ def main() -> int:
             except Exception as e:  # a tile set the kernel refuses, or out of memory: a row, not the end
                 row = dict(shape=shape[0], tiles=label, error=str(e).splitlines()[0][:200])
             rows.append(row)
+            if args.json:  # row by row: a run cut short by its time limit keeps what it measured
+                with open(args.json, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"kind": "splash_tiles", **row}) + "\n")
             print(f"{row['shape']:<20} {label:<26} " + (f"{row['ms']:8.2f} ms {row['tflops']:6.1f} TFLOP/s"
                                                        if "ms" in row else f"failed: {row['error']}"), flush=True)
             jax.clear_caches()
-    if args.json:
-        with open(args.json, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"kind": "splash_tiles", **r}) + "\n" for r in rows)
     return 0
 
 

@@ -34,7 +34,7 @@ import jax
 
 from systolic.plan import hlo_collectives
 from systolic.plan import hlo_text
-from systolic.plan.targets import PRICES_DATED, Target
+from systolic.plan.targets import CALIBRATIONS, PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime import memory as memory_lib
 from systolic.runtime.memory import size_text
@@ -102,11 +102,15 @@ class Plan:
     hbm_s: float | None
     ici_s: float | None
     dcn_s: float | None  # 0 for one slice
-    step_time_s: float | None
+    step_time_s: float | None  # the roofline: a lower bound
     bound: str | None
-    items_per_s: float | None
-    mfu: float | None
+    items_per_s: float | None  # at the expected step time where the chip is calibrated, else the roofline's
+    mfu: float | None  # at the roofline
     mfu_note: str | None
+    # the roofline times the chip's measured factor for its bound (targets.CALIBRATIONS); None: no calibration
+    expected_step_time_s: float | None
+    expected_mfu: float | None
+    calibration: str | None  # the factor and where it came from
     # training cost
     peak_flops_per_chip: float
     price_per_chip_hour: float
@@ -169,6 +173,9 @@ def devices_for(target: Target) -> list[Any]:
     """The devices to build the target's mesh from: libtpu's compile-only devices of the topology, or this
     process's (fake CPU) devices for a GPU target."""
     if target.chip.platform == "tpu":
+        local = jax.devices() if jax.default_backend() == "tpu" else []
+        if len(local) == target.chips and all(d.device_kind == target.chip.name for d in local):
+            return local  # planning on the chips it plans for: the same compiler, and no second libtpu client
         require_libtpu()
         from jax.experimental import topologies
 
@@ -285,8 +292,9 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
         mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
                     "formula's count")
     peak_bytes = memory_lib.program_bytes(memory)
+    expected_s, calibration = _calibrated(chip.name, step_s, bound)
     steps = train_items / program.items_per_step if train_items else None
-    wall = steps * step_s if steps else None
+    wall = steps * (expected_s or step_s) if steps else None
     chip_hours = wall / 3600 * target.chips if wall else None
     fits = peak_bytes <= chip.hbm_bytes
     return Plan(**common, fits=fits, fix=None if fits else program.memory_fix, output_bytes=int(memory.output_size_in_bytes),
@@ -296,10 +304,22 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 hbm_bytes_accessed_raw=raw_bytes, hbm_bytes_accessed_per_step=step_bytes,
                 collectives={k: dataclasses.asdict(c) for k, c in collectives.items()},
                 compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s, step_time_s=step_s, bound=bound,
-                items_per_s=program.items_per_step / step_s if step_s else None,
+                items_per_s=program.items_per_step / (expected_s or step_s) if step_s else None,
                 mfu=(formula or flops) / (step_s * peak * target.chips) if step_s else None,
+                expected_step_time_s=expected_s, calibration=calibration,
+                expected_mfu=(formula or flops) / (expected_s * peak * target.chips) if expected_s else None,
                 mfu_note=mfu_note, train_steps=steps, train_wall_s=wall, train_chip_hours=chip_hours,
                 train_cost_usd=chip_hours * price if chip_hours else None)
+
+
+def _calibrated(chip: str, roofline_s: float, bound: str) -> tuple[float | None, str | None]:
+    """(expected step time, what it rests on): the roofline times the chip's measured factor for `bound`; (None,
+    None) for a chip never measured, or a bound with no factor (interconnect, data-center network)."""
+    factors = CALIBRATIONS.get(chip)
+    factor = None if factors is None else {"compute": factors.compute, "HBM bandwidth": factors.hbm}.get(bound)
+    if factor is None:
+        return None, None
+    return roofline_s * factor, f"x {factor:.2f}, the {chip}'s measured step time over its {bound} roofline ({factors.source})"
 
 
 def _unfit(common: dict[str, Any], *, peak_bytes: int, out_of_memory: str | None, fix: str,
@@ -310,7 +330,8 @@ def _unfit(common: dict[str, Any], *, peak_bytes: int, out_of_memory: str | None
                 xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
                 hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
                 collectives={}, compute_s=None, hbm_s=None, ici_s=None, dcn_s=None, step_time_s=None, bound=None,
-                items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
+                items_per_s=None, mfu=None, mfu_note=None, expected_step_time_s=None, expected_mfu=None,
+                calibration=None, train_steps=None, train_wall_s=None,
                 train_chip_hours=None, train_cost_usd=None)
 
 
@@ -400,9 +421,14 @@ def format_plan(plan: Plan) -> str:
                                    f"HBM {ms_text(plan.hbm_s)}, ICI {ms_text(plan.ici_s)}"
                                    + (f", DCN {ms_text(plan.dcn_s)}" if plan.dcn_s else "")
                                    + "; perfect overlap: a lower bound)"),
-            ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"),
+            ("expected step time", f"{ms_text(plan.expected_step_time_s)}, the roofline {plan.calibration}"
+             if plan.expected_step_time_s else "no measurement of this chip: the roofline alone (a lower bound)"),
+            ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"
+             + (" (expected)" if plan.expected_step_time_s else " (roofline)")),
             ("roofline MFU", f"{100 * plan.mfu:.1f}%" + (f": {plan.mfu_note}" if plan.mfu_note else "")),
         ]
+        if plan.expected_mfu:
+            rows.append(("expected MFU", f"{100 * plan.expected_mfu:.1f}%"))
         if plan.train_items:
             rows.append((f"train {plan.train_items:.3g} {plan.item_unit}",
                          f"{plan.train_steps:,.0f} steps, {_duration(plan.train_wall_s)}, {plan.train_chip_hours:,.3g} "

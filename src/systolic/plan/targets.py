@@ -39,14 +39,34 @@ class Chip:
         return {"NVIDIA A100": 19.5e12, "NVIDIA H100": 67e12, "NVIDIA H200": 67e12}.get(self.name, self.peak_bf16_flops / 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How much longer a step took on a real chip than the roofline said, by what bounds the roofline: the roofline
+    takes every matmul at the data sheet's peak and every byte at full bandwidth, and takes no time for a Pallas
+    kernel's softmax or the optimizer's passes, so it is a lower bound. The expected step time is the roofline
+    times the factor of its bound."""
+
+    compute: float  # measured / roofline, compute-bound rows
+    hbm: float  # measured / roofline, HBM-bound rows
+    source: str  # the rows, command and date behind the factors
+
+
 GiB = 2**30
+# By chip name. Chips without a row plan at the roofline alone (and say so).
+CALIBRATIONS: dict[str, Calibration] = {
+    "TPU v5 lite": Calibration(compute=1.90, hbm=1.69, source=(
+        "systolic bench lm on the lent v5e chip against plan --target v5e-1, 2026-12-06: llama-1b (16 layers, "
+        "remat=full, bf16 moments) 623 ms vs 320 compute roofline; llama-1b/8 layers 4 x 2048 dots 257 ms; gpt2-124m "
+        "32 x 1024 281 ms vs 166 HBM roofline (docs/planning.md, 'The planner against the chip')")),
+}
 CHIPS: dict[str, Chip] = {
     # https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 or int8); https://cloud.google.com/tpu/pricing
     "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 275e12, 1200e9, 2400e9 / 8, 6.25e9, 3.22,
                "cloud.google.com/tpu/docs/v4 (ICI 2400 Gbps), tpu/pricing"),
     # https://cloud.google.com/tpu/docs/v5e: 16 GB, 819 GB/s, 394 int8 TOP/s, ICI 1600 Gbps, 2 x 100 Gbps NICs per
-    # 8-chip host
-    "v5e": Chip("TPU v5 lite", "tpu", 16 * GiB, 197e12, 394e12, 819e9, 1600e9 / 8, 200e9 / 8 / 8, 1.20,
+    # 8-chip host. Memory: the 15.75 GiB that the compiler allows a program on the chip ("exceeds available HBM
+    # (15.75G)", and memory_stats' bytes_limit on the lent chip, 2026-12-06), of the data sheet's 16.
+    "v5e": Chip("TPU v5 lite", "tpu", 15.75 * GiB, 197e12, 394e12, 819e9, 1600e9 / 8, 200e9 / 8 / 8, 1.20,
                 "cloud.google.com/tpu/docs/v5e, tpu/pricing"),
     # https://cloud.google.com/tpu/docs/v5p: 95 GB, 2765 GB/s, 918 int8 TOP/s, ICI 4800 Gbps
     "v5p": Chip("TPU v5", "tpu", 95 * GiB, 459e12, 918e12, 2765e9, 4800e9 / 8, 6.25e9, 4.20,

@@ -229,7 +229,7 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
 def splash_block_sizes(seq_len: int, head_dim: int) -> splash.BlockSizes:
     """The splash kernel's blocks for sequences of seq_len: the chip's tuned tiles (lm/model/splash_blocks.py), each
     cut to one that divides seq_len."""
-    tiles = splash_blocks.tiles_for(head_dim)
+    tiles = splash_blocks.tiles_for(head_dim, seq_len)
 
     def fit(tile: int, within: int) -> int:
         tile = min(tile, within)

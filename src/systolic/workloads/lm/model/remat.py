@@ -11,6 +11,8 @@ policy saves some of them and the backward pass recomputes the rest of the layer
                 up/gate projections run again (2 of its 3 matmuls: about +1/6 of a llama layer's FLOPs)
     attn        only the attention's q, k, v and output with its statistics: the attention kernel never runs again,
                 everything else does
+    context     only the attention's output and statistics: the kernel's forward never runs again (its backward
+                still reads q, k and v, which are recomputed: 3 thin matmuls)
     full        only the layer's input: the whole forward pass runs again (+1/3 of the FLOPs)
 
 The attention kernel's statistics matter on TPU: splash attention's backward needs the forward's output and log-sum-
@@ -29,7 +31,7 @@ CONTEXT = "context"  # the attention's output before its projection (B, T, H, hd
 ATTN_STATS = "attn_stats"  # the splash kernel's residuals: its output and log-sum-exp (splash's residual name)
 ATTN_OUT = "attn_out"  # the output projection (B, T, D): with it the MLP's input is an add away
 
-POLICIES = ("none", "dots", "except_mlp", "attn", "full")  # model.remat, most memory first
+POLICIES = ("none", "dots", "except_mlp", "attn", "context", "full")  # model.remat, most memory first
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:
@@ -47,5 +49,7 @@ def policy(setting: str) -> Callable[..., bool] | None:
         return names(QKV, CONTEXT, ATTN_STATS, ATTN_OUT)
     if setting == "attn":
         return names(QKV, CONTEXT, ATTN_STATS)
+    if setting == "context":
+        return names(CONTEXT, ATTN_STATS)
     assert setting == "full", setting  # "none" never reaches here: the layer is not wrapped
     return None
