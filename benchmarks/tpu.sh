@@ -35,7 +35,10 @@ if compgen -G ".whl-tpu/*.whl" >/dev/null; then
     --upgrade --target "$SITE" .whl-tpu/*.whl
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
 fi
-if ! "$PY" -c "import matplotlib, seaborn" 2>/dev/null && [ -d /opt/pypi/simple ]; then
+# Only the rl part needs them (gymnax imports both); the others start sooner without.
+needs_plots=0
+if [ $# -eq 0 ] || [[ " $* " == *" rl "* ]]; then needs_plots=1; fi
+if [ "$needs_plots" = 1 ] && ! "$PY" -c "import matplotlib, seaborn" 2>/dev/null && [ -d /opt/pypi/simple ]; then
   # The machine's own index (KINDS.md), into a folder of its own, appended last so that numpy stays the machine's.
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
     --index-url file:///opt/pypi/simple --target "$SITE-index" matplotlib seaborn \

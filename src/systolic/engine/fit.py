@@ -43,7 +43,12 @@ def compile_step(train_step: Any, state: Any, batch: Any, *, advice: str) -> Pro
 
 
 def check(step_memory: ProgramMemory, device: Any, advice: str) -> None:
-    """`DoesNotFit` when the compiled step's memory exceeds `device`'s (where its size is known)."""
+    """`DoesNotFit` when the compiled step's memory exceeds `device`'s (where its size is known). Not on a TPU: its
+    compiler checks the program's temporaries against the chip's memory itself (RESOURCE_EXHAUSTED, `out_of_memory`
+    here), and the analysis' sum overshoots the chip there: llama-1b cut to 8 layers at 8 x 2048 with
+    remat=except_mlp ran on the lent v5e with arguments 5.45 GiB + temporaries 12.66 GiB, 18.1 GiB of 15.75."""
+    if device.platform == "tpu":
+        return
     have = memory.device_bytes(device)
     need = step_memory.peak_bytes
     if have is None or need <= have[0]:
