@@ -29,3 +29,8 @@ def test_bench_reports_step_time_throughput_and_mfu():
     assert result["step_time_s"] > 0 and result["compile_s"] > 0
     assert result["items_per_s"] == 8 * 16 / result["step_time_s"]
     assert result["peak_source"] == "measured matmul" and 0 < result["mfu"] < 1
+    # The compiled step's memory per device (engine/fit.py), not the runtime's peak_bytes_in_use (none on CPU).
+    m = result["step_memory"]
+    assert result["peak_memory_bytes"] == (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] + m["temp_bytes"]
+                                           + m["code_bytes"])
+    assert m["alias_bytes"] > 0 and m["temp_bytes"] > 0 and 0 < result["peak_memory_bytes"] < 2**24

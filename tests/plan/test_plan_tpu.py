@@ -108,8 +108,9 @@ def test_an_oversized_config_does_not_fit_with_the_bytes_needed_and_no_traceback
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["fits"] is False and "RESOURCE_EXHAUSTED" in plan["out_of_memory"]
+    assert plan["fits"] is False and "RESOURCE_EXHAUSTED" in plan["out_of_memory"] and plan["precheck"] is False
     assert plan["peak_bytes"] > plan["hbm_bytes"]
+    assert "model.remat=full" in plan["fix"] and "--search" in plan["fix"]  # the same fix as the lower bound's
 
 
 def test_plan_json_carries_every_figure():

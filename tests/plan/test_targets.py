@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from systolic.plan import hlo_collectives
 from systolic.plan import hlo_text
 from systolic.plan import targets
-from systolic.plan.planner import needed_bytes
+from systolic.runtime.memory import needed_bytes
 from systolic.errors import UserError
 
 

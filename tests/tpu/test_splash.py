@@ -44,8 +44,11 @@ def _run(impl: str, device: jax.Device, arrays, ids, dtype: str):
     arrays = [jax.device_put(jnp.asarray(a, dtype), device) for a in arrays]
     ids = None if ids is None else jax.device_put(ids, device)
     # Standard promotion, as users run: jax's XLA attention adds float32 statistics to bfloat16 scores, and its
-    # backward pass is traced outside the forward's own `numpy_dtype_promotion("standard")`.
-    with jax.default_matmul_precision("highest"), jax.numpy_dtype_promotion("standard"):
+    # backward pass is traced outside the forward's own `numpy_dtype_promotion("standard")`. 'highest' only for
+    # float32: the splash kernel's bfloat16 dots refuse an fp32 contract precision (Mosaic: "Bad lhs type", seen on
+    # the chip), and bfloat16 operands take one pass anyway.
+    precision = "highest" if dtype == "float32" else "default"
+    with jax.default_matmul_precision(precision), jax.numpy_dtype_promotion("standard"):
         out, grads = _value_and_grads(impl)(*arrays, ids)
     return [np.asarray(x, np.float32) for x in (out, *grads)]
 

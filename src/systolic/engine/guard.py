@@ -1,8 +1,8 @@
 """The non-finite guard, once for every workload: a step whose checked metrics or new parameters are not finite
 is discarded inside the step, and the loop halts or skips on the host as `loop.nonfinite` says.
 
-Device side (`guard_step`, traced into the jitted step): after the workload's own step, every checked metric and
-every floating-point parameter leaf of the new state is tested; if any is NaN/Inf, `params`, `opt_state` and
+Device side (`guard_step`, traced into the jitted step): after the workload's own step, every checked metric and,
+unless `grad_norm` is among them, every floating-point parameter leaf of the new state is tested; if any is NaN/Inf, `params`, `opt_state` and
 `extra` stay as they were (the step counter and the key advance, so a skipped step is not retried with the same
 randomness). Two scalars, `finite` and `nonfinite_at` (the index of the first offending name), travel with the
 metrics and are read at the next log step: the guard adds no host sync per step.
@@ -37,9 +37,17 @@ def checked_metrics(metric_keys: Iterable[str], check: tuple[str, ...] | None) -
     return sorted(keys) if check is None else [k for k in check if k in keys]
 
 
+def scans_params(metric_keys: Iterable[str], check: tuple[str, ...] | None) -> bool:
+    """Whether the guard tests the new parameters leaf by leaf: not when the global gradient norm is checked. A
+    finite norm means every gradient is finite, and the update of finite parameters by finite gradients is finite,
+    so the scan would only read every parameter once more per step (4% of a llama step on the v5e chip)."""
+    return "grad_norm" not in checked_metrics(metric_keys, check)
+
+
 def checked_names(metric_keys: Iterable[str], check: tuple[str, ...] | None, params: Any) -> list[str]:
-    """What `nonfinite_at` indexes: the checked metrics, then the floating-point parameter leaves."""
-    return checked_metrics(metric_keys, check) + [name for name, _ in _float_leaves(params)]
+    """What `nonfinite_at` indexes: the checked metrics, then (`scans_params`) the floating-point parameter leaves."""
+    leaves = [name for name, _ in _float_leaves(params)] if scans_params(metric_keys, check) else []
+    return checked_metrics(metric_keys, check) + leaves
 
 
 def guard_step(step_fn: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]], *,
@@ -57,7 +65,8 @@ def guard_step(step_fn: Callable[[TrainState, Any], tuple[TrainState, dict[str, 
             inputs = state.replace(params=params)
         new, metrics = step_fn(inputs, batch)
         flags = [jnp.isfinite(metrics[k]).all() for k in checked_metrics(metrics, check)]
-        flags += [jnp.isfinite(leaf).all() for _, leaf in _float_leaves(new.params)]
+        if scans_params(metrics, check):
+            flags += [jnp.isfinite(leaf).all() for _, leaf in _float_leaves(new.params)]
         flags = jnp.stack(flags)  # (names,)
         finite = flags.all()
 

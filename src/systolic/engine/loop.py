@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from systolic.config import CheckpointConfig, LoopConfig, ObserveConfig
-from systolic.engine import debug
+from systolic.engine import debug, fit
 from systolic.engine.checkpoint import Checkpointer
 from systolic.engine.guard import VERDICT_KEYS, NonFiniteGuard
 from systolic.engine.state import TrainState
@@ -91,6 +91,10 @@ class Task:
     label: str = "train"  # the progress bar's name
     nonfinite_advice: str = ("lower optim.lr, raise optim.warmup_steps or check the data near this step, then rerun the "
                              "same command to resume; or set loop.nonfinite=skip to drop such steps and go on")
+    # What to change when the compiled step does not fit a device's memory (engine/fit.py); an lm names model.remat
+    # and `systolic plan --search`.
+    memory_advice: str = ("shrink the model or the batch, or spread the state over more devices (a larger mesh.fsdp "
+                          "or more chips); `systolic plan` with --target shows what fits a target")
     initial_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None  # written as step 0 of a fresh run
     # Host-side metrics of a step, written with its train row (called once per step, after the step's hooks): exact
     # functions of the step (a mixture's tokens per source so far; no state to checkpoint, so a resumed run writes
@@ -275,17 +279,22 @@ def _run_hooks(hooks: list[Hook], step: int, state: TrainState) -> None:
 
 
 class _Stepper:
-    """One train step with what surrounds it: the next batch, --debug's checkify, the recompilation warning and
-    the profiler's trace."""
+    """One train step with what surrounds it: the next batch, the memory check of the first (engine/fit.py),
+    --debug's checkify, the recompilation warning and the profiler's trace."""
 
     def __init__(self, task: Task, profiler: _Profiler, progress: ProgressReporter):
         self.task, self.profiler, self.progress = task, profiler, progress
         self.checked = debug.CheckedStep(task.train_step) if debug.current().checks else None  # --debug
         self.recompiles = debug.RecompileWatch(self.checked or task.train_step)
+        # --debug runs its own checkified program and --no-jit none: compiling the plain step would be wasted.
+        self.fit_checked = self.checked is not None or not debug.current().jit
 
     def __call__(self, state: TrainState, step: int) -> tuple[TrainState, dict[str, jax.Array]]:
         task = self.task
         batch = next(task.data) if task.data is not None else None
+        if not self.fit_checked:  # the first step: compiled here (the call below reuses it) and checked
+            fit.compile_step(task.train_step, state, batch, advice=task.memory_advice)
+            self.fit_checked = True
         self.profiler.before(step)
         args = {"state": state, "batch": batch}  # kept for the recompilation report (donated: metadata only)
         with jax.profiler.StepTraceAnnotation(task.label, step_num=step), _floating_point_errors(step):

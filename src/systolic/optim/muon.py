@@ -44,7 +44,7 @@ class Dims(NamedTuple):
 
 
 class MuonState(NamedTuple):
-    mu: Any  # the momentum, float32, laid out as the parameters
+    mu: Any  # the momentum, in the transform's moment_dtype (float32 by default), laid out as the parameters
 
 
 def orthogonalize(x: jax.Array) -> jax.Array:
@@ -89,18 +89,19 @@ def _orthogonalize_whole(x: jax.Array) -> jax.Array:
     return jax.shard_map(orthogonalize, mesh=mesh, in_specs=P(), out_specs=P())(x)
 
 
-def scale_by_muon(dims: Callable[[Any], Any], *, momentum: float, rule: Literal["keller", "spectral"]
-                  ) -> optax.GradientTransformation:
+def scale_by_muon(dims: Callable[[Any], Any], *, momentum: float, rule: Literal["keller", "spectral"],
+                  moment_dtype: Any = jnp.float32) -> optax.GradientTransformation:
     """Gradients -> orthogonalised Nesterov momentum times `shape_scale`, for parameters that `dims(tree)` maps to
     `Dims` (use it on exactly those, e.g. inside `optax.partition`). Keller Jordan's momentum: M <- beta M +
-    (1 - beta) G, then the direction is (1 - beta) G + beta M."""
+    (1 - beta) G, then the direction is (1 - beta) G + beta M. The momentum is stored in `moment_dtype` and updated
+    in float32 (read up, updated, the direction taken from the float32 value, rounded back for storage)."""
 
     def init(params):
-        return MuonState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        return MuonState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype), params))
 
     def update(updates, state, params=None):
         del params
-        mu = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, state.mu, updates)
+        mu = jax.tree.map(lambda m, g: momentum * m.astype(jnp.float32) + (1 - momentum) * g, state.mu, updates)
 
         def one(g, m, d):
             nesterov = (1 - momentum) * g + momentum * m  # laid out as the parameter
@@ -109,6 +110,7 @@ def scale_by_muon(dims: Callable[[Any], Any], *, momentum: float, rule: Literal[
             return o.reshape(g.shape).astype(g.dtype)  # sliced back to the parameter's layout by GSPMD
 
         is_dims = lambda x: isinstance(x, Dims)  # noqa: E731
-        return jax.tree.map(one, updates, mu, dims(updates), is_leaf=is_dims), MuonState(mu=mu)
+        stored = jax.tree.map(lambda m: m.astype(moment_dtype), mu)
+        return jax.tree.map(one, updates, mu, dims(updates), is_leaf=is_dims), MuonState(mu=stored)
 
     return optax.GradientTransformation(init, update)

@@ -109,6 +109,8 @@ def plan(args: argparse.Namespace) -> int:
                             math.prod(shape[a] for a in mesh_lib.BATCH_AXES), command)
     result = plan_step(args.workload, plan_fn, cfg, target, mesh=mesh, train_items=args.tokens,
                        price_per_chip_hour=args.price_per_chip_hour, progress=_progress)
+    if result.precheck and not args.json:  # nothing compiled, so no table: the lower bound's paragraph, exit 2
+        raise UserError(result.out_of_memory)
     if args.json:
         print(json.dumps({"recipe": recipe, **dataclasses.asdict(result)}))
     else:

@@ -3,7 +3,8 @@
 A workload lowers its real train step from abstract inputs (`jax.ShapeDtypeStruct`, nothing allocated) on a mesh
 of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads:
 - memory per chip from the compiler's memory analysis; a compile-time out-of-memory (RESOURCE_EXHAUSTED) is a
-  result, "DOES NOT FIT", with the bytes the compiler asked for;
+  result, "DOES NOT FIT", with the bytes the compiler asked for; so is a config that the workload's arithmetic
+  lower bound refuses before tracing (`DoesNotFit`: `precheck`, nothing compiled), and either carries the fix;
 - FLOPs and HBM bytes from its cost analysis, which counts a loop body once: each loop of the compiled program (a
   layer scan, a micro-batch scan, the TPU compiler's own collective-matmul loops) is weighted by its trip count,
   read from the HLO (plan/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
@@ -24,7 +25,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +37,7 @@ from systolic.plan import hlo_text
 from systolic.plan.targets import PRICES_DATED, Target
 from systolic.errors import UserError
 from systolic.runtime import memory as memory_lib
+from systolic.runtime.memory import size_text
 from systolic.runtime.platform import compiling_for
 
 FLOPS_AGREE = 0.05  # XLA's count within 5% of the formula: the MFU needs no explanation
@@ -58,6 +59,7 @@ class StepProgram:
     kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
     kernel_note: str = ""  # which kernels, counted how
     notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
+    memory_fix: str = "a smaller model or batch, or more chips (a larger --mesh fsdp)"  # when it does not fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +73,22 @@ class Plan:
     compiler: str
     mesh: str
     compile_s: float
-    params: int
+    params: int | None  # None (and the step's other figures): the arithmetic pre-check refused it before tracing
     trainable_params: int | None  # None: every parameter is trained
-    items_per_step: int
-    item_unit: str
+    items_per_step: int | None
+    item_unit: str | None
     # memory, per chip
     hbm_bytes: float
     fits: bool
-    argument_bytes: int
+    argument_bytes: int | None
     optimizer_bytes: int | None  # the optimizer state's share of argument_bytes (None: the workload does not say)
     output_bytes: int | None
     alias_bytes: int | None
     temp_bytes: int | None
     code_bytes: int | None
     peak_bytes: int  # arguments + outputs not aliased to them + temporaries + code; when it does not fit: needed
-    # (0 when the compiler's message gave no size)
-    out_of_memory: str | None  # the compiler's message
+    # (0 when the compiler's message gave no size; with `precheck`, the lower bound's total / chips)
+    out_of_memory: str | None  # the compiler's message, or with `precheck` the lower bound's paragraph
     # FLOPs and bytes (None when the program did not compile)
     model_flops_per_step: float | None  # None: the workload has no formula
     xla_flops_raw: float | None  # cost analysis, all chips, loop bodies once
@@ -115,6 +117,8 @@ class Plan:
     train_chip_hours: float | None
     train_cost_usd: float | None
     notes: tuple[str, ...]
+    fix: str | None = None  # what to change, when it does not fit
+    precheck: bool = False  # refused by the workload's arithmetic lower bound before tracing: nothing was compiled
 
 
 def require_libtpu() -> None:
@@ -184,25 +188,6 @@ def devices_for(target: Target) -> list[Any]:
     return devices
 
 
-_SIZE = re.compile(r"([0-9.]+)\s*([KMGTP]?)i?B?\b")
-
-
-def _bytes(text: str) -> float:
-    number, unit = _SIZE.match(text).groups()  # type: ignore[union-attr]
-    return float(number) * 1024 ** "_KMGTP".index(unit or "_") if unit else float(number)
-
-
-def needed_bytes(message: str, argument_bytes: int) -> float | None:
-    """Bytes per chip that a compile-time out-of-memory asked for, from its message: "...the total memory required
-    for HLO temporaries (40.25G) exceeds available HBM (15.75G)" (temporaries only: the arguments are added) or
-    "Used 31.72G of 15.75G hbm" (everything). G is 2**30, as XLA prints sizes."""
-    if m := re.search(r"temporaries \(([0-9.]+[KMGTP]?i?B?)\) exceeds available", message):
-        return _bytes(m.group(1)) + argument_bytes
-    if m := re.search(r"Used ([0-9.]+[KMGTP]?i?B?) of ([0-9.]+[KMGTP]?i?B?)", message):
-        return _bytes(m.group(1))
-    return None
-
-
 @contextlib.contextmanager
 def for_target(target: Target) -> Iterator[None]:
     """Trace for the target's platform (model code asks `compile_platform()`), with memory checks against the
@@ -224,13 +209,6 @@ def compile_lowered(lowered: Any, target: Target) -> tuple[Any, str | None]:
         return None, str(e).strip().splitlines()[0]
 
 
-def peak_of(memory: Any) -> int:
-    """Bytes per chip of a compiled program (its memory analysis): arguments + outputs not aliased to them +
-    temporaries + generated code."""
-    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-               + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
-
-
 def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], cfg: Any, target: Target, *,
               mesh: str, train_items: float | None = None, price_per_chip_hour: float | None = None,
               progress: Callable[[str], None] = lambda _: None) -> Plan:
@@ -241,7 +219,11 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     start = time.perf_counter()
     progress(f"plan: tracing the {workload} train step for {target.name} ({target.chips} chips, mesh {mesh})")
     with for_target(target):
-        program = plan_fn(cfg, devices)  # the workloads' size checks compare against the target, not this host
+        try:
+            program = plan_fn(cfg, devices)  # the workloads' size checks compare against the target, not this host
+        except memory_lib.DoesNotFit as e:
+            progress("plan: it does not fit (the arithmetic lower bound, before tracing)")
+            return refused(workload, target, mesh, e, compile_s=time.perf_counter() - start)
         progress(f"plan: compiling it ({program.params / 1e6:,.1f}M parameters) with {target.compiler}; a billion "
                  "parameters take a few minutes on a small host")
         compiled, out_of_memory = compile_lowered(program.lowered, target)
@@ -260,14 +242,8 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                   peak_flops_per_chip=peak, price_per_chip_hour=price, price_source=source, train_items=train_items,
                   notes=program.notes)
     if compiled is None:
-        needed = needed_bytes(out_of_memory or "", program.argument_bytes)
-        return Plan(**common, fits=False, output_bytes=None, alias_bytes=None, temp_bytes=None, code_bytes=None,
-                    peak_bytes=int(needed or 0), out_of_memory=out_of_memory,
-                    xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
-                    hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
-                    collectives={}, compute_s=None, hbm_s=None, ici_s=None, dcn_s=None, step_time_s=None, bound=None,
-                    items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
-                    train_chip_hours=None, train_cost_usd=None)
+        needed = memory_lib.needed_bytes(out_of_memory or "", program.argument_bytes)
+        return _unfit(common, peak_bytes=int(needed or 0), out_of_memory=out_of_memory, fix=program.memory_fix)
 
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -308,11 +284,12 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
     else:
         mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
                     "formula's count")
-    peak_bytes = peak_of(memory)
+    peak_bytes = memory_lib.program_bytes(memory)
     steps = train_items / program.items_per_step if train_items else None
     wall = steps * step_s if steps else None
     chip_hours = wall / 3600 * target.chips if wall else None
-    return Plan(**common, fits=peak_bytes <= chip.hbm_bytes, output_bytes=int(memory.output_size_in_bytes),
+    fits = peak_bytes <= chip.hbm_bytes
+    return Plan(**common, fits=fits, fix=None if fits else program.memory_fix, output_bytes=int(memory.output_size_in_bytes),
                 alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
                 code_bytes=int(memory.generated_code_size_in_bytes), peak_bytes=int(peak_bytes), out_of_memory=None,
                 xla_flops_raw=raw_flops, xla_flops_per_step=flops, flops_note=flops_note,
@@ -325,17 +302,39 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 train_cost_usd=chip_hours * price if chip_hours else None)
 
 
+def _unfit(common: dict[str, Any], *, peak_bytes: int, out_of_memory: str | None, fix: str,
+           precheck: bool = False) -> Plan:
+    """A plan that does not fit: no compiled program, so no FLOPs, collectives, roofline or cost."""
+    return Plan(**common, fits=False, output_bytes=None, alias_bytes=None, temp_bytes=None, code_bytes=None,
+                peak_bytes=peak_bytes, out_of_memory=out_of_memory, fix=fix, precheck=precheck,
+                xla_flops_raw=None, xla_flops_per_step=None, flops_note="the program did not compile",
+                hbm_bytes_accessed_raw=None, hbm_bytes_accessed_per_step=None,
+                collectives={}, compute_s=None, hbm_s=None, ici_s=None, dcn_s=None, step_time_s=None, bound=None,
+                items_per_s=None, mfu=None, mfu_note=None, train_steps=None, train_wall_s=None,
+                train_chip_hours=None, train_cost_usd=None)
+
+
+def refused(workload: str, target: Target, mesh: str, error: memory_lib.DoesNotFit, *, compile_s: float) -> Plan:
+    """The plan of a config that the workload's arithmetic lower bound refused before tracing (`error`'s figures are
+    totals over the target's chips); its per-chip bytes are that total spread evenly."""
+    chip = target.chip
+    total = (f"the arithmetic lower bound needs {size_text(error.need_bytes)} in total over {target.chips} chips, "
+             f"which hold {size_text(error.have_bytes)} in total; nothing was traced or compiled")
+    common = dict(workload=workload, target=target.name, chip=chip.name, chips=target.chips, topology=target.topology,
+                  slices=target.slices, compiler=target.compiler, mesh=mesh, compile_s=compile_s, params=None,
+                  trainable_params=None, items_per_step=None, item_unit=None, hbm_bytes=chip.hbm_bytes,
+                  argument_bytes=None, optimizer_bytes=None, model_flops_per_step=None,
+                  peak_flops_per_chip=chip.peak_bf16_flops, price_per_chip_hour=chip.price_per_chip_hour,
+                  price_source=f"on-demand list price as of {PRICES_DATED}: {chip.source}", train_items=None,
+                  notes=(total,))
+    return _unfit(common, peak_bytes=-(-int(error.need_bytes) // target.chips), out_of_memory=str(error),
+                  fix=error.fix, precheck=True)
+
+
 def _slice_of(compiled: Any) -> list[int]:
     """The slice of each partition: partition p runs on the p-th device of the mesh the inputs are sharded over."""
     mesh = next(s.mesh for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "mesh"))
     return [d.slice_index for d in mesh.devices.flat]
-
-
-def gib_text(b: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:,.2f} {unit}"
-    return f"{b:,.0f} B"
 
 
 def _count_text(n: int) -> str:
@@ -365,19 +364,19 @@ def format_plan(plan: Plan) -> str:
                                                    "rest frozen: no gradients, no optimizer state)"
                                                    if plan.trainable_params not in (None, plan.params) else "")),
     ]
-    arguments = gib_text(plan.argument_bytes) + (f" (optimizer state {gib_text(plan.optimizer_bytes)})"
+    arguments = size_text(plan.argument_bytes) + (f" (optimizer state {size_text(plan.optimizer_bytes)})"
                                                  if plan.optimizer_bytes is not None else "")
     if plan.out_of_memory:
-        needs = f"needs {gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
+        needs = f"needs {size_text(plan.peak_bytes)} of {size_text(plan.hbm_bytes)} HBM" if plan.peak_bytes else "size not given"
         rows += [("per chip: arguments", arguments),
                  ("per chip: memory", f"DOES NOT FIT ({needs}; a compile-time out-of-memory)"),
                  ("compiler said", plan.out_of_memory)]
     else:
         rows += [
             ("per chip: arguments", arguments),
-            ("per chip: temporaries", gib_text(plan.temp_bytes or 0)),
-            ("per chip: generated code", gib_text(plan.code_bytes or 0)),
-            ("per chip: peak", f"{gib_text(plan.peak_bytes)} of {gib_text(plan.hbm_bytes)} HBM -> "
+            ("per chip: temporaries", size_text(plan.temp_bytes or 0)),
+            ("per chip: generated code", size_text(plan.code_bytes or 0)),
+            ("per chip: peak", f"{size_text(plan.peak_bytes)} of {size_text(plan.hbm_bytes)} HBM -> "
                                f"{'fits' if plan.fits else 'DOES NOT FIT'}"),
             ("model FLOPs / step", f"{plan.model_flops_per_step:.3e} (formula)" if plan.model_flops_per_step
                                    else "no formula for this workload"),
@@ -391,9 +390,9 @@ def format_plan(plan: Plan) -> str:
         ]
         for kind, c in plan.collectives.items():
             if c["count"]:
-                dcn = f", {gib_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
-                rows.append((f"  {kind}", f"{c['count']:,} per step, {gib_text(c['bytes'])} per chip "
-                                           f"({gib_text(c['wire_bytes'])} over the links{dcn})"))
+                dcn = f", {size_text(c['dcn_wire_bytes'])} of it across slices (DCN)" if c["dcn_wire_bytes"] else ""
+                rows.append((f"  {kind}", f"{c['count']:,} per step, {size_text(c['bytes'])} per chip "
+                                           f"({size_text(c['wire_bytes'])} over the links{dcn})"))
         if not any(c["count"] for c in plan.collectives.values()):
             rows.append(("collectives", "none"))
         rows += [
@@ -409,6 +408,6 @@ def format_plan(plan: Plan) -> str:
                          f"{plan.train_steps:,.0f} steps, {_duration(plan.train_wall_s)}, {plan.train_chip_hours:,.3g} "
                          f"chip-hours, ${plan.train_cost_usd:,.2f} at ${plan.price_per_chip_hour:.2f}/chip-hour "
                          f"({plan.price_source})"))
-    rows += [("note", n) for n in plan.notes]
+    rows += [("note", n) for n in plan.notes] + ([("fix", plan.fix)] if plan.fix else [])
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

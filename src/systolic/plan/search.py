@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from systolic.plan.planner import Plan, gib_text, ms_text, plan_step
+from systolic.plan.planner import Plan, ms_text, plan_step
 from systolic.plan.targets import Target
+from systolic.runtime.memory import size_text
 
 REMATS = ("none", "dots", "full")
 MAX_PER_CHIP = 64  # sequences (lm) per data-parallel device: 2**0 ... 2**6
@@ -69,10 +70,10 @@ HEADER = f"{'remat':<6} {'batch/chip':>10} {'batch':>7} {'memory per chip':<34} 
 def format_row(c: Candidate) -> str:
     p = c.plan
     if p.fits:
-        memory = f"fits, {gib_text(p.peak_bytes)}"
+        memory = f"fits, {size_text(p.peak_bytes)}"
         step, rate = ms_text(p.step_time_s or 0.0), f"{p.items_per_s or 0:,.0f}"
     else:
-        memory = f"DOES NOT FIT, needs {gib_text(p.peak_bytes)}" if p.peak_bytes else "DOES NOT FIT"
+        memory = f"DOES NOT FIT, needs {size_text(p.peak_bytes)}" if p.peak_bytes else "DOES NOT FIT"
         step, rate = "-", "-"
     return f"{c.remat:<6} {c.per_chip:>10} {c.batch:>7} {memory:<34} {step:>15} {rate:>12} {p.compile_s:>7.0f}s"
 
@@ -81,11 +82,11 @@ def format_search(tried: list[Candidate], hbm_bytes: float) -> str:
     lines = [HEADER, *map(format_row, tried)]
     chosen = best(tried)
     if chosen is None:
-        lines.append(f"nothing fits in {gib_text(hbm_bytes)} per chip, even one sequence per chip with remat=full: "
+        lines.append(f"nothing fits in {size_text(hbm_bytes)} per chip, even one sequence per chip with remat=full: "
                      "more chips, a larger --mesh fsdp, or a shorter data.seq_len")
     else:
         p = chosen.plan
         lines.append(f"largest batch that fits: {chosen.per_chip} per chip ({chosen.batch} in all) with "
-                     f"model.remat={chosen.remat}: {gib_text(p.peak_bytes)} of {gib_text(hbm_bytes)} per chip, roofline "
+                     f"model.remat={chosen.remat}: {size_text(p.peak_bytes)} of {size_text(hbm_bytes)} per chip, roofline "
                      f"{ms_text(p.step_time_s or 0.0)} a step, {p.items_per_s or 0:,.0f} {p.item_unit}/s")
     return "\n".join(lines)

@@ -28,8 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from systolic.plan import hlo_collectives, hlo_text
-from systolic.plan.planner import compile_lowered, gib_text, ms_text, needed_bytes, peak_of
+from systolic.plan.planner import compile_lowered, ms_text
 from systolic.plan.targets import PRICES_DATED, Chip, Target
+from systolic.runtime import memory as memory_lib
+from systolic.runtime.memory import size_text
 
 FIRST_GUESS = 0.9  # of HBM: the first batch tried fills this much with weights and KV pages (the rest: temporaries,
 # which grow with the batch: sampling sorts each row's logits over the whole vocabulary)
@@ -205,16 +207,16 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     page_bytes = m.page_size * m.kv_bytes_per_token / m.kv_split
     pool = int(pages * page_bytes)
     if compiled is None:
-        needed = needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
+        needed = memory_lib.needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
         say(f"  compiled {what} in {seconds:.0f} s: DOES NOT FIT"
-            + (f" (the compiler asks for {gib_text(needed)} per chip)" if needed else ""))
+            + (f" (the compiler asks for {size_text(needed)} per chip)" if needed else ""))
         return Compile(n, prefill_tokens, pages, False, int(needed or 0), pool, None, out_of_memory, seconds, 0.0, {},
                        None)
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
     collectives = hlo_collectives.read_collectives(hlo, ())
-    peak = peak_of(memory) + int((pages - compiled_pages) * page_bytes)
-    say(f"  compiled {what} in {seconds:.0f} s: {gib_text(peak)} per chip")
+    peak = memory_lib.program_bytes(memory) + int((pages - compiled_pages) * page_bytes)
+    say(f"  compiled {what} in {seconds:.0f} s: {size_text(peak)} per chip")
     return Compile(n, prefill_tokens, pages, peak <= target.chip.hbm_bytes, peak, pool, int(memory.temp_size_in_bytes),
                    None, seconds, sum(c.wire_bytes for c in collectives.values()),
                    {kind: c.count for kind, c in collectives.items() if c.count}, hlo_text.step_cost(hlo).flops * tensor)
@@ -271,7 +273,7 @@ def _sequences(m: ServeModel, hbm: float, step: Compile, *, context: int, search
         return batch, f"--batch {batch}, compiled: fits; room for about {room:,}"
     return min([room, MAX_BATCH] + ([too_many - 1] if too_many else [])), (
         f"estimated from the step compiled at {step.sequences} sequences: HBM less its weights and code, over "
-        f"{gib_text(seq)} of pages and {gib_text((step.temp_bytes or 0) / step.sequences)} of temporaries a sequence"
+        f"{size_text(seq)} of pages and {size_text((step.temp_bytes or 0) / step.sequences)} of temporaries a sequence"
         + (f"; {too_many} did not compile" if too_many and too_many - 1 < room else "")
         + (f"; capped at {MAX_BATCH}" if room > MAX_BATCH else ""))
 
@@ -319,7 +321,7 @@ HEADER = (f"{'weights':<8} {'KV':<9} {'weights/chip':>12} {'KV B/token':>10} {'s
 
 def format_row(p: ServePlan) -> str:
     kv = p.kv
-    head = f"{p.weights:<8} {kv:<9} {gib_text(p.weight_bytes_per_chip):>12} {p.kv_bytes_per_token:>10,} "
+    head = f"{p.weights:<8} {kv:<9} {size_text(p.weight_bytes_per_chip):>12} {p.kv_bytes_per_token:>10,} "
     if not p.fits:
         return head + f"{0:>9} DOES NOT FIT"
     d = p.decode_roofline
@@ -333,7 +335,7 @@ def format_report(r: ServeReport) -> str:
     first = r.plans[0]
     lines = [
         f"target        {r.target}: {r.chips} x {r.chip}" + (f" (topology {r.topology})" if r.topology else "")
-        + f", {gib_text(r.hbm_bytes)} HBM each",
+        + f", {size_text(r.hbm_bytes)} HBM each",
         f"figures from  {r.compiler}: the engine's step (lm/serve/step.py) for memory and collectives; step times "
         "are rooflines from the model's sizes",
         f"layout        tensor parallel over {r.tensor} chip{'s' if r.tensor > 1 else ''} (Megatron: heads, MLP and "
@@ -357,28 +359,28 @@ def format_report(r: ServeReport) -> str:
 
 def _details(p: ServePlan) -> list[str]:
     kv = f"{p.weights} weights, {p.kv} KV"
-    lines = [f"{kv}: weights {gib_text(p.weight_bytes)} ({gib_text(p.weight_bytes_per_chip)} per chip); KV "
-             f"{p.kv_bytes_per_token:,} bytes a token = {p.kv_formula}, {gib_text(p.kv_bytes_per_token * p.context)} "
+    lines = [f"{kv}: weights {size_text(p.weight_bytes)} ({size_text(p.weight_bytes_per_chip)} per chip); KV "
+             f"{p.kv_bytes_per_token:,} bytes a token = {p.kv_formula}, {size_text(p.kv_bytes_per_token * p.context)} "
              f"a sequence of {p.context:,}; sequences: {p.sequences:,} ({p.sequences_from})"]
     c = p.step
     what = f"step compiled at {c.sequences} decoding sequences + {c.prefill_tokens} prompt tokens"
     if p.compiles and c.fits:
         coll = ", ".join(f"{k} {v:,}" for k, v in c.collectives.items()) or "no collectives"
-        lines.append(f"  {what}: {gib_text(c.peak_bytes)} per chip (pool {gib_text(c.pool_bytes)}, temporaries "
-                     f"{gib_text(c.temp_bytes or 0)}), {coll} ({gib_text(c.ici_wire_bytes)} over the links), XLA "
+        lines.append(f"  {what}: {size_text(c.peak_bytes)} per chip (pool {size_text(c.pool_bytes)}, temporaries "
+                     f"{size_text(c.temp_bytes or 0)}), {coll} ({size_text(c.ici_wire_bytes)} over the links), XLA "
                      f"{c.xla_flops:.3e} FLOPs; {p.compiles} compile{'s' if p.compiles > 1 else ''}, the last "
                      f"{c.compile_s:.0f} s")
     elif p.compiles:
-        lines.append(f"  {what}: DOES NOT FIT" + (f", the compiler asks for {gib_text(c.peak_bytes)} per chip"
+        lines.append(f"  {what}: DOES NOT FIT" + (f", the compiler asks for {size_text(c.peak_bytes)} per chip"
                                                   if c.peak_bytes else "") + f" ({c.out_of_memory})")
     for name, r in (("decode", p.decode_roofline), ("prefill", p.prefill_roofline)):
         if r is not None:
             lines.append(f"  {name} roofline: {ms_text(r.step_s)} ({r.bound}-bound; compute {ms_text(r.compute_s)}, HBM "
-                         f"{ms_text(r.hbm_s)} for {gib_text(r.hbm_bytes_per_chip)} per chip, ICI {ms_text(r.ici_s)}); "
+                         f"{ms_text(r.hbm_s)} for {size_text(r.hbm_bytes_per_chip)} per chip, ICI {ms_text(r.ici_s)}); "
                          f"{r.flops:.3e} model FLOPs")
     if not p.fits and c.sequences == 1:
         lines.append(f"  DOES NOT FIT: not one sequence of {p.context:,} tokens fits beside the weights "
-                     f"({gib_text(p.weight_bytes_per_chip)} per chip). Fix: more chips (a larger --target or "
+                     f"({size_text(p.weight_bytes_per_chip)} per chip). Fix: more chips (a larger --target or "
                      "--mesh tensor), int8 weights, or a shorter --context")
     elif not p.fits:
         lines.append(f"  DOES NOT FIT at {c.sequences} sequences. Fix: a smaller --batch, or leave it out to plan "

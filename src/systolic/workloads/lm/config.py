@@ -15,15 +15,21 @@ from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.post.config import DPOConfig, GRPOConfig, RewardConfig
 
 
+BFLOAT16_MAX_DECAY = 1 - 2**-8  # above it, round(b * m) == m for some bfloat16 m (for every m above 1 - 2^-9)
+
+
 @dataclasses.dataclass(frozen=True)
 class LMOptimConfig(OptimConfig):
     """The engine's AdamW settings plus what only the lm uses: Muon for the blocks' weight matrices, and the
     output-logit z-loss. With `name: muon` the blocks' projections (attention q, k, v, o and the MLP's) take Muon
     steps (optim/muon.py) at a peak rate `muon_lr`, on the same warmup and cosine schedule; the embeddings, the
     output layer, norms and biases keep AdamW at `lr`. Weight decay shrinks every matrix by lr * weight_decay a step,
-    AdamW's rate, whichever optimizer moves it (lm/optimizer.py)."""
+    AdamW's rate, whichever optimizer moves it (lm/optimizer.py). `moment_dtype` is how the optimizer's moments (AdamW's
+    two, Muon's momentum) are kept between steps; their arithmetic is float32 either way (docs/optimizers.md)."""
 
     name: Literal["adamw", "muon"] = "adamw"
+    # bfloat16 halves the moments' memory (AdamW: 8 -> 4 bytes a parameter), rounding them to 8 significant bits a step
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
     muon_lr: float = 0.02  # Keller Jordan's Muon default
     muon_momentum: float = 0.95  # Nesterov momentum of the Muon matrices
     z_loss: float = 0.0  # weight on the mean log(Z)^2 of the output softmax (PaLM uses 1e-4); 0 = off
@@ -38,6 +44,22 @@ class LMOptimConfig(OptimConfig):
                 f"optim.muon_lr={self.muon_lr} and optim.muon_momentum={self.muon_momentum} out of range: the rate "
                 "must be greater than 0 and the momentum in [0, 1). Fix: e.g. optim.muon_lr=0.02 "
                 "optim.muon_momentum=0.95 (Keller Jordan's defaults)."
+            )
+        self._check_bfloat16_decays()
+
+    def _check_bfloat16_decays(self) -> None:
+        """A bfloat16 moment keeps 8 significant bits: times a decay above 1 - 2^-8, some moments round back to
+        themselves (every one, above 1 - 2^-9, e.g. b2=0.999), so they would stop forgetting old gradients."""
+        decays = {"b1": self.b1, "b2": self.b2}
+        if self.name == "muon":
+            decays["muon_momentum"] = self.muon_momentum
+        slow = {k: v for k, v in decays.items() if v > BFLOAT16_MAX_DECAY}
+        if self.moment_dtype == "bfloat16" and slow:
+            raise ConfigError(
+                f"optim.moment_dtype=bfloat16 with {', '.join(f'optim.{k}={v}' for k, v in slow.items())}: a bfloat16 "
+                f"moment times a decay above {BFLOAT16_MAX_DECAY:.4f} (1 - 2^-8) can round back to itself (it keeps 8 "
+                "significant bits), so it would stop forgetting old gradients. Fix: keep the moments in float32 "
+                f"(optim.moment_dtype=float32), or use decays of at most {BFLOAT16_MAX_DECAY:.4f}, e.g. optim.b2=0.95."
             )
 
 

@@ -24,6 +24,7 @@ from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.post import dpo_task
@@ -171,7 +172,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len)
         * (dpo_task.flops_factor(cfg) if cfg.objective == "dpo" else 1.0),
         dtype=str(dtype),
-        kernel_flops=attention_flops if impl == "splash" else 0.0,
+        kernel_flops=attention_flops if impl == "splash" else 0.0, memory_fix=sizes.MEMORY_FIX,
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/model/flops.py) counts each matmul once and half of causal attention's T x T "

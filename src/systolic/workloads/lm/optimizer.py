@@ -10,10 +10,11 @@ shape: Muon's rate is AdamW's times muon_lr / lr at every step (warmup, cosine d
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from systolic.optim import muon
-from systolic.optim.adamw import decay_mask, make_optimizer, make_schedule, standard_promotion
+from systolic.optim.adamw import adamw, make_optimizer, make_schedule, standard_promotion
 from systolic.workloads.lm.config import LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.parametrization import adam_lr_multiplier, muon_dims, roles
@@ -23,17 +24,19 @@ def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) 
     """Clipping of the global gradient norm, then the optimizer that `cfg.name` names, for `model`'s
     parametrization."""
     mup = model.parametrization == "mup"
+    moment_dtype = jnp.dtype(cfg.moment_dtype)
     if cfg.name == "adamw" and not mup:
-        return make_optimizer(cfg, total_steps)  # the engine's, as sim uses it (and as older lm runs saved it)
+        return make_optimizer(cfg, total_steps, moment_dtype=moment_dtype)  # the engine's, as sim uses it
     schedule = make_schedule(cfg, total_steps)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    adam = adamw(cfg, schedule, moment_dtype=moment_dtype)
     if cfg.name == "adamw":
         # muP: lr / m for the hidden weights. The whole update (decay included, as the mup package's MuAdamW
         # scales its parameter groups' lr) is scaled: AdamW's update is linear in its learning rate.
-        return standard_promotion(optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw,
+        return standard_promotion(optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adam,
                                               scale_per_parameter(lambda path: adam_lr_multiplier(path, model))))
     muon_step = optax.chain(
-        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="spectral" if mup else "keller"),
+        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="spectral" if mup else "keller",
+                           moment_dtype=moment_dtype),
         optax.scale(cfg.muon_lr / cfg.lr),  # then the decay, then both times -lr(t): see the module docstring
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule),
@@ -42,7 +45,7 @@ def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) 
     # learning rate: no multipliers.
     return standard_promotion(optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.partition({"muon": muon_step, "adamw": adamw}, _labels),
+        optax.partition({"muon": muon_step, "adamw": adam}, _labels),
     ))
 
 

@@ -356,6 +356,7 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": vocab},
+        memory_advice=sizes.MEMORY_FIX,
         step_metrics=(corpus.mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
                       if isinstance(data, corpus.Corpus) and data.mixture else None),
         notes=pipeline.notes(cfg, mesh),

@@ -48,7 +48,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from systolic.errors import ConfigError
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm.model import cpu
+from systolic.workloads.lm.model import cpu, remat, splash_blocks
 
 SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
 IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
@@ -211,7 +211,7 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
     -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    kernel = _splash_kernel(H, T, interpret, window, softcap)
+    kernel = _splash_kernel(H, T, hd, interpret, window, softcap)
     # The kernel does not scale the logits: pre-scale the queries.
     q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
@@ -226,18 +226,35 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
-def _splash_kernel(heads: int, seq_len: int, interpret: bool, window: int, softcap: float):
+def splash_block_sizes(seq_len: int, head_dim: int) -> splash.BlockSizes:
+    """The splash kernel's blocks for sequences of seq_len: the chip's tuned tiles (lm/model/splash_blocks.py), each
+    cut to one that divides seq_len."""
+    tiles = splash_blocks.tiles_for(head_dim)
+
+    def fit(tile: int, within: int) -> int:
+        tile = min(tile, within)
+        return tile if within % tile == 0 else splash_block(within)
+
+    q, kv = fit(tiles.block_q, seq_len), fit(tiles.block_kv, seq_len)
+    kv_compute = fit(tiles.block_kv_compute, kv)
+    backward = dict(block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=kv_compute)
+    if not tiles.fused_backward:
+        backward |= dict(block_q_dq=q, block_kv_dq=kv)
+    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_compute,
+                             use_fused_bwd_kernel=tiles.fused_backward, **backward)
+
+
+def _splash_kernel(heads: int, seq_len: int, head_dim: int, interpret: bool, window: int, softcap: float):
     """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0, its logits
     soft-capped when `softcap` > 0 (the kernel caps the scaled logits, as Gemma 2 does). Made on each
     trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
-    processing, 0.7 s at 16k positions)."""
-    block = splash_block(seq_len)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    processing, 0.7 s at 16k positions). Its residuals (output and log-sum-exp) carry remat's ATTN_STATS name, so
+    a remat policy can keep them and the backward pass need not run the kernel's forward again."""
     if window:  # keys in [q - (window - 1), q]: causal and local in one mask
         one_head = splash.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
     else:
         one_head = splash.CausalMask((seq_len, seq_len))
     mask = splash.MultiHeadMask([one_head] * heads)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
-                                  attn_logits_soft_cap=softcap or None)
+    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len, head_dim), head_shards=1, q_seq_shards=1,
+                                  interpret=interpret, attn_logits_soft_cap=softcap or None,
+                                  residual_checkpoint_name=remat.ATTN_STATS)

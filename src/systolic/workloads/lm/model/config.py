@@ -323,7 +323,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
-    remat: Literal["none", "full", "dots"] = "none"
+    # What a layer keeps for the backward pass (lm/model/remat.py): none keeps everything; dots, except_mlp, attn
+    # and full keep less and recompute more, in that order
+    remat: Literal["none", "dots", "except_mlp", "attn", "full"] = "none"
     # The projections' operands (lm/model/quant.py, through Qwix): int8 / fp8 quantize activations and weights
     # (per row, per output channel) into an int8 x int8 (fp8) dot; in training the backward pass goes straight
     # through to the float32 weights (quantization-aware training); float32 master weights and optimizer state.

@@ -121,15 +121,28 @@ def rope_tables(positions: jax.Array, cfg: ModelConfig, *, local: bool = False,
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotates x (B, T, N, hd) by position: x*cos + rotate_half(x)*sin, in float32, over the tables' first d_rope
-    dimensions (the rest pass unrotated: partial RoPE)."""
+    dimensions (the rest pass unrotated: partial RoPE).
+
+    rotate_half is a product with a signed permutation (`_half_turn`) rather than slices of the head: on a TPU the
+    halves of a 64-wide head are 32 of a vector register's 128 lanes, and the sliced float32 copies took 9% of a
+    llama step (profile on the v5e chip, 2026-12-06: 28 ms of 299). One nonzero per column makes the product exact."""
     cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]  # (B, T, 1, d_rope)
-    d_rope = cos.shape[-1]
+    hd, d_rope = x.shape[-1], cos.shape[-1]
+    if d_rope < hd:  # the unrotated dimensions: cos 1 and sin 0
+        pad = [(0, 0)] * 3 + [(0, hd - d_rope)]
+        cos, sin = jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad)  # (B, T, 1, hd)
     h = x.astype(jnp.float32)
-    h, rest = h[..., :d_rope], h[..., d_rope:]  # (B, T, N, d_rope), (B, T, N, hd - d_rope)
-    x1, x2 = jnp.split(h, 2, axis=-1)  # (B, T, N, d_rope/2) each
-    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, d_rope)
-    out = h * cos + rotated * sin
-    return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
+    rotated = jnp.einsum("btnd,de->btne", h, _half_turn(hd, d_rope), precision=jax.lax.Precision.HIGHEST)  # [-x2, x1, 0]
+    return (h * cos + rotated * sin).astype(x.dtype)
+
+
+def _half_turn(hd: int, d_rope: int) -> jax.Array:
+    """(hd, hd) P with x @ P = concat(-x2, x1, 0) for x = concat(x1, x2, rest), x1 and x2 d_rope/2 wide."""
+    half = d_rope // 2
+    p = np.zeros((hd, hd), np.float32)
+    p[np.arange(half) + half, np.arange(half)] = -1.0  # output i < half: -x2[i]
+    p[np.arange(half), np.arange(half) + half] = 1.0  # output half + i: x1[i]
+    return jnp.asarray(p)
 
 
 def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array], on: bool | jax.Array) -> jax.Array:

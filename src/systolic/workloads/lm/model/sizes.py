@@ -2,9 +2,9 @@
 
 `nnx.eval_shape` of the model traces every layer, so a config with d_model = 10^7 or 10^5 layers would spend
 minutes tracing (and compiling) before the allocation fails. The count here is arithmetic on the config; the
-bytes are a lower bound: float32 parameters, and for the trained ones a float32 gradient and at least one
-float32 optimizer moment (AdamW keeps two, Muon one), plus what the backward pass keeps of one micro-batch
-(`activation_floats`).
+bytes are a lower bound: float32 parameters, and for the trained ones a float32 gradient and the optimizer's
+moments in `optim.moment_dtype` (AdamW keeps two; Muon one for the hidden matrices, counted for all as a lower
+bound), plus what the backward pass keeps of one micro-batch (`activation_floats`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from systolic.runtime import memory
-from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.config import LMConfig, LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.flops import attention_params, lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
-TRAINED_EXTRA_BYTES = 4 + 4  # a float32 gradient and at least one float32 optimizer moment per trained parameter
+GRAD_BYTES = 4  # a float32 gradient per trained parameter
+# What to change when a train step does not fit: this bound's refusal, the compiled step's (engine/fit.py), a plan's.
+MEMORY_FIX = ("set model.remat=full (recompute activations in the backward pass), lower train.batch_size to the largest "
+              "that fits (`systolic plan lm --target <slice> --search` finds it; or raise train.grad_accum), use more "
+              "chips (a larger mesh.fsdp), keep the optimizer's moments in bfloat16 (optim.moment_dtype=bfloat16), "
+              "or shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.lora.rank).")
 
 
 def param_count(cfg: ModelConfig, vocab: int) -> int:
@@ -41,7 +48,14 @@ def training_bytes(cfg: LMConfig, vocab: int) -> int:
     trained = lora_params(cfg.model) if cfg.model.lora.rank else total
     micro_batch = cfg.train.batch_size // cfg.train.grad_accum
     tokens = micro_batch * cfg.data.seq_len
-    return PARAM_BYTES * total + TRAINED_EXTRA_BYTES * trained + tokens * 4 * activation_floats(cfg.model)
+    per_trained = GRAD_BYTES + moment_bytes(cfg.optim)
+    return PARAM_BYTES * total + per_trained * trained + tokens * 4 * activation_floats(cfg.model)
+
+
+def moment_bytes(cfg: LMOptimConfig) -> int:
+    """The optimizer's bytes per trained parameter, at least: AdamW's two moments, or Muon's one (the hidden
+    matrices' momentum; AdamW's two for the rest are left out), each in `moment_dtype`."""
+    return (2 if cfg.name == "adamw" else 1) * jnp.dtype(cfg.moment_dtype).itemsize
 
 
 def activation_floats(m: ModelConfig) -> int:
@@ -63,7 +77,7 @@ def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> No
         training_bytes(cfg, vocab), devices,
         what=(f"Training this lm ({params:,} parameters: model.d_model={m.d_model}, model.layers={m.layers}, "
               f"vocabulary {vocab:,}{f', model.moe.experts={m.moe.experts}' if m.moe.experts else ''}; float32 "
-              "parameters, gradients and optimizer moments, and a micro-batch's activations kept for the backward pass)"),
-        fix=("shrink the model (model.d_model, model.layers, model.mlp_dim, model.moe.experts, model.vocab_size, "
-             "model.lora.rank) or train.batch_size (or raise train.grad_accum), set model.remat=full, or use more devices (`systolic plan lm --target ... --search` sizes a target)."),
+              f"parameters and gradients, {cfg.optim.moment_dtype} optimizer moments, and a micro-batch's activations "
+              "kept for the backward pass)"),
+        fix=MEMORY_FIX,
     )

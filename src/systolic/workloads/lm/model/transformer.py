@@ -51,6 +51,7 @@ from systolic.workloads.lm.parallel import pipeline as pipeline_lib
 from systolic.workloads.lm.config import PipelineConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model import quant as quant_lib
+from systolic.workloads.lm.model import remat as remat_lib
 from systolic.workloads.lm.model.cpu import cpu_tweak, gradient_barrier, project
 from systolic.workloads.lm.model.layers import Norm, param, param_from, resolve_dtype
 from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, stacked_kinds, with_traced
@@ -61,7 +62,6 @@ from systolic.workloads.lm.model.rope import rope_tables, rotate
 from systolic.workloads.lm.serve.paged_attention import PagedKV
 
 ACT = ("batch", "seq", "act_embed")
-_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class Adapter(nnx.Module):
@@ -210,7 +210,8 @@ class Attention(_Projecting):
         if self.q_scale != 1:
             # Every implementation scales the logits by 1/sqrt(hd); scaling q instead of the logits reaches all.
             q = q * self.q_scale
-        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        q = remat_lib.tag(constrain(q, ("batch", "seq", "heads", "head_dim")), remat_lib.QKV)
+        k, v = remat_lib.tag(k, remat_lib.QKV), remat_lib.tag(v, remat_lib.QKV)
         split = context.current_split() if kv is None else None
         sinks = None if self.sinks is None else self.sinks[...]  # (H,) float32, added to float32 scores
         if split is not None and sinks is not None:
@@ -244,10 +245,11 @@ class Attention(_Projecting):
             else:
                 out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
+        out = remat_lib.tag(out, remat_lib.CONTEXT)
         y = _adapted(out, self._project(out, self.wo, contract=2), self.wo_lora)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
-        return y, kv
+        return remat_lib.tag(y, remat_lib.ATTN_OUT), kv
 
     def _window(self, local: bool | jax.Array) -> int | jax.Array:
         """This layer's window: model.sliding_window on a sliding layer, 0 (none) on a full one."""
@@ -526,7 +528,11 @@ class Transformer(nnx.Module):
             def apply(block: Block, x, kv_layer, traced: LayerKind | None = None):
                 return block(x, ropes, with_traced(shared, traced), start, kv_layer, segment_ids)
 
-            return apply if cfg.remat == "none" else nnx.remat(apply, policy=_REMAT_POLICIES[cfg.remat])
+            if cfg.remat == "none":
+                return apply
+            # prevent_cse=False inside a scan (as MaxText): the scan already keeps XLA from merging the recomputed
+            # forward into the original, and the barriers that prevent_cse adds cost fusions in every layer.
+            return nnx.remat(apply, policy=remat_lib.policy(cfg.remat), prevent_cse=not cfg.scan_layers)
 
         mesh = jax.sharding.get_abstract_mesh()
         if pipeline is not None and cache is None and not mesh.empty and mesh.shape.get(pipeline_lib.AXIS, 1) > 1:
@@ -591,7 +597,7 @@ class Transformer(nnx.Module):
             return block(h, layer_ropes, kind, start, None, row["segment_ids"])[0]
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
+            layer = jax.checkpoint(layer, policy=remat_lib.policy(self.cfg.remat))
         return pipeline_lib.run(layer, weights, x, rows, microbatches=pipeline.microbatches,
                                 repeats=pipeline.repeats, mesh=mesh)
 

@@ -43,7 +43,7 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import logical_to_spec
 from systolic.workloads.lm import train
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import lora
+from systolic.workloads.lm.model import lora, sizes
 from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.optimizer import make_lm_optimizer
@@ -285,6 +285,7 @@ def build_dpo_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> train.Bui
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": step.vocab},
         progress_keys=("loss", "rewards/accuracies"),
+        memory_advice=sizes.MEMORY_FIX,
         notes=pipeline.notes(cfg, mesh),
     )
     trainable = param_count(step.abstract.params)

@@ -233,7 +233,7 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
         workload="lm", abstract_state=abstract, init_state=init, train_step=train_step, data=stream, check=CHECKED,
         evaluate=make_evaluate(cfg, prompts.val, sampler, rewards), evaluate_at_start=True,
         items_per_step=cfg.train.batch_size, item_unit="completions", meta={"workload": "lm", "vocab": vocab},
-        progress_keys=("loss", "reward"), step_metrics=stream.step_metrics,
+        progress_keys=("loss", "reward"), step_metrics=stream.step_metrics, memory_advice=sizes.MEMORY_FIX,
     )
     task.add_hook(stream.after_step, every=1)
     trainable = param_count(abstract.params)

@@ -1,0 +1,51 @@
+"""What a layer keeps for the backward pass (`model.remat`), by named activations, as MaxText's remat policies.
+
+The layers tag the activations a policy may keep with `jax.ad_checkpoint.checkpoint_name` (the names below); a
+policy saves some of them and the backward pass recomputes the rest of the layer from its input. From most memory
+(fastest) to least:
+
+    none        no rematerialisation: everything the backward pass reads is kept
+    dots        every matmul output without batch dimensions (projections, MLP) and the attention kernel's
+                output and softmax statistics: only elementwise work (norms, activations, RoPE) runs again
+    except_mlp  the attention's projections, its output and statistics, and its output projection; the MLP's
+                up/gate projections run again (2 of its 3 matmuls: about +1/6 of a llama layer's FLOPs)
+    attn        only the attention's q, k, v and output with its statistics: the attention kernel never runs again,
+                everything else does
+    full        only the layer's input: the whole forward pass runs again (+1/3 of the FLOPs)
+
+The attention kernel's statistics matter on TPU: splash attention's backward needs the forward's output and log-sum-
+exp; without them (a plain `dots` policy sees no matmul in a Pallas call) the whole attention forward runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+QKV = "qkv"  # q, k and v after RoPE, as the attention reads them (B, T, H or KV, hd)
+CONTEXT = "context"  # the attention's output before its projection (B, T, H, hd)
+ATTN_STATS = "attn_stats"  # the splash kernel's residuals: its output and log-sum-exp (splash's residual name)
+ATTN_OUT = "attn_out"  # the output projection (B, T, D): with it the MLP's input is an add away
+
+POLICIES = ("none", "dots", "except_mlp", "attn", "full")  # model.remat, most memory first
+
+
+def tag(x: jax.Array, name: str) -> jax.Array:
+    """x, named for the remat policies (an identity outside `jax.checkpoint`)."""
+    return checkpoint_name(x, name)
+
+
+def policy(setting: str) -> Callable[..., bool] | None:
+    """The `jax.checkpoint` policy of `model.remat=setting` (None: save nothing but the layer's input)."""
+    names = jax.checkpoint_policies.save_only_these_names
+    if setting == "dots":
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable, names(CONTEXT, ATTN_STATS))
+    if setting == "except_mlp":
+        return names(QKV, CONTEXT, ATTN_STATS, ATTN_OUT)
+    if setting == "attn":
+        return names(QKV, CONTEXT, ATTN_STATS)
+    assert setting == "full", setting  # "none" never reaches here: the layer is not wrapped
+    return None
