@@ -144,7 +144,8 @@ def _text(stream: bytes | str | None) -> str:
 
 def error_line(stderr: str) -> str:
     """The line that says what went wrong: an out-of-memory first, else the last line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    boilerplate = ("For simplicity, JAX has removed", "----")  # what JAX prints after its exceptions
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith(boilerplate)]
     for line in lines:
         if "RESOURCE_EXHAUSTED" in line or "Out of memory" in line:
             return line[:300]

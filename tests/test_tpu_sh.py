@@ -13,8 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tpu_sh(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
+    # One device, as on the chip: not the 8 fake CPU devices of tests/conftest.py (tiny batches of 4).
+    one_device = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                          if not f.startswith("--xla_force_host_platform_device_count"))
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), SYSTOLIC_TPU_SH_SITE=str(tmp_path / "site"),
-               SYSTOLIC_TPU_SH_TESTS="tests/tpu", **env)  # the test part collects tests/tpu alone: quicker
+               SYSTOLIC_TPU_SH_TESTS="tests/tpu", XLA_FLAGS=one_device,  # the test part: tests/tpu alone, quicker
+               JAX_NUMPY_DTYPE_PROMOTION="standard", **env)  # as users run (tests/tpu/test_checkpoints.py says why)
     return subprocess.run(["bash", "benchmarks/tpu.sh", *parts], cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=900)
 
