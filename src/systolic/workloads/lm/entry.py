@@ -24,7 +24,7 @@ from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import sizes
+from systolic.workloads.lm.model import remat as remat_lib, sizes
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.post import dpo_task
@@ -161,8 +161,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
             segments=cfg.data.packing == "documents", sinks=m.attn_sinks)  # sinks: xla, counted by XLA
     # Causal attention's model FLOPs per token (workloads/lm/model/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 3 * m.layers * cfg.data.seq_len * m.heads * attention_width(m)
-    remat = {"none": "no rematerialisation", "full": "remat=full recomputes each layer's forward",
-             "dots": "remat=dots recomputes the layers' non-matmul work"}[m.remat]
+    remat = remat_lib.DESCRIPTIONS[m.remat]
     trainable = param_count(step.abstract.params)
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs),

@@ -32,6 +32,14 @@ ATTN_STATS = "attn_stats"  # the splash kernel's residuals: its output and log-s
 ATTN_OUT = "attn_out"  # the output projection (B, T, D): with it the MLP's input is an add away
 
 POLICIES = ("none", "dots", "except_mlp", "attn", "context", "full")  # model.remat, most memory first
+DESCRIPTIONS = {  # what each recomputes, for a plan's notes
+    "none": "no rematerialisation",
+    "dots": "remat=dots recomputes the layers' non-matmul work",
+    "except_mlp": "remat=except_mlp recomputes the MLP's up and gate projections and the non-matmul work",
+    "attn": "remat=attn recomputes all but the attention's q, k, v and output",
+    "context": "remat=context recomputes all but the attention's output (the kernel's forward does not run again)",
+    "full": "remat=full recomputes each layer's forward",
+}
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

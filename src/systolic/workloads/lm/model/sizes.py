@@ -60,15 +60,19 @@ def moment_bytes(cfg: LMOptimConfig) -> int:
 
 def activation_floats(m: ModelConfig) -> int:
     """float32 values per token of the micro-batch that the backward pass keeps, at least: each layer's input, and
-    without `model.remat=full` also each layer's MLP hidden state and its LoRA adapters' rank-wide products (x A, which
-    B's gradient needs), all layers at once; with remat, one layer's. A LoRA rank of 10^6 on a small model is refused
-    here rather than by the allocator after minutes of compiling."""
+    with `model.remat` none or dots also each layer's MLP hidden state and its LoRA adapters' rank-wide products (x A,
+    which B's gradient needs), all layers at once; with the policies that recompute the MLP (except_mlp, attn,
+    context, full: lm/model/remat.py), one layer's, plus what each layer keeps of its attention. A LoRA rank of 10^6 on
+    a small model is refused here rather than by the allocator after minutes of compiling."""
     lora = m.lora.rank * len(m.lora.target_names(m.family)) if m.lora.rank else 0
     inner = min(m.d_mlp, m.d_expert * m.moe.top_k) if m.moe.experts else m.d_mlp  # dense layers may mix in
     per_layer = inner + lora
-    return m.layers * m.d_model + (per_layer if m.remat == "full" else m.layers * per_layer)
-
-
+    if m.remat in ("none", "dots"):
+        return m.layers * (m.d_model + per_layer)
+    context = m.heads * m.d_head  # the attention's output (all but full keep it)
+    kept = {"full": 0, "context": context, "attn": 2 * context + 2 * m.n_kv_heads * m.d_head,
+            "except_mlp": 2 * context + 2 * m.n_kv_heads * m.d_head + m.d_model}[m.remat]
+    return m.layers * (m.d_model + kept) + per_layer
 def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> None:
     """A UserError, before any tracing, when the model cannot be trained in the memory of `devices`."""
     m = cfg.model
