@@ -188,3 +188,16 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
     spanning = hlo.replace("{{0,1,2,3}}", "{{0,4},{1,5},{2,6},{3,7}}")
     assert hlo_collectives.read_collectives(spanning, slice_of=[0] * 4 + [1] * 4)["all-reduce"].dcn_wire_bytes == \
         pytest.approx(2 * 4096)
+
+
+def test_the_expected_step_is_xlas_roofline_times_the_chips_factor_plus_the_kernels():
+    from systolic.plan.planner import _calibrated
+
+    f = targets.CALIBRATIONS["TPU v5 lite"]
+    # XLA's FLOPs less the kernel's at peak (0.10 - 0.01 s) times the compute factor, + the kernel at its rate
+    expected, note = _calibrated("TPU v5 lite", compute_s=0.10, hbm_s=0.05, kernel_peak_s=0.01, kernel_s=0.03)
+    assert expected == pytest.approx(0.09 * f.compute + 0.03) and "compute roofline" in note
+    # the HBM side when it is the larger; a kernel of unknown rate at peak x the compute factor
+    expected, note = _calibrated("TPU v5 lite", compute_s=0.03, hbm_s=0.2, kernel_peak_s=0.02, kernel_s=None)
+    assert expected == pytest.approx(0.2 * f.hbm + 0.02 * f.compute) and "HBM roofline" in note
+    assert _calibrated("NVIDIA H100", compute_s=0.1, hbm_s=0.05, kernel_peak_s=0.0, kernel_s=None) == (None, None)

@@ -58,6 +58,7 @@ class StepProgram:
     optimizer_bytes: int | None = None  # per device: the optimizer state's share of argument_bytes; None: not given
     kernel_flops: float = 0.0  # per step, all chips: FLOPs inside custom kernels, which XLA's cost analysis sees as 0
     kernel_note: str = ""  # which kernels, counted how
+    kernel_s: float | None = None  # per step: the kernels' time at their measured rate on the target chip (None: unknown)
     notes: tuple[str, ...] = ()  # anything else the reader must know (e.g. what the formula leaves out)
     memory_fix: str = "a smaller model or batch, or more chips (a larger --mesh fsdp)"  # when it does not fit
 
@@ -292,7 +293,9 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
         mfu_note = (f"XLA counts only {ratio:.2f}x the formula's FLOPs ({flops_note}), so the compute time uses the "
                     "formula's count")
     peak_bytes = memory_lib.program_bytes(memory)
-    expected_s, calibration = _calibrated(chip.name, step_s, bound)
+    kernel_peak_s = program.kernel_flops / target.chips / peak
+    expected_s, calibration = (_calibrated(chip.name, compute_s, hbm_s, kernel_peak_s, program.kernel_s)
+                               if bound in ("compute", "HBM bandwidth") else (None, None))
     steps = train_items / program.items_per_step if train_items else None
     wall = steps * (expected_s or step_s) if steps else None
     chip_hours = wall / 3600 * target.chips if wall else None
@@ -314,14 +317,23 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                 train_cost_usd=chip_hours * price if chip_hours else None)
 
 
-def _calibrated(chip: str, roofline_s: float, bound: str) -> tuple[float | None, str | None]:
-    """(expected step time, what it rests on): the roofline times the chip's measured factor for `bound`; (None,
-    None) for a chip never measured, or a bound with no factor (interconnect, data-center network)."""
+def _calibrated(chip: str, compute_s: float, hbm_s: float, kernel_peak_s: float,
+                kernel_s: float | None) -> tuple[float | None, str | None]:
+    """(expected step time, what it rests on), for a chip measured on (targets.CALIBRATIONS): the larger of the
+    program XLA compiles at its compute roofline (its FLOPs less the custom kernels' at peak) times the chip's compute
+    factor and at its HBM roofline times the HBM factor, plus the custom kernels' time at their measured rate
+    (`kernel_s`; unknown: at peak times the compute factor). (None, None) for a chip never measured."""
     factors = CALIBRATIONS.get(chip)
-    factor = None if factors is None else {"compute": factors.compute, "HBM bandwidth": factors.hbm}.get(bound)
-    if factor is None:
+    if factors is None:
         return None, None
-    return roofline_s * factor, f"x {factor:.2f}, the {chip}'s measured step time over its {bound} roofline ({factors.source})"
+    compute, hbm = (compute_s - kernel_peak_s) * factors.compute, hbm_s * factors.hbm
+    part = (f"XLA's compute roofline {ms_text(compute_s - kernel_peak_s)} x {factors.compute:.2f}" if compute >= hbm
+            else f"XLA's HBM roofline {ms_text(hbm_s)} x {factors.hbm:.2f}")
+    kernel = kernel_s if kernel_s is not None else kernel_peak_s * factors.compute
+    rate = "at its measured rate" if kernel_s is not None else f"at peak x {factors.compute:.2f}"
+    note = (part + (f" + custom kernels {ms_text(kernel)} {rate}" if kernel else "")
+            + f": the {chip}'s measured factors ({factors.source})")
+    return max(compute, hbm) + kernel, note
 
 
 def _unfit(common: dict[str, Any], *, peak_bytes: int, out_of_memory: str | None, fix: str,
@@ -423,7 +435,7 @@ def format_plan(plan: Plan) -> str:
                                    f"HBM {ms_text(plan.hbm_s)}, ICI {ms_text(plan.ici_s)}"
                                    + (f", DCN {ms_text(plan.dcn_s)}" if plan.dcn_s else "")
                                    + "; perfect overlap: a lower bound)"),
-            ("expected step time", f"{ms_text(plan.expected_step_time_s)}, the roofline {plan.calibration}"
+            ("expected step time", f"{ms_text(plan.expected_step_time_s)}: {plan.calibration}"
              if plan.expected_step_time_s else "no measurement of this chip: the roofline alone (a lower bound)"),
             ("throughput", f"{plan.items_per_s:,.0f} {plan.item_unit}/s"
              + (" (expected)" if plan.expected_step_time_s else " (roofline)")),

@@ -41,23 +41,24 @@ class Chip:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """How much longer a step took on a real chip than the roofline said, by what bounds the roofline: the roofline
-    takes every matmul at the data sheet's peak and every byte at full bandwidth, and takes no time for a Pallas
-    kernel's softmax or the optimizer's passes, so it is a lower bound. The expected step time is the roofline
-    times the factor of its bound."""
+    """How a real chip's step time relates to the roofline (plan/planner.py `_calibrated`): the program XLA compiles
+    takes `compute` x its compute roofline (its FLOPs at the data sheet's peak; the factor covers the matrix unit's
+    achieved rate, the elementwise passes, the optimizer's update) or `hbm` x its HBM roofline, whichever is longer,
+    and a custom kernel (splash attention) takes its own measured rate (lm/model/splash_blocks.py)."""
 
-    compute: float  # measured / roofline, compute-bound rows
-    hbm: float  # measured / roofline, HBM-bound rows
+    compute: float
+    hbm: float
     source: str  # the rows, command and date behind the factors
 
 
 GiB = 2**30
 # By chip name. Chips without a row plan at the roofline alone (and say so).
 CALIBRATIONS: dict[str, Calibration] = {
-    "TPU v5 lite": Calibration(compute=1.90, hbm=1.69, source=(
-        "systolic bench lm on the lent v5e chip against plan --target v5e-1, 2026-12-06: llama-1b (16 layers, "
-        "remat=full, bf16 moments) 623 ms vs 320 compute roofline; llama-1b/8 layers 4 x 2048 dots 257 ms; gpt2-124m "
-        "32 x 1024 281 ms vs 166 HBM roofline (docs/planning.md, 'The planner against the chip')")),
+    "TPU v5 lite": Calibration(compute=1.50, hbm=1.00, source=(
+        "compute: llama-1b/8 layers at 4 x 2048, 243.5 ms measured by `benchmarks/tpu.sh train` on the lent v5e, "
+        "2026-12-06, less its splash time at the kernel's measured rate, over XLA's 122.1 ms; HBM: no row measured "
+        "HBM-bound, XLA's bytes as they are (an upper estimate). Every training row within 14% of the chip: "
+        "docs/planning.md, 'The planner against the chip'")),
 }
 CHIPS: dict[str, Chip] = {
     # https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 or int8); https://cloud.google.com/tpu/pricing

@@ -24,7 +24,7 @@ from systolic.workloads.lm import init_from, sample
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import remat as remat_lib, sizes
+from systolic.workloads.lm.model import remat as remat_lib, sizes, splash_blocks
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.post import dpo_task
@@ -159,8 +159,12 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         impl = m.context_attention if split else attention.choose(
             m.attention, dtype=dtype, head_dim=m.d_head, seq_len=cfg.data.seq_len,
             segments=cfg.data.packing == "documents", sinks=m.attn_sinks)  # sinks: xla, counted by XLA
+        tiles = splash_blocks.tiles_for(m.d_head, cfg.data.seq_len)  # the target chip's, with its measured rate
     # Causal attention's model FLOPs per token (workloads/lm/model/flops.py): what the kernel must do at the least.
     attention_flops = tokens * 3 * m.layers * cfg.data.seq_len * m.heads * attention_width(m)
+    # The kernel's time at its measured rate; remat=full runs its forward (a third of the work) again.
+    kernel_s = (attention_flops * (4 / 3 if m.remat == "full" else 1.0) / len(devices) / (tiles.tflops * 1e12)
+                if impl == "splash" and tiles.tflops else None)
     remat = remat_lib.DESCRIPTIONS[m.remat]
     trainable = param_count(step.abstract.params)
     return StepProgram(
@@ -171,7 +175,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len)
         * (dpo_task.flops_factor(cfg) if cfg.objective == "dpo" else 1.0),
         dtype=str(dtype),
-        kernel_flops=attention_flops if impl == "splash" else 0.0, memory_fix=sizes.MEMORY_FIX,
+        kernel_flops=attention_flops if impl == "splash" else 0.0, kernel_s=kernel_s, memory_fix=sizes.MEMORY_FIX,
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/model/flops.py) counts each matmul once and half of causal attention's T x T "

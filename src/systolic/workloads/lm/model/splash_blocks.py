@@ -20,6 +20,7 @@ class SplashTiles:
     block_kv_compute: int
     fused_backward: bool
     measured: str  # the command and figure behind the row ("" for the untuned default)
+    tflops: float | None = None  # forward + backward at these tiles, model FLOPs (causal half) per second / 1e12
 
 
 DEFAULT = SplashTiles(512, 512, 512, fused_backward=False, measured="")  # MaxText's default tiles; unmeasured chips
@@ -29,11 +30,15 @@ DEFAULT = SplashTiles(512, 512, 512, fused_backward=False, measured="")  # MaxTe
 # training rows' attention, bfloat16.
 V5E = "TPU v5 lite"
 TUNED: dict[tuple[str, int | None, int | None], SplashTiles] = {
-    (V5E, 64, 1024): SplashTiles(1024, 1024, 512, fused_backward=True, measured=(
+    (V5E, 64, 1024): SplashTiles(1024, 1024, 512, fused_backward=True, tflops=20.1, measured=(
         "32 x 1024, 12 heads: 7.69 ms (20.1 TFLOP/s); q512 kv512 c256 fused 8.53 ms, q1024 kv1024 c1024 fused 7.75, "
         "q128 fused 28.74")),
-    (V5E, 64, 2048): SplashTiles(512, 512, 512, fused_backward=True, measured=(
+    (V5E, 64, 2048): SplashTiles(512, 512, 512, fused_backward=True, tflops=27.5, measured=(
         "4 x 2048, 32 heads (8 kv): 7.48 ms (27.5 TFLOP/s); unfused 8.68 ms, q256 fused 13.71, XLA's attention 23.16")),
+    # Not timed alone: the rate is what the llama 8-layer row with 16 heads of 128 leaves for the kernel once its
+    # matmuls take the chip's calibrated time (plan/targets.py; docs/planning.md "The planner against the chip").
+    (V5E, 128, 2048): SplashTiles(512, 512, 512, fused_backward=True, tflops=90.0, measured=(
+        "4 x 2048, 16 heads of 128 (8 kv): inferred from the training row's 208.3 ms (benchmarks/tpu.sh train)")),
     (V5E, None, None): SplashTiles(512, 512, 512, fused_backward=True, measured="the 2048-token row's tiles"),
 }
 
