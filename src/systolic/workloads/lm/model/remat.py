@@ -47,17 +47,16 @@ def tag(x: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(x, name)
 
 
+# The named activations each policy that recomputes the MLP keeps (with the kernel's statistics, ATTN_STATS, but for
+# full): what `policy` saves and what lm/model/sizes.py counts.
+KEEPS = {"except_mlp": (QKV, CONTEXT, ATTN_OUT), "attn": (QKV, CONTEXT), "context": (CONTEXT,), "full": ()}
+
+
 def policy(setting: str) -> Callable[..., bool] | None:
     """The `jax.checkpoint` policy of `model.remat=setting` (None: save nothing but the layer's input)."""
     names = jax.checkpoint_policies.save_only_these_names
     if setting == "dots":
         return jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable, names(CONTEXT, ATTN_STATS))
-    if setting == "except_mlp":
-        return names(QKV, CONTEXT, ATTN_STATS, ATTN_OUT)
-    if setting == "attn":
-        return names(QKV, CONTEXT, ATTN_STATS)
-    if setting == "context":
-        return names(CONTEXT, ATTN_STATS)
-    assert setting == "full", setting  # "none" never reaches here: the layer is not wrapped
-    return None
+    assert setting in KEEPS, setting  # "none" never reaches here: the layer is not wrapped
+    return names(*KEEPS[setting], ATTN_STATS) if KEEPS[setting] else None

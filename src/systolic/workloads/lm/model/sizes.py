@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from systolic.runtime import memory
 from systolic.workloads.lm.config import LMConfig, LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model import remat
 from systolic.workloads.lm.model.flops import attention_params, lora_params
 
 PARAM_BYTES = 4  # parameters stay float32 whatever model.dtype computes in
@@ -69,9 +70,9 @@ def activation_floats(m: ModelConfig) -> int:
     per_layer = inner + lora
     if m.remat in ("none", "dots"):
         return m.layers * (m.d_model + per_layer)
-    context = m.heads * m.d_head  # the attention's output (all but full keep it)
-    kept = {"full": 0, "context": context, "attn": 2 * context + 2 * m.n_kv_heads * m.d_head,
-            "except_mlp": 2 * context + 2 * m.n_kv_heads * m.d_head + m.d_model}[m.remat]
+    widths = {remat.QKV: (m.heads + 2 * m.n_kv_heads) * m.d_head, remat.CONTEXT: m.heads * m.d_head,
+              remat.ATTN_OUT: m.d_model}  # values per token of each named activation
+    kept = sum(widths[name] for name in remat.KEEPS[m.remat])
     return m.layers * (m.d_model + kept) + per_layer
 def check_training_fits(cfg: LMConfig, vocab: int, devices: Sequence[Any]) -> None:
     """A UserError, before any tracing, when the model cannot be trained in the memory of `devices`."""
