@@ -55,9 +55,9 @@ def test_an_unknown_name_lists_the_valid_ones(name):
 def test_out_of_memory_message_gives_the_bytes_needed():
     msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (40.25G) "
            "exceeds available HBM (15.75G).")
-    assert needed_bytes(msg, argument_bytes=2**30) == pytest.approx(41.25 * 2**30)
-    assert needed_bytes("Used 31.72G of 15.75G hbm.", argument_bytes=2**30) == pytest.approx(31.72 * 2**30)
-    assert needed_bytes("RESOURCE_EXHAUSTED: something else", argument_bytes=0) is None
+    assert needed_bytes(msg) == pytest.approx(40.25 * 2**30)  # the temporaries: what the compiler compares
+    assert needed_bytes("Used 31.72G of 15.75G hbm.") == pytest.approx(31.72 * 2**30)
+    assert needed_bytes("RESOURCE_EXHAUSTED: something else") is None
 
 
 def test_collectives_of_a_compiled_cpu_program():

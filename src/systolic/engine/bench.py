@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from systolic.runtime.memory import ProgramMemory
+from systolic.runtime.memory import ProgramMemory, size_text
 
 from systolic.engine import fit
 from systolic.engine.loop import Task
@@ -109,7 +109,6 @@ def _memory_text(m: ProgramMemory | None) -> str:
     for a step that needed over 10 GB, so the compiler's analysis is the figure)."""
     if m is None:
         return "no memory analysis from this backend"
-    gib = 2**30
-    return (f"{m.peak_bytes / gib:.2f} GiB (compiled: arguments {m.argument_bytes / gib:.2f} + outputs "
-            f"{m.output_bytes / gib:.2f} - donated {m.alias_bytes / gib:.2f} + temporaries {m.temp_bytes / gib:.2f} + code "
-            f"{m.code_bytes / gib:.2f} GiB)")
+    return (f"{size_text(m.peak_bytes)} (compiled: arguments {size_text(m.argument_bytes)} + outputs "
+            f"{size_text(m.output_bytes)} - donated {size_text(m.alias_bytes)} + temporaries {size_text(m.temp_bytes)} "
+            f"+ code {size_text(m.code_bytes)}; a TPU's compiler checks the temporaries alone against the chip)")

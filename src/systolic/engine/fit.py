@@ -20,7 +20,6 @@ import jax
 
 from systolic.runtime import memory
 from systolic.runtime.memory import DoesNotFit, ProgramMemory
-from systolic.runtime.mesh import bytes_per_device
 
 
 def compile_step(train_step: Any, state: Any, batch: Any, *, advice: str) -> ProgramMemory | None:
@@ -33,7 +32,7 @@ def compile_step(train_step: Any, state: Any, batch: Any, *, advice: str) -> Pro
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise out_of_memory(str(e), bytes_per_device((state, batch)), advice) from None
+        raise out_of_memory(str(e), advice) from None
     analysis = compiled.memory_analysis()
     if analysis is None:  # a backend without a memory analysis
         return None
@@ -62,10 +61,10 @@ def check(step_memory: ProgramMemory, device: Any, advice: str) -> None:
         need_bytes=need, have_bytes=have[0], fix=advice)
 
 
-def out_of_memory(message: str, argument_bytes: int, advice: str) -> DoesNotFit:
+def out_of_memory(message: str, advice: str) -> DoesNotFit:
     """The compiler's RESOURCE_EXHAUSTED as `DoesNotFit`, with the figures read from its text."""
     first = message.strip().splitlines()[0] if message.strip() else "RESOURCE_EXHAUSTED"
-    need, have = memory.needed_bytes(message, argument_bytes), memory.limit_bytes(message)
+    need, have = memory.needed_bytes(message), memory.limit_bytes(message)
     figures = (f"needs {memory.size_text(need) if need else 'more'} per device of the "
                f"{memory.size_text(have) if have else 'memory'} a device has")
     return DoesNotFit(f"The train step {figures}: the compiler stopped with RESOURCE_EXHAUSTED ({first}); no step ran. "

@@ -108,10 +108,11 @@ class Plan:
     items_per_s: float | None  # at the expected step time where the chip is calibrated, else the roofline's
     mfu: float | None  # at the roofline
     mfu_note: str | None
-    # the roofline times the chip's measured factor for its bound (targets.CALIBRATIONS); None: no calibration
+    # calibrated on the chip (targets.CALIBRATIONS, `_calibrated`: XLA's part x the chip's factor + the custom kernels
+    # at their measured rate); None for a chip never measured
     expected_step_time_s: float | None
     expected_mfu: float | None
-    calibration: str | None  # the factor and where it came from
+    calibration: str | None  # how the expected step was made, and from which measurements
     # training cost
     peak_flops_per_chip: float
     price_per_chip_hour: float
@@ -250,7 +251,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
                   peak_flops_per_chip=peak, price_per_chip_hour=price, price_source=source, train_items=train_items,
                   notes=program.notes)
     if compiled is None:
-        needed = memory_lib.needed_bytes(out_of_memory or "", program.argument_bytes)
+        needed = memory_lib.needed_bytes(out_of_memory or "")
         return _unfit(common, peak_bytes=int(needed or 0), out_of_memory=out_of_memory, fix=program.memory_fix)
 
     memory = compiled.memory_analysis()

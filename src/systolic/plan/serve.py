@@ -207,7 +207,7 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     page_bytes = m.page_size * m.kv_bytes_per_token / m.kv_split
     pool = int(pages * page_bytes)
     if compiled is None:
-        needed = memory_lib.needed_bytes(out_of_memory or "", m.weight_bytes_per_chip + pool)
+        needed = memory_lib.needed_bytes(out_of_memory or "")
         say(f"  compiled {what} in {seconds:.0f} s: DOES NOT FIT"
             + (f" (the compiler asks for {size_text(needed)} per chip)" if needed else ""))
         return Compile(n, prefill_tokens, pages, False, int(needed or 0), pool, None, out_of_memory, seconds, 0.0, {},
