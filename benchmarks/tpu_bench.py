@@ -43,8 +43,8 @@ PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "gra
 # 32 x 1024 46.7% MFU, 284 ms a step; llama-1b cut to 8 layers, 4 x 2048, remat=dots 40.4%; 8 x 2048 with remat=dots
 # ran out of the chip's 15.75 GiB. Batches are the largest that fit (the compiled step's memory analysis on the chip,
 # explore runs of 2026-12-06): gpt2-124m 14.6 GiB at 32 x 1024 (its float32 logits: 6.6 GB); llama-1b/8 layers
-# 16.3 GiB at 4 x 2048 with remat=dots (8 x 2048: 17.8 GiB); the whole llama-1b 15.1 GiB at 4 x 2048 with bf16
-# moments and remat=full. batch_size None: the recipe's own.
+# 16.3 GiB at 4 x 2048 with remat=dots (8 x 2048: 17.8 GiB); the whole llama-1b at 4 x 2048 with bf16
+# moments and remat=context (temporaries 9.9 GiB) or remat=full (8.1 GiB). batch_size None: the recipe's own.
 TRAIN_ROWS = (
     Row("gpt2-124m", "gpt2-124m", batch_size=32, seq_len=1024, steps=20, attention="splash", scan_layers=False,
         timeout_s=180),
@@ -55,12 +55,13 @@ TRAIN_ROWS = (
     Row("llama 8 layers hd128", "llama-1b", batch_size=4, seq_len=2048, steps=12, attention="splash",
         scan_layers=True, timeout_s=150, extra=("model.layers=8", "model.heads=16", "model.kv_heads=8",
                                                 "model.remat=dots")),
-    # The whole model in 15.75 GiB: bf16 optimizer moments and remat=full (the recipe).
+    # The whole model in 15.75 GiB: bf16 optimizer moments, and each layer keeps only its attention's output and
+    # statistics (remat=context, the recipe): the kernel's forward does not run again in the backward pass.
     Row("llama-1b-v5e", "llama-1b-v5e", batch_size=None, seq_len=2048, steps=6, attention="splash",
         scan_layers=True, timeout_s=170),
-    # ... keeping the attention's output and statistics (remat=context): the kernel's forward does not run again.
-    Row("llama-1b-v5e context", "llama-1b-v5e", batch_size=None, seq_len=2048, steps=6, attention="splash",
-        scan_layers=True, timeout_s=170, extra=("model.remat=context",)),
+    # ... keeping nothing but each layer's input (remat=full): 1.8 GiB fewer temporaries, every forward runs again.
+    Row("llama-1b-v5e full", "llama-1b-v5e", batch_size=None, seq_len=2048, steps=6, attention="splash",
+        scan_layers=True, timeout_s=170, extra=("model.remat=full",)),
 )
 SERVE = ["--recipe", "llama-1b", "--dtype", "bfloat16", "--levels", "16,64", "--output", "128"]  # warm-up ~144 s
 SERVE_DRY = ["--levels", "1,4", "--prompt", "32", "--output", "16", "--max-seqs", "4",  # its 4 x 256 model

@@ -253,3 +253,29 @@ def test_splash_compiles_for_tpu_devices_from_this_host():
     # Per device: 4 rows x 8 heads of (2048, 2048) scores, at least 256 MiB in bfloat16, for the plain formulation.
     assert xla.memory_analysis().temp_size_in_bytes > 256 * 2**20
     assert splash.memory_analysis().temp_size_in_bytes < 64 * 2**20
+
+
+@pytest.mark.parametrize("setting, kept", [("splash", (2, 2, 4, 128, 16)), ("xla", (2, 2, 128, 4, 16))])
+def test_remat_context_keeps_the_attention_output_once(setting, kept, capsys):
+    """remat=context keeps each layer's attention output once: with splash the kernel's own named residual (layers,
+    B, H, T, hd, beside its log-sum-exp), not also a (layers, B, T, H, hd) copy under the `context` name (llama-1b-v5e:
+    1.2 GiB of temporaries); with XLA's attention the `context`-named (layers, B, T, H, hd) output."""
+    import re
+
+    from flax import nnx
+
+    from systolic.workloads.lm.model.config import ModelConfig
+    from systolic.workloads.lm.model.transformer import make_model
+
+    cfg = ModelConfig(d_model=64, layers=2, heads=4, kv_heads=2, max_seq_len=128, dtype="float32", scan_layers=True,
+                      remat="context", attention=setting)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 128)), jnp.int32)
+    graphdef, params = nnx.split(make_model(cfg, 64, 0), nnx.Param)
+    capsys.readouterr()
+    # JAX's view of what the backward pass keeps, a line a residual: the layer scan's are "f32[2,2,128,64] output of
+    # scan ..." (stacked over the layers).
+    jax.ad_checkpoint.print_saved_residuals(lambda p: nnx.merge(graphdef, p)(tokens).sum(), params)
+    lines = capsys.readouterr().out.splitlines()
+    stacked = [tuple(map(int, m[1].split(","))) for m in (re.match(r"\w+\[([\d,]+)\] output of scan", x) for x in lines)
+               if m]
+    assert [shape for shape in stacked if len(shape) == 5] == [kept], lines

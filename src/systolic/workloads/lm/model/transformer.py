@@ -140,7 +140,14 @@ class _Projecting(nnx.Module):
     quant: str
 
     def _project(self, x: jax.Array, w: nnx.Param, contract: int = 1) -> jax.Array:
-        return quant_lib.project(x, w[...].astype(self.dtype), contract, self.quant)
+        weight = w[...]
+        if weight.dtype != self.dtype:
+            # The float32 weight as stored, then its cast: without the barrier the TPU compiler rewrote the cast
+            # of each scanned layer's weights so that, under model.remat=context, it ran two of the MLP's matmuls a
+            # second time in the backward pass (llama-1b-v5e: 26 matmuls a layer instead of 24, 14% more of XLA's
+            # FLOPs); with it, 24 (docs/performance.md, "The whole llama-1b on one v5e").
+            weight = jax.lax.optimization_barrier(weight)
+        return quant_lib.project(x, weight.astype(self.dtype), contract, self.quant)
 
 
 class Attention(_Projecting):
@@ -213,6 +220,7 @@ class Attention(_Projecting):
         q = remat_lib.tag(constrain(q, ("batch", "seq", "heads", "head_dim")), remat_lib.QKV)
         k, v = remat_lib.tag(k, remat_lib.QKV), remat_lib.tag(v, remat_lib.QKV)
         split = context.current_split() if kv is None else None
+        kernel_named = False  # whether the attention's output already carries remat.ATTN_STATS
         sinks = None if self.sinks is None else self.sinks[...]  # (H,) float32, added to float32 scores
         if split is not None and sinks is not None:
             raise UserError(
@@ -228,6 +236,7 @@ class Attention(_Projecting):
             out = self._by_window(local, lambda window: attention.causal_attention(
                 q, k, v, impl=impl, segment_ids=segment_ids, window=window, softcap=self.softcap,
                 sinks=sinks))  # (B, T, H, hd)
+            kernel_named = impl == "splash"
         elif isinstance(kv, PagedKV):  # the pages say which sequence each token belongs to and where it sits
             out, kv = kv.attend(q[0], k[0], v[0], window=self._window(local), softcap=self.softcap,
                                 sinks=sinks)  # (T, H, hd)
@@ -245,7 +254,10 @@ class Attention(_Projecting):
             else:
                 out = jax.nn.dot_product_attention(q, ck, cv, mask=mask[None, None])  # (B, T, H, hd)
             kv = (ck, cv)
-        out = remat_lib.tag(out, remat_lib.CONTEXT)
+        if not kernel_named:
+            # The splash kernel names its output (remat.ATTN_STATS) itself: tagging it again would have a policy
+            # that keeps both names keep it twice (B, H, T, hd and B, T, H, hd): 1.2 GiB more temporaries on llama-1b-v5e.
+            out = remat_lib.tag(out, remat_lib.CONTEXT)
         y = _adapted(out, self._project(out, self.wo, contract=2), self.wo_lora)  # (B, T, D)
         if self.bo is not None:
             y = y + self.bo[...].astype(dt)
