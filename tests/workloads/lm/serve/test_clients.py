@@ -26,7 +26,6 @@ from systolic.workloads.lm.model.config import ModelConfig
 
 from serve_process import Server
 
-pytestmark = pytest.mark.slow  # one server start and two clients: minutes on a 2-core machine
 
 # Exactly the byte tokenizer's ids: `eval lm` normalizes over every embedding row, the server over the tokenizer's.
 VOCAB = 258
@@ -122,7 +121,7 @@ def test_lm_evaluation_harness_scores_as_eval_lm_and_generates_as_generate(srv, 
                                           include_path=str(tasks), include_defaults=False), log_samples=True)
 
     # Multiple choice: the same choice per item as `systolic eval lm --choices`, so the same accuracy.
-    run = evaluate.load_run(run_dir, evaluate.COMMAND)
+    run = evaluate.load_run(run_dir, evaluate.COMMAND, sharded=True)
     want = evaluate.score_choices(run, evaluate.read_choices(items), rows=8)
     samples = sorted(results["samples"]["systolic_mc"], key=lambda s: s["doc_id"])
     got = [np.array([r[0] for r in s["filtered_resps"]], float) for s in samples]
@@ -153,8 +152,8 @@ def test_guidellm_at_16_streams_of_fixed_length(srv, card, tmp_path):
     command = [str(Path(sys.executable).with_name("guidellm")), "run",
                "--backend", f"kind=openai_http,target={srv.url},model={card['id']},request_format=/v1/completions",
                "--profile", "kind=concurrent,streams=16", "--constraint", "kind=max_requests,count=64",
-               "--constraint", "kind=max_duration,duration=300",
-               "--tokenizer", f"kind=huggingface_auto,pretrained_model_name_or_path={card['root']}",
+               "--constraint", "kind=max_duration,seconds=300",
+               "--tokenizer", f"kind=huggingface_auto,model={card['root']}",
                "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={report}",
                "--disable-console-interactive"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
