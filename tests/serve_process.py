@@ -1,6 +1,7 @@
 """`systolic serve` in a subprocess for the tests that talk to it over HTTP (tests/workloads/lm/serve/test_server.py,
 test_clients.py): `serve()` on a free loopback port, its address read from the line it prints once it listens."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -74,3 +75,12 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             pytest.fail(f"the server did not stop within {STOP_TIMEOUT_S} s after SIGTERM")
+
+
+@contextlib.contextmanager
+def running(run_dir: Path, log: Path, **settings):
+    """A Server for the `with` block; it must then stop with exit code 0 and no traceback in its log."""
+    s = Server(run_dir, log, **settings)
+    yield s
+    assert s.stop() == 0, s.log.read_text()[-5000:]
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-5000:]

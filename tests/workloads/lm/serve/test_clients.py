@@ -24,7 +24,7 @@ from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.model.config import ModelConfig
 
-from serve_process import Server
+from serve_process import running
 
 
 # Exactly the byte tokenizer's ids: `eval lm` normalizes over every embedding row, the server over the tokenizer's.
@@ -57,19 +57,14 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def srv(run_dir, tmp_path_factory):
-    s = Server(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS)
-    yield s
-    assert s.stop() == 0, s.log.read_text()[-5000:]
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-5000:]
+def served(run_dir, tmp_path_factory):
+    """The server and its model card: the model's name and the tokenizer folder ("root") that clients are given."""
+    with running(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS) as s:
+        yield s, s.get("/v1/models").json()["data"][0]
 
 
-@pytest.fixture(scope="module")
-def card(srv) -> dict:
-    return srv.get("/v1/models").json()["data"][0]
-
-
-def test_echo_logprobs_equal_eval_lms_per_token_logprobs(srv, card, run_dir):
+def test_echo_logprobs_equal_eval_lms_per_token_logprobs(served, run_dir):
+    srv, card = served
     text = "The capital of France is Paris."
     reply = srv.post("/v1/completions", {"model": card["id"], "prompt": text, "echo": True, "logprobs": 3,
                                          "max_tokens": 0}).json()
@@ -93,8 +88,9 @@ def test_echo_logprobs_equal_eval_lms_per_token_logprobs(srv, card, run_dir):
                                                                    generated))  # greedy: the top one is the chosen
 
 
-def test_lm_evaluation_harness_scores_as_eval_lm_and_generates_as_generate(srv, card, run_dir, tmp_path, monkeypatch,
+def test_lm_evaluation_harness_scores_as_eval_lm_and_generates_as_generate(served, run_dir, tmp_path, monkeypatch,
                                                                            capsys):
+    srv, card = served
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     lm_eval = pytest.importorskip("lm_eval")
@@ -141,7 +137,8 @@ def test_lm_evaluation_harness_scores_as_eval_lm_and_generates_as_generate(srv, 
         assert answer == generated.split(STOP)[0], prompt
 
 
-def test_guidellm_at_16_streams_of_fixed_length(srv, card, tmp_path):
+def test_guidellm_at_16_streams_of_fixed_length(served, tmp_path):
+    srv, card = served
     pytest.importorskip("guidellm")
     lengths = [8, 16, 24, 32]
     data = tmp_path / "prompts.jsonl"

@@ -33,7 +33,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 from systolic.workloads.lm.serve import server  # noqa: E402
 
-from serve_process import KEY, Server  # noqa: E402
+from serve_process import KEY, START_TIMEOUT_S, STOP_TIMEOUT_S, Server, running  # noqa: E402
 
 VOCAB = 320
 CONTEXT = 256
@@ -84,10 +84,8 @@ SETTINGS = {"api_key": KEY, "max_seqs": 4, "max_queue": 2, "max_tokens_per_step"
 
 @pytest.fixture(scope="module")
 def srv(run_dir, tmp_path_factory):
-    s = Server(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS)
-    yield s
-    assert s.stop() == 0, s.log.read_text()[-5000:]
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-5000:]
+    with running(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -368,3 +366,33 @@ def test_generate_with_an_int8_kv_cache(run_dir, capsys):
                      "--temperature", "0", "--kv-cache", kv_cache]) == 0
         replies[kv_cache] = capsys.readouterr().out
     assert replies["int8"] == replies["auto"] and len(replies["auto"]) > len("Once upon a time\n")
+
+
+def test_n_best_of_and_vllms_sampling_fields(srv, model, run_dir):
+    post = lambda **body: srv.post("/v1/completions", {"model": model, "prompt": "Once", **body}).json()  # noqa: E731
+    several = post(max_tokens=6, temperature=1.0, seed=3, n=3)
+    texts = [c["text"] for c in several["choices"]]
+    assert [c["index"] for c in several["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    # choice j draws from seed + j: the same text as a request of its own with that seed
+    assert texts[2] == post(max_tokens=6, temperature=1.0, seed=5)["choices"][0]["text"]
+    best = post(max_tokens=6, temperature=1.0, seed=3, n=1, best_of=3, logprobs=0)["choices"]
+    sums = [sum(post(max_tokens=6, temperature=1.0, seed=3 + j, logprobs=0)["choices"][0]["logprobs"]
+                ["token_logprobs"]) for j in range(3)]
+    assert len(best) == 1 and best[0]["text"] == texts[int(np.argmax(sums))]
+    batch = post(prompt=["Once", [1, 2, 3]], max_tokens=2, n=2, temperature=0)["choices"]
+    assert [c["index"] for c in batch] == [0, 1, 2, 3] and batch[0]["text"] == batch[1]["text"]
+
+    # vLLM's fields as load generators send them together (guidellm's ignore_eos: test_clients.py).
+    im_end = BPETokenizer.load(run_dir / "tokenizer.json").token_id("<|im_end|>")
+    long = post(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[im_end], min_tokens=8)["choices"][0]
+    assert long["finish_reason"] == "length"
+    greedy = post(max_tokens=16, temperature=0)["choices"][0]["text"]
+    stop = greedy[4:6]
+    kept = post(max_tokens=16, temperature=0, stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"]
+    assert kept == greedy[: greedy.index(stop) + len(stop)]
+
+    events = srv.post("/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 5, "stream": True, "n": 2,
+                                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(line[6:]) for line in events.text.splitlines() if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
