@@ -270,7 +270,7 @@ def test_random_text_at_every_reader_is_read_or_refused(tokenizer, hf_folder, tm
         def read():
             request = asyncio.run(server._json_body(_Body(body)))
             if where == "completion-request":
-                return api.completion_prompt_ids(api.parse_completion(request).prompt, tokenizer)
+                return api.completion_prompt_ids(api.parse_completion(request).prompts[0], tokenizer)
             return api.chat_prompt_ids(api.parse_chat(request).messages, template, "m")
     before = snapshot(work)
     event(f"{where}: {'refused' if _refused(read) else 'read'}")

@@ -309,6 +309,8 @@ def test_generate_chat_stops_at_the_end_of_turn(chat_run, monkeypatch):
     end = tokenizer.token_id("<|im_end|>")
     written = np.concatenate([tokenizer.encode("Paris."), [end], tokenizer.encode(" Junk")])
     steps = iter(written.tolist())  # the engine's step samples one token of the request: these, one a step
-    monkeypatch.setattr(InferenceEngine, "_run", lambda self, chunks: (np.array([next(steps)]), np.zeros(1)))
+    # (sampled ids, their log-probabilities, each row's last token slot, no detail outputs)
+    monkeypatch.setattr(InferenceEngine, "_run", lambda self, chunks, detail: (np.array([next(steps)]), np.zeros(1),
+                                                                               np.zeros(1, np.int32), None))
     code, out, err = call("generate", str(run), "--chat", "--prompt", "Capital?", "--max-new-tokens", str(len(written)))
     assert code == 0 and out == "Paris.\n", err

@@ -121,13 +121,13 @@ class BPETokenizer:
                 check_unicode(text)
             raise
 
-    def encode_with_specials(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    def encode_with_specials(self, text: str, *, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Ids of `text` in which special tokens are spelt out, such as a rendered chat template ("<|im_end|>" is
         that token, as transformers matches it by default), with nothing added by the post-processor (as
-        `apply_chat_template` tokenizes, add_special_tokens=False); and each id's [start, end) characters in
-        `text`, int64 (N, 2)."""
+        `apply_chat_template` tokenizes) unless `add_special_tokens` (as transformers' `tokenizer(text)`, e.g.
+        Llama's <s>); and each id's [start, end) characters in `text`, int64 (N, 2)."""
         try:
-            encoding = self._with_specials.encode(text, add_special_tokens=False)
+            encoding = self._with_specials.encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
             check_unicode(text)
             raise
@@ -144,11 +144,12 @@ class BPETokenizer:
         """The id of the vocabulary entry or added token spelt `token` (e.g. "<|eot_id|>"), or None."""
         return self._tokenizer.token_to_id(token)
 
-    def decode(self, ids) -> str:
-        """Text of `ids`; special tokens and ids outside the vocabulary are dropped."""
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids outside the vocabulary are dropped, and special tokens unless not
+        `skip_special_tokens`."""
         ids = np.asarray(ids).reshape(-1)
         ids = ids[(ids >= 0) & (ids < self.vocab_size)]
-        return self._tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        return self._tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
         """Writes the tokenizer.json atomically: a reader sees the old file or the new one, never half of one."""

@@ -13,6 +13,7 @@ that takes the object. The functions here that read a run directory only decide 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -47,7 +48,10 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
-    def decode(self, ids) -> str: ...
+    def encode_with_specials(self, text: str, *, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        ...
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -58,6 +62,7 @@ class ByteTokenizer:
     pad_id = 257
     vocab_size = 258
     dtype = np.uint16  # uint8 cannot hold the special ids next to the bytes
+    special_tokens = {"<|endoftext|>": 256, "<|pad|>": 257}  # as data/hf_tokenizer.py spells them for transformers
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """UTF-8 bytes of `text` as a uint16 array (bytes have no special tokens to add)."""
@@ -71,9 +76,31 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(text) for text in texts]
 
-    def decode(self, ids) -> str:
-        """Text of `ids` (any integer array or list); special ids are dropped, broken UTF-8 becomes U+FFFD."""
+    def encode_with_specials(self, text: str, *, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of `text` in which the special tokens' spellings ("<|endoftext|>") are those tokens, as transformers
+        reads text with the run's tokenizer.json (data/hf_tokenizer.py); and each id's [start, end) characters,
+        int64 (N, 2). (The bytes have nothing to add at the start.)"""
+        ids, offsets, start = [], [], 0
+        for piece in re.split(f"({'|'.join(map(re.escape, self.special_tokens))})", text):
+            if piece in self.special_tokens:
+                ids.append(self.special_tokens[piece])
+                offsets.append((start, start + len(piece)))
+            else:  # every byte of a character spans that character
+                ids.extend(self.encode(piece).tolist())
+                chars = start + np.repeat(np.arange(len(piece)), [len(c.encode("utf-8")) for c in piece])
+                offsets.extend(zip(chars.tolist(), (chars + 1).tolist()))
+            start += len(piece)
+        return np.asarray(ids, self.dtype), np.asarray(offsets, np.int64).reshape(-1, 2)
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (any integer array or list); special ids are dropped (or spelt out, when not
+        `skip_special_tokens`), broken UTF-8 becomes U+FFFD."""
         ids = np.asarray(ids).reshape(-1)
+        if not skip_special_tokens:
+            names = {i: name for name, i in self.special_tokens.items()}
+            cuts = [0, *np.flatnonzero(ids >= 256).tolist(), len(ids)]
+            return "".join(self.decode(ids[a:b]) + (names.get(int(ids[b]), "") if b < len(ids) else "")
+                           for a, b in zip(cuts, cuts[1:]))
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:

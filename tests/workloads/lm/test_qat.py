@@ -267,7 +267,7 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
     from systolic.plan.planner import devices_for
     from systolic.runtime.platform import compiling_for
     from systolic.workloads.lm.serve.paged_attention import RaggedBatch
-    from systolic.workloads.lm.serve.step import RowSampling, engine_step
+    from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, engine_step
 
     one = jax.sharding.SingleDeviceSharding(devices_for(targets.resolve("v5e-1", mesh_devices=0))[0])
 
@@ -290,7 +290,8 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                 batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
                                     spec(S), spec(S))
                 sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),
-                                       spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32))
+                                       spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32),
+                                       spec(S, MAX_BANNED))
                 step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=6)
                 counts[scheme] = int8_dots(step.lower(params, pool, spec(T), batch, sampling, spec(), None)
                                            .compile().as_text())

@@ -61,6 +61,15 @@ def make_score_step(run: LoadedRun) -> Callable[[Any, dict[str, jax.Array]], jax
                    out_shardings=NamedSharding(run.mesh, P()))
 
 
+def token_logprobs(run: LoadedRun, ids: np.ndarray) -> np.ndarray:
+    """float64 (P - 1,): the log-probability of each of ids[1:] after the ids before it, under the same softmax over
+    every embedding row that `score_choices` sums (what a served model's `echo` with `logprobs` returns)."""
+    ids = jnp.asarray(ids, jnp.int32)[None]  # (1, P)
+    logits = nnx.merge(run.graphdef, run.params)(ids[:, :-1])  # (1, P - 1, V) float32
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])  # (1, P - 1)
+    return -np.asarray(nll[0], np.float64)
+
+
 def batch_sharding(run: LoadedRun) -> NamedSharding:
     return NamedSharding(run.mesh, logical_to_spec(("batch", "seq"), run.rules))
 

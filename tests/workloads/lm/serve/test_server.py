@@ -10,8 +10,6 @@ import concurrent.futures
 import json
 import math
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,9 +31,9 @@ from systolic.workloads.lm.hf import convert as hf
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from systolic.workloads.lm.serve import server  # noqa: E402
+
+from serve_process import KEY, START_TIMEOUT_S, STOP_TIMEOUT_S, Server, running  # noqa: E402
 
 VOCAB = 320
 CONTEXT = 256
@@ -47,10 +45,7 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 # template's time budget stops (data/template_sandbox.py) with a 400 for that request alone.
 SPIN = ("{% if messages[-1]['content'] == 'spin' %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
         "{% endfor %}{% endif %}")
-KEY = "test-key"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
-START_TIMEOUT_S = 600  # loading and compiling the engine's programs on a busy 2-core machine
-STOP_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -83,74 +78,14 @@ def run_dir(tmp_path_factory) -> Path:
     return root / "run"
 
 
-class Server:
-    """`serve()` in a subprocess; its address is read from the line it prints once it listens."""
-
-    def __init__(self, run_dir: Path, log: Path, **settings):
-        # As the CLI does before a command: the compile cache (the session's, conftest.py), so that a second server
-        # of the same engine settings compiles nothing.
-        code = ("import json, sys; from systolic.runtime import compile_cache; compile_cache.enable(); "
-                "from systolic.workloads.lm.serve.server import serve; serve(sys.argv[1], **json.loads(sys.argv[2]))")
-        self.log = log
-        self.process = subprocess.Popen([sys.executable, "-c", code, str(run_dir), json.dumps({"port": 0, **settings})],
-                                        stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.lines: list[str] = []
-        listening = threading.Event()
-
-        def read() -> None:  # keeps draining stdout so the server never blocks on a full pipe
-            for line in self.process.stdout:
-                self.lines.append(line)
-                if "serving " in line:
-                    listening.set()
-            listening.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not listening.wait(START_TIMEOUT_S) or self.process.poll() is not None:
-            self.process.kill()
-            pytest.fail(f"the server did not start:\n{''.join(self.lines)}\n{log.read_text()[-5000:]}")
-        line = next(line for line in self.lines if "serving " in line)
-        self.url = line.split(" at ")[1].split("/v1")[0]
-        self.headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
-
-    def client(self, **kwargs) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120, **kwargs)
-
-    def post(self, path: str, body: object = None, *, content: bytes | None = None, headers=None) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=body if content is None else None, content=content,
-                          headers={**self.headers, **(headers or {})}, timeout=120)
-
-    def get(self, path: str, *, headers=None) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", headers={**self.headers, **(headers or {})}, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name and labels, e.g. 'systolic_requests_finished_total{finish_reason=stop}'."""
-        out = {}
-        for family in text_string_to_metric_families(self.get("/metrics").text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return out
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            pytest.fail(f"the server did not stop within {STOP_TIMEOUT_S} s after SIGTERM")
-
-
 # One engine configuration for every server here: the session's compile cache compiles its programs once.
 SETTINGS = {"api_key": KEY, "max_seqs": 4, "max_queue": 2, "max_tokens_per_step": 32}  # 3 step sizes: 8, 16, 32
 
 
 @pytest.fixture(scope="module")
 def srv(run_dir, tmp_path_factory):
-    s = Server(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS)
-    yield s
-    assert s.stop() == 0, s.log.read_text()[-5000:]
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-5000:]
+    with running(run_dir, tmp_path_factory.mktemp("log") / "server.log", **SETTINGS) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -260,12 +195,19 @@ def bad_inputs(model: str):
         ("/v1/completions", {**ok, "max_tokens": True}, None, None, 400, "max_tokens", None),
         ("/v1/completions", {**ok, "temperature": -1}, None, None, 400, "temperature", None),
         ("/v1/completions", {**ok, "seed": -3}, None, None, 400, "seed", None),
-        ("/v1/completions", {**ok, "n": 2}, None, None, 400, "n", None),
-        ("/v1/completions", {**ok, "logprobs": 5}, None, None, 400, "logprobs", None),
+        ("/v1/completions", {**ok, "n": 17}, None, None, 400, "n", None),
+        ("/v1/completions", {**ok, "n": 2, "best_of": 1}, None, None, 400, "best_of", None),
+        ("/v1/completions", {**ok, "best_of": 2, "stream": True}, None, None, 400, "best_of", None),
+        ("/v1/completions", {**ok, "logprobs": 21}, None, None, 400, "logprobs", None),
+        ("/v1/completions", {**ok, "repetition_penalty": 1.2}, None, None, 400, "repetition_penalty", None),
+        ("/v1/completions", {**ok, "stop_token_ids": ["a"]}, None, None, 400, "stop_token_ids", None),
+        ("/v1/completions", {**ok, "stream": True, "stream_options": {"chunk_size": 2}}, None, None, 400,
+         "stream_options", None),
         ("/v1/completions", {**ok, "stop": ["a", ""]}, None, None, 400, "stop", None),
         ("/v1/completions", {**ok, "stream_options": {"include_usage": True}}, None, None, 400, "stream_options", None),
         ("/v1/completions", {**ok, "frobnicate": 1}, None, None, 400, "frobnicate", None),
-        ("/v1/completions", {**ok, "prompt": ["a", "b"]}, None, None, 400, "prompt", None),
+        ("/v1/completions", {**ok, "prompt": ["a", 3]}, None, None, 400, "prompt", None),
+        ("/v1/completions", {**ok, "prompt": ["a"] * 65}, None, None, 400, "prompt", None),
         ("/v1/completions", {**ok, "prompt": [1, 2, VOCAB * 10]}, None, None, 400, "prompt", None),
         ("/v1/chat/completions", {**chat, "messages": []}, None, None, 400, "messages", None),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "Hi"}]}, None, None, 400,
@@ -424,3 +366,33 @@ def test_generate_with_an_int8_kv_cache(run_dir, capsys):
                      "--temperature", "0", "--kv-cache", kv_cache]) == 0
         replies[kv_cache] = capsys.readouterr().out
     assert replies["int8"] == replies["auto"] and len(replies["auto"]) > len("Once upon a time\n")
+
+
+def test_n_best_of_and_vllms_sampling_fields(srv, model, run_dir):
+    post = lambda **body: srv.post("/v1/completions", {"model": model, "prompt": "Once", **body}).json()  # noqa: E731
+    several = post(max_tokens=6, temperature=1.0, seed=3, n=3)
+    texts = [c["text"] for c in several["choices"]]
+    assert [c["index"] for c in several["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    # choice j draws from seed + j: the same text as a request of its own with that seed
+    assert texts[2] == post(max_tokens=6, temperature=1.0, seed=5)["choices"][0]["text"]
+    best = post(max_tokens=6, temperature=1.0, seed=3, n=1, best_of=3, logprobs=0)["choices"]
+    sums = [sum(post(max_tokens=6, temperature=1.0, seed=3 + j, logprobs=0)["choices"][0]["logprobs"]
+                ["token_logprobs"]) for j in range(3)]
+    assert len(best) == 1 and best[0]["text"] == texts[int(np.argmax(sums))]
+    batch = post(prompt=["Once", [1, 2, 3]], max_tokens=2, n=2, temperature=0)["choices"]
+    assert [c["index"] for c in batch] == [0, 1, 2, 3] and batch[0]["text"] == batch[1]["text"]
+
+    # vLLM's fields as load generators send them together (guidellm's ignore_eos: test_clients.py).
+    im_end = BPETokenizer.load(run_dir / "tokenizer.json").token_id("<|im_end|>")
+    long = post(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[im_end], min_tokens=8)["choices"][0]
+    assert long["finish_reason"] == "length"
+    greedy = post(max_tokens=16, temperature=0)["choices"][0]["text"]
+    stop = greedy[4:6]
+    kept = post(max_tokens=16, temperature=0, stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"]
+    assert kept == greedy[: greedy.index(stop) + len(stop)]
+
+    events = srv.post("/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 5, "stream": True, "n": 2,
+                                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(line[6:]) for line in events.text.splitlines() if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}

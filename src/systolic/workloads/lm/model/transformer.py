@@ -476,10 +476,12 @@ class Transformer(nnx.Module):
         logits, cache, _ = self._forward(tokens, cache)
         return logits, cache
 
-    def decode_paged(self, tokens: jax.Array, kv: PagedKV) -> tuple[jax.Array, jax.Array]:
+    def decode_paged(self, tokens: jax.Array, kv: PagedKV, *,
+                     every_token: bool = False) -> tuple[jax.Array, jax.Array]:
         """One inference engine step (lm/serve): tokens (T,) of many sequences, at kv.batch.positions, against the
         paged pool kv.pool (L, pages, page_size, 2 * KV, hd). Returns the logits float32 (S, V) of each row's last
-        token (kv.batch.last) and the pool with the tokens' keys and values written."""
+        token (kv.batch.last), or with `every_token` (T, V) of every token (prompt log-probabilities), and the pool
+        with the tokens' keys and values written."""
         cfg = self.cfg
         positions = kv.batch.positions[None]  # (1, T)
         x = self.embed_tokens(tokens[None], positions)  # (1, T, D)
@@ -505,7 +507,7 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.blocks):
                 carry = apply(block, carry, i, layer_kinds(cfg)[i])
         x, pool = carry
-        logits = self.readout(x[:, kv.batch.last])  # (1, S, V)
+        logits = self.readout(x if every_token else x[:, kv.batch.last])  # (1, T or S, V)
         return logits[0], pool
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

@@ -7,7 +7,8 @@ start of a decode. So each token's text is the difference between two decodes th
 
 Stop strings: the text ends before the first stop string that appears in it, which may span tokens. Text that
 could still become the start of a stop string (a suffix of it that is a prefix of one) is held back until the
-next tokens decide; a finished request flushes what it held.
+next tokens decide; a finished request flushes what it held. With `keep_stop` (vLLM's include_stop_str_in_output)
+the text ends after the stop string instead.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new one, for the de
 class TextStream:
     """The text of the tokens after `prompt_ids`, one token at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: tuple[str, ...] = (), *,
+                 keep_stop: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.keep_stop = keep_stop
+        self.skip_special_tokens = skip_special_tokens  # False: special tokens' text is written too
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # ids[prefix:read] were decoded for the text already produced
         self.read = len(self.ids)
@@ -33,26 +37,28 @@ class TextStream:
     def add(self, token: int) -> tuple[str, bool]:
         """Appends `token`; returns (the text to emit now, whether a stop string appeared)."""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):  # an incomplete character: wait for more bytes
             return self._release(), False
         self.pending += after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
-        found = [self.pending.index(s) for s in self.stop if s in self.pending]
+        found = [(self.pending.index(s), len(s) if self.keep_stop else 0) for s in self.stop if s in self.pending]
         if found:
-            text, self.pending = self.pending[:min(found)], ""
+            start, kept = min(found)
+            text, self.pending = self.pending[:start + kept], ""
             return text, True
         return self._release(), False
 
     def finish(self) -> str:
         """What is left at the end: held text and any incomplete character (as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
         text = self.pending + after[len(before):] if after.startswith(before) else self.pending
         self.pending = ""
         self.prefix = self.read = len(self.ids)
         return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _release(self) -> str:
         """The pending text less its longest suffix that begins some stop string."""

@@ -11,7 +11,8 @@ drives it from one thread).
 Each `step` runs one ragged batch (scheduler.py): prefill chunks and decodes of the running requests, laid out in
 the paged KV cache (kv_cache.py, paged_attention.py), compiled once per token bucket (step.py). A request ends with
 a finish reason: "stop" (an end token or a stop string), "length" (max_tokens) or "cancelled". Greedy outputs are
-`generate`'s; so are samples with the same seed, whatever else runs beside them.
+`generate`'s; so are samples with the same seed, whatever else runs beside them. A request may also ask for the top
+alternatives of its tokens and for its prompt's own log-probabilities (logprobs.py).
 
 Mixture-of-experts models run dropless here, whatever their model.moe.capacity_factor: dropping assignments over a
 capacity would make a token's output depend on the other requests in its step.
@@ -48,9 +49,10 @@ from systolic.workloads.lm.model.rope import longrope_context
 from systolic.workloads.lm.serve.detokenize import TextStream
 from systolic.workloads.lm.serve.kv_cache import PageCache
 from systolic.workloads.lm.serve.kv_pool import make_pool, pool_shape, pool_shardings, token_bytes
+from systolic.workloads.lm.serve.logprobs import PromptLogprobs, StepDetail, TokenLogprob, targets
 from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
                                                     pages_first, token_buckets)
-from systolic.workloads.lm.serve.step import RowSampling, make_step
+from systolic.workloads.lm.serve.step import MAX_BANNED, MAX_LOGPROBS, RowSampling, make_step
 
 KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for the pool, when no budget is given
 
@@ -62,7 +64,11 @@ class SamplingParams:
     text); None is every eos id the model declares (`data.generation_config.eos_ids`: the tokenizer's end of text
     and the imported model's eos ids; a chat passes its template's `stop_ids`, which include them).
     `tempered_logprobs`: log-probabilities under softmax(logits / temperature), the distribution sampled from before
-    top-k and top-p (what GRPO's importance ratios compare, lm/post/rollout.py), instead of the raw model's."""
+    top-k and top-p (what GRPO's importance ratios compare, lm/post/rollout.py), instead of the raw model's.
+    vLLM's extensions: `top_logprobs` alternatives for each sampled token (with `logprobs`); `prompt_logprobs`, when
+    not None, the prompt's own tokens scored with that many alternatives each (max_tokens may then be 0: the prompt
+    is scored and nothing sampled); no stop id is sampled before `min_tokens` tokens; `include_stop_str` keeps the
+    stop string that ended the text; `skip_special_tokens` False writes special tokens' text."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -73,19 +79,28 @@ class SamplingParams:
     logprobs: bool = False
     stop_token_ids: tuple[int, ...] | None = None
     tempered_logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One sampled token of a request, or its end. `text` is the new text (text that may begin a stop string is
     held back until the next tokens decide); `finish_reason` is None while the request runs, then "stop",
-    "length" or "cancelled" (a cancelled request's one event has no token)."""
+    "length" or "cancelled" (a cancelled request's one event has no token). `top`: the most likely ids at the
+    token's position (SamplingParams.top_logprobs); `prompt`: the prompt's scored tokens, on a request's first event
+    (SamplingParams.prompt_logprobs)."""
 
     request_id: str
     token_id: int | None
     text: str
     logprob: float | None
     finish_reason: str | None
+    top: tuple[tuple[int, float], ...] = ()
+    prompt: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -95,6 +110,7 @@ class _Request:
     key: np.ndarray  # (2,) uint32: jax.random.PRNGKey(seed)
     stop_ids: frozenset[int]
     stream: TextStream
+    prompt_logprobs: PromptLogprobs | None  # None: not asked for, or already sent
 
 
 def prng_key_data(seed: int) -> np.ndarray:
@@ -131,8 +147,10 @@ class InferenceEngine:
         self._layout = jax.tree.map(lambda x: x.sharding, self.params)  # what set_params puts new weights on
         shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
         self.pool = make_pool(shape, home)
-        self._step = make_step(model_graphdef(self.model_cfg, self.vocab), mesh=mesh, rules=rules,
-                               param_shardings=shardings, pool_sharding=pool_shardings(shape, home))
+        graphdef = model_graphdef(self.model_cfg, self.vocab)
+        self._step, self._detail_step = (make_step(graphdef, mesh=mesh, rules=rules, param_shardings=shardings,
+                                                   pool_sharding=pool_shardings(shape, home), detail=detail)
+                                         for detail in (False, True))
         self.scheduler = Scheduler(PageCache(kv_pages, page_size, prefix_caching=prefix_caching), max_seqs=max_seqs,
                                    max_tokens_per_step=max_tokens_per_step, longrope_context=longrope_context(model))
         self._requests: dict[str, _Request] = {}
@@ -186,10 +204,12 @@ class InferenceEngine:
         self._check(request_id, prompt, params)
         seed = int(self._seeds.integers(MAX_SEED + 1)) if params.seed is None else params.seed
         stop_ids = self.eos_ids if params.stop_token_ids is None else params.stop_token_ids
-        seq = Sequence(request_id, prompt, len(prompt), self._arrivals)
+        scored = None if params.prompt_logprobs is None else PromptLogprobs(prompt, params.prompt_logprobs)
+        seq = Sequence(request_id, prompt, len(prompt), self._arrivals, scores_prompt=scored is not None)
         self._arrivals += 1
-        self._requests[request_id] = _Request(seq, params, prng_key_data(seed), frozenset(stop_ids),
-                                              TextStream(self.tokenizer, prompt, params.stop))
+        stream = TextStream(self.tokenizer, prompt, params.stop, keep_stop=params.include_stop_str,
+                            skip_special_tokens=params.skip_special_tokens)
+        self._requests[request_id] = _Request(seq, params, prng_key_data(seed), frozenset(stop_ids), stream, scored)
         self.scheduler.add(seq)
 
     def cancel(self, request_id: str) -> None:
@@ -225,32 +245,54 @@ class InferenceEngine:
         self._batch_tokens = sum(c.count for c in chunks)
         if not chunks:
             return events
-        tokens, logprobs = self._run(chunks)
+        detail = any(self._wants_detail(chunk) for chunk in chunks)
+        tokens, logprobs, last, found = self._run(chunks, detail=detail)
         self.scheduler.advance(chunks)
+        first_slot = 0
         for row, chunk in enumerate(chunks):
+            request = self._requests[chunk.seq.request_id]
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs.record(chunk, first_slot, found)
+            first_slot += chunk.count
             if chunk.samples:
-                events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row])))
+                wants_top = request.params.logprobs and request.params.top_logprobs > 0
+                top = found.top(last[row], request.params.top_logprobs) if wants_top else ()
+                events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row]), top))
         return events
 
     def warmup(self) -> None:
-        """Compiles the step for every token bucket (an empty batch: padding writes only the null page), so no
-        request compiles anything."""
+        """Compiles the step for every token bucket (an empty batch: padding writes only the null page), and the
+        detail step for each bucket (it reads every token's pages), so no request compiles anything."""
         for size in self.buckets:
             for reading in page_buckets(size):
                 self._run([], tokens=size, page_tokens=reading)
+            self._run([], tokens=size, detail=True)
 
-    def _run(self, chunks: list[Chunk], tokens: int | None = None,
-             page_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _wants_detail(self, chunk: Chunk) -> bool:
+        request = self._requests[chunk.seq.request_id]
+        return ((chunk.samples and request.params.logprobs and request.params.top_logprobs > 0)
+                or (request.prompt_logprobs is not None and request.prompt_logprobs.wants(chunk)))
+
+    def _run(self, chunks: list[Chunk], tokens: int | None = None, page_tokens: int | None = None, *,
+             detail: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, StepDetail | None]:
         """Runs the chunks (`pages_first` order) in the smallest bucket that holds them; (sampled ids (S,), their
-        log-probs (S,))."""
+        log-probs (S,), each row's last token slot (S,), the detail step's outputs or None)."""
         n = sum(c.count for c in chunks)
         T = tokens or next(b for b in self.buckets if b >= n)
         S = min(T, self.max_seqs)
-        reading = page_tokens or page_bucket(T, sum(c.count for c in chunks if c.start > 0))
+        # The detail step is compiled for every token reading pages only (one program per bucket, not per reading).
+        reading = T if detail else page_tokens or page_bucket(T, sum(c.count for c in chunks if c.start > 0))
         ids, batch = layout(chunks, tokens=T, rows=S, page_size=self.page_size, pages_per_seq=self.pages_per_seq)
-        out = self._step(self.params, self.pool, ids, batch, self._row_sampling(chunks, S), self.vocab_limit, reading)
+        sampling = self._row_sampling(chunks, S)
+        if detail:
+            out = self._detail_step(self.params, self.pool, ids, batch, sampling, self.vocab_limit, reading,
+                                    targets(chunks, T))
+            found = StepDetail(np.asarray(out.target_logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        else:
+            out = self._step(self.params, self.pool, ids, batch, sampling, self.vocab_limit, reading)
+            found = None
         self.pool = out.pool
-        return np.asarray(out.tokens), np.asarray(out.logprobs)
+        return np.asarray(out.tokens), np.asarray(out.logprobs), batch.last, found
 
     def _row_sampling(self, chunks: list[Chunk], rows: int) -> RowSampling:
         """Each row's settings; rows that do not sample this step (and padding rows) are greedy."""
@@ -258,6 +300,7 @@ class InferenceEngine:
         top_k, draw = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         key = np.zeros((rows, 2), np.uint32)
         logprob_temperature = np.ones(rows, np.float32)
+        banned = np.full((rows, MAX_BANNED), -1, np.int32)
         for r, chunk in enumerate(chunks):
             if chunk.samples:
                 request = self._requests[chunk.seq.request_id]
@@ -266,11 +309,23 @@ class InferenceEngine:
                 key[r], draw[r] = request.key, chunk.seq.generated
                 if p.tempered_logprobs and p.temperature > 0:
                     logprob_temperature[r] = p.temperature
-        return RowSampling(temperature, top_k, top_p, key, draw, logprob_temperature)
+                if chunk.seq.generated < p.min_tokens:  # too early to end: its stop ids are not sampled
+                    stops = sorted(request.stop_ids)
+                    banned[r, :len(stops)] = stops
+        return RowSampling(temperature, top_k, top_p, key, draw, logprob_temperature, banned)
 
-    def _accept(self, seq: Sequence, token: int, logprob: float) -> TokenEvent:
-        """Appends a sampled token to its request; ends the request on a stop token, a stop string or max_tokens."""
+    def _accept(self, seq: Sequence, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenEvent:
+        """Appends a sampled token to its request; ends the request on a stop token, a stop string or max_tokens
+        (at once for max_tokens=0, whose token is dropped: the request only scores its prompt)."""
         request = self._requests[seq.request_id]
+        prompt = None
+        if request.prompt_logprobs is not None:  # complete: the prompt was computed to its end before this token
+            prompt, request.prompt_logprobs = request.prompt_logprobs.result(), None
+            seq.scores_prompt = False  # recomputed after a preemption, it may start after a cached prefix
+        if request.params.max_tokens == 0:
+            del self._requests[seq.request_id]
+            self.scheduler.remove(seq)
+            return TokenEvent(seq.request_id, None, "", None, "length", prompt=prompt)
         seq.tokens.append(token)
         finish = None
         if token in request.stop_ids:
@@ -284,7 +339,9 @@ class InferenceEngine:
         if finish is not None:
             del self._requests[seq.request_id]
             self.scheduler.remove(seq)
-        return TokenEvent(seq.request_id, token, text, logprob if request.params.logprobs else None, finish)
+        logged = request.params.logprobs
+        return TokenEvent(seq.request_id, token, text, logprob if logged else None, finish, top if logged else (),
+                          prompt)
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """A UserError naming the first thing wrong with a request."""
@@ -299,10 +356,11 @@ class InferenceEngine:
             bad = next(t for t in prompt if not 0 <= t < self.vocab)
             problem = (f"the prompt holds token id {bad}, outside the model's {self.vocab} ids. Fix: ids in "
                        f"[0, {self.vocab})")
-        elif params.max_tokens < 1 or n + params.max_tokens > limit:
+        elif params.max_tokens < (params.prompt_logprobs is None) or n + max(params.max_tokens, 1) > limit:
             problem = (f"a prompt of {n} tokens with max_tokens={params.max_tokens} needs {n + params.max_tokens} "
-                       f"positions, but max_tokens must be >= 1 and the model attends over at most {limit} (its "
-                       f"model.max_seq_len). Fix: max_tokens between 1 and {max(limit - n, 1)}, or a shorter prompt")
+                       f"positions, but max_tokens must be >= 1 (0 only to score the prompt) and the model attends "
+                       f"over at most {limit} (its model.max_seq_len). Fix: max_tokens between 1 and "
+                       f"{max(limit - n, 1)}, or a shorter prompt")
         else:
             problem = self._check_sampling(params, n)
         if problem is not None:
@@ -322,8 +380,16 @@ class InferenceEngine:
         if any(not 0 <= t < self.vocab for t in params.stop_token_ids or ()):
             return (f"stop_token_ids={params.stop_token_ids} holds an id outside the model's {self.vocab} ids. Fix: ids "
                     f"in [0, {self.vocab})")
+        stops = self.eos_ids if params.stop_token_ids is None else params.stop_token_ids
+        if params.min_tokens > 0 and len(set(stops)) > MAX_BANNED:
+            return (f"min_tokens={params.min_tokens} holds back {len(set(stops))} stop ids, but a step can hold back "
+                    f"at most {MAX_BANNED}. Fix: fewer stop_token_ids, or min_tokens=0")
+        asked = max(params.top_logprobs, params.prompt_logprobs or 0)
+        if not 0 <= asked <= MAX_LOGPROBS or params.min_tokens < 0:
+            return (f"top_logprobs={params.top_logprobs}, prompt_logprobs={params.prompt_logprobs} and min_tokens="
+                    f"{params.min_tokens} are out of range. Fix: alternatives from 0 to {MAX_LOGPROBS}, min_tokens >= 0")
         cache = self.scheduler.cache
-        need = cache.pages_for(prompt_len + params.max_tokens - 1)  # the last token is never fed back
+        need = cache.pages_for(prompt_len + max(params.max_tokens, 1) - 1)  # the last token is never fed back
         if need > cache.total:
             return (f"it needs {need} pages of {self.page_size} tokens, but the whole KV cache holds {cache.total}. "
                     "Fix: fewer tokens, or a larger cache (--kv-memory-gib)")

@@ -5,8 +5,9 @@ token ids within the model's context, and the JSON of responses, stream chunks a
 Every mistake in a request is an `APIError`: status 400 (404 for an unknown model) and OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`. A field is read once by type, a null counts as left out (clients
 send nulls for unset fields), and an unknown field is an error, as on OpenAI's API, so a typo is not silently
-ignored. Fields that ask for something the engine does not do (several choices, penalties, the top alternatives'
-log-probabilities) are accepted only at their neutral value.
+ignored. Fields that ask for something the engine does not do (penalties, logit biases, tools) are accepted only at
+their neutral value. The extensions of the API that vLLM added and that clients send (lm-evaluation-harness, guidellm,
+vLLM's own benchmarks) are read as vLLM reads them: see VLLM'S EXTENSIONS below.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 from systolic.config import MAX_SEED
 from systolic.errors import UserError
 from systolic.workloads.lm.serve.engine import SamplingParams, TokenEvent
+from systolic.workloads.lm.serve.logprobs import TokenLogprob
+from systolic.workloads.lm.serve.step import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from systolic.data.chat import ChatTemplate
@@ -34,6 +37,8 @@ MAX_STOP_STRINGS = 4  # as OpenAI: each is matched against the decoded text afte
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # A logprob of -inf (a token the sampler could not pick) has no JSON spelling; OpenAI writes this value instead.
 LOGPROB_FLOOR = -9999.0
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own in the engine's batch
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (lm-evaluation-harness batches them)
 
 
 class APIError(Exception):
@@ -67,14 +72,32 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives for each token (completions' logprobs=N, chat's top_logprobs)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # choices generated per prompt, the n with the highest summed log-probability returned
+    echo: bool = False  # completions: the prompt (and its tokens' log-probabilities) before the completion
+    vllm: VLLMFields = dataclasses.field(default_factory=lambda: VLLMFields())
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMFields:
+    """vLLM's extensions of the request (https://docs.vllm.ai, "Extra parameters"), at their defaults."""
+
+    ignore_eos: bool = False  # generate past the model's end-of-text ids (stop_token_ids still stop)
+    min_tokens: int = 0  # no stop id is sampled before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the completion, besides the model's end of text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True  # completions: the tokenizer's own additions to a text prompt (Llama's <s>)
+    continuous_usage_stats: bool = False  # stream_options: the token counts so far in every chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class CompletionRequest:
     model: str
-    prompt: str | tuple[int, ...]  # text, or token ids
+    prompts: tuple[str | tuple[int, ...], ...]  # each text, or token ids
     sampling: Sampling
 
 
@@ -87,31 +110,37 @@ class ChatRequest:
 
 _SHARED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "stream",
            "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user"}
-_COMPLETION_FIELDS = _SHARED | {"prompt", "best_of", "echo", "suffix"}
-_CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                          "tool_choice", "store"}
+_VLLM = {"ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+         "repetition_penalty", "add_special_tokens"}
+_COMPLETION_FIELDS = _SHARED | _VLLM | {"prompt", "best_of", "echo", "suffix"}
+_CHAT_FIELDS = _SHARED | _VLLM | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                  "tool_choice", "store"}
 
 
 def parse_completion(body: object) -> CompletionRequest:
     """A /v1/completions body, checked. Raises APIError (400)."""
     fields = _Fields(body, _COMPLETION_FIELDS)
-    fields.neutral("best_of", 1, "it asks for the best of several completions; the server makes one")
-    fields.neutral("echo", False, "it returns the prompt with the completion; send the prompt yourself")
     fields.neutral("suffix", None, "it asks for text inserted before a suffix, which causal models do not do")
-    logprobs = fields.integer("logprobs", None, minimum=0)
-    if logprobs not in (None, 0):
-        raise bad_request(
-            f"logprobs={logprobs} asks for the {logprobs} most likely tokens at each step, but the server returns the "
-            "log-probability of the chosen token only. Fix: send logprobs=0.", param="logprobs")
-    return CompletionRequest(model=fields.model(), prompt=_prompt(fields.take("prompt")),
-                             sampling=_sampling(fields, "max_tokens", logprobs is not None))
+    # logprobs=N: each token's log-probability and its N most likely alternatives (OpenAI allows 5, vLLM 20).
+    logprobs = fields.integer("logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    sampling = _sampling(fields, "max_tokens", logprobs is not None, logprobs or 0, minimum_tokens=0)
+    echo = fields.boolean("echo", False)
+    best_of = fields.integer("best_of", sampling.n, minimum=sampling.n, maximum=MAX_CHOICES)
+    if best_of > sampling.n and sampling.stream:
+        raise bad_request(f"best_of={best_of} with stream=true: the best {sampling.n} of {best_of} are known only "
+                          "when all have finished, so they cannot be streamed. Fix: drop best_of, or stream=false.",
+                          param="best_of")
+    if sampling.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens=0 without echo asks for nothing: no completion and no prompt. Fix: "
+                          "max_tokens >= 1, or echo=true (with logprobs) to score the prompt.", param="max_tokens")
+    return CompletionRequest(model=fields.model(), prompts=_prompts(fields.take("prompt")),
+                             sampling=dataclasses.replace(sampling, echo=echo, best_of=best_of))
 
 
 def parse_chat(body: object) -> ChatRequest:
     """A /v1/chat/completions body, checked. Raises APIError (400)."""
     fields = _Fields(body, _CHAT_FIELDS)
-    fields.neutral("top_logprobs", 0, "the server returns the log-probability of the chosen token only")
-    fields.neutral("tools", [], "the server does not call tools")
+    fields.neutral("add_special_tokens", False, "a chat's prompt is the template's text, which adds what it needs")
     fields.neutral("tool_choice", "none", "the server does not call tools")
     fields.neutral("response_format", {"type": "text"}, "the server writes free text; it does not constrain output "
                    "to JSON")
@@ -121,27 +150,27 @@ def parse_chat(body: object) -> ChatRequest:
                           "one of them.", param="max_completion_tokens")
     limit = "max_completion_tokens" if fields.present("max_completion_tokens") else "max_tokens"
     logprobs = fields.boolean("logprobs", False)
+    top = fields.integer("top_logprobs", 0, minimum=0, maximum=MAX_LOGPROBS)
+    if top and not logprobs:
+        raise bad_request(f"top_logprobs={top} needs logprobs=true: the alternatives come with each token's own "
+                          "log-probability. Fix: add \"logprobs\": true.", param="top_logprobs")
     return ChatRequest(model=fields.model(), messages=_messages(fields.take("messages")),
-                       sampling=_sampling(fields, limit, logprobs))
+                       sampling=_sampling(fields, limit, logprobs, top))
 
 
-def _sampling(fields: _Fields, limit: str, logprobs: bool) -> Sampling:
-    fields.neutral("n", 1, "it asks for several choices, and the server makes one per request (send several "
-                   "requests, with different seeds, for more)")
+def _sampling(fields: _Fields, limit: str, logprobs: bool, top_logprobs: int = 0, *,
+              minimum_tokens: int = 1) -> Sampling:
     fields.neutral("presence_penalty", 0, "the sampler has no penalties")
     fields.neutral("frequency_penalty", 0, "the sampler has no penalties")
     fields.neutral("logit_bias", {}, "the sampler has no logit biases")
     fields.string("user", None)  # an end-user id for abuse monitoring on OpenAI's side; nothing to do with it here
     stream = fields.boolean("stream", False)
-    options = fields.take("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise bad_request(f"stream_options={options!r} is not valid: it is {{\"include_usage\": true|false}}, and "
-                          "only with stream=true. Fix: drop it, or set stream=true.", param="stream_options")
+    options = _stream_options(fields.take("stream_options"), stream)
     top_p = fields.number("top_p", 1.0, minimum=0.0, maximum=1.0)
     top_k = fields.integer("top_k", 0, minimum=-1)
+    n = fields.integer("n", 1, minimum=1, maximum=MAX_CHOICES)
     return Sampling(
-        max_tokens=fields.integer(limit, None, minimum=1),
+        max_tokens=fields.integer(limit, None, minimum=minimum_tokens),
         temperature=fields.number("temperature", 1.0, minimum=0.0),
         # top_p=0 keeps only the most likely token, as top_p -> 0 does; the sampler needs a positive value for that.
         top_p=top_p if top_p > 0 else 1e-9,
@@ -149,17 +178,63 @@ def _sampling(fields: _Fields, limit: str, logprobs: bool) -> Sampling:
         seed=fields.integer("seed", None, minimum=0, maximum=MAX_SEED),
         stop=_stop(fields.take("stop")),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
         stream=stream,
-        include_usage=bool(options and options.get("include_usage")),
+        include_usage=bool(options.get("include_usage")),
+        n=n,
+        best_of=n,
+        vllm=_vllm_fields(fields, bool(options.get("continuous_usage_stats"))),
     )
 
 
-def sampling_params(sampling: Sampling, max_tokens: int,
-                    stop_token_ids: tuple[int, ...] | None = None) -> SamplingParams:
-    """The engine's settings; `stop_token_ids` None: the model's eos ids (a chat passes its template's)."""
-    return SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop, logprobs=sampling.logprobs,
-                          stop_token_ids=stop_token_ids)
+def sampling_params(sampling: Sampling, max_tokens: int, end_ids: tuple[int, ...], *, sample: int = 0,
+                    best_of: bool = False) -> SamplingParams:
+    """The engine's settings for choice number `sample` of a prompt (each choice draws from seed + sample).
+    `end_ids`: the model's end-of-text ids (a chat passes its template's), which ignore_eos drops; with `best_of`,
+    log-probabilities are kept for ranking the choices."""
+    vllm = sampling.vllm
+    seed = None if sampling.seed is None else (sampling.seed + sample) % (MAX_SEED + 1)
+    # echo with logprobs scores the prompt; echo with max_tokens=0 runs only the prompt, so it is scored then too.
+    scored = sampling.echo and (sampling.logprobs or max_tokens == 0)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        seed=seed, stop=sampling.stop, logprobs=sampling.logprobs or best_of, top_logprobs=sampling.top_logprobs,
+        stop_token_ids=tuple(dict.fromkeys((*(() if vllm.ignore_eos else end_ids), *vllm.stop_token_ids))),
+        prompt_logprobs=sampling.top_logprobs if scored else None, min_tokens=vllm.min_tokens,
+        include_stop_str=vllm.include_stop_str_in_output, skip_special_tokens=vllm.skip_special_tokens)
+
+
+def _stream_options(options: object, stream: bool) -> dict[str, bool]:
+    known = {"include_usage", "continuous_usage_stats"}  # OpenAI's, and vLLM's token counts in every chunk
+    if options is None:
+        return {}
+    if (not stream or not isinstance(options, dict) or set(options) - known
+            or not all(isinstance(v, bool) for v in options.values())):
+        raise bad_request(f"stream_options={_short(options)} is not valid: it is {{\"include_usage\": true|false, "
+                          "\"continuous_usage_stats\": true|false}, and only with stream=true. Fix: drop it, or set "
+                          "stream=true.", param="stream_options")
+    return options
+
+
+# VLLM'S EXTENSIONS --------------------------------------------------------------------------------------------
+
+
+def _vllm_fields(fields: _Fields, continuous_usage_stats: bool) -> VLLMFields:
+    """The sampling fields vLLM adds, which load generators and evaluation harnesses send."""
+    fields.neutral("repetition_penalty", 1.0, "the sampler has no penalties")
+    stop_ids = fields.take("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(type(i) is int and i >= 0 for i in stop_ids)):
+        raise bad_request(f"stop_token_ids must be a list of token ids (integers >= 0); got {_short(stop_ids)}. Fix: "
+                          "e.g. [2, 32000].", param="stop_token_ids")
+    return VLLMFields(
+        ignore_eos=fields.boolean("ignore_eos", False),
+        min_tokens=fields.integer("min_tokens", 0, minimum=0),
+        stop_token_ids=tuple(stop_ids or ()),
+        include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
+        skip_special_tokens=fields.boolean("skip_special_tokens", True),
+        add_special_tokens=fields.boolean("add_special_tokens", True),
+        continuous_usage_stats=continuous_usage_stats,
+    )
 
 
 class _Fields:
@@ -263,19 +338,24 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's prompt forms: a string, token ids, or a list of up to MAX_PROMPTS of either."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        if len(value) > MAX_PROMPTS:
+            raise bad_request(f"prompt holds {len(value)} prompts; one request takes at most {MAX_PROMPTS}. Fix: "
+                              "split them over several requests.", param="prompt")
+        return tuple(_prompt(p) for p in value)
+    return (_prompt(value),)
+
+
 def _prompt(value: object) -> str | tuple[int, ...]:
-    """OpenAI's prompt forms: a string, token ids, or a one-element list of either (one prompt per request)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(type(i) is int for i in value):
         return tuple(value)
-    many = isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value)
     raise bad_request(
-        f"prompt must be one prompt: a string, or a non-empty list of token ids; got {_short(value)}. "
-        + ("The server takes one prompt per request. Fix: send each prompt in its own request." if many else
-           "Fix: send e.g. \"prompt\": \"Once upon a time\"."), param="prompt")
+        f"prompt must be a string, a non-empty list of token ids, or a list of such prompts; got {_short(value)}. "
+        "Fix: send e.g. \"prompt\": \"Once upon a time\".", param="prompt")
 
 
 def _stop(value: object) -> tuple[str, ...]:
@@ -340,9 +420,12 @@ def check_model(requested: str, served: str) -> None:
                        f"\"model\": \"{served}\" (GET /v1/models lists it).", param="model", code="model_not_found")
 
 
-def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer) -> np.ndarray:
-    """The prompt's token ids, int32 (P,). An empty text starts a fresh document (the end-of-document id), as
-    `systolic generate` does."""
+def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer, *,
+                          add_special_tokens: bool = True) -> np.ndarray:
+    """The prompt's token ids, int32 (P,). Special tokens spelt in a text prompt are those tokens ("<|im_end|>" is
+    one id), and `add_special_tokens` adds what the tokenizer adds at the start (Llama's <s>), as transformers and
+    vLLM tokenize a prompt. An empty text starts a fresh document (the end-of-document id), as `systolic generate`
+    does."""
     if isinstance(prompt, tuple):
         ids = np.asarray(prompt, np.int64)
         bad = ids[(ids < 0) | (ids >= tokenizer.vocab_size)]
@@ -352,7 +435,7 @@ def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer) -
                               "send text.", param="prompt")
         return ids.astype(np.int32)
     try:
-        ids = tokenizer.encode(prompt).astype(np.int32)
+        ids = tokenizer.encode_with_specials(prompt, add_special_tokens=add_special_tokens)[0].astype(np.int32)
     except UserError as e:  # text that is not Unicode (a lone surrogate from a JSON escape)
         raise bad_request(str(e), param="prompt") from None
     return ids if len(ids) else np.array([tokenizer.eot_id], np.int32)
@@ -392,6 +475,16 @@ def token_budget(prompt_tokens: int, requested: int | None, max_context: int, *,
 # RESPONSES ----------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class LoggedToken:
+    """A token of a reply's log-probabilities: its text, its log-probability (None for a prompt's first token) and
+    its alternatives as (text, log-probability), most likely first (None when none were asked for)."""
+
+    text: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] | None
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -402,8 +495,8 @@ def finite_logprob(value: float | None) -> float | None:
 
 
 class CompletionShape:
-    """The JSON of one /v1/completions answer: the whole response, or its stream chunks. Keeps the text offsets of
-    the log-probabilities across chunks."""
+    """The JSON of one /v1/completions answer: the whole response, or its stream chunks, for any number of choices
+    (by index). Keeps each choice's text offsets of the log-probabilities across chunks."""
 
     prefix = "cmpl"
 
@@ -411,67 +504,95 @@ class CompletionShape:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
-        self._offset = 0
+        self._offsets: dict[int, int] = {}
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, index: int) -> list[dict[str, Any]]:
         return []  # a completion's first chunk is its first text
 
-    def chunk(self, text: str, tokens: list[tuple[str, float | None]] | None, finish_reason: str | None) -> dict:
-        return self._wrap("text_completion", {"index": 0, "text": text, "logprobs": self._logprobs(tokens),
-                                              "finish_reason": finish_reason})
+    def chunk(self, index: int, text: str, tokens: list[LoggedToken] | None, finish_reason: str | None) -> dict:
+        return self._wrap("text_completion", [self._choice(index, text, tokens, finish_reason)])
 
-    def response(self, text: str, tokens: list[tuple[str, float | None]] | None, finish_reason: str | None,
-                 counts: dict[str, int]) -> dict:
-        return {**self.chunk(text, tokens, finish_reason), "usage": counts}
+    def response(self, choices: list[tuple[str, list[LoggedToken] | None, str | None]], counts: dict[str, int]) -> dict:
+        """choices: (text, tokens, finish_reason) by index."""
+        return {**self._wrap("text_completion", [self._choice(i, *c) for i, c in enumerate(choices)]), "usage": counts}
 
     def usage_chunk(self, counts: dict[str, int]) -> dict:
-        return {**self._wrap("text_completion", None), "usage": counts}
+        return {**self._wrap("text_completion", []), "usage": counts}
 
-    def _wrap(self, kind: str, choice: dict | None) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [] if choice is None else [choice]}
+    def _choice(self, index: int, text: str, tokens: list[LoggedToken] | None, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, tokens), "finish_reason": finish_reason}
 
-    def _logprobs(self, tokens: list[tuple[str, float | None]] | None) -> dict | None:
+    def _wrap(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, index: int, tokens: list[LoggedToken] | None) -> dict | None:
         if tokens is None:
             return None
         offsets = []
-        for text, _ in tokens:
-            offsets.append(self._offset)
-            self._offset += len(text)
-        return {"tokens": [t for t, _ in tokens], "token_logprobs": [finite_logprob(lp) for _, lp in tokens],
-                "top_logprobs": None, "text_offset": offsets}
+        for token in tokens:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token.text)
+        asked = any(t.top is not None for t in tokens)
+        return {"tokens": [t.text for t in tokens], "token_logprobs": [finite_logprob(t.logprob) for t in tokens],
+                # as OpenAI: {text: log-probability} of the alternatives at each token (null for the prompt's first)
+                "top_logprobs": [None if t.top is None else _by_text(t.top) for t in tokens] if asked else None,
+                "text_offset": offsets}
+
+
+def _by_text(top: tuple[tuple[str, float], ...]) -> dict[str, float | None]:
+    """{text: log-probability}, most likely first; ids that decode to the same text keep the likelier's."""
+    out: dict[str, float | None] = {}
+    for text, logprob in top:
+        out.setdefault(text, finite_logprob(logprob))
+    return out
 
 
 class ChatShape(CompletionShape):
-    """The JSON of one /v1/chat/completions answer: the assistant's message, or its deltas."""
+    """The JSON of one /v1/chat/completions answer: the assistant's messages, or their deltas."""
 
     prefix = "chatcmpl"
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, index: int) -> list[dict[str, Any]]:
         # OpenAI's first chunk names the role; the content follows in later deltas.
-        return [self._wrap("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None})]
+        return [self._wrap("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}])]
 
-    def chunk(self, text: str, tokens: list[tuple[str, float | None]] | None, finish_reason: str | None) -> dict:
-        return self._wrap("chat.completion.chunk", {"index": 0, "delta": {"content": text} if text else {},
-                                                    "logprobs": self._logprobs(tokens), "finish_reason": finish_reason})
+    def chunk(self, index: int, text: str, tokens: list[LoggedToken] | None, finish_reason: str | None) -> dict:
+        return self._wrap("chat.completion.chunk", [{"index": index, "delta": {"content": text} if text else {},
+                                                     "logprobs": self._logprobs(index, tokens),
+                                                     "finish_reason": finish_reason}])
 
-    def response(self, text: str, tokens: list[tuple[str, float | None]] | None, finish_reason: str | None,
-                 counts: dict[str, int]) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(tokens),
-                  "finish_reason": finish_reason}
-        return {**self._wrap("chat.completion", choice), "usage": counts}
+    def response(self, choices: list[tuple[str, list[LoggedToken] | None, str | None]], counts: dict[str, int]) -> dict:
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(i, tokens),
+                "finish_reason": finish} for i, (text, tokens, finish) in enumerate(choices)]
+        return {**self._wrap("chat.completion", out), "usage": counts}
 
     def usage_chunk(self, counts: dict[str, int]) -> dict:
-        return {**self._wrap("chat.completion.chunk", None), "usage": counts}
+        return {**self._wrap("chat.completion.chunk", []), "usage": counts}
 
-    def _logprobs(self, tokens: list[tuple[str, float | None]] | None) -> dict | None:
+    def _logprobs(self, index: int, tokens: list[LoggedToken] | None) -> dict | None:
         if tokens is None:
             return None
-        return {"content": [{"token": t, "logprob": finite_logprob(lp), "bytes": list(t.encode("utf-8")),
-                             "top_logprobs": []} for t, lp in tokens], "refusal": None}
+
+        def entry(text: str, logprob: float | None) -> dict:
+            return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [entry(*alt) for alt in t.top or ()]}
+                            for t in tokens], "refusal": None}
 
 
-def token_logprobs(events: Sequence[TokenEvent], tokenizer: Tokenizer) -> list[tuple[str, float | None]]:
-    """(the token's own text, its log-probability) for each generated token among `events`."""
-    return [(tokenizer.decode([e.token_id]), e.logprob) for e in events if e.token_id is not None]
+def token_logprobs(events: Sequence[TokenEvent], tokenizer: Tokenizer, top: int) -> list[LoggedToken]:
+    """The generated tokens among `events`, with their `top` alternatives (None for 0)."""
+    return [LoggedToken(tokenizer.decode([e.token_id]), e.logprob, _alternatives(e.top, tokenizer, top))
+            for e in events if e.token_id is not None]
+
+
+def prompt_logprobs(scored: Sequence[TokenLogprob], tokenizer: Tokenizer, top: int) -> list[LoggedToken]:
+    """A prompt's tokens as `echo` returns them: the first has no log-probability and no alternatives."""
+    return [LoggedToken(tokenizer.decode([t.token_id]), t.logprob,
+                        None if t.logprob is None else _alternatives(t.top, tokenizer, top)) for t in scored]
+
+
+def _alternatives(top: Sequence[tuple[int, float]], tokenizer: Tokenizer, count: int
+                  ) -> tuple[tuple[str, float], ...] | None:
+    return tuple((tokenizer.decode([i]), lp) for i, lp in top[:count]) if count else None

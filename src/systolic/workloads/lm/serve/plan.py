@@ -33,7 +33,7 @@ from systolic.workloads.lm.serve.engine import pool_layout, tensor_layout
 from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, token_bytes
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 from systolic.workloads.lm.serve.scheduler import page_bucket
-from systolic.workloads.lm.serve.step import RowSampling, jit_step
+from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, jit_step
 from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
 
 WEIGHTS = ("bf16", "int8", "w8a8")  # not fp8: no planned target has fp8 matmuls (quant.SCHEMES has it)
@@ -80,7 +80,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         batch = RaggedBatch(ints(tokens), ints(tokens), ints(tokens), ints(), ints(rows, table), ints(rows),
                             ints(rows + 1), ints(1), ints(rows), ints(rows))
         sampling = RowSampling(reals(rows), ints(rows), reals(rows),
-                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows), reals(rows))
+                               jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows), reals(rows),
+                               ints(rows, MAX_BANNED))
         with activate(mesh, rules):
             return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
 

@@ -85,6 +85,7 @@ class Sequence:
     computed: int = 0  # tokens[:computed] have their keys and values in the cache
     table: PageTable = dataclasses.field(default_factory=PageTable)
     preemptions: int = 0
+    scores_prompt: bool = False  # every prompt token's logits are wanted: never start after a cached prefix
 
     @property
     def remaining(self) -> int:
@@ -190,7 +191,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             seq.table.root = self._root(seq)
-            hit = self.cache.match_prefix(seq.table, seq.tokens)
+            hit = 0 if seq.scores_prompt else self.cache.match_prefix(seq.table, seq.tokens)
             count = min(len(seq.tokens) - hit, budget)
             if not self.cache.grow(seq.table, hit + count):
                 self.cache.release(seq.table)  # the matched pages go back to the cache

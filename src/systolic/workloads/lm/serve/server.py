@@ -62,6 +62,8 @@ class ModelInfo:
     max_context: int  # prompt + generated tokens
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    end_ids: tuple[int, ...]  # where a completion ends (data.generation_config.eos_ids), unless ignore_eos
+    tokenizer_folder: str | None = None  # what Hugging Face tooling loads as the tokenizer (data/hf_tokenizer.py)
 
 
 def make_app(info: ModelInfo, driver: EngineDriver, metrics: ServeMetrics, *, api_key: str | None) -> Starlette:
@@ -107,11 +109,17 @@ class _Handlers:
         self._authorize(request)
         req = api.parse_completion(await _json_body(request))
         api.check_model(req.model, self.info.name)
-        ids = api.completion_prompt_ids(req.prompt, self.info.tokenizer)
-        budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context,
-                                  default=api.COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt",
-                                  limit_param="max_tokens")
-        return await self._answer(request, ids, api.sampling_params(req.sampling, budget), req.sampling,
+        prompts = []
+        for prompt in req.prompts:
+            ids = api.completion_prompt_ids(prompt, self.info.tokenizer,
+                                            add_special_tokens=req.sampling.vllm.add_special_tokens)
+            budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context,
+                                      default=api.COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt",
+                                      limit_param="max_tokens")
+            echo = "" if not req.sampling.echo else prompt if isinstance(prompt, str) else \
+                self.info.tokenizer.decode(ids, skip_special_tokens=req.sampling.vllm.skip_special_tokens)
+            prompts.append(_Prompt(ids, budget, echo))
+        return await self._answer(request, prompts, self.info.end_ids, req.sampling,
                                   api.CompletionShape(self.info.name))
 
     async def chat(self, request: Request) -> Response:
@@ -123,12 +131,13 @@ class _Handlers:
         budget = api.token_budget(len(ids), req.sampling.max_tokens, self.info.max_context, default=None,
                                   prompt_param="messages", limit_param="max_tokens")
         # The reply ends at the template's end of turn (<|im_end|>, <|eot_id|>) as well as at the end of text.
-        params = api.sampling_params(req.sampling, budget, stop_token_ids=self.info.chat_template.stop_ids)
-        return await self._answer(request, ids, params, req.sampling, api.ChatShape(self.info.name))
+        return await self._answer(request, [_Prompt(ids, budget, "")], self.info.chat_template.stop_ids, req.sampling,
+                                  api.ChatShape(self.info.name))
 
     def _card(self) -> dict[str, Any]:
+        # "root": as vLLM's card, what Hugging Face tooling loads (clients' tokenizer=... argument)
         return {"id": self.info.name, "object": "model", "created": self._started, "owned_by": "systolic",
-                "max_model_len": self.info.max_context}
+                "root": self.info.tokenizer_folder or self.info.name, "max_model_len": self.info.max_context}
 
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
@@ -141,29 +150,49 @@ class _Handlers:
 
     # ONE REQUEST ----------------------------------------------------------------------------------------------
 
-    async def _answer(self, request: Request, ids: np.ndarray, params: SamplingParams, sampling: api.Sampling,
-                      shape: api.CompletionShape) -> Response:
-        stream = self._submit(shape.id, ids, params)
-        timer = self._metrics.start_request(len(ids))
-        answer = _Answer(self, stream, timer, shape, sampling, len(ids))
+    async def _answer(self, request: Request, prompts: list[_Prompt], end_ids: tuple[int, ...],
+                      sampling: api.Sampling, shape: api.CompletionShape) -> Response:
+        answer = _Answer(self, self._submit_all(prompts, end_ids, sampling, shape.id), shape, sampling,
+                         sum(len(p.ids) for p in prompts))
         streaming = False
         try:
             if sampling.stream:
-                # The first token before the headers: a request the engine refuses still gets its 400.
-                first = answer.checked(await _unless_disconnected(request, stream.next()))
+                # Each choice's first event before the headers: a request the engine refuses still gets its 400.
+                firsts = [answer.checked(c, await _unless_disconnected(request, c.stream.next()))
+                          for c in answer.choices]
                 streaming = True
-                return _EventStream(answer.chunks(first), on_close=answer.close, media_type="text/event-stream",
+                return _EventStream(answer.chunks(firsts), on_close=answer.close, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            events = [answer.checked(e) for e in await _unless_disconnected(request, stream.collect())]
-            return JSONResponse(answer.whole(events))
+            collected = await _unless_disconnected(request, asyncio.gather(*(c.stream.collect()
+                                                                              for c in answer.choices)))
+            return JSONResponse(answer.whole([[answer.checked(c, e) for e in events]
+                                              for c, events in zip(answer.choices, collected, strict=True)]))
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except RequestFailed as e:
-            timer.finish("error")
+            answer.failed()
             raise _failure(e) from None
         finally:
             if not streaming:
                 answer.close()
+
+    def _submit_all(self, prompts: list[_Prompt], end_ids: tuple[int, ...], sampling: api.Sampling,
+                    request_id: str) -> list[_Choice]:
+        """best_of engine requests for each prompt (choice j draws from seed + j); none when one is refused."""
+        choices: list[_Choice] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for j in range(sampling.best_of):
+                    params = api.sampling_params(sampling, prompt.budget, end_ids, sample=j,
+                                                 best_of=sampling.best_of > sampling.n)
+                    stream = self._submit(f"{request_id}-{i}-{j}", prompt.ids, params)
+                    choices.append(_Choice(len(choices), i, prompt, stream, self._metrics.start_request(len(prompt.ids))))
+        except api.APIError:
+            for choice in choices:
+                self.driver.cancel(choice.stream.request_id)
+                choice.timer.finish("cancelled")
+            raise
+        return choices
 
     def _submit(self, request_id: str, ids: np.ndarray, params: SamplingParams) -> RequestStream:
         try:
@@ -178,57 +207,119 @@ class _Handlers:
                                type="server_error", code="shutting_down") from None
 
 
-class _Answer:
-    """One request's reply: its events turned into the endpoint's JSON, and its accounting."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Prompt:
+    ids: np.ndarray  # int32 (P,)
+    budget: int  # tokens to generate
+    echo: str  # the prompt's text, written before the completion (echo), else ""
 
-    def __init__(self, handlers: _Handlers, stream: RequestStream, timer: RequestTimer, shape: api.CompletionShape,
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Choice:
+    """One engine request of a reply: choice `index` (before best_of picks), of prompt number `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt: _Prompt
+    stream: RequestStream
+    timer: RequestTimer
+
+
+class _Answer:
+    """One HTTP request's reply: its choices' events turned into the endpoint's JSON, and their accounting."""
+
+    def __init__(self, handlers: _Handlers, choices: list[_Choice], shape: api.CompletionShape,
                  sampling: api.Sampling, prompt_tokens: int):
-        self.handlers, self.stream, self.timer, self.shape = handlers, stream, timer, shape
+        self.handlers, self.choices, self.shape = handlers, choices, shape
         self.sampling, self.prompt_tokens = sampling, prompt_tokens
 
-    def checked(self, event: TokenEvent) -> TokenEvent:
+    def checked(self, choice: _Choice, event: TokenEvent) -> TokenEvent:
         if event.finish_reason == "cancelled":  # not one the client asked for: the engine dropped it
             raise RequestFailed(503, "The request was cancelled on the server before it finished. Fix: send it again.")
-        self.timer.tokens_arrived(int(event.token_id is not None))
+        choice.timer.tokens_arrived(int(event.token_id is not None))
         if event.finish_reason is not None:
-            self.timer.finish(event.finish_reason)
+            choice.timer.finish(event.finish_reason)
         return event
 
-    def whole(self, events: list[TokenEvent]) -> dict[str, Any]:
-        return self.shape.response("".join(e.text for e in events), self._logprobs(events), events[-1].finish_reason,
-                                   api.usage(self.prompt_tokens, self.timer.tokens))
+    def whole(self, events: list[list[TokenEvent]]) -> dict[str, Any]:
+        """The response of every choice's events (in self.choices' order); with best_of, each prompt's n choices of
+        the highest summed log-probability."""
+        replies = [(c, self._text(c, e, first=True), self._logprobs(c, e, first=True), e[-1].finish_reason,
+                    sum(x.logprob or 0.0 for x in e if x.token_id is not None)) for c, e in zip(self.choices, events)]
+        if self.sampling.best_of > self.sampling.n:
+            prompts = sorted({c.prompt_index for c in self.choices})
+            replies = [r for i in prompts for r in sorted((r for r in replies if r[0].prompt_index == i),
+                                                          key=lambda r: -r[4])[:self.sampling.n]]
+        return self.shape.response([r[1:4] for r in replies], self._usage())
 
-    async def chunks(self, first: TokenEvent) -> AsyncIterator[str]:
-        """The stream's server-sent events: the opening chunk, one chunk per batch of tokens that arrived together,
-        the usage chunk when asked for, and [DONE]; a failure midway is an error event, as OpenAI sends one."""
-        for chunk in self.shape.opening():
-            yield _sse(chunk)
-        events = [first]
+    async def chunks(self, firsts: list[TokenEvent]) -> AsyncIterator[str]:
+        """The stream's server-sent events: each choice's opening chunk, a chunk per batch of its tokens that arrived
+        together, the usage chunk when asked for, and [DONE]; a failure midway is an error event, as OpenAI sends
+        one."""
+        for choice in self.choices:
+            for chunk in self.shape.opening(choice.index):
+                yield _sse(chunk)
+        waiting: dict[asyncio.Future, _Choice] = {}
         try:
-            while True:
-                text, finish = "".join(e.text for e in events), events[-1].finish_reason
-                if text or finish or self.sampling.logprobs:
-                    yield _sse(self.shape.chunk(text, self._logprobs(events), finish))
-                if self.stream.finished:
-                    break
-                events = [self.checked(await self.stream.next())]
-                events += [self.checked(e) for e in self.stream.ready()]
+            for choice, first in zip(self.choices, firsts, strict=True):
+                if (chunk := self._chunk(choice, [first], first=True)) is not None:
+                    yield chunk
+                if not choice.stream.finished:
+                    waiting[asyncio.ensure_future(choice.stream.next())] = choice
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    choice = waiting.pop(task)
+                    if (chunk := self._chunk(choice, [self.checked(choice, task.result())], first=False)) is not None:
+                        yield chunk
+                    if not choice.stream.finished:
+                        waiting[asyncio.ensure_future(choice.stream.next())] = choice
         except RequestFailed as e:
-            self.timer.finish("error")
+            self.failed()
             yield _sse(_failure(e).body())
         else:
             if self.sampling.include_usage:
-                yield _sse(self.shape.usage_chunk(api.usage(self.prompt_tokens, self.timer.tokens)))
+                yield _sse(self.shape.usage_chunk(self._usage()))
+        finally:
+            for task in waiting:
+                task.cancel()
         yield "data: [DONE]\n\n"
 
-    def close(self) -> None:
-        """After the reply, whatever ended it: a request still running (its client left) is cancelled."""
-        if not self.stream.finished:
-            self.handlers.driver.cancel(self.stream.request_id)
-            self.timer.finish("cancelled")
+    def failed(self) -> None:
+        for choice in self.choices:
+            choice.timer.finish("error")
 
-    def _logprobs(self, events: list[TokenEvent]) -> list[tuple[str, float | None]] | None:
-        return api.token_logprobs(events, self.handlers.info.tokenizer) if self.sampling.logprobs else None
+    def close(self) -> None:
+        """After the reply, whatever ended it: a choice still running (its client left) is cancelled."""
+        for choice in self.choices:
+            if not choice.stream.finished:
+                self.handlers.driver.cancel(choice.stream.request_id)
+                choice.timer.finish("cancelled")
+
+    def _chunk(self, choice: _Choice, events: list[TokenEvent], *, first: bool) -> str | None:
+        """The chunk of `events` and those already delivered after them, or None when it would say nothing."""
+        events += [self.checked(choice, e) for e in choice.stream.ready()]
+        text, finish = self._text(choice, events, first=first), events[-1].finish_reason
+        if not (text or finish or self.sampling.logprobs):
+            return None
+        chunk = self.shape.chunk(choice.index, text, self._logprobs(choice, events, first=first), finish)
+        if self.sampling.vllm.continuous_usage_stats:
+            chunk["usage"] = self._usage()
+        return _sse(chunk)
+
+    def _text(self, choice: _Choice, events: list[TokenEvent], *, first: bool) -> str:
+        return (choice.prompt.echo if first else "") + "".join(e.text for e in events)
+
+    def _logprobs(self, choice: _Choice, events: list[TokenEvent], *, first: bool) -> list[api.LoggedToken] | None:
+        if not self.sampling.logprobs:
+            return None
+        tokenizer, top = self.handlers.info.tokenizer, self.sampling.top_logprobs
+        scored = events[0].prompt if first and self.sampling.echo else None
+        head = [] if scored is None else api.prompt_logprobs(scored, tokenizer, top)
+        return head + api.token_logprobs(events, tokenizer, top)
+
+    def _usage(self) -> dict[str, int]:
+        return api.usage(self.prompt_tokens, sum(c.timer.tokens for c in self.choices))
 
 
 class _EventStream(StreamingResponse):
@@ -358,7 +449,8 @@ def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key:
                                       prefix_caching=prefix_caching, mesh_tensor=mesh_tensor, kv_cache=kv_cache,
                                       quantize=quantize)
     engine.warmup()
-    info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template)
+    info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template, engine.eos_ids,
+                     _tokenizer_folder(Path(run_dir), engine.tokenizer))
     metrics = ServeMetrics()
     driver = EngineDriver(engine, capacity=max_seqs + max_queue, on_stats=metrics.observe_engine)
     sock = _listen(host, port)
@@ -372,6 +464,20 @@ def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key:
         driver.stop()
         sock.close()
     print("stopped", flush=True)
+
+
+def _tokenizer_folder(run_dir: Path, tokenizer: Tokenizer) -> str | None:
+    """The run's tokenizer as Hugging Face tooling loads it, written when the run lacks it; None (and a note) when
+    the run directory is read-only."""
+    from systolic.data import hf_tokenizer
+
+    try:
+        return str(hf_tokenizer.write(run_dir, tokenizer).absolute())
+    except OSError as e:
+        print(f"note: cannot write the run's tokenizer for Hugging Face tooling ({e}); clients that tokenize for "
+              f"themselves (lm-evaluation-harness) need it: run `systolic serve` once with write access to {run_dir}",
+              flush=True)
+        return None
 
 
 def check_settings(*, host: str, port: int, api_key: str | None, max_queue: int, grace_s: float) -> None:

@@ -6,6 +6,11 @@ and key, so a request samples what `generate` samples for it alone: its i-th tok
 `fold_in(PRNGKey(seed), i)`, which is `split(PRNGKey(seed), n)[i]` for any n (threefry's partitionable split,
 jax's default), the key `generate` uses for its i-th token. Because a token's key depends only on its request and
 its index, batching, preemption and recomputation change no sample.
+
+A detail step (`targets` given: a request asked for the top alternatives or its prompt's log-probabilities) reads
+out every token's logits, not only each row's last: each token's log-probability of its target (the prompt's next
+token) and its MAX_LOGPROBS most likely ids. It is a separate compiled program, so steps without such a request
+pay nothing for it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from systolic.runtime.sharding import Rules, activate
 from systolic.workloads.lm.generate import sample_logits
 from systolic.workloads.lm.serve.paged_attention import PagedKV, Pool, RaggedBatch
 
+MAX_LOGPROBS = 20  # alternatives a detail step returns per token: OpenAI's top_logprobs limit, vLLM's max_logprobs
+MAX_BANNED = 16  # ids a row can keep from being sampled (min_tokens holds back its stop ids)
+
 
 class RowSampling(NamedTuple):
     """Each row's sampling settings (S rows; padding rows are greedy and ignored)."""
@@ -34,20 +42,30 @@ class RowSampling(NamedTuple):
     # (S,) float32: the log-probability's softmax temperature: 1 for the raw model's (serving's), the sampling
     # temperature for the distribution sampled from (SamplingParams.tempered_logprobs: RL's importance ratios)
     logprob_temperature: jax.Array
+    banned: jax.Array  # (S, MAX_BANNED) int32: ids the row may not sample now (-1 pads): min_tokens' stop ids
 
 
 class StepOutput(NamedTuple):
     pool: Pool  # the updated pool
     tokens: jax.Array  # (S,) int32: each row's sampled token
     logprobs: jax.Array  # (S,) float32: its log-probability under softmax(logits / logprob_temperature) (no top-k/p)
+    # Detail steps only (None otherwise), per token slot: the log-probability of its target (T,), and its
+    # MAX_LOGPROBS most likely ids (T, K) int32 with theirs (T, K) float32, most likely first.
+    target_logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, batch: RaggedBatch,
-                sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None) -> StepOutput:
+                sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None,
+                targets: jax.Array | None = None) -> StepOutput:
     """tokens (T,) laid out by `batch` -> the next token of each row. Ids >= vocab_limit (the embedding's padding
-    rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py)."""
+    rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py).
+    `targets` (T,) int32: each token's next token, for a detail step (see above)."""
     model = nnx.merge(graphdef, params)
-    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens))  # (S, V) float32
+    every = targets is not None
+    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens), every_token=every)
+    token_logits, logits = (logits, logits[batch.last]) if every else (None, logits)  # (T, V), (S, V) float32
     keys = jax.vmap(jax.random.fold_in)(sampling.key, sampling.draw)  # (S, 2)
 
     def sample_row(row_logits, key, temperature, top_k, top_p):
@@ -55,16 +73,28 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Arr
                              vocab_limit=vocab_limit)[0]
 
     V = logits.shape[-1]
-    limited = jnp.where(jnp.arange(V) < vocab_limit, logits, -jnp.inf)  # (S, V)
+    in_vocab = jnp.arange(V) < vocab_limit  # (V,)
+    limited = jnp.where(in_vocab, logits, -jnp.inf)  # (S, V)
+    # Banned ids leave the sampled distribution only; the reported log-probabilities stay the model's.
+    rows = jnp.arange(logits.shape[0])[:, None]  # (S, 1)
+    allowed = jnp.where(sampling.banned >= 0, -jnp.inf, 0.0)  # (S, B); -1 pads scatter into the last id, adding 0
+    sampled = logits.at[rows, sampling.banned].add(allowed)  # (S, V)
     # An all-greedy step skips sampling's sort of the vocabulary (the same ids: greedy rows take the argmax).
     ids = jax.lax.cond(jnp.all(sampling.temperature == 0),
-                       lambda: jnp.argmax(limited, axis=-1).astype(jnp.int32),
-                       lambda: jax.vmap(sample_row)(logits, keys, sampling.temperature, sampling.top_k,
+                       lambda: jnp.argmax(jnp.where(in_vocab, sampled, -jnp.inf), axis=-1).astype(jnp.int32),
+                       lambda: jax.vmap(sample_row)(sampled, keys, sampling.temperature, sampling.top_k,
                                                     sampling.top_p))  # (S,)
     # x / 1.0 is x exactly, so serving's raw log-probabilities are unchanged by the division.
     logp = jax.nn.log_softmax(limited / sampling.logprob_temperature[:, None], axis=-1)  # (S, V)
     chosen = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # (S,)
-    return StepOutput(pool, ids, chosen)
+    if not every:
+        return StepOutput(pool, ids, chosen)
+    # Every token's distribution at its row's log-probability temperature.
+    per_token = sampling.logprob_temperature[batch.rows][:, None]  # (T, 1)
+    token_logp = jax.nn.log_softmax(jnp.where(in_vocab, token_logits, -jnp.inf) / per_token, axis=-1)  # (T, V)
+    target = jnp.take_along_axis(token_logp, targets[:, None], axis=-1)[:, 0]  # (T,)
+    top_logprobs, top_ids = jax.lax.top_k(token_logp, MAX_LOGPROBS)  # (T, K) each
+    return StepOutput(pool, ids, chosen, target, top_ids.astype(jnp.int32), top_logprobs)
 
 
 # One compiled step per model (and shape) for every engine of a process: the jitted closures by graphdef. Not
@@ -74,17 +104,19 @@ _STEPS: dict[nnx.GraphDef, Callable[..., StepOutput]] = {}
 
 
 def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
-              param_shardings: Any, pool_sharding: Any) -> Callable[..., StepOutput]:
+              param_shardings: Any, pool_sharding: Any, detail: bool = False) -> Callable[..., StepOutput]:
     """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit,
-    page_tokens), page_tokens static.
+    page_tokens), page_tokens static; with `detail`, f(..., page_tokens, targets), the detail step.
     The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a
     mesh, the shardings in and out are fixed, so no call after the first of a shape compiles again, and the batch
     arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
+        # (A detail call passes one argument more: jit traces it as its own program.)
         if graphdef not in _STEPS:
             _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)
         return _STEPS[graphdef]
-    compiled = jit_step(graphdef, mesh=mesh, param_shardings=param_shardings, pool_sharding=pool_sharding)
+    compiled = jit_step(graphdef, mesh=mesh, param_shardings=param_shardings, pool_sharding=pool_sharding,
+                        detail=detail)
 
     def run(*args):
         with activate(mesh, rules):  # the layers' logical axis names resolve to the mesh while tracing
@@ -94,10 +126,13 @@ def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: 
 
 
 def jit_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh, param_shardings: Any,
-             pool_sharding: jax.sharding.Sharding) -> Any:
+             pool_sharding: jax.sharding.Sharding, detail: bool = False) -> Any:
     """`engine_step` jitted on a mesh, its shardings in and out fixed (the batch replicated, the pool donated): what
-    `make_step` runs and `systolic plan lm --serve` lowers; trace it inside `activate(mesh, rules)`."""
+    `make_step` runs and `systolic plan lm --serve` lowers; trace it inside `activate(mesh, rules)`. With `detail`,
+    the detail step (it takes the targets after page_tokens)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    extra = (replicated,) * detail  # the targets
+    out = StepOutput(pool_sharding, replicated, replicated, *(replicated,) * (3 * detail))
     return jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6,
-                   in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated),
-                   out_shardings=StepOutput(pool_sharding, replicated, replicated))
+                   in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated,
+                                 *extra), out_shardings=out)
