@@ -78,7 +78,8 @@ def test_bad_pairs_are_one_paragraph_exit_2_and_leave_nothing(base, tmp_path):
         ([*good, {"prompt": 3, "chosen": "b", "rejected": "c"}], "line 5 has a `prompt` that is neither"),
         ([*good, {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}],
          "line 5 has a `chosen` that is neither"),
-        ([*good, {"prompt": "a\ud800", "chosen": "b", "rejected": "c"}], "line 5: The text to tokenize is not Unicode text"),
+        ([*good, {"prompt": "a\ud800", "chosen": "b", "rejected": "c"}],
+         "line 5: The text to tokenize is not Unicode text"),
         ([*good, [1, 2]], "line 5 holds a JSON list, not an object"),
         ([*good[:1]], "holds 1 usable preference pair(s)"),
     ]

@@ -136,8 +136,8 @@ class RewardConfig:
                               "function once (weigh one more with reward.weights), or rename one of them.")
         self._check_weights(len(specs))
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise ConfigError(f"reward.timeout_s={self.timeout_s:g} is out of range: a reward function's time limit per "
-                              f"call is more than 0 and at most {MAX_TIMEOUT_S:g} seconds (a day). Fix: e.g. "
+            raise ConfigError(f"reward.timeout_s={self.timeout_s:g} is out of range: a reward function's time limit "
+                              f"per call is more than 0 and at most {MAX_TIMEOUT_S:g} seconds (a day). Fix: e.g. "
                               "reward.timeout_s=30.")
         self._check_format("format" in specs)
         if {"number_match", "exact_match"} & set(specs) and not self.answer_field:

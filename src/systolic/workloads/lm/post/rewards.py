@@ -288,7 +288,8 @@ class Rewards:
         count as 1 and 0) is a UserError naming it and the record."""
         assert len(prompts) == len(completions) == len(fields), (len(prompts), len(completions), len(fields))
         scores = np.zeros((len(completions), len(self.names)), np.float32)  # (N, F)
-        where = [f"record {i if record_ids is None else record_ids[i]} (prompt {p[:60]!r})" for i, p in enumerate(prompts)]
+        where = [f"record {i if record_ids is None else record_ids[i]} (prompt {p[:60]!r})"
+                 for i, p in enumerate(prompts)]
         for i, (prompt, completion, record) in enumerate(zip(prompts, completions, fields, strict=True)):
             for j, fn in self._builtins.items():
                 try:
