@@ -39,11 +39,11 @@ def check(path: Path, *, option: str, suffixes: Iterable[str], force: bool) -> P
 
 
 def check_folder(path: Path, *, option: str) -> Path:
-    """Refuses `path` as a folder that `option` creates when it would lie inside a run directory (or is one): a
-    checkpoint step written by another command, or a stray folder among its steps, leaves the run unreadable, and a
-    run's files are its own command's. Returns it."""
+    """Refuses `path` as a folder that `option` creates when it would lie inside a run directory: a checkpoint step
+    written by another command, or a stray folder among its steps, leaves the run unreadable, and a run's files are
+    its own command's. (A run at `path` itself is not empty, which every caller refuses.) Returns it."""
     path = Path(path)
-    run = next((p for p in (path.absolute(), *path.absolute().parents) if _is_run(p)), None)
+    run = next((p for p in path.absolute().parents if _is_run(p)), None)
     if run is not None:
         raise UserError(f"{option} {path} is inside the run directory {run}, whose files only the run's own command "
                         f"writes (a folder among its checkpoints makes the run unreadable). Expected a folder outside "
