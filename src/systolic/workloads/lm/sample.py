@@ -140,12 +140,11 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
+    template = chat_template(run_dir, cfg) if chat else None  # before the checkpoint is read: a run without one fails
     check_room(1, settings.max_new_tokens, cfg.model.max_seq_len)  # any prompt has a token: before the slow part
-    if chat:
-        template = chat_template(run_dir, cfg)  # before the checkpoint is read: a run without one fails at once
-        run = load_run(run_dir, command, quantize=quantize)
-        return chat_reply(run.graphdef, run.params, template, settings, system=system, kv_cache=kv_cache)
     run = load_run(run_dir, command, quantize=quantize)
+    if template is not None:
+        return chat_reply(run.graphdef, run.params, template, settings, system=system, kv_cache=kv_cache)
     return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings, kv_cache=kv_cache)
 
 

@@ -25,11 +25,8 @@ import math
 import numbers
 import os
 import re
-import select
 import signal
-import subprocess
 import sys
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
@@ -37,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from systolic.data.template_sandbox import WorkerProcess
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.post import reward_worker
 from systolic.workloads.lm.post.config import BUILT_IN_REWARDS, RewardConfig
@@ -47,6 +45,8 @@ RewardFn = Callable[[str, str, dict], Any]
 NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # torch.isclose(std, 0)'s tolerance, with which TRL counts a group as having zero spread.
 ZERO_STD_ATOL = 1e-8
+# A user's reward module's import (torch alone takes seconds): its own deadline, or reward.timeout_s if longer.
+IMPORT_TIMEOUT_S = 120.0
 
 
 # BUILT-IN VERIFIERS -------------------------------------------------------------------------------------------
@@ -121,111 +121,55 @@ class UserRewards:
 
     def __init__(self, specs: Sequence[str], timeout_s: float):
         self.specs, self.timeout_s = tuple(specs), timeout_s
-        self._process: subprocess.Popen | None = None
-        self._owner = 0  # the pid that started it: a forked child starts its own
-        weakref.finalize(self, _stop, self.__dict__)
-        self._start()
+        # `python -c`: the working directory first on sys.path (as `python -m` has it), not the worker's own folder.
+        self._worker = WorkerProcess(
+            [sys.executable, "-c", f"import runpy; runpy.run_path({reward_worker.__file__!r}, run_name='__main__')"])
+        weakref.finalize(self, self._worker.stop)
+        self._load()
 
     def scores(self, calls: list[tuple[int, str, str, dict]], names: Sequence[str],
                where: Sequence[str]) -> Iterator[Any]:
         """Each call's value (function index into `specs`, prompt, completion, record), in order; `names[i]` and
         `where[i]` name call i's function and record in errors. A value is checked by the caller."""
-        process = self._running()
-        self._send({"calls": calls})
+        if not self._worker.running:  # stopped after a failure: a fresh worker imports the functions again
+            self._load()
+        self._worker.send({"calls": calls})
         for i in range(len(calls)):
             answer = self._receive(f"while the reward function {names[i]} scored {where[i]}", self.timeout_s)
             if "value" in answer:
                 yield answer["value"]
                 continue
-            self.stop()  # the rest of the batch's answers are not read: the next request starts a fresh worker
+            self._worker.stop()  # the rest of the batch's answers are not read: the next request starts afresh
             fix = f"Fix: make {names[i]} return a finite float for every completion (try it on that record's prompt)."
             if "raised" in answer:
                 raise UserError(f"The reward function {names[i]} raised {answer['raised']} on {where[i]}. {fix}")
             raise UserError(f"The reward function {names[i]} returned {answer['returned']} on {where[i]}, not a "
                             f"number. {fix}")
-        assert process is self._process, "the worker changed within one request"
 
-    def stop(self) -> int | None:
-        return _stop(self.__dict__)
-
-    def _start(self) -> None:
-        self._pending = b""
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", f"import runpy; runpy.run_path({reward_worker.__file__!r}, run_name='__main__')"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        self._owner = os.getpid()
-        self._send({"load": list(self.specs)})
-        # Importing a module may take a while (torch takes seconds): its own budget, at least IMPORT_TIMEOUT_S.
+    def _load(self) -> None:
+        self._worker.send({"load": list(self.specs)})
         answer = self._receive("while importing the reward functions", max(IMPORT_TIMEOUT_S, self.timeout_s),
                                config=True)
         if "problem" in answer:
-            self.stop()
+            self._worker.stop()
             raise _unusable(answer)
-
-    def _running(self) -> subprocess.Popen:
-        if self._process is None or self._owner != os.getpid():
-            self._start()
-        return self._process
-
-    def _send(self, request: dict[str, Any]) -> None:
-        try:
-            self._process.stdin.write((json.dumps(request) + "\n").encode())
-            self._process.stdin.flush()
-        except BrokenPipeError:
-            pass  # the worker ended: reading its answer says how
 
     def _receive(self, doing: str, timeout_s: float, *, config: bool = False) -> dict[str, Any]:
         """The worker's next answer; a UserError (ConfigError with `config`) when it ends or is late."""
-        try:
-            line = self._next_line(time.monotonic() + timeout_s)
-        except BaseException:  # an interrupt mid-answer: the answer would be read as the next request's
-            self.stop()
-            raise
+        line = self._worker.receive(timeout_s)
         error = ConfigError if config else UserError
         if line is None:
-            self.stop()
             raise error(f"The process running the reward functions {', '.join(self.specs)} did not answer within "
                         f"{timeout_s:g} s {doing}, so it was stopped: a function that never returns (or runs that "
                         "long) would stall the run. Fix: make it return sooner, or raise the limit per call with "
                         f"reward.timeout_s (now {self.timeout_s:g}).")
         if not line:
-            code = self.stop()
             raise error(f"The process running the reward functions {', '.join(self.specs)} ended {doing} (exit "
-                        f"status {_status(code)}): the function's own code ended or crashed it (os._exit, a crash "
-                        "in a C extension). Nothing of the run was changed by it. Fix: run the function on that "
-                        "record by hand (`python -c 'import module; print(module.function(prompt, completion, "
-                        "fields))'`) and make it return a float.")
+                        f"status {_status(self._worker.exit_status)}): the function's own code ended or crashed it "
+                        "(os._exit, a crash in a C extension). Nothing of the run was changed by it. Fix: run the "
+                        "function on that record by hand (`python -c 'import module; print(module.function(prompt, "
+                        "completion, fields))'`) and make it return a float.")
         return json.loads(line)
-
-    def _next_line(self, deadline: float) -> bytes | None:
-        """The worker's next line (b"" when it closed first), or None when `deadline` (time.monotonic) passes
-        first. The answers of one request may arrive in one read: what follows the line waits in `_pending`."""
-        fd = self._process.stdout.fileno()
-        while b"\n" not in self._pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return b""
-            self._pending += chunk
-        line, _, self._pending = self._pending.partition(b"\n")
-        return line
-
-
-IMPORT_TIMEOUT_S = 120.0
-
-
-def _stop(state: dict[str, Any]) -> int | None:
-    """Ends the worker of a UserRewards (given its __dict__, so a finalizer holds no reference to the object)."""
-    process, state["_process"] = state.get("_process"), None
-    if process is None or state.get("_owner") != os.getpid():
-        return None
-    process.kill()
-    code = process.wait()
-    process.stdin.close()
-    process.stdout.close()
-    return code
 
 
 def _status(code: int | None) -> str:
