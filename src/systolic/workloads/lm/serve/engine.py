@@ -318,7 +318,8 @@ class InferenceEngine:
         """What is wrong with the sampling settings, or None. Each value is checked as the step's arrays will hold
         it (RowSampling: float32 and int32): a value that only overflows there would fail the whole batch's step,
         every request in it, not this one alone."""
-        temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)  # 1e39 -> inf, 1e-50 -> 0
+        with np.errstate(over="ignore", under="ignore"):  # the overflow is the finding, not a warning
+            temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)  # 1e39 -> inf, 1e-50 -> 0
         if not (math.isfinite(params.temperature) and np.isfinite(temperature) and params.temperature >= 0
                 and 0 <= params.top_k <= INT32_MAX and math.isfinite(params.top_p) and 0 < top_p <= 1):
             return (f"temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} are out of range. "
