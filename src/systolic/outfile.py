@@ -54,7 +54,8 @@ def check_folder(path: Path, *, option: str) -> Path:
 def _is_run(folder: Path) -> bool:
     """A run directory: its marker, or (from before markers) a config.yaml beside a checkpoints folder. A folder with
     only `checkpoints/` in it may be a user's own (a home directory), and everything under it would be refused."""
-    return (folder / ".systolic-run").is_file() or (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()
+    return ((folder / ".systolic-run").is_file()
+            or (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir())
 
 
 def _is_run_file(path: Path) -> bool:
