@@ -392,3 +392,81 @@ def test_rl_runs_past_memory_are_refused_before_tracing(override, tmp_path):
 @pytest.mark.parametrize("override", ["model.g_channels=10000000", "gan.eval_samples=100000000000"])
 def test_gan_runs_past_memory_are_refused_before_allocating(override, tmp_path):
     refused(["train", "gan", override, "--run-dir", str(tmp_path / "run"), "-q"], "This gan", "cannot fit")
+
+
+# ROUND FOUR (issue 45): unbounded sizes, zero and empty values, writing inside a run, RoPE that divides by zero -----
+
+
+def test_serve_and_generate_sizes_are_bounded_by_the_context_before_anything_is_loaded(existing_run):
+    """Each refused in one paragraph before the weights are read or anything compiled; the run byte-identical."""
+    before = snapshot(existing_run)
+    run = str(existing_run)
+    for flags, fragment in ((["--page-size", "0"], "--page-size 0: a page holds 1 to"),
+                            (["--page-size", "1000000"], "--page-size 1000000"),
+                            (["--mesh-tensor", "0"], "--mesh-tensor 0"),
+                            (["--max-seqs", "0"], "--max-seqs 0"),
+                            (["--max-seqs", "100000000"], "--max-seqs 100000000"),
+                            (["--max-tokens-per-step", "1000000000"], "--max-tokens-per-step 1000000000: a step holds"),
+                            (["--max-tokens-per-step", "2"], "at least one token of each of --max-seqs 16")):
+        refused(["serve", run, "--port", "0", *flags], fragment, "Fix:")
+    refused(["generate", run, "--max-new-tokens", "1000000000"], "Cannot generate 1,000,000,000 tokens",
+            "--max-new-tokens")
+    assert snapshot(existing_run) == before
+
+
+def test_plan_serve_refuses_zero_empty_and_unbounded_values():
+    plan = ["plan", "lm", "--recipe", "lm-tiny", "--target", "h100", "--serve"]
+    for flags, fragment in ((["--context", "0"], "--context 0: expected a positive number"),
+                            (["--prefill-tokens", "0"], "--prefill-tokens 0: expected a positive number"),
+                            (["--batch", "1000000000"], "--batch 1000000000: a decode step holds at most 1,024"),
+                            (["--weights", ",,,"], "--weights ',,,' names no format"),
+                            (["--weights", ""], "--weights '' names no format"),
+                            (["--kv", " , "], "--kv ' , ' names no format")):
+        refused([*plan, *flags], fragment, "Fix:")
+
+
+def test_outputs_inside_a_run_directory_are_refused_and_the_run_is_unchanged(existing_run, hf_folder, tmp_path):
+    """`quantize --out RUN/checkpoints/999` and `convert from-hf SRC RUN/checkpoints/777` once exited 0 and left the
+    run unreadable; every command that creates a folder at a path the user names refuses one inside a run."""
+    before = snapshot(existing_run)
+    run = existing_run
+    refused(["quantize", str(run), "--scheme", "int8", "--out", str(run / "checkpoints" / "999")],
+            "is inside the run directory", "Fix:")
+    refused(["quantize", str(run), "--scheme", "int8", "--out", str(run / "q")], "is inside the run directory")
+    refused(["convert", "from-hf", str(hf_folder), str(run / "checkpoints" / "777")], "is inside the run directory")
+    refused(["convert", "to-hf", str(run), str(run / "hf")], "is inside the run directory")
+    refused(["data", "arithmetic", "--out", str(run / "checkpoints" / "data")], "is inside the run directory")
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("hello world\n" * 100)
+    refused(["data", "prepare", str(corpus), "--out", str(run / "checkpoints" / "prepared")],
+            "is inside the run directory")
+    assert snapshot(existing_run) == before
+    assert not any(p.name.startswith(".") and p.name != ".systolic-run" and p.name != ".lock"
+                   for p in run.iterdir()), sorted(run.iterdir())
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_seq_len=16",
+      "model.rope_theta=1"], "dividing by ln(rope_theta)"),
+    (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_seq_len=16",
+      "model.rope_theta=0.5"], "model.rope_theta=0.5 with model.rope_scaling.type=yarn"),
+    (["model.rope_scaling.type=longrope", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_seq_len=1",
+      "model.rope_scaling.short_factor=[1,1,1,1]", "model.rope_scaling.long_factor=[2,2,2,2]"],
+     "divides by ln(1) = 0"),
+])
+def test_rope_settings_that_divide_by_zero_are_refused_at_load(overrides, fragment, tmp_path):
+    refused(["train", "lm", *BASE, *overrides, "--run-dir", str(tmp_path / "run")], fragment, "Fix:")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (edit_config(rope_theta=1, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 16}), "dividing by ln(rope_theta)"),
+    (edit_config(original_max_position_embeddings=1, rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                                                   "long_factor": [2.0] * 4}), "divides by ln(1) = 0"),
+])
+def test_rope_settings_that_divide_by_zero_are_refused_at_import(hf_folder, tmp_path, change, fragment):
+    src = broken_copy(hf_folder, tmp_path / "src", change)
+    refused(["convert", "from-hf", str(src), str(tmp_path / "run")], fragment, "config.json")
+    assert not (tmp_path / "run").exists()
+

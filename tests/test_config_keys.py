@@ -103,7 +103,7 @@ def unread(workload: str, seen: set[tuple[type, str]]) -> list[str]:
 QUIET = ["-q", "observe.tensorboard=false"]
 
 
-def test_every_lm_key_acts(record_reads, tmp_path):
+def test_every_lm_key_acts(record_reads, tmp_path, monkeypatch):
     seen = record_reads(get("lm").config)
     # Not quiet: the sample at the end of training is printed, so its settings are read.
     assert main(["train", "lm", *TINY_LM, *LM_CLI_QUIET, "train.steps=2", "train.eval_every=1", "sample.max_new_tokens=4",
@@ -196,9 +196,12 @@ def test_every_lm_key_acts(record_reads, tmp_path):
     from systolic.workloads.lm.post.config import RewardConfig
     from systolic.workloads.lm.post.rewards import Rewards
 
-    reward = {"functions": "number_match,format", "weights": "1,0.5", "answer_field": "a", "format_pattern": "####"}
+    (tmp_path / "keys_reward.py").write_text("def score(prompt, completion, fields):\n    return 2.0\n")
+    monkeypatch.chdir(tmp_path)  # a user's function (module:function), run in its worker under reward.timeout_s
+    reward = {"functions": "number_match,format,keys_reward:score", "weights": "1,0.5,1", "answer_field": "a",
+              "format_pattern": "####", "timeout_s": 5}
     rewards = Rewards(config_lib.from_dict(RewardConfig, reward, "reward."))
-    assert rewards.total(rewards.score(["q"], ["#### 4"], [{"a": 4}])).tolist() == [1.5]
+    assert rewards.total(rewards.score(["q"], ["#### 4"], [{"a": 4}])).tolist() == [3.5]
     assert unread("lm", seen) == [], unread("lm", seen)
 
 

@@ -38,14 +38,31 @@ def check(path: Path, *, option: str, suffixes: Iterable[str], force: bool) -> P
     return path
 
 
+def check_folder(path: Path, *, option: str) -> Path:
+    """Refuses `path` as a folder that `option` creates when it would lie inside a run directory: a checkpoint step
+    written by another command, or a stray folder among its steps, leaves the run unreadable, and a run's files are
+    its own command's. (A run at `path` itself is not empty, which every caller refuses.) Returns it."""
+    path = Path(path)
+    run = next((p for p in path.absolute().parents if _is_run(p)), None)
+    if run is not None:
+        raise UserError(f"{option} {path} is inside the run directory {run}, whose files only the run's own command "
+                        f"writes (a folder among its checkpoints makes the run unreadable). Expected a folder outside "
+                        f"any run. Fix: e.g. {option} {run.parent / (path.name + '-out')}.")
+    return path
+
+
+def _is_run(folder: Path) -> bool:
+    """A run directory: its marker, or (from before markers) a config.yaml beside a checkpoints folder. A folder with
+    only `checkpoints/` in it may be a user's own (a home directory), and everything under it would be refused."""
+    return ((folder / ".systolic-run").is_file()
+            or (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir())
+
+
 def _is_run_file(path: Path) -> bool:
     """A run directory's config, marker, lock or metrics, or anything in a run's checkpoints folder."""
-    def is_run(folder: Path) -> bool:
-        return (folder / ".systolic-run").is_file() or (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()
-
-    if path.name in _RUN_FILES and is_run(path.parent):
+    if path.name in _RUN_FILES and _is_run(path.parent):
         return True
-    return any(p.name == "checkpoints" and is_run(p.parent) for p in path.absolute().parents)
+    return any(p.name == "checkpoints" and _is_run(p.parent) for p in path.absolute().parents)
 
 
 def write_bytes(path: Path, data: bytes) -> Path:

@@ -58,12 +58,14 @@ def loads(raw: bytes | str, source: str, *, expected: str, fix: str) -> Any:
 def expect_object(value: Any, source: str, *, expected: str, fix: str) -> dict[str, Any]:
     """`value` when it is a JSON object; a UserError saying what it is instead."""
     if not isinstance(value, dict):
-        raise UserError(f"{source} holds a JSON {_kind(value)}, not an object. Expected {expected}. Fix: {fix}")
+        raise UserError(f"{source} holds a JSON {json_kind(value)}, not an object. Expected {expected}. Fix: {fix}")
     return value
 
 
-def _kind(value: Any) -> str:
-    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+def json_kind(value: Any) -> str:
+    """The JSON name of a parsed value's type ("object", "array", "string", ...), for messages."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), "null")
 
 
 class _NonFinite(ValueError):

@@ -33,10 +33,14 @@ def test_a_step_larger_than_the_stated_memory_is_refused_with_its_figures(monkey
     fit.check(dataclasses.replace(step, temp_bytes=13 * GIB), jax.devices()[0], ADVICE)  # 15 GiB: fits exactly
 
 
-def test_cpu_devices_report_no_memory_so_nothing_is_refused_unless_stated(monkeypatch):
+def test_cpu_devices_report_no_memory_so_their_share_of_the_host_is_the_limit(monkeypatch):
     monkeypatch.delenv(memory.DEVICE_MEMORY_ENV, raising=False)
     assert memory.device_bytes(jax.devices()[0]) is None
-    fit.check(ProgramMemory(2**60, 0, 0, 0, 0), jax.devices()[0], ADVICE)
+    share = memory.host_bytes() // len(jax.devices())
+    fit.check(ProgramMemory(share, 0, 0, 0, 0), jax.devices()[0], ADVICE)
+    with pytest.raises(DoesNotFit, match="its share of the host's") as e:
+        fit.check(ProgramMemory(share + 1, 0, 0, 0, 0), jax.devices()[0], ADVICE)
+    assert e.value.have_bytes == share
 
 
 def test_a_stated_memory_that_is_not_a_number_is_refused(monkeypatch):
@@ -96,6 +100,19 @@ def test_train_refuses_a_step_too_large_for_the_stated_memory(tmp_path, monkeypa
     assert err.startswith("error: The train step needs ") and "compiled program's memory analysis" in err
     assert "a cpu device has 976.56 KiB (SYSTOLIC_DEVICE_MEMORY_BYTES)" in err and "model.remat=full" in err
     assert "systolic plan lm --target <slice> --search" in err and err.count("error:") == 1
+    assert not run_dir.exists()
+
+
+def test_train_on_cpu_checks_the_compiled_step_against_each_devices_share_of_the_host(monkeypatch, tmp_path):
+    """XLA:CPU reports no memory: a step past the host (1,000 scanned layers of lm-tiny, 55 GiB of it temporaries)
+    ended in XLA's RESOURCE_EXHAUSTED traceback at its first allocation. A host of 8 MB stands for it here: the
+    arithmetic lower bound fits 8 MB, the compiled step (about 1.2 MiB per device) not a device's 1 MB share."""
+    monkeypatch.delenv(memory.DEVICE_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(memory, "host_bytes", lambda: 8_000_000)
+    run_dir = tmp_path / "run"
+    code, out, err = call("train", "lm", *TINY_LM, *LM_CLI_QUIET, "--run-dir", str(run_dir), "-q")
+    assert code == 2 and err.startswith("error: The train step needs ") and err.count("error:") == 1, err
+    assert f"its share of the host's memory (os.sysconf), split over {len(jax.devices())} CPU device(s)" in err
     assert not run_dir.exists()
 
 

@@ -46,6 +46,20 @@ def test_a_users_own_folder_is_refused_and_left_byte_identical(tmp_path, capsys)
     assert tree_hashes(mine) == before
 
 
+def test_a_run_directory_inside_another_run_is_refused_and_the_outer_run_left_byte_identical(tmp_path, capsys):
+    """`--run-dir RUN/checkpoints/new` would put a folder among RUN's steps (issue 45: writing inside a run)."""
+    outer = tmp_path / "outer"
+    (outer / "checkpoints" / "3").mkdir(parents=True)
+    (outer / rundir.MARKER_FILE).write_text('{"workload": "lm"}\n')
+    (outer / "checkpoints" / "3" / "state").write_text("a step's bytes\n")
+    before = tree_hashes(outer)
+    for inner in (outer / "checkpoints" / "new", outer / "nested" / "run"):
+        assert train(inner) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"--run-dir {inner} is inside the run directory {outer}" in err and "Fix:" in err, err
+        assert tree_hashes(outer) == before and not inner.exists()
+
+
 def test_an_empty_folder_becomes_a_run_and_a_run_directory_is_reused(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

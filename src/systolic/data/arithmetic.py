@@ -172,7 +172,7 @@ def answer_record(problem: Problem) -> dict[str, str]:
 def write(out: Path, splits: Splits, *, force: bool = False) -> str:
     """Writes the three files of `splits` into `out` (created if needed), each whole or not at all; refuses to
     replace existing files unless `force`. Returns a line saying what was written."""
-    out = Path(out)
+    out = outfile.check_folder(Path(out), option="--out")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; it must be a folder to hold {', '.join(FILES)}. Fix: name a folder.")
     paths = [outfile.check(out / name, option="--out", suffixes=(".jsonl",), force=force) for name in FILES]

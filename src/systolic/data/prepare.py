@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from systolic import outfile
 from systolic.data import corpus
 from systolic.data.prepared import FORMAT, INDEX_FILE, SPLITS, VERSION, tokenizer_digest
 from systolic.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer, tokenizer_file
@@ -61,7 +62,7 @@ def prepare(src: str, out: Path, *, tokenizer: str = "byte", field: str = "text"
     if not root.exists():
         raise UserError(f"{src} does not exist. Expected a text file, a folder, a .jsonl(.gz), .parquet or a Hugging "
                         "Face save_to_disk folder. Fix: correct the path.")
-    out = Path(out).expanduser()
+    out = outfile.check_folder(Path(out).expanduser(), option="--out")
     if out.exists():
         raise UserError(f"--out {out} already exists. Fix: remove it, or choose another --out.")
     spec = _resolved(tokenizer)

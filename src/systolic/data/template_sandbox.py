@@ -199,41 +199,51 @@ def _serve() -> None:
 # THE CALLER'S SIDE --------------------------------------------------------------------------------------------
 
 
-class _Worker:
-    """The render worker of this process, started on first use and again after it was killed or died. One request
-    at a time (a lock): the server renders from a thread pool."""
+class WorkerProcess:
+    """A child process that answers each JSON line it is sent with JSON lines, started on first use and again after
+    it was stopped or died. Also post/reward_worker.py's."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
+    def __init__(self, argv: list[str], *, stderr: int | None = None):
+        """`stderr`: where the worker's stderr goes (None: this process's own)."""
+        self._argv, self._stderr = argv, stderr
+        self.exit_status: int | None = None  # of the worker that ended before answering
         self._process: subprocess.Popen | None = None
         self._owner = 0  # the pid that started it: a forked child (a data loader's worker) starts its own
+        self._pending = bytearray()  # bytes read past the last answer line
         atexit.register(self.stop)
 
-    def render(self, request: dict[str, Any], timeout_s: float) -> list[str]:
-        with self._lock:
-            process = self._running()
-            try:
-                process.stdin.write((json.dumps(request) + "\n").encode())
-                process.stdin.flush()
-                line = _read_line(process.stdout.fileno(), time.monotonic() + timeout_s)
-            except BrokenPipeError:
-                line = b""
-            except BaseException:  # an interrupt mid-request: its answer would be read as the next request's
-                self.stop()
-                raise
-            if line is None:
-                self.stop()
-                raise TemplateFailed(f"it ran for more than {timeout_s:g} s", over_budget=True)
-            if not line:
-                code = self.stop()
-                raise TemplateFailed(f"the process rendering it ended (exit status {code}) before it finished",
-                                     over_budget=True)
-        answer = json.loads(line)
-        if "error" in answer:
-            raise TemplateFailed(answer["error"], over_budget=answer["over_budget"])
-        return answer["texts"]
+    @property
+    def running(self) -> bool:
+        """Whether a worker of this process is running (else the next `send` starts one)."""
+        return self._process is not None and self._owner == os.getpid()
+
+    def send(self, request: dict[str, Any]) -> None:
+        """Writes `request` to the worker, started if it is not running; a worker that ended is found by `receive`."""
+        if not self.running:
+            self._process = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=self._stderr, bufsize=0)
+            self._owner, self._pending = os.getpid(), bytearray()
+        try:
+            self._process.stdin.write((json.dumps(request) + "\n").encode())
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass
+
+    def receive(self, timeout_s: float) -> bytes | None:
+        """The worker's next answer line; b"" when it ended first, None when `timeout_s` passed first (either way it
+        is stopped, and the next request starts a fresh one). An interrupt while waiting stops it too: its answer
+        would be read as the next request's."""
+        try:
+            line = read_line(self._process.stdout.fileno(), time.monotonic() + timeout_s, self._pending)
+        except BaseException:
+            self.stop()
+            raise
+        if not line:
+            self.exit_status = self.stop()
+        return line
 
     def stop(self) -> int | None:
+        """Kills the worker; its exit status (None when none was running here)."""
         process, self._process = self._process, None
         if process is None or self._owner != os.getpid():
             return None
@@ -243,29 +253,46 @@ class _Worker:
         process.stdout.close()
         return code
 
-    def _running(self) -> subprocess.Popen:
-        if self._process is None or self._owner != os.getpid():
-            # -I: no PYTHONPATH, user site or script folder; the worker needs only the standard library and jinja2.
-            self._process = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
-            self._owner = os.getpid()
-        return self._process
+
+class _Worker:
+    """The render worker of this process. One request at a time (a lock): the server renders from a thread pool."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # -I: no PYTHONPATH, user site or script folder; the worker needs only the standard library and jinja2.
+        self._process = WorkerProcess([sys.executable, "-I", __file__], stderr=subprocess.DEVNULL)
+
+    def render(self, request: dict[str, Any], timeout_s: float) -> list[str]:
+        with self._lock:
+            self._process.send(request)
+            line = self._process.receive(timeout_s)
+            if line is None:
+                raise TemplateFailed(f"it ran for more than {timeout_s:g} s", over_budget=True)
+            if not line:
+                raise TemplateFailed(f"the process rendering it ended (exit status {self._process.exit_status}) "
+                                     "before it finished", over_budget=True)
+        answer = json.loads(line)
+        if "error" in answer:
+            raise TemplateFailed(answer["error"], over_budget=answer["over_budget"])
+        return answer["texts"]
 
 
-def _read_line(fd: int, deadline: float) -> bytes | None:
+def read_line(fd: int, deadline: float, pending: bytearray) -> bytes | None:
     """One line from `fd` (b"" when it closed first), or None when `deadline` (time.monotonic) passes first. Reads
-    in chunks: the worker writes nothing after the line, so nothing is left behind."""
-    chunks = []
-    while True:
+    in chunks; the bytes after the line (a worker may write several answer lines at once) wait in `pending` for the
+    next call."""
+    while b"\n" not in pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
             return None
         chunk = os.read(fd, 1 << 20)
         if not chunk:
             return b""
-        chunks.append(chunk)
-        if chunk.endswith(b"\n"):
-            return b"".join(chunks)
+        pending += chunk
+    end = pending.index(b"\n") + 1
+    line = bytes(pending[:end])
+    del pending[:end]
+    return line
 
 
 _WORKER = _Worker()

@@ -48,7 +48,7 @@ def check(step_memory: ProgramMemory, device: Any, advice: str) -> None:
     remat=except_mlp ran on the lent v5e with arguments 5.45 GiB + temporaries 12.66 GiB, 18.1 GiB of 15.75."""
     if device.platform == "tpu":
         return
-    have = memory.device_bytes(device)
+    have = memory.device_bytes(device) or _host_share(device)
     need = step_memory.peak_bytes
     if have is None or need <= have[0]:
         return
@@ -59,6 +59,15 @@ def check(step_memory: ProgramMemory, device: Any, advice: str) -> None:
         f"+ temporaries {gib(m.temp_bytes)} + code {gib(m.code_bytes)}), but a {device.device_kind} device has "
         f"{gib(have[0])} ({have[1]}), so it cannot run; no step ran. Fix: {advice}",
         need_bytes=need, have_bytes=have[0], fix=advice)
+
+
+def _host_share(device: Any) -> tuple[int, str] | None:
+    """A CPU device's share of the host's memory (the process's CPU devices split it), which XLA:CPU reports nowhere:
+    without it a step far past the host (a 1,000-layer scanned model) would run until its first allocation failed."""
+    if device.platform != "cpu" or not (host := memory.host_bytes()):
+        return None
+    count = sum(d.platform == "cpu" for d in jax.local_devices())
+    return host // count, f"its share of the host's memory (os.sysconf), split over {count} CPU device(s)"
 
 
 def out_of_memory(message: str, advice: str) -> DoesNotFit:

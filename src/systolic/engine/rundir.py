@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from systolic import config as config_lib
+from systolic import outfile
 from systolic import safe_yaml
 from systolic.errors import CheckpointWriteError, TrainingHalted, UserError
 
@@ -216,7 +217,9 @@ def _with_defaults(old: dict[str, Any], schema: type) -> dict[str, Any]:
 
 
 def check_owned(run_dir: Path) -> None:
-    """Refuses an existing, non-empty folder that is not a systolic run directory, before anything touches it."""
+    """Refuses an existing, non-empty folder that is not a systolic run directory, and a folder inside another run
+    (`--run-dir RUN/checkpoints/new` would leave RUN unreadable), before anything touches it."""
+    outfile.check_folder(run_dir, option="--run-dir")
     if not run_dir.is_dir() or (run_dir / MARKER_FILE).is_file() or _is_legacy_run(run_dir):
         return
     entries = sorted(_entries(run_dir) - {LOCK_FILE})

@@ -194,20 +194,26 @@ def _serve(args: argparse.Namespace, workload) -> int:
     cfg, recipe = config_lib.load(workload.config, args.recipe, args.overrides, workload.default_recipe,
                                   args.workload)
     tensor = _serve_tensor(args.mesh, target.chips, cfg.model)
-    context = _positive("--context", args.context) if args.context else min(DEFAULT_CONTEXT, cfg.model.max_seq_len)
+    # `is not None`, not truth: a 0 given is refused, not read as "unset".
+    context = (_positive("--context", args.context) if args.context is not None
+               else min(DEFAULT_CONTEXT, cfg.model.max_seq_len))
     if context > cfg.model.max_seq_len:
         raise UserError(f"--context {context}: the model attends over at most model.max_seq_len="
                         f"{cfg.model.max_seq_len} positions. Fix: --context {cfg.model.max_seq_len} or less, or raise "
                         f"model.max_seq_len (e.g. model.max_seq_len={context}).")
-    prefill = (_positive("--prefill-tokens", args.prefill_tokens) if args.prefill_tokens
+    prefill = (_positive("--prefill-tokens", args.prefill_tokens) if args.prefill_tokens is not None
                else min(DEFAULT_PREFILL_TOKENS, context))
     if prefill > context:
         raise UserError(f"--prefill-tokens {prefill}: a prefill chunk is part of one prompt, at most --context "
                         f"{context} tokens. Fix: --prefill-tokens {context} or less.")
     batch = _positive("--batch", args.batch) if args.batch is not None else None
+    if batch is not None and batch > serve_plan.MAX_BATCH:
+        raise UserError(f"--batch {batch}: a decode step holds at most {serve_plan.MAX_BATCH:,} sequences (the "
+                        f"engine's --max-seqs; its page tables and token ids are int32 arrays). Fix: --batch "
+                        f"{serve_plan.MAX_BATCH} or less, or leave it out to plan as many as fit.")
     if args.price_per_chip_hour is not None and not 0 <= args.price_per_chip_hour < math.inf:
         raise UserError(f"--price-per-chip-hour {args.price_per_chip_hour}: expected a finite price >= 0, e.g. 1.2.")
-    formats = [(w, k) for w in _listed(args.weights or "bf16,int8") for k in _listed(args.kv or "bf16,int8")]
+    formats = [(w, k) for w in _formats("--weights", args.weights) for k in _formats("--kv", args.kv)]
     command = (f"systolic plan {args.workload} --serve --recipe {recipe} --target {args.target}"
                + (f" --mesh {args.mesh}" if args.mesh else "") + "".join(f" {o}" for o in args.overrides))
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
@@ -239,6 +245,17 @@ def _positive(flag: str, value: int) -> int:
 
 def _listed(spec: str) -> list[str]:
     return [item.strip() for item in spec.split(",") if item.strip()]
+
+
+def _formats(flag: str, spec: str | None) -> list[str]:
+    """The formats of --weights or --kv: both of bf16 and int8 when not given; given, at least one."""
+    if spec is None:
+        return ["bf16", "int8"]
+    listed = _listed(spec)
+    if not listed:
+        raise UserError(f"{flag} {spec!r} names no format. Expected formats separated by commas, e.g. {flag} "
+                        f"bf16,int8. Fix: name at least one, or leave {flag} out to plan bf16 and int8.")
+    return listed
 
 
 def _serve_tensor(spec: str, chips: int, model) -> int:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from systolic import config as config_lib
+from systolic import outfile
 from systolic.data.tokenizer import RUN_FILE, tokenizer_files
 from systolic.engine import rundir
 from systolic.engine.checkpoint import Checkpointer
@@ -31,7 +32,7 @@ COMMAND = "systolic quantize"
 def quantize_run(run_dir: Path, out: Path, scheme: str) -> LoadedRun:
     """Writes `out`: the run `run_dir`'s newest intact checkpoint with its weights quantized by `scheme` (a LoRA
     run merged first). Returns the quantized run as loaded."""
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = Path(run_dir), outfile.check_folder(Path(out), option="--out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} already exists and is not empty; `{COMMAND}` never overwrites. Fix: pass a new "
                         "directory, or remove this one first.")

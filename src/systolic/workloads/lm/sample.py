@@ -88,6 +88,7 @@ def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np
     if settings.max_new_tokens == 0:
         return ""
     model = nnx.merge(graphdef, params).cfg  # the model's config travels in its graphdef
+    check_room(len(ids), settings.max_new_tokens, model.max_seq_len)  # before the pool is sized by it
     page_size = 16
     pages = -(-(len(ids) + settings.max_new_tokens - 1) // page_size) + 1  # the request's pages and the null page
     engine = InferenceEngine(model, params, tokenizer, kv_pages=pages, page_size=page_size, max_seqs=1,
@@ -99,6 +100,15 @@ def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np
     while engine.has_work():
         new += [event.token_id for event in engine.step() if event.token_id not in stop_ids]
     return continuation_text(tokenizer, ids, np.asarray(new, np.int64))
+
+
+def check_room(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """A UserError when a prompt of `prompt_tokens` and `max_new_tokens` more do not fit the model's `context`."""
+    if prompt_tokens + max_new_tokens > context:
+        raise UserError(
+            f"Cannot generate {max_new_tokens:,} tokens after a prompt of {prompt_tokens:,} tokens: the model attends "
+            f"over at most {context:,} positions (model.max_seq_len). Fix: --max-new-tokens "
+            f"{max(context - prompt_tokens, 1):,} or less, or a shorter prompt.")
 
 
 def continuation_text(tokenizer: Tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:
@@ -130,11 +140,11 @@ def generate_from_run(run_dir: Path, *, prompt: str | None, max_new_tokens: int 
                  "top_p": top_p, "seed": seed}
     settings = dataclasses.replace(cfg.sample, **{k: v for k, v in overrides.items() if v is not None})
     settings.validate()
-    if chat:
-        template = chat_template(run_dir, cfg)  # before the checkpoint is read: a run without one fails at once
-        run = load_run(run_dir, command, quantize=quantize)
-        return chat_reply(run.graphdef, run.params, template, settings, system=system, kv_cache=kv_cache)
+    template = chat_template(run_dir, cfg) if chat else None  # before the checkpoint is read: a run without one fails
+    check_room(1, settings.max_new_tokens, cfg.model.max_seq_len)  # any prompt has a token: before the slow part
     run = load_run(run_dir, command, quantize=quantize)
+    if template is not None:
+        return chat_reply(run.graphdef, run.params, template, settings, system=system, kv_cache=kv_cache)
     return settings.prompt + sample_text(run.tokenizer, run.graphdef, run.params, settings, kv_cache=kv_cache)
 
 

@@ -74,7 +74,12 @@ def test_bad_pairs_are_one_paragraph_exit_2_and_leave_nothing(base, tmp_path):
         ([*good, "not json"], "line 5 is not valid JSON"),
         ([*good, {"prompt": "a", "chosen": "b"}], "line 5 has no `rejected` field"),
         ([*good, {"prompt": "a", "chosen": "", "rejected": "c"}], "line 5 has an empty `chosen`"),
-        ([*good, {"prompt": "a", "chosen": 3, "rejected": "c"}], "line 5 has a `prompt` that is neither"),
+        ([*good, {"prompt": "a", "chosen": 3, "rejected": "c"}], "line 5 has a `chosen` that is a JSON number (3)"),
+        ([*good, {"prompt": 3, "chosen": "b", "rejected": "c"}], "line 5 has a `prompt` that is neither"),
+        ([*good, {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}],
+         "line 5 has a `chosen` that is neither"),
+        ([*good, {"prompt": "a\ud800", "chosen": "b", "rejected": "c"}],
+         "line 5: The text to tokenize is not Unicode text"),
         ([*good, [1, 2]], "line 5 holds a JSON list, not an object"),
         ([*good[:1]], "holds 1 usable preference pair(s)"),
     ]

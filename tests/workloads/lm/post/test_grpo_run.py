@@ -77,19 +77,39 @@ def test_grpo_trains_writes_trls_metrics_and_resumes_exactly_mid_rollout(base, t
 
 @pytest.mark.slow
 def test_a_reward_function_that_fails_stops_the_run_before_its_first_step(base, tmp_path, monkeypatch):
-    """A user's function that raises or returns NaN: one paragraph naming the function and the record, exit 2,
-    and no checkpoint."""
+    """A user's function that raises, returns NaN, or would take the run down (issue 45: never returns, exits,
+    crashes its interpreter, returns what float32 cannot hold, raises a BaseException, exits at import): one
+    paragraph naming the function (and the record, once one is scored), exit 2, and no run directory left."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rewards.py").write_text(
+        "import ctypes, os, sys, time\n\n"
+        "class Escape(BaseException):\n    pass\n\n"
         "def broken(prompt, completion, fields):\n    raise KeyError('score')\n\n"
-        "def nan(prompt, completion, fields):\n    return float('nan')\n")
+        "def nan(prompt, completion, fields):\n    return float('nan')\n\n"
+        "def hangs(prompt, completion, fields):\n    time.sleep(3600)\n\n"
+        "def exits(prompt, completion, fields):\n    sys.exit(0)\n\n"
+        "def hard_exit(prompt, completion, fields):\n    os._exit(1)\n\n"
+        "def segfault(prompt, completion, fields):\n    ctypes.string_at(0)\n\n"
+        "def huge_int(prompt, completion, fields):\n    return 10**400\n\n"
+        "def past_float32(prompt, completion, fields):\n    return 1e300\n\n"
+        "def escapes(prompt, completion, fields):\n    raise Escape('out')\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
     data = write_prompts(tmp_path / "p.jsonl")
-    for function, message in (("broken", "raised KeyError"), ("nan", "returned nan")):
-        run = tmp_path / function
-        code, _, err = call(*grpo_args(base, data, run, "train.steps=2", f"reward.functions=my_rewards:{function}",
-                                       "reward.weights=", "reward.format_pattern="))
-        assert code == 2 and message in err and function in err and "p.jsonl:" in err and "Fix:" in err, err
-        assert not list((run / "checkpoints").glob("[0-9]*")), function
+    before = (data.read_bytes(), (tmp_path / "my_rewards.py").read_bytes())
+    for spec, message in (("my_rewards:broken", "raised KeyError"), ("my_rewards:nan", "returned nan"),
+                          ("my_rewards:hangs", "did not answer within 2 s"), ("my_rewards:exits", "raised SystemExit"),
+                          ("my_rewards:hard_exit", "(exit status 1)"), ("my_rewards:segfault", "signal SIGSEGV"),
+                          ("my_rewards:huge_int", "(401 digits)"), ("my_rewards:past_float32", "past float32's range"),
+                          ("my_rewards:escapes", "raised Escape: out"),
+                          ("exits_at_import:f", "importing exits_at_import failed (SystemExit: 0)")):
+        run = tmp_path / spec.replace(":", "-")
+        code, _, err = call(*grpo_args(base, data, run, "train.steps=2", f"reward.functions={spec}",
+                                       "reward.weights=", "reward.format_pattern=", "reward.timeout_s=2"))
+        assert code == 2 and message in err and spec.split(":")[1] in err and "Fix:" in err, err
+        if "import" not in spec:
+            assert "p.jsonl:" in err, err
+        assert not run.exists(), spec
+    assert (data.read_bytes(), (tmp_path / "my_rewards.py").read_bytes()) == before
 
 
 @pytest.mark.slow  # the base run's time; the records' checks alone: test_grpo.py

@@ -83,6 +83,8 @@ def test_format(pattern, completion, want):
     ({"format_pattern": "x"}, "has no format reward, so it would do nothing"),
     ({"functions": "format", "format_pattern": "(unclosed"}, "is not a valid regular expression"),
     ({"answer_field": ""}, "reward.answer_field is empty"),
+    ({"timeout_s": 0}, "reward.timeout_s=0 is out of range"),
+    ({"timeout_s": 1e9}, "at most 86400 seconds"),
 ])
 def test_bad_reward_settings_are_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -217,3 +219,94 @@ def test_unusable_user_functions_are_config_errors(user_module, spec, message):
     broken = user_module("rewards_broken", "x = 1 / 0\n")
     with pytest.raises(ConfigError, match=message):
         Rewards(reward_config(functions=spec.format(mod=mod, broken=broken)))
+
+
+# USERS' CODE THAT WOULD TAKE THE RUN DOWN (issue 45) ----------------------------------------------------------
+
+HOSTILE_REWARDS = """
+    import ctypes, os, sys, time
+
+    class Escape(BaseException):
+        pass
+
+    def fine(prompt, completion, fields):
+        return 0.5
+
+    def hangs(prompt, completion, fields):
+        time.sleep(3600)
+
+    def exits(prompt, completion, fields):
+        sys.exit(0)
+
+    def hard_exit(prompt, completion, fields):
+        os._exit(1)
+
+    def segfault(prompt, completion, fields):
+        ctypes.string_at(0)
+
+    def huge_int(prompt, completion, fields):
+        return 10**400
+
+    def past_float32(prompt, completion, fields):
+        return 1e300
+
+    def escapes(prompt, completion, fields):
+        raise Escape("out of the loop")
+
+    def prints(prompt, completion, fields):
+        print("a line on stdout", flush=True)
+        os.write(1, b"and one from C")
+        return 1.0
+
+    def large(prompt, completion, fields):
+        return 3e38 if completion == "a" else 1.0
+"""
+
+
+@pytest.mark.parametrize("function, message", [
+    ("hangs", r"did not answer within 1 s while the reward function hangs scored record 3 .*reward.timeout_s"),
+    ("exits", r"The reward function exits raised SystemExit: 0 on record 3"),
+    ("hard_exit", r"ended while the reward function hard_exit scored record 3 .*\(exit status 1\)"),
+    ("segfault", r"ended while the reward function segfault scored record 3 .*signal SIGSEGV"),
+    ("huge_int", r"huge_int returned the integer 1000000000000000000\d*\.\.\. \(401 digits\) on record 3"),
+    ("past_float32", r"past_float32 returned 1e\+300 on record 3 .*past float32's range"),
+    ("escapes", r"escapes raised Escape: out of the loop on record 3"),
+])
+def test_a_user_function_that_would_take_the_run_down_is_one_error_and_the_next_call_works(user_module, function,
+                                                                                           message):
+    """Each runs in the worker process: this process goes on, names the function and the record, and a good
+    function beside it scores on a fresh worker afterwards."""
+    name = user_module("rewards_hostile", HOSTILE_REWARDS)
+    rewards = Rewards(reward_config(functions=f"{name}:fine,{name}:{function}", weights="1,1", timeout_s=1))
+    with pytest.raises(UserError, match=message):
+        rewards.score(["q"], ["a"], [{}], record_ids=[3])
+    good = Rewards(reward_config(functions=f"{name}:fine,{name}:prints", weights="1,1"))
+    np.testing.assert_array_equal(good.score(["q", "q"], ["a", "b"], [{}, {}]), [[0.5, 1.0], [0.5, 1.0]])
+
+
+@pytest.mark.parametrize("source, message", [
+    ("import sys\nsys.exit(0)\n", r"importing rewards_import_\w+ failed \(SystemExit: 0\)"),
+    ("import os\nos._exit(3)\n", r"ended while importing the reward functions \(exit status 3\)"),
+    ("raise KeyboardInterrupt\n", r"failed \(KeyboardInterrupt"),
+])
+def test_a_module_that_exits_at_import_is_a_config_error(user_module, source, message):
+    name = user_module(f"rewards_import_{abs(hash(source)) % 1000}", source + "def f(prompt, completion, fields):\n"
+                       "    return 1.0\n")
+    with pytest.raises(ConfigError, match=message):
+        Rewards(reward_config(functions=f"{name}:f"))
+
+
+def test_rewards_whose_group_statistics_overflow_float32_are_named_by_group(user_module):
+    """3e38 is finite in float32, but two of them sum to inf: the group's mean, so its advantages, would be NaN."""
+    import jax.numpy as jnp
+
+    from systolic.workloads.lm.post.grpo_loss import group_advantages
+
+    name = user_module("rewards_large", HOSTILE_REWARDS)
+    rewards = Rewards(reward_config(functions=f"{name}:large"))
+    scores = rewards.score(["q"] * 4, ["b", "b", "a", "a"], [{}] * 4)
+    totals = rewards.total(scores)
+    advantages = np.asarray(group_advantages(jnp.asarray(totals), 2, "group"))  # as the rollout computes them
+    with pytest.raises(UserError, match=r"group of completions of record p:2 .*past float32's range"):
+        rewards.check_groups(totals, advantages, 2, ["p:1", "p:1", "p:2", "p:2"])
+    rewards.check_groups(totals[:2], advantages[:2], 2, ["p:1", "p:1"])  # equal small rewards: advantage 0

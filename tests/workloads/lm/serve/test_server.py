@@ -241,6 +241,64 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(srv, model):
     assert srv.client().completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def hostile_requests(model: str):
+    """(path, body or raw bytes, status, the error's param) of requests that once failed other requests or got a
+    500 (issue 45): values past the engine's int32 and float32 arrays, token ids past int64, roles that are not
+    strings, a lone surrogate echoed back in the error."""
+    ok = {"model": model, "prompt": "Once upon a time", "max_tokens": 6}
+    chat = {"model": model, "messages": CONVERSATION, "max_tokens": 4}
+    return [
+        ("/v1/completions", {**ok, "top_k": 2**31, "temperature": 0.7}, 400, "top_k"),
+        ("/v1/completions", {**ok, "top_k": 2**63, "temperature": 0.7}, 400, "top_k"),
+        ("/v1/completions", {**ok, "temperature": 1e39}, 400, None),  # finite in float64, inf in float32
+        ("/v1/completions", {**ok, "top_p": 1e-50, "temperature": 0.7}, 400, None),  # 0 in float32
+        ("/v1/completions", {**ok, "prompt": [1, 2**63]}, 400, "prompt"),
+        ("/v1/completions", {**ok, "prompt": [2**70]}, 400, "prompt"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": ["user"], "content": "Hi"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": {"a": 1}, "content": "Hi"}]}, 400, "messages[0].role"),
+        ("/v1/completions", b'{"model": "\\ud800", "prompt": "Hi"}', 404, "model"),
+        ("/v1/completions", b'{"model": "' + model.encode() + b'", "prompt": "Hi", "\\udc00x": 1}', 400, "\\udc00x"),
+    ]
+
+
+def test_a_bad_request_fails_alone_and_the_requests_beside_it_get_their_tokens(srv, model):
+    """Each hostile request gets its 4xx, sent together with a greedy request and a greedy stream that get their
+    200 and the tokens they get alone; a top_k past the vocabulary (but within int32) keeps every id, as 0 does."""
+    greedy = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+
+    def innocent() -> str:
+        response = srv.post("/v1/completions", greedy)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    def innocent_stream() -> str:
+        body = {**greedy, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=120) as r:
+            assert r.status_code == 200
+            lines = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+        assert lines[-1] == "[DONE]" and all("error" not in json.loads(x) for x in lines[:-1]), lines
+        return "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
+
+    def hostile(case) -> None:
+        path, body, status, param = case
+        response = srv.post(path, None, content=body) if isinstance(body, bytes) else srv.post(path, body)
+        assert response.status_code == status, f"{body!r:.100}: {response.status_code} {response.text}"
+        error = response.json()["error"]
+        assert error["param"] == param and "Traceback" not in response.text, error
+
+    alone = innocent()
+    assert innocent_stream() == alone
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = [pool.submit(innocent), pool.submit(innocent_stream)]
+        for future in [pool.submit(hostile, case) for case in hostile_requests(model)]:
+            future.result()
+        assert [f.result() for f in together] == [alone, alone]
+    sampled = {**greedy, "temperature": 0.8, "seed": 3}
+    texts = [srv.post("/v1/completions", {**sampled, "top_k": k}).json()["choices"][0]["text"] for k in (0, 2**31 - 1)]
+    assert texts[0] == texts[1]
+    assert srv.get("/health").status_code == 200
+
+
 def test_openai_client_raises_its_own_errors(srv, model):
     client = srv.client()
     with pytest.raises(openai.NotFoundError):

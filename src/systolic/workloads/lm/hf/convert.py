@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from systolic import config as config_lib
+from systolic import outfile
 from systolic.config import MeshConfig
 from systolic.data import generation_config
 from systolic.data.tokenizer import RUN_FILE, make_tokenizer, tokenizer_files
@@ -374,6 +375,7 @@ def _some(names: list[str], limit: int = 20) -> str:
 
 
 def _check_free(path: Path) -> None:
+    outfile.check_folder(path, option="the output folder")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"{path} already exists and is not empty; conversion never overwrites. Fix: pass a new "
                         "directory, or remove this one first.")

@@ -65,6 +65,14 @@ class RopeScalingConfig:
                 f"rotated pair of dimensions each, but got {len(self.short_factor)} and {len(self.long_factor)} "
                 "entries. Fix: copy both lists from the model's Hugging Face rope_parameters (Phi-3's rope_scaling)."
             )
+        if self.type == "longrope" and self.original_max_seq_len == 1:
+            raise ConfigError(
+                "model.rope_scaling.type=longrope with model.rope_scaling.original_max_seq_len=1: LongRoPE's attention "
+                "factor sqrt(1 + ln(factor) / ln(original_max_seq_len)) divides by ln(1) = 0, and a model pre-trained "
+                "on one position has no context to extend. Expected the context it was pre-trained with (Hugging "
+                "Face's original_max_position_embeddings, e.g. 4096). Fix: e.g. "
+                "model.rope_scaling.original_max_seq_len=4096."
+            )
         if self.type in ("llama3", "yarn", "longrope") and self.original_max_seq_len <= 0:
             raise ConfigError(
                 f"model.rope_scaling.type={self.type} needs model.rope_scaling.original_max_seq_len, the context the "
@@ -423,6 +431,13 @@ class ModelConfig:
             raise ConfigError(
                 f"model.init_std={self.init_std}, model.rope_theta={self.rope_theta} and model.norm_eps={self.norm_eps} "
                 "must all be greater than 0. Fix: use the defaults (0.02, 10000, 1e-5) or other positive values."
+            )
+        if self.rope_scaling.type == "yarn" and self.rope_theta <= 1:
+            raise ConfigError(
+                f"model.rope_theta={self.rope_theta} with model.rope_scaling.type=yarn: YaRN finds the dimensions to "
+                "stretch by dividing by ln(rope_theta), which is 0 at 1 (and turns the frequencies' order round "
+                "below it). Expected the model's base, greater than 1 (10000, 500000, 1000000). Fix: e.g. "
+                "model.rope_theta=10000, as the model's Hugging Face config.json says."
             )
         if not self.head_dim and self.d_model % self.heads:
             raise ConfigError(

@@ -80,6 +80,7 @@ class GRPOConfig:
                 "grpo.clip_eps=0.2 grpo.beta=0.04.")
 
 
+MAX_TIMEOUT_S = 86400.0
 BUILT_IN_REWARDS = ("number_match", "exact_match", "format")  # post/rewards.py's verifiers
 USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # module.path:function
 
@@ -94,6 +95,9 @@ class RewardConfig:
     weights: str = ""  # comma-separated floats, one per function; empty: 1 each
     answer_field: str = "answer"  # number_match / exact_match: the prompt record's field holding the answer
     format_pattern: str = ""  # format: a regular expression the completion must match (re.search) for reward 1
+    # module:function rewards run in a worker process (post/reward_worker.py); a call past this many seconds stops
+    # the run (exit 2) instead of stalling it
+    timeout_s: float = 30.0
 
     @property
     def function_specs(self) -> tuple[str, ...]:
@@ -131,6 +135,10 @@ class RewardConfig:
                               f"{', '.join(names)}), so their metrics rewards/<name>/* would collide. Fix: list each "
                               "function once (weigh one more with reward.weights), or rename one of them.")
         self._check_weights(len(specs))
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"reward.timeout_s={self.timeout_s:g} is out of range: a reward function's time limit "
+                              f"per call is more than 0 and at most {MAX_TIMEOUT_S:g} seconds (a day). Fix: e.g. "
+                              "reward.timeout_s=30.")
         self._check_format("format" in specs)
         if {"number_match", "exact_match"} & set(specs) and not self.answer_field:
             raise ConfigError("reward.answer_field is empty, but number_match and exact_match compare the completion "

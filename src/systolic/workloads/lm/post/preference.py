@@ -45,6 +45,7 @@ from systolic.data import corpus, packed, sft
 from systolic.data.tokenizer import Tokenizer
 from systolic.data.chat import LazyTemplate
 from systolic.errors import UserError
+from systolic.safe_json import json_kind
 
 FIELDS = ("prompt", "chosen", "rejected")
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "sequence", "pair_ids")  # each int32 (B, seq_len)
@@ -185,19 +186,27 @@ class _PairEncoder:
             empty = next((f for f, v in zip(FIELDS, values, strict=True) if not v.strip()), None)
             if empty:
                 raise _bad_pair(where, f"has an empty `{empty}`")
-            return self._text(*values)
+            return self._text(*values, where)
+        # The prompt's form (text or messages) is the pair's: the field that breaks it is the one named.
+        text = isinstance(values[0], str)
         for field, value in zip(FIELDS, values, strict=True):
-            if not (isinstance(value, list) and value and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)):
+            if text and not isinstance(value, str):
+                raise _bad_pair(where, f"has a `{field}` that is a JSON {json_kind(value)} ({value!r:.40}), but its "
+                                "`prompt` is a string, so `chosen` and `rejected` must be non-empty strings too")
+            if not text and not _is_messages(value):
                 raise _bad_pair(where, f"has a `{field}` that is neither a non-empty string (as the other fields "
                                 "must then be) nor a non-empty list of chat messages with a string `role`")
         return self._conversation(*values, where)
 
-    def _text(self, prompt: str, chosen: str, rejected: str) -> tuple[Pair, int]:
+    def _text(self, prompt: str, chosen: str, rejected: str, where: str) -> tuple[Pair, int]:
         tok = self.tokenizer
         eot = np.array([tok.eot_id], tok.dtype)
-        head = tok.encode(prompt)
-        return self._split(head, [np.concatenate([tok.encode(prompt + c), eot]) for c in (chosen, rejected)])
+        try:
+            head = tok.encode(prompt)
+            whole = [np.concatenate([tok.encode(prompt + c), eot]) for c in (chosen, rejected)]
+        except UserError as error:  # text that is not Unicode (a lone surrogate from a JSON escape): say where
+            raise UserError(f"{where}: {error}") from None
+        return self._split(head, whole)
 
     def _conversation(self, prompt: list, chosen: list, rejected: list, where: str) -> tuple[Pair, int]:
         template = self.template(where)
@@ -220,6 +229,11 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
 
 
 def _bad_pair(where: str, problem: str) -> UserError:

@@ -20,21 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import inspect
+import json
 import math
 import numbers
 import os
 import re
+import signal
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
 from typing import Any
 
 import numpy as np
 
+from systolic.data.template_sandbox import WorkerProcess
 from systolic.errors import ConfigError, UserError
-from systolic.workloads.lm.post.config import RewardConfig
+from systolic.workloads.lm.post import reward_worker
+from systolic.workloads.lm.post.config import BUILT_IN_REWARDS, RewardConfig
 
 RewardFn = Callable[[str, str, dict], Any]
 # A number not glued to a digit or a point before it (so "3-5" ends in 5, not -5): thousands-separated or plain
@@ -42,6 +45,8 @@ RewardFn = Callable[[str, str, dict], Any]
 NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # torch.isclose(std, 0)'s tolerance, with which TRL counts a group as having zero spread.
 ZERO_STD_ATOL = 1e-8
+# A user's reward module's import (torch alone takes seconds): its own deadline, or reward.timeout_s if longer.
+IMPORT_TIMEOUT_S = 120.0
 
 
 # BUILT-IN VERIFIERS -------------------------------------------------------------------------------------------
@@ -109,106 +114,164 @@ def format_match(prompt: str, completion: str, fields: dict, *, pattern: re.Patt
 # THE USER'S FUNCTIONS -----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _working_directory_importable() -> Iterator[None]:
-    """The working directory on sys.path while a user's module is imported (as `python -m` would have it), removed
-    again after so it shadows no other import."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(cwd)
+class UserRewards:
+    """The user's functions (`module:function` specs), imported and called in a worker process (reward_worker.py:
+    why a process) that is started here and again after it was stopped. Every failure is a ConfigError (at import)
+    or a UserError (on a record) in one paragraph; the worker's own failure never reaches this process."""
+
+    def __init__(self, specs: Sequence[str], timeout_s: float):
+        self.specs, self.timeout_s = tuple(specs), timeout_s
+        # `python -c`: the working directory first on sys.path (as `python -m` has it), not the worker's own folder.
+        self._worker = WorkerProcess(
+            [sys.executable, "-c", f"import runpy; runpy.run_path({reward_worker.__file__!r}, run_name='__main__')"])
+        weakref.finalize(self, self._worker.stop)
+        self._load()
+
+    def scores(self, calls: list[tuple[int, str, str, dict]], names: Sequence[str],
+               where: Sequence[str]) -> Iterator[Any]:
+        """Each call's value (function index into `specs`, prompt, completion, record), in order; `names[i]` and
+        `where[i]` name call i's function and record in errors. A value is checked by the caller."""
+        if not self._worker.running:  # stopped after a failure: a fresh worker imports the functions again
+            self._load()
+        self._worker.send({"calls": calls})
+        for i in range(len(calls)):
+            answer = self._receive(f"while the reward function {names[i]} scored {where[i]}", self.timeout_s)
+            if "value" in answer:
+                yield answer["value"]
+                continue
+            self._worker.stop()  # the rest of the batch's answers are not read: the next request starts afresh
+            fix = f"Fix: make {names[i]} return a finite float for every completion (try it on that record's prompt)."
+            if "raised" in answer:
+                raise UserError(f"The reward function {names[i]} raised {answer['raised']} on {where[i]}. {fix}")
+            raise UserError(f"The reward function {names[i]} returned {answer['returned']} on {where[i]}, not a "
+                            f"number. {fix}")
+
+    def _load(self) -> None:
+        self._worker.send({"load": list(self.specs)})
+        answer = self._receive("while importing the reward functions", max(IMPORT_TIMEOUT_S, self.timeout_s),
+                               config=True)
+        if "problem" in answer:
+            self._worker.stop()
+            raise _unusable(answer)
+
+    def _receive(self, doing: str, timeout_s: float, *, config: bool = False) -> dict[str, Any]:
+        """The worker's next answer; a UserError (ConfigError with `config`) when it ends or is late."""
+        line = self._worker.receive(timeout_s)
+        error = ConfigError if config else UserError
+        if line is None:
+            raise error(f"The process running the reward functions {', '.join(self.specs)} did not answer within "
+                        f"{timeout_s:g} s {doing}, so it was stopped: a function that never returns (or runs that "
+                        "long) would stall the run. Fix: make it return sooner, or raise the limit per call with "
+                        f"reward.timeout_s (now {self.timeout_s:g}).")
+        if not line:
+            raise error(f"The process running the reward functions {', '.join(self.specs)} ended {doing} (exit "
+                        f"status {_status(self._worker.exit_status)}): the function's own code ended or crashed it "
+                        "(os._exit, a crash in a C extension). Nothing of the run was changed by it. Fix: run the "
+                        "function on that record by hand (`python -c 'import module; print(module.function(prompt, "
+                        "completion, fields))'`) and make it return a float.")
+        return json.loads(line)
 
 
-def load_function(spec: str) -> RewardFn:
-    """Imports a user's reward function `module:function`; a ConfigError saying how to fix it when that fails."""
+def _status(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code}, signal {signal.Signals(-code).name}"
+    return str(code)
+
+
+def _unusable(answer: dict[str, Any]) -> ConfigError:
+    """The ConfigError for the worker's `problem` with a user function's spec."""
+    spec = answer["spec"]
     module_name, _, attr = spec.partition(":")
     expected = (f"Expected {module_name}.py (importable from the working directory {os.getcwd()} or from PYTHONPATH) "
                 f"defining {attr}(prompt: str, completion: str, fields: dict) -> float.")
-    try:
-        with _working_directory_importable():
-            module = importlib.import_module(module_name)
-    except Exception as e:  # a missing module, or any error its own code raises on import
-        raise ConfigError(f"reward.functions names {spec}, but importing {module_name} failed ({type(e).__name__}: "
-                          f"{e}). {expected} Fix: run systolic from the folder that holds {module_name}.py, or add "
-                          "that folder to PYTHONPATH.") from e
-    if not hasattr(module, attr):
-        raise ConfigError(f"reward.functions names {spec}, but {module_name} ({module.__file__}) has no attribute "
-                          f"'{attr}'. {expected} Fix: correct the name after the colon.")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise ConfigError(f"reward.functions names {spec}, but {module_name}.{attr} is {type(fn).__name__} "
-                          f"{fn!r:.40}, not a function. {expected} Fix: name the function itself.")
-    with contextlib.suppress(TypeError, ValueError):  # callables without a readable signature are called as they are
-        signature = inspect.signature(fn)
-        try:
-            signature.bind("prompt", "completion", {})
-        except TypeError as e:
-            raise ConfigError(f"reward.functions names {spec}, whose signature {attr}{signature} cannot be called as "
-                              f"{attr}(prompt, completion, fields) ({e}). {expected} Fix: give it those three "
-                              "positional parameters.") from e
-    return fn
+    problem, detail = answer["problem"], answer.get("detail")
+    if problem == "import":
+        return ConfigError(f"reward.functions names {spec}, but importing {module_name} failed ({detail}). {expected} "
+                           f"Fix: run systolic from the folder that holds {module_name}.py, or add that folder to "
+                           "PYTHONPATH (and let its code import without exiting).")
+    if problem == "missing":
+        return ConfigError(f"reward.functions names {spec}, but {module_name} ({answer['file']}) has no attribute "
+                           f"'{attr}'. {expected} Fix: correct the name after the colon.")
+    if problem == "not_callable":
+        return ConfigError(f"reward.functions names {spec}, but {module_name}.{attr} is {detail}, not a function. "
+                           f"{expected} Fix: name the function itself.")
+    return ConfigError(f"reward.functions names {spec}, whose signature {detail} cannot be called as "
+                       f"{attr}(prompt, completion, fields). {expected} Fix: give it those three positional "
+                       "parameters.")
 
 
 # SCORING ------------------------------------------------------------------------------------------------------
 
 
 class Rewards:
-    """The reward section's functions, built once (user modules imported, the format pattern compiled): call it
-    before anything is written, so an unimportable function stops the run with a ConfigError."""
+    """The reward section's functions, built once (user modules imported in their worker, the format pattern
+    compiled): call it before anything is written, so an unimportable function stops the run with a ConfigError."""
 
     def __init__(self, cfg: RewardConfig):
         self.names = cfg.names  # metrics: rewards/<name>/mean
         self.weights = np.asarray(cfg.weight_values, np.float32)  # (F,)
-        self._functions = tuple(self._build(spec, cfg) for spec in cfg.function_specs)
+        specs = cfg.function_specs
+        self._builtins = {j: self._built_in(spec, cfg) for j, spec in enumerate(specs) if spec in BUILT_IN_REWARDS}
+        self._users = [j for j in range(len(specs)) if j not in self._builtins]  # columns of the user's functions
+        users = [specs[j] for j in self._users]
+        self._worker = UserRewards(users, cfg.timeout_s) if users else None
 
     @staticmethod
-    def _build(spec: str, cfg: RewardConfig) -> RewardFn:
+    def _built_in(spec: str, cfg: RewardConfig) -> RewardFn:
         if spec in ("number_match", "exact_match"):
             verifier = number_match if spec == "number_match" else exact_match
             return functools.partial(verifier, answer_field=cfg.answer_field)
-        if spec == "format":
-            return functools.partial(format_match, pattern=re.compile(cfg.format_pattern))
-        return load_function(spec)
+        return functools.partial(format_match, pattern=re.compile(cfg.format_pattern))
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], fields: Sequence[dict], *,
               record_ids: Sequence[int | str] | None = None) -> np.ndarray:
         """Each function's reward of each completion, (N, F) float32. `fields[i]` is completion i's prompt record;
-        `record_ids[i]` what errors name it by (its file:line, or by default its index i). A function that raises or
-        returns anything but a finite real number (bools count as 1 and 0) is a UserError naming it and the
-        record."""
+        `record_ids[i]` what errors name it by (its file:line, or by default its index i). A function that raises,
+        exits, crashes, runs past reward.timeout_s or returns anything but a real number finite in float32 (bools
+        count as 1 and 0) is a UserError naming it and the record."""
         assert len(prompts) == len(completions) == len(fields), (len(prompts), len(completions), len(fields))
-        scores = np.zeros((len(completions), len(self._functions)), np.float32)  # (N, F)
+        scores = np.zeros((len(completions), len(self.names)), np.float32)  # (N, F)
+        where = [f"record {i if record_ids is None else record_ids[i]} (prompt {p[:60]!r})"
+                 for i, p in enumerate(prompts)]
         for i, (prompt, completion, record) in enumerate(zip(prompts, completions, fields, strict=True)):
-            where = f"record {i if record_ids is None else record_ids[i]} (prompt {prompt[:60]!r})"
-            for j, fn in enumerate(self._functions):
-                scores[i, j] = self._call(fn, self.names[j], where, prompt, completion, record)
+            for j, fn in self._builtins.items():
+                try:
+                    value = fn(prompt, completion, record)
+                except UserError as e:  # a built-in's complaint about the record, with its own fix
+                    raise UserError(f"The reward {self.names[j]} cannot score {where[i]}: {e}") from e
+                scores[i, j] = value
+        if self._worker is not None:
+            calls, names, places = [], [], []  # completion by completion, each user function in turn
+            for i, (prompt, completion, record) in enumerate(zip(prompts, completions, fields, strict=True)):
+                for k, j in enumerate(self._users):
+                    calls.append((k, prompt, completion, record))
+                    names.append(self.names[j])
+                    places.append(where[i])
+            for n, value in enumerate(self._worker.scores(calls, names, places)):
+                i, k = divmod(n, len(self._users))
+                scores[i, self._users[k]] = _checked(value, names[n], places[n])
         return scores
 
-    @staticmethod
-    def _call(fn: RewardFn, name: str, where: str, prompt: str, completion: str, record: dict) -> float:
-        fix = f"Fix: make {name} return a finite float for every completion (try it on that record's prompt)."
-        try:
-            value = fn(prompt, completion, record)
-        except UserError as e:  # a built-in's complaint about the record, with its own fix
-            raise UserError(f"The reward {name} cannot score {where}: {e}") from e
-        except Exception as e:
-            raise UserError(f"The reward function {name} raised {type(e).__name__}: {e} on {where}. {fix}") from e
-        if not isinstance(value, numbers.Real | np.bool_):
-            raise UserError(f"The reward function {name} returned {type(value).__name__} {value!r:.60} on {where}, "
-                            f"not a number. {fix}")
-        if not math.isfinite(value):
-            raise UserError(f"The reward function {name} returned {value} on {where}; rewards must be finite (a NaN "
-                            f"or infinite reward would poison the group's advantages). {fix}")
-        return float(value)
+    def check_groups(self, totals: np.ndarray, advantages: np.ndarray, group_size: int,
+                     record_ids: Sequence[int | str]) -> None:
+        """A UserError naming the first group whose weighted rewards (N,) or advantages (N,) are not finite in
+        float32: each reward may be finite while their weighted sum, or the squares of the group's spread, are not."""
+        bad = ~(np.isfinite(totals) & np.isfinite(advantages)).reshape(-1, group_size).all(axis=1)  # (N / G,)
+        if bad.any():
+            g = int(np.argmax(bad))
+            group = slice(g * group_size, (g + 1) * group_size)
+            raise UserError(
+                f"The rewards of the group of completions of record {record_ids[g * group_size]} (weighted sums "
+                f"{totals[group].tolist()}) give advantages {advantages[group].tolist()}: their weighted sum, mean or "
+                "spread is past float32's range (about 3.4e38, and its square root 1.8e19 for the spread), so the "
+                "update would be NaN. Fix: keep each reward well within +-1e18 (e.g. rewards in [0, 1]), and "
+                "reward.weights modest.")
 
     def total(self, scores: np.ndarray) -> np.ndarray:
         """scores (N, F) -> each completion's reward (N,) float32: the functions' weighted sum (reward.weights)."""
-        return scores @ self.weights  # (N,)
+        with np.errstate(over="ignore"):  # a sum past float32 is inf, which check_groups reports in its paragraph
+            return scores @ self.weights  # (N,)
 
     def metrics(self, scores: np.ndarray, group_size: int) -> dict[str, float]:
         """TRL's reward metrics of a batch of N completions in N / group_size consecutive groups: rewards/<name>/mean
@@ -229,3 +292,22 @@ class Rewards:
 def _std(x: np.ndarray, axis: int | None = None) -> np.ndarray:
     """The unbiased (n - 1) standard deviation in float32, as TRL's nanstd (every group has at least 2 values)."""
     return np.std(x, axis=axis, ddof=1, dtype=np.float32)
+
+
+def _checked(value: Any, name: str, where: str) -> float:
+    """A user function's returned `value` (a JSON number or boolean) as the float32 it is kept as."""
+    fix = f"Fix: make {name} return a finite float for every completion (try it on that record's prompt)."
+    try:
+        as_float = float(value)
+    except OverflowError:  # an integer past float's range (10**400)
+        raise UserError(f"The reward function {name} returned the integer {str(value)[:20]}... ({len(str(value))} "
+                        f"digits) on {where}, past float's range. {fix}") from None
+    if not math.isfinite(as_float):
+        raise UserError(f"The reward function {name} returned {as_float} on {where}; rewards must be finite (a NaN "
+                        f"or infinite reward would poison the group's advantages). {fix}")
+    with np.errstate(over="ignore"):  # the overflow is the finding, not a warning
+        kept = np.float32(as_float)
+    if not np.isfinite(kept):
+        raise UserError(f"The reward function {name} returned {as_float:g} on {where}, which is finite as a Python "
+                        f"float but past float32's range (about 3.4e38), in which rewards are kept. {fix}")
+    return as_float

@@ -228,7 +228,9 @@ class RolloutStream:
                                              max_tokens=g.max_completion_len)
         scores = parts.rewards.score([p.text for p in prompts], completions.texts, [p.fields for p in prompts],
                                      record_ids=[p.name for p in prompts])  # (B, F)
-        advantages = np.asarray(group_advantages(jnp.asarray(parts.rewards.total(scores)), G, g.scale_rewards))
+        totals = parts.rewards.total(scores)  # (B,)
+        advantages = np.asarray(group_advantages(jnp.asarray(totals), G, g.scale_rewards))
+        parts.rewards.check_groups(totals, advantages, G, [p.name for p in prompts])
         host = make_batch(prompts, completions, advantages, row_len=cfg.data.seq_len + 1, pad_id=parts.pad_id)
         device = parts.place(host)
         if parts.ref_logps is not None:

@@ -54,6 +54,9 @@ from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, l
                                                     pages_first, token_buckets)
 from systolic.workloads.lm.serve.step import MAX_BANNED, MAX_LOGPROBS, RowSampling, make_step
 
+INT32_MAX = 2**31 - 1  # the step's integer arrays (top_k, token ids) are int32
+MAX_SEQS = 1 << 16  # requests one step may hold: far above what a device's memory serves (page tables, sampling)
+MAX_TENSOR = 1 << 12  # devices one model may be split over: a pod's
 KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for the pool, when no budget is given
 
 
@@ -174,6 +177,8 @@ class InferenceEngine:
         run_dir = Path(run_dir)
         command = "systolic serve"
         model = base_config(finished.read_config(run_dir, LMConfig, command).model)
+        check_settings(model, page_size=page_size, max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step,
+                       mesh_tensor=mesh_tensor)
         mesh, rules = tensor_layout(model, mesh_tensor) if mesh_tensor > 1 else (None, None)
         run = load_run(run_dir, command, layout=None if mesh is None else (mesh, rules), quantize=quantize)
         devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
@@ -305,7 +310,8 @@ class InferenceEngine:
             if chunk.samples:
                 request = self._requests[chunk.seq.request_id]
                 p = request.params
-                temperature[r], top_k[r], top_p[r] = p.temperature, p.top_k, p.top_p
+                # A top_k past the vocabulary keeps every id, as 0 does (and fits int32 whatever was checked).
+                temperature[r], top_k[r], top_p[r] = p.temperature, min(p.top_k, self.vocab), p.top_p
                 key[r], draw[r] = request.key, chunk.seq.generated
                 if p.tempered_logprobs and p.temperature > 0:
                     logprob_temperature[r] = p.temperature
@@ -367,11 +373,16 @@ class InferenceEngine:
             raise UserError(f"Request {request_id!r} was refused: {problem}.")
 
     def _check_sampling(self, params: SamplingParams, prompt_len: int) -> str | None:
-        """What is wrong with the sampling settings, or None."""
-        if not (math.isfinite(params.temperature) and params.temperature >= 0 and params.top_k >= 0
-                and math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+        """What is wrong with the sampling settings, or None. Each value is checked as the step's arrays will hold
+        it (RowSampling: float32 and int32): a value that only overflows there would fail the whole batch's step,
+        every request in it, not this one alone."""
+        with np.errstate(over="ignore", under="ignore"):  # the overflow is the finding, not a warning
+            temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)  # 1e39 -> inf, 1e-50 -> 0
+        if not (math.isfinite(params.temperature) and np.isfinite(temperature) and params.temperature >= 0
+                and 0 <= params.top_k <= INT32_MAX and math.isfinite(params.top_p) and 0 < top_p <= 1):
             return (f"temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} are out of range. "
-                    "Fix: temperature >= 0 (0 is greedy), top_k >= 0 (0 keeps every id), 0 < top_p <= 1")
+                    f"Fix: 0 <= temperature <= {float(np.finfo(np.float32).max):.3g} (0 is greedy), 0 <= top_k <= "
+                    f"{INT32_MAX} (0 keeps every id), 0 < top_p <= 1")
         if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
             return (f"seed={params.seed} is not a usable seed (random keys take 32 bits). Fix: a seed from 0 to "
                     f"2**32 - 1 = {MAX_SEED}")
@@ -404,6 +415,35 @@ def _check_sizes(kv_pages: int, page_size: int, max_seqs: int, max_tokens_per_st
             "token, max_seqs >= 1 and max_tokens_per_step >= max_seqs (every running request decodes one token a "
             "step). Fix: e.g. --page-size 16 --max-seqs 16 --max-tokens-per-step 256, and a larger --kv-memory-gib."
         )
+
+
+def check_settings(model: ModelConfig, *, page_size: int, max_seqs: int, max_tokens_per_step: int,
+                   mesh_tensor: int) -> None:
+    """The engine's sizes against the model, before its weights are read or anything is compiled: a step never
+    holds more than max_seqs whole contexts, so more tokens per step would only compile buckets (each a program
+    over that many tokens) that no batch can fill."""
+    context = model.max_seq_len
+    if not 1 <= page_size <= context:
+        raise UserError(f"--page-size {page_size}: a page holds 1 to {context} tokens (the model's context, "
+                        "model.max_seq_len). Fix: e.g. --page-size 16.")
+    if not 1 <= mesh_tensor <= MAX_TENSOR:
+        raise UserError(f"--mesh-tensor {mesh_tensor}: the devices one model is split over, 1 (no split) to "
+                        f"{MAX_TENSOR}. Fix: e.g. --mesh-tensor 1, or the number of devices that share the model.")
+    if not 1 <= max_seqs <= MAX_SEQS:
+        raise UserError(f"--max-seqs {max_seqs}: the requests that generate together, 1 to {MAX_SEQS:,}. Fix: e.g. "
+                        "--max-seqs 16.")
+    most = max_seqs * context
+    if not max_seqs <= max_tokens_per_step <= most:
+        raise UserError(f"--max-tokens-per-step {max_tokens_per_step}: a step holds at least one token of each of "
+                        f"--max-seqs {max_seqs} requests and at most all of their contexts, {max_seqs} x {context} = "
+                        f"{most:,} tokens. Fix: --max-tokens-per-step between {max_seqs} and {most:,}, e.g. 256.")
+    # A lower bound of the largest step's activations, float32 per token: the residual, q, k, v and the MLP's two
+    # hidden halves (a layer's; the step holds one layer's at a time).
+    per_token = 4 * (4 * model.d_model + 2 * model.d_mlp)
+    memory.check_fits(max_tokens_per_step * per_token, jax.devices()[:mesh_tensor],
+                      what=f"A step of --max-tokens-per-step {max_tokens_per_step:,} tokens",
+                      fix="a smaller --max-tokens-per-step (e.g. 256; prompts longer than a step are prefilled in "
+                          "chunks).")
 
 
 def tensor_layout(model: ModelConfig, tensor: int, devices: list[jax.Device] | None = None

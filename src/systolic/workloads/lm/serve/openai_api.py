@@ -23,7 +23,7 @@ import numpy as np
 
 from systolic.config import MAX_SEED
 from systolic.errors import UserError
-from systolic.workloads.lm.serve.engine import SamplingParams, TokenEvent
+from systolic.workloads.lm.serve.engine import INT32_MAX, SamplingParams, TokenEvent
 from systolic.workloads.lm.serve.logprobs import TokenLogprob
 from systolic.workloads.lm.serve.step import MAX_LOGPROBS
 
@@ -46,12 +46,20 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: Mapping[str, str] | None = None):
+        # A request's own text echoed back (a model name, a field) may hold a lone surrogate from a JSON escape,
+        # which has no UTF-8 form: the response could not be written, and the client would get a 500 instead.
+        message, param = _writable(message), None if param is None else _writable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _writable(text: str) -> str:
+    """`text` with every character UTF-8 cannot encode (lone surrogates) written as its escape, e.g. \\ud800."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -167,7 +175,7 @@ def _sampling(fields: _Fields, limit: str, logprobs: bool, top_logprobs: int = 0
     stream = fields.boolean("stream", False)
     options = _stream_options(fields.take("stream_options"), stream)
     top_p = fields.number("top_p", 1.0, minimum=0.0, maximum=1.0)
-    top_k = fields.integer("top_k", 0, minimum=-1)
+    top_k = fields.integer("top_k", 0, minimum=-1, maximum=INT32_MAX)  # the engine's int32 row (past V: every id)
     n = fields.integer("n", 1, minimum=1, maximum=MAX_CHOICES)
     return Sampling(
         max_tokens=fields.integer(limit, None, minimum=minimum_tokens),
@@ -387,7 +395,8 @@ def _message(i: int, message: object) -> dict[str, str]:
         raise bad_request(f"{where} has {extra[0]!r}, which this server does not read (it has no tools, audio or "
                           "images): a message is a role, a content and optionally a name. Fix: remove it.",
                           param=f"{where}.{extra[0]}")
-    role = CHAT_ROLES.get(fields.get("role"))
+    role = fields.get("role")
+    role = CHAT_ROLES.get(role) if isinstance(role, str) else None  # a list or an object cannot be looked up
     if role is None:
         raise bad_request(f"{where} has role {_short(fields.get('role'))}; expected one of "
                           f"{', '.join(CHAT_ROLES)}. Fix: use one of those.", param=f"{where}.role")
@@ -427,13 +436,13 @@ def completion_prompt_ids(prompt: str | tuple[int, ...], tokenizer: Tokenizer, *
     vLLM tokenize a prompt. An empty text starts a fresh document (the end-of-document id), as `systolic generate`
     does."""
     if isinstance(prompt, tuple):
-        ids = np.asarray(prompt, np.int64)
-        bad = ids[(ids < 0) | (ids >= tokenizer.vocab_size)]
-        if bad.size:
-            raise bad_request(f"prompt holds the token id {int(bad[0])}, outside the tokenizer's ids 0 to "
+        # Checked as Python ints: an id past int64 (2**63) would overflow NumPy before any range check.
+        bad = next((i for i in prompt if not 0 <= i < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"prompt holds the token id {_short(bad)}, outside the tokenizer's ids 0 to "
                               f"{tokenizer.vocab_size - 1}. Fix: encode the prompt with this model's tokenizer, or "
                               "send text.", param="prompt")
-        return ids.astype(np.int32)
+        return np.asarray(prompt, np.int32)
     try:
         ids = tokenizer.encode_with_specials(prompt, add_special_tokens=add_special_tokens)[0].astype(np.int32)
     except UserError as e:  # text that is not Unicode (a lone surrogate from a JSON escape)
