@@ -58,7 +58,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     resuming = cfg.checkpoint.resume and has_checkpoints(run_dir)
     spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=resuming)
     tokenizer = make_tokenizer(spec)
-    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet)
+    # A finished GRPO run cannot roll out its next batch (RolloutStream.__next__): it goes on as a new run.
+    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet,
+                    further=f"start a new run from this one (init.from={run_dir}) with a new --run-dir")
     built = build_task(cfg, mesh, tokenizer, warn=run.say)
     if jax.process_index() == 0:
         store_in_run(run_dir, spec)
