@@ -97,10 +97,14 @@ def check(cfg: LMConfig) -> None:
             "trains on whole groups of completions (batch_size / group_size prompts). Fix: e.g. "
             f"train.batch_size={max(1, cfg.train.batch_size // g.group_size) * g.group_size}.")
     if g.max_completion_len >= cfg.data.seq_len:
+        # Under init.from the model, and so model.max_seq_len, is the source's: only data.seq_len can grow, up to it.
+        room = cfg.model.max_seq_len > max(cfg.data.seq_len, g.max_completion_len)
+        longer = (f"data.seq_len={cfg.model.max_seq_len} (the model's context), or " if room else
+                  "" if cfg.init.from_ else "data.seq_len and model.max_seq_len higher, or ")
         raise ConfigError(
             f"grpo.max_completion_len={g.max_completion_len} leaves no room for a prompt in a row of data.seq_len="
-            f"{cfg.data.seq_len} tokens (a row holds the prompt and its completion). Fix: raise data.seq_len (and "
-            "model.max_seq_len), or lower grpo.max_completion_len.")
+            f"{cfg.data.seq_len} tokens (a row holds the prompt and its completion). Fix: {longer}"
+            f"grpo.max_completion_len={cfg.data.seq_len // 2} (half the row for the prompt).")
     if cfg.mesh.context > 1 or cfg.mesh.stage > 1:
         raise ConfigError(
             f"objective=grpo with mesh.context={cfg.mesh.context}, mesh.stage={cfg.mesh.stage}: rollouts run on the "
