@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -232,12 +233,17 @@ class InferenceEngine:
                 events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row])))
         return events
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compiles the step for every token bucket (an empty batch: padding writes only the null page), so no
-        request compiles anything."""
-        for size in self.buckets:
-            for reading in page_buckets(size):
-                self._run([], tokens=size, page_tokens=reading)
+        request compiles anything. `progress` hears a line after each program: which of how many, and the time so
+        far (a large model's warm-up takes minutes)."""
+        programs = [(size, reading) for size in self.buckets for reading in page_buckets(size)]
+        start = time.perf_counter()
+        for i, (size, reading) in enumerate(programs, 1):
+            self._run([], tokens=size, page_tokens=reading)
+            if progress is not None:
+                progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {reading} "
+                         f"cached tokens read a sequence); {time.perf_counter() - start:.1f} s")
 
     def _run(self, chunks: list[Chunk], tokens: int | None = None,
              page_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
