@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from systolic.data.corpus import Document, held_out, read_documents, split_documents, split_note, stdlib_dir
+from systolic.data.corpus import (MIN_HELD_OUT_EXAMPLES, Document, held_out, read_documents, split_documents, split_note,
+                                   stdlib_dir)
 from systolic.errors import UserError
 
 
@@ -149,3 +150,15 @@ def test_validation_never_takes_more_than_half_of_the_text_and_the_note_says_why
     even = [Document(name, "x" * 500) for name in names]  # half is not more than half: the hash's split stands
     assert [d.name for d in split_documents(even, 50.0)[1]] == [big] and split_note(even, 50.0) == ""
     assert "the last 5% of notes.txt" in split_note(docs[:1], 5.0)
+
+
+def test_a_held_out_set_is_topped_up_to_its_minimum_where_the_data_allows():
+    """200 pairs at 5%: about 10 by the hash, topped up to 40 (a fifth of 200, under the minimum of 50); 1,000 at 5%:
+    about 50 already. Topping up only adds: every name the hash held out stays held out."""
+    names = [f"pairs.jsonl:{i}" for i in range(1000)]
+    plain = held_out(names[:200], 5.0)
+    topped = held_out(names[:200], 5.0, at_least=MIN_HELD_OUT_EXAMPLES)
+    assert sum(plain) < 20 and sum(topped) == 40
+    assert all(t for p, t in zip(plain, topped) if p)
+    many = held_out(names, 5.0, at_least=MIN_HELD_OUT_EXAMPLES)
+    assert sum(many) >= MIN_HELD_OUT_EXAMPLES and sum(many) < 100

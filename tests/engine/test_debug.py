@@ -168,8 +168,9 @@ def test_debug_through_the_cli_on_the_sharded_lm(tmp_path):
     from tiny import LM_CLI_QUIET, TINY_LM
 
     tiny = [*TINY_LM, *LM_CLI_QUIET]
-    proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *tiny, "train.steps=3", "loop.poison_step=3",
-                           "--debug", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "systolic", "train", "lm", *tiny, "train.steps=3",
+                           "loop.poison_step=3", "--debug", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=900,
                           env=dict(os.environ))
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 3, proc.stderr[-3000:]

@@ -48,7 +48,8 @@ def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: Tokenizer)
     if entry.exists():
         dataset, problem = _open_checked(entry)
         if dataset is not None:
-            return dataset, f"corpus: tokens read from the cache {entry} (not tokenized again)" + _note(docs, val_percent)
+            note = _note(docs, val_percent)
+            return dataset, f"corpus: tokens read from the cache {entry} (not tokenized again)" + note
         # The cache is ours, not the user's data: a damaged entry is made again, not an error.
         shutil.rmtree(entry, ignore_errors=True)
         redone = f"the cached copy failed its check ({problem}) and was prepared again; "

@@ -1,8 +1,9 @@
 """Debug mode (`--debug`, `--no-jit`) and the train step's recompilation report (always on).
 
-`--debug` turns on jax_debug_nans and jax_debug_infs inside the train loop (evaluation included; not around sampling afterwards, whose masks are -inf by design), and runs the train
-step under `checkify` (NaN, out-of-bounds index, integer division by zero): a failed check stops the run with
-`TrainingHalted` (exit code 3) naming the step, the operation and the source line. The train step itself runs
+`--debug` turns on jax_debug_nans and jax_debug_infs inside the train loop (evaluation included; not around
+sampling afterwards, whose masks are -inf by design), and runs the train step under `checkify` (NaN, out-of-bounds
+index, integer division by zero): a failed check stops the run with `TrainingHalted` (exit code 3) naming the step,
+the operation and the source line. The train step itself runs
 with debug_nans off: checkify already reports a NaN there with its operation and line, while debug_nans would
 pre-empt it with an error that names neither. An Inf inside the step is reported by the loop's non-finite guard
 (the step and the first non-finite gradient leaf).

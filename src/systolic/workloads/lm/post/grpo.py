@@ -5,8 +5,8 @@ sampled by the serving engine with the policy's weights of the step before (post
 section's functions (post/rewards.py) and turned into group-relative advantages; grpo.num_iterations steps reuse one
 rollout; a row holds the longest prompt and grpo.max_completion_len (post/rollout.py's row_length), not
 data.seq_len, which only caps it. The loss is TRL's clipped surrogate (post/grpo_loss.py) on the policy's
-log-probabilities at grpo.temperature (post/logps.py), with the k3 KL penalty against the reference policy (init.from; with model.lora its base weights,
-the state's frozen parameters, so no second copy) when grpo.beta > 0.
+log-probabilities at grpo.temperature (post/logps.py), with the k3 KL penalty against the reference policy
+(init.from; with model.lora its base weights, the state's frozen parameters, so no second copy) when grpo.beta > 0.
 
 The train rows carry the rollout's metrics under TRL's names (rewards/<function>/mean and /std, reward, reward_std,
 frac_reward_zero_std, completions/*), the loss's (kl, clip_ratio/*) and the host's timings (time/rollout_s: the

@@ -38,8 +38,8 @@ from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 
 PAGE_SIZE = 16  # tokens per page of the rollout engine's KV cache
 MIN_TOKENS_PER_STEP = 256  # the engine's largest step, in tokens (at least one per sequence)
-# The share of groups with one reward for all their completions above which ("most") a rollout warns: their advantages are
-# 0, so most of the batch teaches nothing.
+# The share of groups with one reward for all their completions above which ("most") a rollout warns: their
+# advantages are 0, so most of the batch teaches nothing.
 MOSTLY_ZERO_STD = 0.5
 
 
