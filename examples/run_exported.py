@@ -9,10 +9,27 @@ the greedy continuation decoded with the KV cache (model.decode.jaxexport), and 
 """
 
 import argparse
+import glob
+import os
+import time
+from importlib import metadata, util
 from pathlib import Path
 
-import jax
-import numpy as np
+
+def only_cpu_can_start() -> bool:
+    """Whether this host can run nothing but the CPU: no TPU device files (/dev/accel*, /dev/vfio/N) and no GPU plugin
+    for jax. libtpu, when installed on such a host, prints warnings about TPU worker hostnames and accelerator types
+    as jax starts, and then jax runs on the CPU anyway."""
+    tpu = glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
+    gpu = list(metadata.entry_points(group="jax_plugins")) or util.find_spec("jax_plugins") is not None
+    return not tpu and not gpu
+
+
+if "JAX_PLATFORMS" not in os.environ and only_cpu_can_start():
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before jax starts: it skips the TPU plugin and its start-up noise
+
+import jax  # noqa: E402  (after JAX_PLATFORMS)
+import numpy as np  # noqa: E402
 
 
 def load(path: Path) -> jax.export.Exported:
@@ -45,12 +62,15 @@ def main() -> None:
     params = dict(np.load(args.model.with_name(args.model.stem + ".params.npz")))  # {name: array}
     decode = load(args.model.with_name(f"{args.model.stem}.decode{args.model.suffix}")) if args.new else None
     results = {}
+    start = time.perf_counter()
     for i, path in enumerate(args.tokens):
         tokens = np.load(path).astype(np.int32)  # (B, T)
         results[f"logits_{i}"] = np.asarray(forward(params, tokens))  # (B, T, V)
         if decode is not None:
             results[f"generated_{i}"], results[f"decode_logits_{i}"] = greedy(decode, params, tokens, args.new)
     np.savez(args.out, **results)
+    arrays = ", ".join(f"{name} {tuple(value.shape)}" for name, value in results.items())
+    print(f"wrote {args.out}: {arrays}; {time.perf_counter() - start:.1f} s on {jax.default_backend()}")
 
 
 if __name__ == "__main__":

@@ -47,3 +47,18 @@ def test_the_parser_is_built_from_declarations_alone():
             "m.split('.')[0] in ('jax', 'flax', 'numpy') or m.endswith('.entry')); assert not leaked, leaked")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_help_lists_every_architecture_that_converts_and_generate_says_its_defaults(capsys):
+    from systolic.workloads.lm.config import SampleConfig
+    from systolic.workloads.lm.hf.architectures import ARCHITECTURES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    assert all(model_type in listed for model_type in ARCHITECTURES) and "(Llama, GPT-2)" not in listed
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+        assert f"(default: the run's sample.{name}, {getattr(SampleConfig(), name)} unless" in text, name

@@ -1,6 +1,7 @@
 """Config loading: recipes + overrides, and the errors users see for bad input."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -120,3 +121,73 @@ def test_an_empty_section_is_its_defaults_or_absent_when_optional():
     assert sim.grid == SimConfig().grid
     rl = config_lib.from_dict(RLConfig, {"workload": "rl", "algo": "ppo", "pqn": None})
     assert rl.pqn is None
+
+
+FIX_PAIR = re.compile(r"[a-z_][\w.]*=\S+")
+
+
+def suggested_fix(message: str) -> list[str]:
+    """The overrides an error's "Fix:" offers first: its first run of consecutive key=value words."""
+    found: list[str] = []
+    for word in message.partition("Fix: ")[2].split():
+        word = word.rstrip(".,;)")
+        if FIX_PAIR.fullmatch(word):
+            found.append(word)
+        elif found:
+            break
+    return found
+
+
+POST = ["data.path=x.jsonl", "init.from=x"]  # the post-training recipes' required settings (read later, not here)
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("lm-tiny", ["train.steps=0"]),
+    ("lm-tiny", ["train.eval_every=0"]),
+    ("lm-tiny", ["checkpoint.keep=0"]),
+    ("lm-tiny", ["model.heads=5"]),
+    ("lm-tiny", ["model.kv_heads=-1"]),
+    ("lm-tiny", ["data.seq_len=4096"]),
+    ("lm-tiny", ["data.val_percent=100"]),
+    ("lm-tiny", ["train.batch_size=10", "train.grad_accum=4"]),
+    ("lm-tiny", ["model.sliding_window=-1"]),
+    ("lm-tiny", ["model.rope_scaling.type=yarn"]),
+    ("lm-tiny", ["model.rope_scaling.high_freq_factor=0.5"]),
+    ("lm-tiny", ["model.family=gpt2", "model.qk_norm=true"]),
+    ("lm-tiny", ["model.rope_local_theta=10000"]),
+    ("lm-tiny", ["model.attn_logit_softcap=50", "model.attention=cudnn"]),
+    ("lm-tiny", ["model.mlp_activation=gelu_tanh", "model.moe.experts=4"]),
+    ("lm-tiny", ["model.attn_logit_softcap=50", "mesh.context=2"]),
+    ("lm-tiny", ["model.moe.experts=4", "model.moe.top_k=8"]),
+    ("lm-tiny", ["model.lora.rank=4", "optim.name=muon"]),
+    ("lm-grpo", [*POST, "train.batch_size=12"]),
+    ("lm-grpo", [*POST, "grpo.max_completion_len=512"]),
+    ("lm-grpo", [*POST, "grpo.max_completion_len=600", "data.seq_len=512", "model.max_seq_len=512"]),
+    ("lm-grpo", [*POST, "grpo.group_size=1"]),
+    ("lm-grpo", [*POST, "grpo.temperature=0"]),
+    ("lm-grpo", [*POST, "grpo.clip_eps=2"]),
+    ("lm-grpo", [*POST, "mesh.context=2"]),
+    ("lm-grpo", [*POST, "reward.functions=format"]),
+    ("lm-grpo", [*POST, "reward.weights=1,2"]),
+    ("lm-grpo", [*POST, "reward.answer_field="]),
+    ("lm-dpo", [*POST, "dpo.beta=0"]),
+    ("lm-dpo", [*POST, "dpo.label_smoothing=0.7"]),
+    ("lm-dpo", [*POST, "dpo.label_smoothing=0.1"]),
+    ("lm-sft", [*POST, "data.packing=concat"]),
+])
+def test_every_fix_a_config_error_offers_works_when_applied(recipe, overrides):
+    """The first key=value fix of each config check's error, appended to the overrides, makes a config that loads
+    (and passes GRPO's checks of the rest of the config). init.from's data.seq_len: test_sft.py."""
+    from systolic.workloads.lm.post import grpo
+
+    def load_checked(extra: list[str]) -> LMConfig:
+        cfg, _ = config_lib.load(LMConfig, recipe, [*overrides, *extra], "lm-tiny", "lm")
+        if cfg.objective == "grpo":
+            grpo.check(cfg)
+        return cfg
+
+    with pytest.raises(ConfigError) as error:
+        load_checked([])
+    fix = suggested_fix(str(error.value))
+    assert fix, f"the error offers no key=value fix: {error.value}"
+    load_checked(fix)

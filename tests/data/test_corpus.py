@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from systolic.data.corpus import Document, read_documents, split_documents, stdlib_dir
+from systolic.data.corpus import (MIN_HELD_OUT_EXAMPLES, Document, held_out, read_documents, split_documents, split_note,
+                                   stdlib_dir)
 from systolic.errors import UserError
 
 
@@ -134,3 +135,30 @@ def test_single_document_is_split_by_characters():
     train, val = split_documents([Document("only", "0123456789" * 10)], 5.0)
     assert train == [Document("only", "0123456789" * 9 + "01234")]
     assert val == [Document("only", "56789")]
+
+
+def test_validation_never_takes_more_than_half_of_the_text_and_the_note_says_why():
+    """Two files, the one the name hash holds out holding 60% of the text: the other one (40%) is held out."""
+    names = ["notes.txt", "diary.txt"]
+    by_hash = held_out(names, 50.0)  # one each side: two documents
+    big, small = names[by_hash.index(True)], names[by_hash.index(False)]
+    docs = [Document(name, "x" * (600 if name == big else 400)) for name in names]
+    train, val = split_documents(docs, 50.0)
+    assert [d.name for d in val] == [small] and [d.name for d in train] == [big]
+    assert split_note(docs, 50.0) == (f"validation: {small}, the shortest document (40% of the text): holding out "
+                                      "documents by name would have taken more than half of the text")
+    even = [Document(name, "x" * 500) for name in names]  # half is not more than half: the hash's split stands
+    assert [d.name for d in split_documents(even, 50.0)[1]] == [big] and split_note(even, 50.0) == ""
+    assert "the last 5% of notes.txt" in split_note(docs[:1], 5.0)
+
+
+def test_a_held_out_set_is_topped_up_to_its_minimum_where_the_data_allows():
+    """200 pairs at 5%: about 10 by the hash, topped up to 40 (a fifth of 200, under the minimum of 50); 1,000 at 5%:
+    about 50 already. Topping up only adds: every name the hash held out stays held out."""
+    names = [f"pairs.jsonl:{i}" for i in range(1000)]
+    plain = held_out(names[:200], 5.0)
+    topped = held_out(names[:200], 5.0, at_least=MIN_HELD_OUT_EXAMPLES)
+    assert sum(plain) < 20 and sum(topped) == 40
+    assert all(t for p, t in zip(plain, topped) if p)
+    many = held_out(names, 5.0, at_least=MIN_HELD_OUT_EXAMPLES)
+    assert sum(many) >= MIN_HELD_OUT_EXAMPLES and sum(many) < 100

@@ -122,8 +122,11 @@ def test_eval_batches_are_fixed_and_spread_evenly():
         [0, 1, 2],
         [3, 4, 5],
     ]
-    with pytest.raises(UserError, match="validation split is too small.*data.val_percent"):
-        make_eval_batches(_tokens(2), seq_len=SEQ, batch=3, num_batches=1)
+    # Fewer windows than one batch: one batch of overlapping windows from the first token to the last window's.
+    (short,) = make_eval_batches(_tokens(2), seq_len=SEQ, batch=3, num_batches=1)
+    assert short["inputs"][:, 0].tolist() == [0, 2, 4] and short["targets"][-1, -1] == 8
+    with pytest.raises(UserError, match="validation split is too small.*fewer than one window.*data.val_percent"):
+        make_eval_batches(_tokens(0, extra=SEQ), seq_len=SEQ, batch=3, num_batches=1)
 
 
 def test_unigram_cross_entropy_by_hand():

@@ -31,7 +31,8 @@ from systolic.data.prepared import SPLITS, PreparedDataset
 from systolic.data.tokenizer import Tokenizer
 from systolic.errors import UserError
 
-FORMAT_VERSION = 1  # raise when what is written, or how the key is made, changes: old entries are then never read
+FORMAT_VERSION = 2  # raise when what is written, or how the key is made, changes: old entries are then never read
+# 2: corpus.split_documents never holds out more than half of the text
 FIELD = "text"  # the field of .jsonl rows and the column of .parquet files that read_documents takes
 
 
@@ -47,7 +48,8 @@ def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: Tokenizer)
     if entry.exists():
         dataset, problem = _open_checked(entry)
         if dataset is not None:
-            return dataset, f"corpus: tokens read from the cache {entry} (not tokenized again)"
+            note = _note(docs, val_percent)
+            return dataset, f"corpus: tokens read from the cache {entry} (not tokenized again)" + note
         # The cache is ours, not the user's data: a damaged entry is made again, not an error.
         shutil.rmtree(entry, ignore_errors=True)
         redone = f"the cached copy failed its check ({problem}) and was prepared again; "
@@ -61,7 +63,12 @@ def load(path: str, *, max_bytes: int, val_percent: float, tokenizer: Tokenizer)
             f"The cache entry {entry}, just written, fails its check ({problem}): the disk under the cache loses "
             f"writes. Fix: set SYSTOLIC_CACHE to a folder on another disk, or remove {entry} and run again."
         )
-    return dataset, f"corpus: {redone}tokenized in {seconds:.2f} s and cached in {entry}"
+    return dataset, f"corpus: {redone}tokenized in {seconds:.2f} s and cached in {entry}" + _note(docs, val_percent)
+
+
+def _note(docs: Sequence[Document], val_percent: float) -> str:
+    note = corpus.split_note(docs, val_percent)
+    return f"\n{note}" if note else ""
 
 
 def corpus_key(docs: Sequence[Document], *, max_bytes: int, val_percent: float, tokenizer_sha256: str) -> str:

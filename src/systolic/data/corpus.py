@@ -295,7 +295,8 @@ def _bad_row(file: Path, number: int, problem: str, unit: str = "line", field: s
 
 
 def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[Document], list[Document]]:
-    """Splits by a stable hash of each name; both halves are non-empty.
+    """Splits by a stable hash of each name; both halves are non-empty, and validation never holds more than half of
+    the text (a few documents of unequal size: the shortest is held out instead, `split_note` says so).
 
     A single document is cut instead: the last `val_percent` of its characters go to validation.
     """
@@ -308,23 +309,64 @@ def split_documents(docs: Sequence[Document], val_percent: float) -> tuple[list[
             )
         cut = min(max(round(len(doc.text) * (1 - val_percent / 100)), 1), len(doc.text) - 1)
         return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
-    is_val = held_out([doc.name for doc in docs], val_percent)
+    is_val = _held_out_at_most_half(docs, val_percent)
     train = [doc for doc, val in zip(docs, is_val, strict=True) if not val]
     val = [doc for doc, val in zip(docs, is_val, strict=True) if val]
     return train, val
 
 
-def held_out(names: Sequence[str], val_percent: float) -> list[bool]:
+def _held_out_at_most_half(docs: Sequence[Document], val_percent: float) -> list[bool]:
+    """`held_out` by name, unless that holds out more than half of the text: then the shortest document alone (a
+    2-file folder must not validate on most of its tokens and train on the rest)."""
+    is_val = held_out([doc.name for doc in docs], val_percent)
+    if 2 * sum(len(doc.text) for doc, val in zip(docs, is_val) if val) <= sum(len(doc.text) for doc in docs):
+        return is_val
+    shortest = min(range(len(docs)), key=lambda i: len(docs[i].text))  # at most half the text: there are 2 or more
+    return [i == shortest for i in range(len(docs))]
+
+
+def split_note(docs: Sequence[Document], val_percent: float) -> str:
+    """The start-up line about a small corpus's split (split_documents), or "" when the hash split by name stood."""
+    if len(docs) == 1:
+        return (f"validation: the last {val_percent:g}% of {docs[0].name} (the corpus is one document, so its tail is "
+                "held out; data.val_percent sets the share)")
+    is_val = _held_out_at_most_half(docs, val_percent)
+    if is_val == held_out([doc.name for doc in docs], val_percent):
+        return ""
+    (name,) = [doc.name for doc, val in zip(docs, is_val) if val]
+    share = len(next(doc.text for doc in docs if doc.name == name)) / sum(len(doc.text) for doc in docs)
+    return (f"validation: {name}, the shortest document ({share:.0%} of the text): holding out documents by name "
+            "would have taken more than half of the text")
+
+
+# The held-out examples an SFT or DPO run evaluates on at least, where the data allows (held_out's at_least): with 10,
+# a preference accuracy moves in steps of 10%.
+MIN_HELD_OUT_EXAMPLES = 50
+MAX_TOPPED_UP_SHARE = 0.2  # ... but a top-up holds out at most this share of the examples
+
+
+def held_out(names: Sequence[str], val_percent: float, at_least: int = 0) -> list[bool]:
     """Which of `names` (two or more) are held out: `is_validation` of each, except that both sides are kept
     non-empty: when none is held out the name nearest to the validation side moves over, when all are, the
-    farthest moves back."""
+    farthest moves back. With `at_least`, fewer held out than that are topped up, nearest first, to at most
+    MAX_TOPPED_UP_SHARE of the names: the same names stay held out whatever the others are."""
     position = [_unit_hash(name) for name in names]
     is_val = [is_validation(name, val_percent) for name in names]
+    wanted = min(at_least, int(len(names) * MAX_TOPPED_UP_SHARE)) - sum(is_val)
+    if wanted > 0:
+        for i in sorted((i for i in range(len(names)) if not is_val[i]), key=position.__getitem__)[:wanted]:
+            is_val[i] = True
     if not any(is_val):
         is_val[min(range(len(names)), key=position.__getitem__)] = True
     elif all(is_val):
         is_val[max(range(len(names)), key=position.__getitem__)] = False
     return is_val
+
+
+def held_out_rule() -> str:
+    """How held_out(..., at_least=MIN_HELD_OUT_EXAMPLES) chose, for the start-up line that gives the sizes."""
+    return (f"held out by name: data.val_percent, topped up to {MIN_HELD_OUT_EXAMPLES} where that leaves "
+            f"{1 - MAX_TOPPED_UP_SHARE:.0%} to train on")
 
 
 def is_validation(name: str, val_percent: float) -> bool:

@@ -61,7 +61,8 @@ class ChatCorpus:
         """One line for the start of a run."""
         dropped = "".join(f", {n:,} {what}" for n, what in ((self.truncated, "cut to a row"),
                                                            (self.skipped, "skipped without an assistant message")) if n)
-        return (f"{self.examples[0]:,} train / {self.examples[1]:,} validation examples{dropped}, packed into "
+        return (f"{self.examples[0]:,} train / {self.examples[1]:,} validation examples ({corpus.held_out_rule()})"
+                f"{dropped}, packed into "
                 f"{len(self.train):,} / {len(self.val):,} rows of {self.train.row_len} tokens; "
                 f"{self.learn_tokens[0]:,} / {self.learn_tokens[1]:,} of their {self.tokens[0]:,} / {self.tokens[1]:,} "
                 "tokens to learn")
@@ -118,7 +119,7 @@ def _load(path: str, tokenizer: Tokenizer, *, seq_len: int, val_percent: float) 
     if encoder.skipped:
         warnings.warn(f"skipped {encoder.skipped} conversation(s) without an assistant message (e.g. "
                       f"{encoder.first_skipped}): they have no tokens to learn.", stacklevel=2)
-    is_val = corpus.held_out(names, val_percent)
+    is_val = corpus.held_out(names, val_percent, at_least=corpus.MIN_HELD_OUT_EXAMPLES)
     splits = [[e for e, v in zip(examples, is_val, strict=True) if v == held] for held in (False, True)]
     # An example's first token is never learnt (data/packed.py): count what the loss will see.
     learn_tokens = tuple(sum(int(learn[1:].sum()) for _, learn in split) for split in splits)

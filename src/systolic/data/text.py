@@ -255,14 +255,20 @@ def _mix_seed(seed: int) -> int:
 def make_eval_batches(tokens: Tokens, *, seq_len: int, batch: int, num_batches: int,
                       eot_id: int | None = None) -> list[dict[str, np.ndarray]]:
     """Fixed eval batches: whole batches of windows spread evenly over `tokens`, at most `batch * num_batches`,
-    with the keys that `make_train_iterator` gives for the same `eot_id`."""
+    with the keys that `make_train_iterator` gives for the same `eot_id`. Validation text shorter than one batch of
+    windows but longer than one window (a small corpus's held-out part) gives one batch of overlapping windows."""
     windows = TokenWindows(tokens, seq_len)
     if len(windows) < batch:
-        raise UserError(
-            f"The validation split is too small: {len(tokens)} tokens give {len(windows)} windows of data.seq_len="
-            f"{seq_len}, fewer than one eval batch of {batch}. Fix: lower data.seq_len or train.batch_size, or "
-            "raise data.val_percent (or data.max_bytes)."
-        )
+        if len(windows) == 0:
+            raise UserError(
+                f"The validation split is too small: {len(tokens)} tokens, fewer than one window of data.seq_len + 1 = "
+                f"{seq_len + 1}, so nothing can be evaluated. Fix: lower data.seq_len, or raise data.val_percent (or "
+                "data.max_bytes), or add text."
+            )
+        # Evaluating every held-out token, some in two windows, beats refusing a small corpus: the windows' starts
+        # are spread evenly from the first token to the last full window's.
+        starts = np.arange(batch) * (len(tokens) - seq_len - 1) // (batch - 1) if batch > 1 else np.zeros(1, int)
+        return [_as_batch(np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)]), eot_id)]  # (batch, T + 1)
     used = min(len(windows), batch * num_batches) // batch * batch
     chosen = np.arange(used) * len(windows) // used  # distinct, evenly spaced, first window always included
     return [_as_batch(windows[chosen[i : i + batch]], eot_id) for i in range(0, used, batch)]

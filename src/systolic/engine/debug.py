@@ -1,9 +1,9 @@
 """Debug mode (`--debug`, `--no-jit`) and the train step's recompilation report (always on).
 
-`--debug` turns on jax_explain_cache_misses for the whole run, jax_debug_nans and jax_debug_infs inside the train
-loop (evaluation included; not around sampling afterwards, whose masks are -inf by design), and runs the train
-step under `checkify` (NaN, out-of-bounds index, integer division by zero): a failed check stops the run with
-`TrainingHalted` (exit code 3) naming the step, the operation and the source line. The train step itself runs
+`--debug` turns on jax_debug_nans and jax_debug_infs inside the train loop (evaluation included; not around
+sampling afterwards, whose masks are -inf by design), and runs the train step under `checkify` (NaN, out-of-bounds
+index, integer division by zero): a failed check stops the run with `TrainingHalted` (exit code 3) naming the step,
+the operation and the source line. The train step itself runs
 with debug_nans off: checkify already reports a NaN there with its operation and line, while debug_nans would
 pre-empt it with an error that names neither. An Inf inside the step is reported by the loop's non-finite guard
 (the step and the first non-finite gradient leaf).
@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.errors import TrainingHalted
 from systolic.runtime.cpu_tuning import cpu_compiler_options
@@ -53,8 +54,8 @@ def current() -> DebugMode:
 def debug_mode(*, checks: bool = False, jit: bool = True) -> Iterator[None]:
     """Makes a debug mode current, with the jax settings it implies, for the duration of a run."""
     with contextlib.ExitStack() as stack:
-        if checks:
-            stack.enter_context(jax.explain_cache_misses(True))
+        # Not jax_explain_cache_misses: at start-up every program misses, which buried the run's own lines under
+        # JAX's (JAX_EXPLAIN_CACHE_MISSES=1 asks for them); the recompilation report names what a miss costs.
         if not jit:
             stack.enter_context(jax.disable_jit())
         token = _MODE.set(DebugMode(checks=checks, jit=jit))
@@ -90,13 +91,11 @@ class CheckedStep:
         _work_around_batched_scatter_check()
         self.train_step = train_step
         self.instrumented: bool | None = None  # known after the first call
-        # Not donated: debug mode holds two copies of the state, so a failed step leaves its input readable. The
-        # checks triple the program; XLA:CPU at optimisation level 0 compiles it in about half the time
-        # (docs/benchmarks.md, "CPU tuning choices"), and debug runs are not about speed.
-        self.jitted = jax.jit(checkify.checkify(train_step, errors=CHECKS), compiler_options=cpu_compiler_options(0))
+        self.jitted: Any = None  # made on the first call, for the state's shardings
 
     def __call__(self, state: Any, batch: Any, step: int) -> tuple[Any, Any]:
         if self.instrumented is None:
+            self.jitted = self._make_jitted(jax.tree.map(lambda x: x.sharding, state))
             self.instrumented = self._instrument(state, batch)
         if not self.instrumented:
             return self._plain(state, batch)
@@ -110,6 +109,18 @@ class CheckedStep:
                 "there stops in pdb); docs/debugging.md explains the report. Rerun the same command to resume."
             )
         return out
+
+    def _make_jitted(self, shardings: Any) -> Any:
+        """The checkified step, its new state laid out as its input was (`shardings`), as jit_step's plain step
+        does: without that, XLA returns parameters with other shardings, and the second step, given them,
+        compiles again (a recompilation a run without --debug does not have). Not donated: debug mode holds two
+        copies of the state, so a failed step leaves its input readable. The checks triple the program; XLA:CPU at
+        optimisation level 0 compiles it in about half the time (docs/benchmarks.md, "CPU tuning choices"), and
+        debug runs are not about speed."""
+        first = jax.tree.leaves(shardings)[0]
+        replicated = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
+        return jax.jit(checkify.checkify(self.train_step, errors=CHECKS), out_shardings=(replicated, (shardings,
+                       replicated)), compiler_options=cpu_compiler_options(0))
 
     def _plain(self, state: Any, batch: Any) -> tuple[Any, Any]:
         saved = jax.tree.map(jnp.copy, state)  # the step donates its input; a failed step is re-run from this copy

@@ -101,6 +101,9 @@ class Task:
     # the same values), or what the task's data stream recorded for it (lm GRPO's rollout rewards and timings).
     step_metrics: Callable[[int], dict[str, float]] | None = None
     notes: tuple[str, ...] = ()  # lines `systolic bench` prints under its table (an lm pipeline's schedule and bubble)
+    # What the first-step line adds: work done for the first step before it that the step's time does not include
+    # (lm GRPO: the rollout it trains on). "" or None: nothing.
+    first_step_note: Callable[[], str | None] | None = None
     hooks: list[Hook] = dataclasses.field(default_factory=list)  # in the order they run; see add_hook
 
     def add_hook(self, fn: Callable[[int, TrainState], None], every: int = 1) -> None:
@@ -226,9 +229,9 @@ def _run_steps(task: Task, settings: LoopSettings, state: TrainState, start: int
         step += 1
         state, metrics = stepper(state, step)
         window.add(step, metrics)
-        _run_hooks(task.hooks, step, state)
-        if step == start + 1:
+        if step == start + 1:  # before the hooks: what they do after the step (a rollout) is not the step's time
             window.first_step_done(step, state)
+        _run_hooks(task.hooks, step, state)
         # Stop and timed-checkpoint decisions must be the same on every process (each one's save and next step
         # are collective); with several processes they are agreed on at log steps only.
         regular_log = step % settings.observe.log_every == 0 or step == stop
@@ -337,7 +340,8 @@ class _MetricsWindow:
         jax.block_until_ready(state)
         self.compile_s = time.perf_counter() - self.t_mark
         self.restart_clock(step)
-        self.progress.log(f"first step (compile + run) took {self.compile_s:.1f} s")
+        note = self.task.first_step_note() if self.task.first_step_note is not None else None
+        self.progress.log(f"first step (compile + run) took {self.compile_s:.1f} s" + (f"; {note}" if note else ""))
         self.progress.restart_clock(step)
 
     def flush(self, step: int) -> None:

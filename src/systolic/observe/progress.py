@@ -70,6 +70,8 @@ def _format(key: str, value: float | str) -> str:
         return f"{value:,.0f} {key}"
     if key == "mfu":
         return f"MFU {100 * value:.1f}%"
+    if key.startswith("frac_"):  # a share: frac_reward_zero_std 100%
+        return f"{key} {value:.0%}"
     if key == "lr":
         return f"lr {value:.2e}"
     return f"{key} {value:.4f}"

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 
+from systolic.observe.heartbeat import heartbeat
 from systolic.plan import hlo_collectives
 from systolic.plan import hlo_text
 from systolic.plan.targets import CALIBRATIONS, PRICES_DATED, Target
@@ -206,11 +207,14 @@ def for_target(target: Target) -> Iterator[None]:
         yield
 
 
-def compile_lowered(lowered: Any, target: Target) -> tuple[Any, str | None]:
-    """(the compiled program, None), or (None, the compiler's message) for a compile-time out-of-memory."""
+def compile_lowered(lowered: Any, target: Target,
+                    progress: Callable[[str], None] = lambda _: None) -> tuple[Any, str | None]:
+    """(the compiled program, None), or (None, the compiler's message) for a compile-time out-of-memory; `progress`
+    hears how long the compile has run, every observe.heartbeat.EVERY_S seconds."""
     tpu = target.chip.platform == "tpu"
     try:
-        with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu):
+        with _quiet_stderr() if tpu else contextlib.nullcontext(), _no_persistent_cache(tpu), \
+                heartbeat(progress, f"plan: still compiling with {target.compiler}"):
             return lowered.compile(), None
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -235,7 +239,7 @@ def plan_step(workload: str, plan_fn: Callable[[Any, list[Any]], StepProgram], c
             return refused(workload, target, mesh, e, compile_s=time.perf_counter() - start)
         progress(f"plan: compiling it ({program.params / 1e6:,.1f}M parameters) with {target.compiler}; a billion "
                  "parameters take a few minutes on a small host")
-        compiled, out_of_memory = compile_lowered(program.lowered, target)
+        compiled, out_of_memory = compile_lowered(program.lowered, target, progress)
     compile_s = time.perf_counter() - start
     progress(f"plan: compiled in {compile_s:,.1f} s" + ("" if compiled is not None else ": it does not fit"))
     chip = target.chip

@@ -202,7 +202,7 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     say(f"  compiling {what} for {target.name} ...")  # minutes for a large model: not a hang
     lowered = m.lower_step(n, prefill_tokens, compiled_pages)
     start = time.perf_counter()
-    compiled, out_of_memory = compile_lowered(lowered, target)
+    compiled, out_of_memory = compile_lowered(lowered, target, say)
     seconds = time.perf_counter() - start
     page_bytes = m.page_size * m.kv_bytes_per_token / m.kv_split
     pool = int(pages * page_bytes)

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tiny import TINY_LM, call
-from tiny_hf import CHATML, CONVERSATION, chats, make_hf_model, save_chat_tokenizer
+from tiny_hf import CAPITALS, CHATML, CONVERSATION, chats, make_hf_model, save_chat_tokenizer
 
 from systolic.data import packed, sft
 from systolic.data.tokenizer import ByteTokenizer, make_tokenizer
@@ -300,3 +300,26 @@ def test_long_examples_are_cut_to_a_row_and_counted(tokenizer_dir, tmp_path):
     assert data.truncated == 2 and data.train.row_len == data.val.row_len == 97
     whole = len(find_chat_template(make_tokenizer(str(tokenizer_dir))).encode(CONVERSATION))
     assert whole < 97 and sum(data.tokens) == whole + 2 * 97, "the conversation whole, the others cut to a row"
+
+
+@pytest.mark.slow  # two short runs on the imported model
+def test_the_sft_and_dpo_recipes_take_the_imported_models_context(imported, tmp_path):
+    """The recipes' data.seq_len (1,024) is longer than the imported model's 64 positions: unset on the command line,
+    it becomes 64 with a warning that says so, and both recipes train; set there, the error's fix works as given."""
+    data = write_jsonl(tmp_path / "chats.jsonl", chats(60))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{a}:", "chosen": f" {b}.", "rejected": f" {a}."}
+                                                   for a, b in CAPITALS.items()] * 4)
+    quiet = ["train.steps=2", "train.batch_size=8", "train.eval_batches=1", "sample.max_new_tokens=0",
+             "observe.progress=off", "observe.tensorboard=false", "observe.plot=false", "-q"]
+    for recipe, path in (("sft", data), ("dpo", pairs)):
+        run = tmp_path / recipe
+        with pytest.warns(UserWarning, match=rf"data.seq_len set to 64, the context of the model init.from="
+                                             rf"{imported} gives this run .* instead of the recipe's 1024"):
+            code, _, err = call("train", "lm", "--recipe", recipe, f"init.from={imported}", f"data.path={path}",
+                                *quiet, "--run-dir", str(run))
+        assert code == 0, err
+        assert "seq_len: 64" in (run / "config.yaml").read_text() and (run / "checkpoints" / "2").is_dir()
+    asked = ["train", "lm", "--recipe", "sft", f"init.from={imported}", f"data.path={data}", *quiet]
+    code, _, err = call(*asked, "data.seq_len=1024", "--run-dir", str(tmp_path / "asked"))
+    assert code == 2 and "Fix: data.seq_len=64 (or shorter)" in err, err
+    assert call(*asked, "data.seq_len=1024", "data.seq_len=64", "--run-dir", str(tmp_path / "fixed"))[0] == 0

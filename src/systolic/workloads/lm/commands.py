@@ -9,7 +9,8 @@ from pathlib import Path
 from systolic.command import Command, Lazy, arg
 from systolic.errors import UserError
 from systolic.workloads import Workload
-from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.config import LMConfig, SampleConfig
+from systolic.workloads.lm.hf import architectures
 
 ENTRY = "systolic.workloads.lm.entry"
 
@@ -85,18 +86,25 @@ _KV_CACHE = dict(choices=KV_CACHES, default="auto", help="how the KV cache store
                  "model's compute dtype, default) or int8 (a float32 scale per token and head: about half of "
                  "bfloat16's memory, so about twice the tokens fit)")
 
+def _run_default(name: str, meaning: str) -> str:
+    """The help of a generate option that defaults to the run's `sample` setting: what it means and that default."""
+    default = getattr(SampleConfig(), name)
+    return f"{meaning} (default: the run's sample.{name}, {default} unless its recipe or overrides set it)"
+
+
 _GENERATE = Command(
     "generate", help="sample text from a trained lm run directory", run=_generate,
     args=(arg("run_dir", type=Path),
-          arg("--prompt", help="the text to continue; with --chat, the user's message"),
+          arg("--prompt", help="the text to continue; with --chat, the user's message (default: the run's "
+              "sample.prompt; empty: a fresh document)"),
           arg("--chat", action="store_true", help="render --prompt (and --system) with the run's chat template and "
               "print only the assistant's reply"),
           arg("--system", help="with --chat: the system message before the user's"),
-          arg("--max-new-tokens", type=int),
-          arg("--temperature", type=float, help="0 = greedy"),
-          arg("--top-k", type=int, help="0 = off"),
-          arg("--top-p", type=float, help="1.0 = off"),
-          arg("--seed", type=int),
+          arg("--max-new-tokens", type=int, help=_run_default("max_new_tokens", "tokens to add at most")),
+          arg("--temperature", type=float, help=_run_default("temperature", "0 = greedy")),
+          arg("--top-k", type=int, help=_run_default("top_k", "0 = off")),
+          arg("--top-p", type=float, help=_run_default("top_p", "1.0 = off")),
+          arg("--seed", type=int, help=_run_default("seed", "the sampling seed")),
           _QUANTIZE,
           arg("--kv-cache", **_KV_CACHE)))
 
@@ -136,7 +144,7 @@ _TOKENIZER = Command(
               arg("--force", action="store_true", help="replace an existing --out file"))),))
 
 _CONVERT = Command(
-    "convert", help="convert lm weights from or to Hugging Face (Llama, GPT-2)", metavar="DIRECTION",
+    "convert", help=f"convert lm weights from or to Hugging Face ({architectures.help_text()})", metavar="DIRECTION",
     description="Convert between Hugging Face folders (config.json + safetensors) and lm run directories, e.g. "
                 "`systolic convert from-hf ./hf-llama runs/llama`, then `systolic train lm init.from=runs/llama "
                 "data.path=notes/`.",

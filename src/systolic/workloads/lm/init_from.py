@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConf
     tree["model"] = {**config_lib.to_dict(base.model), **{k: tree["model"][k] for k in OWN}}
     if not any(o.startswith("data.tokenizer=") for o in overrides):
         tree["data"]["tokenizer"] = tokenizer
+    tree["data"]["seq_len"] = _fitted_seq_len(cfg, base.model.max_seq_len, overrides)
     resolved = config_lib.from_dict(LMConfig, tree)
     asked = config_lib.from_dict(LMConfig, config_lib.apply_overrides(tree, [o for o in overrides if o.startswith("model.")]))
     conflicts = _differences(asked.model, resolved.model)
@@ -66,6 +68,25 @@ def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConf
             "init.from out to train from scratch."
         )
     return resolved
+
+
+def _fitted_seq_len(cfg: LMConfig, context: int, overrides: list[str]) -> int:
+    """data.seq_len within the source model's context: a recipe's longer rows (SFT's and DPO's 1,024, GRPO's 512) are
+    cut to it, with a warning that says so; a longer data.seq_len on the command line is a ConfigError (the model,
+    and so its context, is the source's)."""
+    seq_len = cfg.data.seq_len
+    if seq_len <= context:
+        return seq_len
+    if any(o.startswith("data.seq_len=") for o in overrides):
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than the context of the model init.from={cfg.init.from_} gives this "
+            f"run (model.max_seq_len={context}), which the model cannot attend beyond; init.from fixes the model, so "
+            f"its context cannot be raised here. Fix: data.seq_len={context} (or shorter), or leave data.seq_len "
+            "out to use the model's context.")
+    warnings.warn(f"data.seq_len set to {context}, the context of the model init.from={cfg.init.from_} gives this "
+                  f"run (model.max_seq_len), instead of the recipe's {seq_len}, which the model cannot attend over. "
+                  "Set data.seq_len on the command line for shorter rows.", stacklevel=2)
+    return context
 
 
 def source_config(source: Path) -> LMConfig:

@@ -26,23 +26,24 @@ if TYPE_CHECKING:
 
 
 def sample_text(tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any, settings: SampleConfig, *,
-                kv_cache: str = "auto") -> str:
+                kv_cache: str = "auto", fit: bool = False) -> str:
     """The continuation of `settings.prompt` (without the prompt), ended by the end-of-document token or another eos
-    id the model declares; the KV cache stores keys and values as `kv_cache` says (serve/kv_pool.py)."""
+    id the model declares; the KV cache stores keys and values as `kv_cache` says (serve/kv_pool.py). With `fit`,
+    at most as many new tokens as the model's context leaves after the prompt (instead of an error)."""
     ids = tokenizer.encode(settings.prompt).astype(np.int32)
     if len(ids) == 0:
         ids = np.array([tokenizer.eot_id], np.int32)  # an empty prompt starts a fresh document
-    return _continue(graphdef, params, tokenizer, ids, eos_ids(tokenizer), settings, kv_cache)
+    return _continue(graphdef, params, tokenizer, ids, eos_ids(tokenizer), settings, kv_cache, fit)
 
 
 def chat_reply(graphdef: nnx.GraphDef, params: Any, template: ChatTemplate, settings: SampleConfig, *,
-               system: str | None = None, kv_cache: str = "auto") -> str:
+               system: str | None = None, kv_cache: str = "auto", fit: bool = False) -> str:
     """The assistant's reply to the user message `settings.prompt` (after the system message `system`, if any),
     rendered with `template` and ended by its end-of-turn token."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": settings.prompt})
     ids = template.encode(messages, add_generation_prompt=True).astype(np.int32)
-    return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings, kv_cache)
+    return _continue(graphdef, params, template.tokenizer, ids, template.stop_ids, settings, kv_cache, fit)
 
 
 def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.GraphDef, params: Any,
@@ -55,14 +56,15 @@ def say_sample(say: Callable[[str], None], tokenizer: Tokenizer, graphdef: nnx.G
     described = f"temperature {settings.temperature}, top-k {settings.top_k}"
     if template is not None:
         if settings.prompt:
-            say(f"sample reply ({described}) to {settings.prompt!r}:\n{chat_reply(graphdef, params, template, settings)}")
+            reply = chat_reply(graphdef, params, template, settings, fit=True)
+            say(f"sample reply ({described}) to {settings.prompt!r}:\n{reply}")
         return
     if not settings.prompt and held_out is not None:
         # The prompt's share of the context, less one for a start token the encoder may add (Llama's).
         room = nnx.merge(graphdef, params).cfg.max_seq_len - settings.max_new_tokens - 1
         settings = dataclasses.replace(settings, prompt=opening(held_out, tokenizer, max_tokens=max(room, 0)))
         described += ", prompted with the opening of a held-out document"
-    say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings)}")
+    say(f"sample ({described}):\n{settings.prompt}{sample_text(tokenizer, graphdef, params, settings, fit=True)}")
 
 
 def opening(tokens: Any, tokenizer: Tokenizer, max_chars: int = 40, max_tokens: int | None = None) -> str:
@@ -82,12 +84,16 @@ def opening(tokens: Any, tokenizer: Tokenizer, max_chars: int = 40, max_tokens: 
 
 
 def _continue(graphdef: nnx.GraphDef, params: Any, tokenizer: Tokenizer, ids: np.ndarray, stop_ids: tuple[int, ...],
-              settings: SampleConfig, kv_cache: str) -> str:
+              settings: SampleConfig, kv_cache: str, fit: bool = False) -> str:
     """The text that the model adds after the prompt `ids`, up to (not including) the first of `stop_ids`: one
-    request to the inference engine (lm/serve), which samples what `generate` samples with the same seed."""
+    request to the inference engine (lm/serve), which samples what `generate` samples with the same seed. `fit`:
+    sample_text's."""
+    model = nnx.merge(graphdef, params).cfg  # the model's config travels in its graphdef
+    if fit:  # the end-of-training sample: a recipe's sample.max_new_tokens must not fail a run on a short model
+        settings = dataclasses.replace(settings, max_new_tokens=max(0, min(settings.max_new_tokens,
+                                                                            model.max_seq_len - len(ids))))
     if settings.max_new_tokens == 0:
         return ""
-    model = nnx.merge(graphdef, params).cfg  # the model's config travels in its graphdef
     check_room(len(ids), settings.max_new_tokens, model.max_seq_len)  # before the pool is sized by it
     page_size = 16
     pages = -(-(len(ids) + settings.max_new_tokens - 1) // page_size) + 1  # the request's pages and the null page

@@ -50,6 +50,8 @@ def test_dpo_run_writes_trl_metrics_and_resumes_exactly(base, tmp_path):
     code, out, err = call(*dpo_args(base, pairs, tmp_path / "whole"))
     assert code == 0, err
     assert "preference pairs" in out and "preference accuracy" in out, out
+    # 5% of 40 pairs is 2: topped up to a fifth of them (the minimum of 50 where the data allows), and said so.
+    assert "32 train / 8 validation preference pairs (held out by name: data.val_percent, topped up to 50" in out, out
     train, evals = rows(tmp_path / "whole", "train"), rows(tmp_path / "whole", "eval")
     assert TRL_NAMES <= set(train[1]) and sorted(evals) == [3, 6]
     assert set(evals[3]) == {"step", "split", "loss", "rewards/accuracies", "rewards/margins"}

@@ -163,7 +163,8 @@ def test_the_streams_state_is_json_and_restores_the_batch_exactly():
     stream.host, stream.rollouts, stream.served, stream.position = host, 3, 1, 12
     stream.metrics = {"reward": 0.25}
     saved = json.loads(json.dumps(stream.get_state()))
-    other = rollout.RolloutStream(grpo_config(), rollout.StreamParts((), None, None, lambda h: h, None, None, 0))
+    parts = rollout.StreamParts((), None, None, lambda h: h, None, None, 0, row_len=7, warn=print)
+    other = rollout.RolloutStream(grpo_config(), parts)
     other.set_state(saved)
     assert (other.position, other.rollouts, other.served, other.metrics) == (12, 3, 1, {"reward": 0.25})
     for k, v in host.items():
@@ -211,7 +212,7 @@ def test_grpo_settings_that_cannot_work_are_config_errors():
 
 
 def test_rollouts_take_every_prompt_once_an_epoch_in_an_order_fixed_by_the_seed():
-    parts = rollout.StreamParts(tuple(range(5)), None, None, None, None, None, 0)
+    parts = rollout.StreamParts(tuple(range(5)), None, None, None, None, None, 0, row_len=7, warn=print)
     taken = [rollout.RolloutStream(grpo_config(), parts)._next_prompts(3) for _ in range(1)]
     stream = rollout.RolloutStream(grpo_config(), parts)
     drawn = sum((stream._next_prompts(3) for _ in range(5)), [])
@@ -244,3 +245,24 @@ def test_an_moe_policy_adds_its_router_losses_which_train_the_router_when_reward
     # Without the router weights, equal rewards train nothing.
     dense_grads = jax.grad(lambda p: grpo.make_loss_fn(dense_cfg, graphdef, LIMIT)(p, batch, None)[0])(params)
     assert all(float(np.abs(np.asarray(g)).max()) == 0.0 for g in jax.tree.leaves(dense_grads))
+
+
+def test_rows_fit_the_longest_prompt_and_completion_capped_by_data_seq_len():
+    """A 4-token prompt and 10-token completions need 14 tokens: a row of 16 (+ the shifted target), not
+    data.seq_len; a cap below that need gives data.seq_len's row."""
+    group = prompts(8)  # "i+j=" prompts: 4 bytes each
+    assert max(len(p.ids) for p in group) == 4
+    assert rollout.row_length(group, 10, seq_len=512) == 17
+    assert rollout.row_length(group, 60, seq_len=512) == 65
+    assert rollout.row_length(group, 10, seq_len=12) == 13
+
+
+def test_most_groups_without_reward_variance_warn_with_the_fix():
+    cfg = grpo_config()
+    assert rollout.zero_std_warning(cfg, 0.5, identical=0, groups=4, step=1) is None  # half is not most
+    text = rollout.zero_std_warning(cfg, 0.75, identical=2, groups=4, step=3)
+    assert "step 3" in text and "75% of the 4 groups" in text and "2 of them with 4 identical completions" in text
+    assert "grpo.temperature, now 0.7" in text and "grpo.group_size, now 4" in text and "Fix:" in text
+    same = rollout.Completions(ids=tuple(np.array(x, np.int32) for x in ([1, 2], [1, 2], [1, 2], [1, 3])),
+                               logps=(np.zeros(2, np.float32),) * 4, texts=("",) * 4, truncated=np.zeros(4, bool))
+    assert same.identical_groups(2) == 1 and same.identical_groups(4) == 0

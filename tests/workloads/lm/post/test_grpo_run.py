@@ -118,3 +118,22 @@ def test_a_bad_prompt_file_stops_before_anything_is_written(base, tmp_path):
     code, _, err = call(*grpo_args(base, data, tmp_path / "run", "train.steps=2"))
     assert code == 2 and f"{data} line 2 has neither `prompt` nor `messages`" in err and "Fix:" in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow  # the base run's time
+def test_identical_completions_warn_once_and_the_progress_line_carries_the_zero_std_share(base, tmp_path):
+    """Sampling at temperature 1e-6 (greedy in effect) writes each group's completions alike, so every group earns
+    one reward: one warning with the fix, frac_reward_zero_std on every progress line, the first-step line counting
+    the rollout before it, and rows sized from the prompts (4 tokens) and completions (6), not data.seq_len=32."""
+    data = write_prompts(tmp_path / "p.jsonl")
+    args = [a for a in grpo_args(base, data, tmp_path / "run", "train.steps=2", "grpo.temperature=1e-6",
+                                 "data.seq_len=32") if a != "-q"]
+    code, out, err = call(*args)
+    assert code == 0, err
+    assert out.count("warning: in the rollout for step 1, 100% of the 4 groups earned one reward") == 1, out
+    assert "identical completions" in out and "Fix: more varied completions (raise grpo.temperature, now 1e-06" in out
+    assert "update rows of 16 tokens" in out, out
+    assert "step 1/2 |" in err and "step 2/2 |" in err and err.count("frac_reward_zero_std 100%") == 2, err
+    assert "the rollout it trained on took" in err, err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["frac_reward_zero_std"] == 1.0 for r in rows if r["split"] == "train")

@@ -93,6 +93,15 @@ def model(srv) -> str:
     return srv.client().models.list().data[0].id
 
 
+def test_the_warm_up_says_each_program_it_compiles(srv):
+    """Before its address the server compiles every step program, each said on stderr with the time so far."""
+    lines = [line for line in srv.log.read_text().splitlines() if line.startswith("warm-up: ")]
+    total = int(lines[-1].split(" of ")[1].split()[0])
+    assert total >= 3 and len(lines) == total  # at least the 3 step sizes of SETTINGS, each with its page readings
+    assert [int(line.split()[3]) for line in lines] == list(range(1, total + 1))
+    assert all(line.endswith(" s") for line in lines)
+
+
 # THE OPENAI CLIENT --------------------------------------------------------------------------------------------
 
 

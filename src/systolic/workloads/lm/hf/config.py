@@ -43,16 +43,11 @@ from systolic import safe_json
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
 from systolic.workloads.lm.hf import deepseek, families
+from systolic.workloads.lm.hf.architectures import ARCHITECTURES
 from systolic.workloads.lm.hf.config_rules import SUPPORTED_LIST, require, unsupported
 from systolic.workloads.lm.hf.rope_config import rope_from_hf, rope_to_hf
 from systolic.workloads.lm.hf.tensors import hf_gemma, hf_gpt_oss, hf_mixtral
 
-# Hugging Face model_type -> architecture. Every one but gpt2 is systolic's llama family.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", **families.ARCHITECTURES, "gpt_oss": "GptOssForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN2_BIASES = ("qwen2", "qwen2_moe")  # q/k/v biases by architecture (Qwen2-MoE: its `qkv_bias`, default true)

@@ -32,6 +32,7 @@ from safetensors.numpy import save_file
 
 from systolic import config as config_lib
 from systolic import outfile
+from systolic.observe.heartbeat import heartbeat
 from systolic.config import MeshConfig
 from systolic.data import generation_config
 from systolic.data.tokenizer import RUN_FILE, make_tokenizer, tokenizer_files
@@ -310,7 +311,8 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False,
     data = {"tokenizer": str((run_dir / RUN_FILE).absolute()) if tokenizer.is_file() else "byte",
             "seq_len": min(DataConfig.seq_len, mcfg.max_seq_len)}
     cfg = config_lib.from_dict(LMConfig, {"workload": "lm", "model": config_lib.to_dict(mcfg), "data": data})
-    params = load_params(src, mcfg, _host_shardings(mcfg))
+    with heartbeat(say, f"import: reading {src}'s weights"):  # a large model's files take minutes
+        params = load_params(src, mcfg, _host_shardings(mcfg))
     if dropped := Folder(src).mtp_tensors(mcfg):
         say(f"note: {src}'s {len(dropped)} multi-token-prediction tensors (layers from {mcfg.layers} on, "
             "num_nextn_predict_layers) are not imported: they serve speculative decoding, which systolic does not run; "
@@ -327,8 +329,9 @@ def import_run(src: Path, run_dir: Path, *, scan_layers: bool = False,
         ckpt = Checkpointer(tmp / "checkpoints", cfg.checkpoint)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
         meta = {"workload": "lm", "vocab": mcfg.vocab_size, "params_only": True, "source": str(src.absolute())}
-        ckpt.save(state, None, meta)
-        ckpt.wait()
+        with heartbeat(say, f"import: writing the checkpoint of {run_dir}"):
+            ckpt.save(state, None, meta)
+            ckpt.wait()
         ckpt.close()
         os.replace(tmp, run_dir)
     finally:

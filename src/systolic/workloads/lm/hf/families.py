@@ -12,7 +12,7 @@ from systolic.workloads.lm.hf.config_rules import SUPPORTED_LIST, unsupported
 from systolic.workloads.lm.model.config import ModelConfig
 
 
-# model_type -> architecture (lm/hf/config.py's ARCHITECTURES takes these in).
+# model_type -> architecture (lm/hf/architectures.py's ARCHITECTURES takes these in).
 ARCHITECTURES = {"phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                  "granite": "GraniteForCausalLM"}
 FAMILY_TYPES = tuple(ARCHITECTURES)

@@ -32,7 +32,8 @@ class DPOConfig:
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(
                 f"dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5): it is the share of preference "
-                "labels assumed flipped, and at 0.5 the robust loss divides by zero. Fix: e.g. dpo.label_smoothing=0.1.")
+                "labels assumed flipped, and at 0.5 the robust loss divides by zero. Fix: e.g. dpo.label_smoothing=0.1"
+                + ("." if self.loss == "robust" else " dpo.loss=robust (only the robust loss reads it), or 0."))
         if self.label_smoothing and self.loss != "robust":
             raise ConfigError(
                 f"dpo.label_smoothing={self.label_smoothing} with dpo.loss={self.loss}: only the robust loss reads it. "

@@ -3,9 +3,10 @@
 Each step trains on train.batch_size completions, grpo.group_size for each of train.batch_size / group_size prompts,
 sampled by the serving engine with the policy's weights of the step before (post/rollout.py), scored by the reward
 section's functions (post/rewards.py) and turned into group-relative advantages; grpo.num_iterations steps reuse one
-rollout. The loss is TRL's clipped surrogate (post/grpo_loss.py) on the policy's log-probabilities at grpo.temperature
-(post/logps.py), with the k3 KL penalty against the reference policy (init.from; with model.lora its base weights,
-the state's frozen parameters, so no second copy) when grpo.beta > 0.
+rollout; a row holds the longest prompt and grpo.max_completion_len (post/rollout.py's row_length), not
+data.seq_len, which only caps it. The loss is TRL's clipped surrogate (post/grpo_loss.py) on the policy's
+log-probabilities at grpo.temperature (post/logps.py), with the k3 KL penalty against the reference policy
+(init.from; with model.lora its base weights, the state's frozen parameters, so no second copy) when grpo.beta > 0.
 
 The train rows carry the rollout's metrics under TRL's names (rewards/<function>/mean and /std, reward, reward_std,
 frac_reward_zero_std, completions/*), the loss's (kl, clip_ratio/*) and the host's timings (time/rollout_s: the
@@ -17,6 +18,7 @@ held-out prompts: `reward` and rewards/<function>/mean.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,7 +45,7 @@ from systolic.workloads.lm.post.grpo_loss import grpo_loss, loss_weight
 from systolic.workloads.lm.post.logps import token_logps
 from systolic.workloads.lm.post.prompts import Prompt, load_prompts
 from systolic.workloads.lm.post.rewards import Rewards
-from systolic.workloads.lm.post.rollout import RolloutStream, Sampler, StreamParts
+from systolic.workloads.lm.post.rollout import RolloutStream, Sampler, StreamParts, row_length
 from systolic.workloads.lm.train import BuiltLMTask, make_state_fns, model_graphdef, model_params, router_terms
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "old_logps")  # (B, T) each
@@ -56,10 +58,12 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     resuming = cfg.checkpoint.resume and has_checkpoints(run_dir)
     spec = tokenizer_for_training(run_dir, cfg.data.tokenizer, resuming=resuming)
     tokenizer = make_tokenizer(spec)
-    built = build_task(cfg, mesh, tokenizer)
+    # A finished GRPO run cannot roll out its next batch (RolloutStream.__next__): it goes on as a new run.
+    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet,
+                    further=f"start a new run from this one (init.from={run_dir}) with a new --run-dir")
+    built = build_task(cfg, mesh, tokenizer, warn=run.say)
     if jax.process_index() == 0:
         store_in_run(run_dir, spec)
-    run = Run.start(cfg, steps=cfg.train.steps, eval_every=cfg.train.eval_every, quiet=quiet)
     g = cfg.grpo
     trained = ("all trained" if built.trainable_count == built.param_count
                else f"{built.trainable_count:,} trained (LoRA rank {cfg.model.lora.rank})")
@@ -68,6 +72,9 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     run.say(f"data: {built.corpus.describe()}; {g.group_size} completions of up to {g.max_completion_len} tokens per "
             f"prompt, {cfg.train.batch_size} a step, each rollout trained on {g.num_iterations}x; run directory "
             f"{run_dir}")
+    row = built.task.data.parts.row_len - 1
+    run.say(f"update rows of {row} tokens: the longest prompt and grpo.max_completion_len, rounded up to a power of "
+            f"two" + (f" (data.seq_len={cfg.data.seq_len} caps them)" if row == cfg.data.seq_len else ""))
     with activate(mesh, built.rules):
         result = run.loop(built.task, run_dir)
     if run.stopped(result):
@@ -90,10 +97,14 @@ def check(cfg: LMConfig) -> None:
             "trains on whole groups of completions (batch_size / group_size prompts). Fix: e.g. "
             f"train.batch_size={max(1, cfg.train.batch_size // g.group_size) * g.group_size}.")
     if g.max_completion_len >= cfg.data.seq_len:
+        # Under init.from the model, and so model.max_seq_len, is the source's: only data.seq_len can grow, up to it.
+        room = cfg.model.max_seq_len > max(cfg.data.seq_len, g.max_completion_len)
+        longer = (f"data.seq_len={cfg.model.max_seq_len} (the model's context), or " if room else
+                  "" if cfg.init.from_ else "data.seq_len and model.max_seq_len higher, or ")
         raise ConfigError(
             f"grpo.max_completion_len={g.max_completion_len} leaves no room for a prompt in a row of data.seq_len="
-            f"{cfg.data.seq_len} tokens (a row holds the prompt and its completion). Fix: raise data.seq_len (and "
-            "model.max_seq_len), or lower grpo.max_completion_len.")
+            f"{cfg.data.seq_len} tokens (a row holds the prompt and its completion). Fix: {longer}"
+            f"grpo.max_completion_len={cfg.data.seq_len // 2} (half the row for the prompt).")
     if cfg.mesh.context > 1 or cfg.mesh.stage > 1:
         raise ConfigError(
             f"objective=grpo with mesh.context={cfg.mesh.context}, mesh.stage={cfg.mesh.stage}: rollouts run on the "
@@ -201,9 +212,10 @@ def make_place(shardings: dict[str, NamedSharding], global_rows: int):
     return place
 
 
-def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
+def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer,
+               warn: Callable[[str], None] = lambda message: None) -> BuiltLMTask:
     """The GRPO task of `cfg` on `mesh`: everything checkable (config, prompts, reward functions) is checked before
-    anything compiles or is written."""
+    anything compiles or is written. `warn` says the rollouts' warnings."""
     check(cfg)
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
@@ -222,18 +234,20 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
     batch_shard = batch_shardings(mesh, rules, g.beta)
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
                           check=CHECKED)
-    sampler = Sampler(cfg.model, tokenizer, rows=cfg.train.batch_size, seq_len=cfg.data.seq_len, mesh=mesh,
-                      rules=rules)
+    # Rows fit the longest prompt, held-out ones included (the sampler serves both), not data.seq_len.
+    row_len = row_length((*prompts.train, *prompts.val), g.max_completion_len, cfg.data.seq_len)
+    sampler = Sampler(cfg.model, tokenizer, rows=cfg.train.batch_size, seq_len=row_len - 1, mesh=mesh, rules=rules)
     parts = StreamParts(prompts=prompts.train, sampler=sampler, rewards=rewards,
                         place=make_place(batch_shard, cfg.train.batch_size), policy_params=model_params,
                         ref_logps=make_ref_logps(cfg, vocab, limit, init) if g.beta else None,
-                        pad_id=tokenizer.pad_id)
+                        pad_id=tokenizer.pad_id, row_len=row_len, warn=warn)
     stream = RolloutStream(cfg, parts)
     task = loop.Task(
         workload="lm", abstract_state=abstract, init_state=init, train_step=train_step, data=stream, check=CHECKED,
         evaluate=make_evaluate(cfg, prompts.val, sampler, rewards), evaluate_at_start=True,
         items_per_step=cfg.train.batch_size, item_unit="completions", meta={"workload": "lm", "vocab": vocab},
-        progress_keys=("loss", "reward"), step_metrics=stream.step_metrics, memory_advice=sizes.MEMORY_FIX,
+        progress_keys=("loss", "reward", "frac_reward_zero_std"), step_metrics=stream.step_metrics,
+        memory_advice=sizes.MEMORY_FIX, first_step_note=stream.first_step_note,
     )
     task.add_hook(stream.after_step, every=1)
     trainable = param_count(abstract.params)

@@ -38,6 +38,18 @@ from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 
 PAGE_SIZE = 16  # tokens per page of the rollout engine's KV cache
 MIN_TOKENS_PER_STEP = 256  # the engine's largest step, in tokens (at least one per sequence)
+# The share of groups with one reward for all their completions above which ("most") a rollout warns: their
+# advantages are 0, so most of the batch teaches nothing.
+MOSTLY_ZERO_STD = 0.5
+
+
+def row_length(prompts: Sequence[Prompt], max_completion_len: int, seq_len: int) -> int:
+    """The tokens of one update row (+ 1 for the shifted target): the longest prompt and grpo.max_completion_len,
+    rounded up to a power of two and capped at data.seq_len. A row of data.seq_len for 10-token prompts and 60-token
+    completions costs the step up to data.seq_len / 70 times the work; the power of two keeps the compiled shapes
+    few and tile-friendly."""
+    needed = max(len(p.ids) for p in prompts) + max_completion_len
+    return min(seq_len, 1 << (needed - 1).bit_length()) + 1
 
 
 # SAMPLING ---------------------------------------------------------------------------------------------------
@@ -51,6 +63,11 @@ class Completions:
     logps: tuple[np.ndarray, ...]  # each (C_i,) float32: their log-probabilities under the tempered softmax
     texts: tuple[str, ...]  # decoded, without the stop id: what the rewards read
     truncated: np.ndarray  # (N,) bool: cut at grpo.max_completion_len, no stop id
+
+    def identical_groups(self, group_size: int) -> int:
+        """How many of the consecutive groups of `group_size` completions have all their tokens the same."""
+        groups = [self.ids[i:i + group_size] for i in range(0, len(self.ids), group_size)]
+        return sum(all(np.array_equal(ids, group[0]) for ids in group[1:]) for group in groups)
 
     def length_metrics(self) -> dict[str, float]:
         """TRL's completion-length metrics (in tokens, the stop id counted) and the share cut at the limit."""
@@ -147,6 +164,8 @@ class StreamParts:
     # (state, placed batch) -> the reference policy's log-probabilities (B, T) float32; None without the KL term
     ref_logps: Callable[[TrainState, dict[str, jax.Array]], jax.Array] | None
     pad_id: int
+    row_len: int  # tokens of an update row, + 1 (row_length)
+    warn: Callable[[str], None]  # says a warning (the run's printer)
 
 
 class RolloutStream:
@@ -166,6 +185,8 @@ class RolloutStream:
         self._rows: dict[int, dict[str, float]] = {}
         self._rollout_s = 0.0
         self._dispatched = 0.0
+        self.first_rollout_s: float | None = None  # this invocation's first rollout, for the first-step line
+        self._warned = False
 
     # THE LOOP'S SIDE
 
@@ -193,6 +214,14 @@ class RolloutStream:
         used_up = self.host is None or self.served == self.cfg.grpo.num_iterations
         if used_up and step < self.cfg.train.steps:
             self._roll_out(state)
+
+    def first_step_note(self) -> str | None:
+        """The first-step line's note (loop.Task.first_step_note): the rollout the first step trained on, when this
+        invocation made it (a fresh run's step 0)."""
+        if self.first_rollout_s is None:
+            return None
+        return (f"the rollout it trained on took {self.first_rollout_s:.1f} s before it (sampling with the serving "
+                "engine, compiled on first use, and scoring)")
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Step `step`'s rollout metrics (of the batch it trained on) and timings, written with its train row."""
@@ -231,7 +260,7 @@ class RolloutStream:
         totals = parts.rewards.total(scores)  # (B,)
         advantages = np.asarray(group_advantages(jnp.asarray(totals), G, g.scale_rewards))
         parts.rewards.check_groups(totals, advantages, G, [p.name for p in prompts])
-        host = make_batch(prompts, completions, advantages, row_len=cfg.data.seq_len + 1, pad_id=parts.pad_id)
+        host = make_batch(prompts, completions, advantages, row_len=parts.row_len, pad_id=parts.pad_id)
         device = parts.place(host)
         if parts.ref_logps is not None:
             device["ref_logps"] = parts.ref_logps(state, device)
@@ -240,6 +269,13 @@ class RolloutStream:
         self.rollouts += 1
         self.metrics = {**parts.rewards.metrics(scores, G), **completions.length_metrics()}
         self._rollout_s = time.perf_counter() - start
+        if self.first_rollout_s is None:
+            self.first_rollout_s = self._rollout_s
+        warning = zero_std_warning(cfg, self.metrics["frac_reward_zero_std"], completions.identical_groups(G),
+                                   len(prompts) // G, step=self._step() + 1)
+        if warning and not self._warned:  # once: the progress line carries frac_reward_zero_std from here on
+            parts.warn(warning)
+            self._warned = True
 
     def _next_prompts(self, n: int) -> list[Prompt]:
         """The next `n` training prompts: every prompt once per epoch, in an order shuffled by train.seed and the
@@ -250,6 +286,22 @@ class RolloutStream:
         start = self.position - epochs[0] * count
         self.position += n
         return [prompts[i] for i in order[start:start + n]]
+
+
+def zero_std_warning(cfg: LMConfig, frac_zero_std: float, identical: int, groups: int, *, step: int) -> str | None:
+    """The warning for a rollout in which most groups' completions all earned one reward (None otherwise): with a
+    group's advantages all 0 it teaches nothing, and a run of such rollouts trains for nothing."""
+    if frac_zero_std <= MOSTLY_ZERO_STD:
+        return None
+    g, r = cfg.grpo, cfg.reward
+    same = (f", {identical} of them with {g.group_size} identical completions" if identical else "")
+    return (f"warning: in the rollout for step {step}, {frac_zero_std:.0%} of the {groups} groups earned one reward "
+            f"for all their completions{same} (frac_reward_zero_std {frac_zero_std:.2f}): their advantages are 0, so "
+            "they teach nothing, and a run of such rollouts will not move the reward. The progress line shows "
+            "frac_reward_zero_std from here on. Fix: more varied completions (raise grpo.temperature, now "
+            f"{g.temperature:g}, or grpo.group_size, now {g.group_size}), or rewards that tell near misses apart "
+            f"(reward shaping: e.g. reward.functions={r.functions},format with reward.format_pattern, or your own "
+            "module:function with partial credit).")
 
 
 def _encode(x: np.ndarray) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -265,13 +266,21 @@ class InferenceEngine:
                 events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row]), top))
         return events
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compiles the step for every token bucket (an empty batch: padding writes only the null page), and the
-        detail step for each bucket (it reads every token's pages), so no request compiles anything."""
-        for size in self.buckets:
-            for reading in page_buckets(size):
-                self._run([], tokens=size, page_tokens=reading)
-            self._run([], tokens=size, detail=True)
+        detail step (log-probabilities) for each bucket (it reads every token's pages), so no request compiles
+        anything. `progress` hears a line after each program: which of how many, and the time so far (a large
+        model's warm-up takes minutes)."""
+        programs = [(size, reading) for size in self.buckets for reading in page_buckets(size)]
+        programs += [(size, None) for size in self.buckets]  # None: the detail step
+        start = time.perf_counter()
+        for i, (size, reading) in enumerate(programs, 1):
+            self._run([], tokens=size, page_tokens=reading, detail=reading is None)
+            if progress is not None:
+                what = (f"{reading} cached tokens read a sequence" if reading is not None else
+                        "with every token's log-probabilities")
+                progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {what}); "
+                         f"{time.perf_counter() - start:.1f} s")
 
     def _wants_detail(self, chunk: Chunk) -> bool:
         request = self._requests[chunk.seq.request_id]

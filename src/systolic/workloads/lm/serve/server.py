@@ -21,6 +21,7 @@ import ipaddress
 import json
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -448,7 +449,7 @@ def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key:
                                       max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step,
                                       prefix_caching=prefix_caching, mesh_tensor=mesh_tensor, kv_cache=kv_cache,
                                       quantize=quantize)
-    engine.warmup()
+    engine.warmup(progress=lambda line: print(line, file=sys.stderr, flush=True))  # no silent minutes before serving
     info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template, engine.eos_ids,
                      _tokenizer_folder(Path(run_dir), engine.tokenizer))
     metrics = ServeMetrics()
