@@ -26,12 +26,13 @@ def test_debug_names_the_frame_and_operation_of_an_injected_nan(tmp_path):
 
 
 def test_profile_plot_and_stop_at_step(tmp_path):
-    assert main(["simulate", *SHORT, "observe.profile_steps=2-3", "loop.stop_at_step=3", "--run-dir", str(tmp_path)]) == 0
-    assert list((tmp_path / "profile").rglob("*.xplane.pb")), "no trace written"
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "run"  # beside the next test's run: a run directory inside another run is refused
+    assert main(["simulate", *SHORT, "observe.profile_steps=2-3", "loop.stop_at_step=3", "--run-dir", str(run)]) == 0
+    assert list((run / "profile").rglob("*.xplane.pb")), "no trace written"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # stopped at frame 3 of 4, with a checkpoint
-    assert (tmp_path / "checkpoints" / "3").is_dir() and not (tmp_path / "diagnostics.png").exists()
-    assert main(["simulate", *SHORT, "--run-dir", str(tmp_path)]) == 0  # resumes and finishes: now the plot
-    assert (tmp_path / "diagnostics.png").is_file()
+    assert (run / "checkpoints" / "3").is_dir() and not (run / "diagnostics.png").exists()
+    assert main(["simulate", *SHORT, "--run-dir", str(run)]) == 0  # resumes and finishes: now the plot
+    assert (run / "diagnostics.png").is_file()
     assert main(["simulate", *SHORT, "observe.plot=false", "--run-dir", str(tmp_path / "noplot")]) == 0
     assert not (tmp_path / "noplot" / "diagnostics.png").exists()
