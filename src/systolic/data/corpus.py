@@ -340,8 +340,10 @@ def split_note(docs: Sequence[Document], val_percent: float) -> str:
 
 
 # The held-out examples an SFT or DPO run evaluates on at least, where the data allows (held_out's at_least): with 10,
-# a preference accuracy moves in steps of 10%.
+# a preference accuracy moves in steps of 10%. Only at the default share: a data.val_percent the user chose is taken
+# as given (1% of 100 examples holds out one, as a run that memorises them all asks).
 MIN_HELD_OUT_EXAMPLES = 50
+DEFAULT_VAL_PERCENT = 5.0  # data.val_percent's default (lm/config.py)
 MAX_TOPPED_UP_SHARE = 0.2  # ... but a top-up holds out at most this share of the examples
 
 
@@ -363,10 +365,15 @@ def held_out(names: Sequence[str], val_percent: float, at_least: int = 0) -> lis
     return is_val
 
 
+def held_out_minimum(val_percent: float) -> int:
+    """held_out's at_least for SFT and DPO examples: MIN_HELD_OUT_EXAMPLES at the default share, else none."""
+    return MIN_HELD_OUT_EXAMPLES if val_percent == DEFAULT_VAL_PERCENT else 0
+
+
 def held_out_rule() -> str:
-    """How held_out(..., at_least=MIN_HELD_OUT_EXAMPLES) chose, for the start-up line that gives the sizes."""
+    """How held_out(..., at_least=held_out_minimum(...)) chose, for the start-up line that gives the sizes."""
     return (f"held out by name: data.val_percent, topped up to {MIN_HELD_OUT_EXAMPLES} where that leaves "
-            f"{1 - MAX_TOPPED_UP_SHARE:.0%} to train on")
+            f"{1 - MAX_TOPPED_UP_SHARE:.0%} to train on, at the default {DEFAULT_VAL_PERCENT:g}% only")
 
 
 def is_validation(name: str, val_percent: float) -> bool:

@@ -119,7 +119,7 @@ def _load(path: str, tokenizer: Tokenizer, *, seq_len: int, val_percent: float) 
     if encoder.skipped:
         warnings.warn(f"skipped {encoder.skipped} conversation(s) without an assistant message (e.g. "
                       f"{encoder.first_skipped}): they have no tokens to learn.", stacklevel=2)
-    is_val = corpus.held_out(names, val_percent, at_least=corpus.MIN_HELD_OUT_EXAMPLES)
+    is_val = corpus.held_out(names, val_percent, at_least=corpus.held_out_minimum(val_percent))
     splits = [[e for e, v in zip(examples, is_val, strict=True) if v == held] for held in (False, True)]
     # An example's first token is never learnt (data/packed.py): count what the loss will see.
     learn_tokens = tuple(sum(int(learn[1:].sum()) for _, learn in split) for split in splits)

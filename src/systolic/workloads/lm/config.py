@@ -9,6 +9,7 @@ from typing import Literal
 
 from systolic.config import (CheckpointConfig, LoopConfig, MeshConfig, ObserveConfig, OptimConfig, ShardingConfig,
                              TrainConfig, check_positive, check_seed)
+from systolic.data.corpus import DEFAULT_VAL_PERCENT
 from systolic.data.unicode_text import unicode_problem
 from systolic.errors import ConfigError
 from systolic.workloads.lm.model.config import ModelConfig
@@ -112,7 +113,7 @@ class DataConfig:
     # a text file, a directory of text files, a .jsonl (field `text`) or .parquet (column `text`); chat: .jsonl records
     path: str = ""
     seq_len: int = 256
-    val_percent: float = 5.0  # share of documents held out for validation, chosen by a hash of their name
+    val_percent: float = DEFAULT_VAL_PERCENT  # share of documents held out for validation, chosen by a hash of their name
     max_bytes: int = 0  # 0: use the whole corpus; else stop reading after this many bytes
     # "byte", or a Hugging Face tokenizer.json (or a folder holding one). The file is checked when it is loaded,
     # not here: a finished run's config names the original path, and a run reads its own copy RUN_DIR/tokenizer.json.

@@ -144,7 +144,7 @@ def load_preferences(path: str, tokenizer: Tokenizer, *, seq_len: int, val_perce
             f"Of {len(pairs) + dropped} preference pairs, {truncated} have a sequence (prompt + completion) longer "
             f"than (data.seq_len + 1) // 2 = {max_len} tokens, cut to that, and {dropped} were dropped because the "
             "prompt alone fills it; raise data.seq_len to keep them whole.", stacklevel=2)
-    is_val = corpus.held_out(names, val_percent, at_least=corpus.MIN_HELD_OUT_EXAMPLES)
+    is_val = corpus.held_out(names, val_percent, at_least=corpus.held_out_minimum(val_percent))
     ids = np.arange(len(pairs))
     splits = [[i for i in ids if is_val[i] == held] for held in (False, True)]
     rows = [_pack([pairs[i] for i in split], split, row_len, seq_len, tokenizer) for split in splits]
