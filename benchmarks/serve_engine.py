@@ -31,6 +31,8 @@ def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", help="an lm recipe whose model to serve (default: a 4 x 256 Llama)")
     p.add_argument("--dtype", default="float32", help="model.dtype (default float32)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides on the recipe's "
+                   "model, e.g. --set model.layers=18 (a Gemma-2B shape from llama-1b: benchmarks/tpu_bench.py)")
     p.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="as `systolic serve --kv-cache` "
                    "(default auto: the compute dtype)")
     p.add_argument("--levels", default="1,4,16,64", help="requests in flight (default 1,4,16,64)")
@@ -40,6 +42,11 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-tokens-per-step", type=int, default=256)
     p.add_argument("--json", help="also write one JSON line per level to this file")
+    p.add_argument("--profile", metavar="DIR", help="after the levels, trace each of --profile-levels once more "
+                   "with jax.profiler into DIR/serve-N.xplane.pb (read it with benchmarks/tpu_profile.py --summarize)")
+    p.add_argument("--profile-levels", default="1", help="in flight, for --profile (default 1)")
+    p.add_argument("--profile-output", type=int, help="output tokens per request of a traced level (default "
+                   "--output; fewer keep the trace small)")
     return p.parse_args(argv)
 
 
@@ -53,16 +60,22 @@ def build_engine(args):
     from systolic.data.tokenizer import ByteTokenizer
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model.transformer import make_model
+    from systolic.workloads.lm.model.layers import resolve_dtype
     from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages
+    from systolic.workloads.lm.serve.weights import serving_params
 
-    overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL)
+    overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
     cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \
         config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
     model = cfg.model
     vocab = model.padded_vocab(model.vocab_size or 32768)  # a 32k tokenizer where the recipe derives it
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: jax.device_put(rng.normal(0, 0.02, x.shape).astype(x.dtype)), abstract)
+    # Cast on the host as the engine stores them (serve/weights.py), so the float32 copy never takes device memory.
+    host = serving_params(jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(x.dtype), abstract),
+                          resolve_dtype(model.dtype))
+    params = jax.device_put(host)
+    del host
     # The pool: what `systolic serve` would take on this device, cut to 4x what max_seqs requests of prompt + output
     # hold (the levels use no more) and never less than that.
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
@@ -99,8 +112,10 @@ def run_level(engine, vocab: int, n: int, args) -> dict:
     start = time.perf_counter()
     for _ in range(min(n, total)):
         submit()
+    steps = 0
     while done < total:
         events = engine.step()
+        steps += 1
         now = time.perf_counter()
         for e in events:
             if e.token_id is not None:
@@ -116,8 +131,30 @@ def run_level(engine, vocab: int, n: int, args) -> dict:
     tpot = [(last[r] - first[r]) / (args.output - 1) for r in first if args.output > 1]
     q = lambda xs, p: float(np.percentile(xs, p)) * 1e3  # noqa: E731
     return {"in_flight": n, "requests": total, "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "steps": steps, "step_ms": wall / steps * 1e3,
             "ttft_p50_ms": q(ttft, 50), "ttft_p99_ms": q(ttft, 99), "tpot_p50_ms": q(tpot, 50),
             "tpot_p99_ms": q(tpot, 99), "mean_tpot_ms": statistics.fmean(tpot) * 1e3}
+
+
+def trace(engine, vocab: int, n: int, args) -> None:
+    """The level of `n` in flight once more, traced: its engine steps and wall time beside the device's."""
+    import glob
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="serve-profile-")
+    traced = argparse.Namespace(**{**vars(args), "output": args.profile_output or args.output})
+    with jax.profiler.trace(folder):
+        row = run_level(engine, vocab, n, traced)
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in glob.glob(f"{folder}/**/*.xplane.pb", recursive=True):
+        shutil.copy(path, out / f"serve-{n}.xplane.pb")
+    print(f"traced {n} in flight: {row['steps']} engine steps in {row['wall_s']:.2f} s ({row['step_ms']:.2f} ms a "
+          f"step, TPOT p50 {row['tpot_p50_ms']:.2f} ms) into {out / f'serve-{n}.xplane.pb'}")
 
 
 def main(argv=None) -> int:
@@ -131,12 +168,15 @@ def main(argv=None) -> int:
     engine.warmup()
     print(f"warm-up (every step size compiled): {time.perf_counter() - t:.1f} s")
     rows = []
-    print(f"{'in flight':>9} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)")
+    print(f"{'in flight':>9} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'step':>7}  (ms)")
     for n in (int(x) for x in args.levels.split(",")):
         row = run_level(engine, vocab, n, args)
         rows.append(row)
         print(f"{n:>9} {row['tok_s']:>9.0f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} "
-              f"{row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>9.1f}", flush=True)
+              f"{row['tpot_p50_ms']:>9.1f} {row['tpot_p99_ms']:>9.1f} {row['step_ms']:>7.2f}", flush=True)
+    for n in (int(x) for x in args.profile_levels.split(",") if args.profile):
+        trace(engine, vocab, n, args)
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for row in rows:

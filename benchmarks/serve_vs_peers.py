@@ -72,7 +72,7 @@ def _args(argv=None) -> argparse.Namespace:
 # THE MODEL ----------------------------------------------------------------------------------------------------
 
 
-def make_model(root: Path) -> tuple[Path, Path, Path]:
+def make_model(root: Path, gguf: bool = True) -> tuple[Path, Path, Path]:
     """(the Hugging Face folder, the systolic run, the GGUF file)."""
     import torch
     import transformers
@@ -98,7 +98,8 @@ def make_model(root: Path) -> tuple[Path, Path, Path]:
     model.save_pretrained(hf)
     _check([sys.executable, "-m", "systolic", "convert", "from-hf", str(hf), str(run)], "systolic convert from-hf")
     gguf_path = root / "model-f32.gguf"
-    write_gguf(model, tokenizer, gguf_path)
+    if gguf:  # only llama.cpp's side reads it (and only it needs the `gguf` package)
+        write_gguf(model, tokenizer, gguf_path)
     return hf, run, gguf_path
 
 
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="serve-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"model files in {root}", flush=True)
-    hf, run, gguf_path = make_model(root)
+    hf, run, gguf_path = make_model(root, gguf="llama.cpp" in sides)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(hf / "tokenizer.json"))

@@ -286,14 +286,14 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                 params = jax.eval_shape(lambda p: quant.quantize_params(p, scheme, stacked=True),
                                         nnx.to_pure_dict(abstract))
                 params = jax.tree.map(lambda s: spec(*s.shape, dtype=s.dtype), params)
-                pool = spec(cfg.layers, pages, page_size, 2 * cfg.n_kv_heads, cfg.d_head, dtype=jnp.bfloat16)
+                pool = spec(cfg.layers, pages, page_size, cfg.n_kv_heads, 2 * cfg.d_head, dtype=jnp.bfloat16)
                 batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
                                     spec(S), spec(S))
                 sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),
                                        spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32),
                                        spec(S, MAX_BANNED))
-                step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=6)
-                counts[scheme] = int8_dots(step.lower(params, pool, spec(T), batch, sampling, spec(), None)
+                step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=7)
+                counts[scheme] = int8_dots(step.lower(params, pool, spec(T), spec(2, S), batch, sampling, spec(), None)
                                            .compile().as_text())
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)

@@ -81,7 +81,10 @@ def test_the_samplers_logprobs_are_the_training_forward_passes(temperature):
     raw._serve(params)
     one = SamplingParams(max_tokens=1, temperature=0.5, seed=0, logprobs=True)
     raw.engine.add_request("a", group[0].ids.tolist(), one)
-    (event,) = raw.engine.step()
+    events = []
+    while raw.engine.has_work():  # a step's tokens are read in the next one's call (serve/engine.py)
+        events += raw.engine.step()
+    (event,) = events
     logits = nnx.merge(graphdef, params)(jnp.asarray(group[0].ids)[None])[0, -1]  # (V,)
     expected = jax.nn.log_softmax(jnp.where(jnp.arange(VOCAB) < LIMIT, logits, -jnp.inf))[event.token_id]
     assert abs(event.logprob - float(expected)) < 1e-5

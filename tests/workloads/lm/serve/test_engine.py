@@ -275,3 +275,40 @@ def test_int8_tensor_parallel_matches_one_device(variant):
     for i in range(len(PROMPTS)):
         assert token_ids(events[f"r{i}"]) == token_ids(one[f"r{i}"]), f"request r{i}"
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_a_steps_tokens_come_with_the_next_call_and_detail_steps_at_once():
+    """step() launches its batch and returns the step before's events (the host's work overlaps the device's); a
+    request asking for alternatives runs its steps one at a time, its token in the same call."""
+    cfg = tiny_model()
+    engine = make_engine(cfg)
+    engine.add_request("a", PROMPTS[3][:6].tolist(), SamplingParams(max_tokens=3, temperature=0.0))
+    assert engine.step() == [] and engine.has_work()  # launched: its token is read by the next call
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert token_ids(events) == reference(cfg, PROMPTS[3:4, :6], 3)[0].tolist()
+    assert engine.stats()["kv_pages_used"] == 0
+    engine.add_request("b", PROMPTS[3][:6].tolist(), SamplingParams(max_tokens=2, temperature=0.0, logprobs=True,
+                                                                    top_logprobs=2))
+    (event,) = engine.step()
+    assert event.token_id == events[0].token_id and len(event.top) == 2
+
+
+def test_the_step_after_an_end_token_is_dropped_even_when_its_id_comes_back():
+    """A request whose end token is read one step late was already scheduled once more: that row's token is not
+    its, nor a new request's that reuses its id at once."""
+    cfg = tiny_model()
+    want = reference(cfg, PROMPTS, NEW)
+    engine = make_engine(cfg, prefix_caching=False)
+    stop = int(want[0][2])  # its third greedy token ends it
+    engine.add_request("a", PROMPTS[0].tolist(), SamplingParams(max_tokens=NEW, temperature=0.0,
+                                                                stop_token_ids=(stop,)))
+    first: list = []
+    while not first or first[-1].finish_reason is None:
+        first += [e for e in engine.step() if e.request_id == "a"]
+    assert token_ids(first) == want[0][:3].tolist() and first[-1].finish_reason == "stop"
+    engine.add_request("a", PROMPTS[3].tolist(), GREEDY)  # the same id, while the dropped step may be in flight
+    again = drive(engine, {})["a"]
+    assert token_ids(again) == want[3].tolist()
+    assert engine.stats()["kv_pages_used"] == 0 and not engine.has_work()

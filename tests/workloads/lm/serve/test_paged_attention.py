@@ -26,14 +26,14 @@ def make_case(seed: int = 0):
     rng = np.random.default_rng(seed)
     free = list(rng.permutation(np.arange(1, PAGES)))  # shuffled pages, none the null page
     chunks, full_k, full_v = [], [], []
-    pool = np.zeros((1, PAGES, PAGE, 2 * KV, HD))
+    pool = np.zeros((1, PAGES, PAGE, KV, 2 * HD))
     for i, (cached, n) in enumerate(CHUNKS):
         length = cached + n
         pages = [int(free.pop()) for _ in range(-(-length // PAGE))]
         k, v = rng.normal(size=(length, KV, HD)), rng.normal(size=(length, KV, HD))
         for p in range(cached):  # what earlier steps wrote
-            pool[0, pages[p // PAGE], p % PAGE, 0::2] = k[p]
-            pool[0, pages[p // PAGE], p % PAGE, 1::2] = v[p]
+            pool[0, pages[p // PAGE], p % PAGE, :, :HD] = k[p]
+            pool[0, pages[p // PAGE], p % PAGE, :, HD:] = v[p]
         seq = Sequence(f"s{i}", list(rng.integers(0, 50, length)), length, i, table=PageTable(pages=pages))
         chunks.append(Chunk(seq, cached, n))
         full_k.append(k)
@@ -97,12 +97,12 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
     n = want.shape[0]
     np.testing.assert_allclose(np.asarray(out)[:n], want, atol=2e-5, rtol=2e-5)
     assert np.all(np.isfinite(np.asarray(out)))  # padding tokens too
-    # The step's keys and values landed in their pages (interleaved k0, v0, k1, v1), nothing else changed but the
+    # The step's keys and values landed in their pages (each head's row [k | v]), nothing else changed but the
     # null page, where the padding tokens write.
     written = np.asarray(written)
     for (cached, n_new), k, chunk_pages in zip(CHUNKS, full_k, [np.asarray(r) for r in batch.page_table]):
         for p in range(cached + n_new):
-            np.testing.assert_allclose(written[0, chunk_pages[p // PAGE], p % PAGE, 0::2], k[p], rtol=1e-6)
+            np.testing.assert_allclose(written[0, chunk_pages[p // PAGE], p % PAGE, :, :HD], k[p], rtol=1e-6)
     untouched = [p for p in range(1, PAGES) if p not in np.asarray(batch.page_table)]
     np.testing.assert_array_equal(written[0, untouched], pool[0, untouched])
 
@@ -110,7 +110,7 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
 def test_pool_layout_and_empty_step():
     cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
     pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "auto"))
-    assert pool.shape == (3, 5, PAGE, 2 * KV, HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
+    assert pool.shape == (3, 5, PAGE, KV, 2 * HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
     kv = jnp.ones((8, KV, HD))
     out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
@@ -118,8 +118,9 @@ def test_pool_layout_and_empty_step():
 
 
 def stored(pool: pa.Pool) -> np.ndarray:
-    """An int8 pool's keys and values as it gives them back, in float64."""
-    return np.asarray(pool.qvalue, np.float64) * np.asarray(pool.scale, np.float64)
+    """An int8 pool's keys and values as it gives them back, in float64: each row's key and value by its own scale."""
+    width = pool.qvalue.shape[-1] // pool.scale.shape[-1]
+    return np.asarray(pool.qvalue, np.float64) * np.asarray(pool.scale, np.float64).repeat(width, axis=-1)
 
 
 def quantization_bound(q, full_k, full_v, window: int) -> np.ndarray:
@@ -145,8 +146,8 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     the output is within `quantization_bound` (plus 2e-5), and moved at all."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    cached = jax.jit(pa.quantize_kv)(f32(pool))  # (1, PAGES, PAGE, 2KV, hd) int8 and (..., 1) float32: earlier steps'
-    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, 2 * KV, 1)
+    cached = jax.jit(pa.quantize_kv, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV, 2hd) int8, (..., 2)
+    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, KV, 2)
 
     @jax.jit
     def run(pool, q, k, v, batch):
@@ -156,12 +157,12 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
 
     out, written = run(cached, f32(q), f32(new_k), f32(new_v), batch)
     out = np.asarray(out)
-    back = stored(written)[0]  # (PAGES, PAGE, 2KV, hd)
+    back = stored(written)[0]  # (PAGES, PAGE, KV, 2hd)
     got_k, got_v = [], []
     for (cached_n, n_new), k, v, pages in zip(CHUNKS, full_k, full_v, [np.asarray(r) for r in batch.page_table]):
-        rows = np.stack([back[pages[p // PAGE], p % PAGE] for p in range(cached_n + n_new)])  # (len, 2KV, hd)
-        got_k.append(rows[:, 0::2])
-        got_v.append(rows[:, 1::2])
+        rows = np.stack([back[pages[p // PAGE], p % PAGE] for p in range(cached_n + n_new)])  # (len, KV, 2hd)
+        got_k.append(rows[..., :HD])
+        got_v.append(rows[..., HD:])
         for exact, read in ((k, got_k[-1]), (v, got_v[-1])):
             # 1e-6: float32's rounding of the value and its scale (the bound is hit: the absmax element saturates)
             assert np.all(np.abs(read - exact) <= np.abs(exact).max(-1, keepdims=True) * (1 / 255 + 1e-6))

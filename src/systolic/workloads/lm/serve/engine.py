@@ -24,6 +24,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model import quant
+from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.rope import longrope_context
 from systolic.workloads.lm.serve.detokenize import TextStream
@@ -53,11 +55,13 @@ from systolic.workloads.lm.serve.kv_pool import make_pool, pool_shape, pool_shar
 from systolic.workloads.lm.serve.logprobs import PromptLogprobs, StepDetail, TokenLogprob, targets
 from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
                                                     pages_first, token_buckets)
-from systolic.workloads.lm.serve.step import MAX_BANNED, MAX_LOGPROBS, RowSampling, make_step
+from systolic.workloads.lm.serve.step import MAX_BANNED, MAX_LOGPROBS, RowSampling, StepOutput, make_step
+from systolic.workloads.lm.serve.weights import serving_params
 
 INT32_MAX = 2**31 - 1  # the step's integer arrays (top_k, token ids) are int32
 MAX_SEQS = 1 << 16  # requests one step may hold: far above what a device's memory serves (page tables, sampling)
 MAX_TENSOR = 1 << 12  # devices one model may be split over: a pod's
+WARMUP_THREADS = 8  # step programs compiled at once by `warmup`
 KV_MEMORY_FRACTION = 0.8  # of a device's free memory (after the parameters) for the pool, when no budget is given
 
 
@@ -108,6 +112,17 @@ class TokenEvent:
 
 
 @dataclasses.dataclass
+class _Launched:
+    """A step on the device whose results the host has not read (InferenceEngine.step)."""
+
+    chunks: list[Chunk]
+    pending: list[int | None]  # per row: where in its sequence's tokens the token it samples goes (None: no sample)
+    out: StepOutput
+    last: np.ndarray  # (S,) each row's last token slot
+    detail: bool
+
+
+@dataclasses.dataclass
 class _Request:
     seq: Sequence
     params: SamplingParams
@@ -147,7 +162,8 @@ class InferenceEngine:
         # Weights stored quantized (lm/model/quant.py) keep their weight's layout; their scales follow it.
         shardings = None if mesh is None else quant.quantized_shardings(
             param_shardings(self.model_cfg, self.vocab, mesh, rules), params)
-        self.params = jax.device_put(params, shardings)
+        self._dtype = resolve_dtype(model.dtype)
+        self.params = serving_params(jax.device_put(params, shardings), self._dtype)  # weights.py: no float32 read
         self._layout = jax.tree.map(lambda x: x.sharding, self.params)  # what set_params puts new weights on
         shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
         self.pool = make_pool(shape, home)
@@ -162,6 +178,10 @@ class InferenceEngine:
         self._arrivals = 0
         self._batch_tokens = 0
         self._seeds = np.random.default_rng()
+        self._programs: dict[tuple[int, int, bool], Any] = {}  # warm-up's compiled steps: (tokens, reading, detail)
+        self._inflight: _Launched | None = None  # the step launched last, its results not yet read
+        self._previous = jax.device_put(np.zeros((2, max_seqs), np.int32),  # its outputs (step.py StepOutput)
+                                        home if mesh is None else NamedSharding(mesh, P()))
 
     @classmethod
     def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int = 16,
@@ -194,12 +214,14 @@ class InferenceEngine:
 
     def set_params(self, params: Any) -> None:
         """Serves new weights (a pure dict shaped as the current ones; laid out as the engine's, so a trainer's
-        parameters on the same mesh and rules are used in place, not copied), between requests. The prefix cache
+        parameters on the same mesh and rules are used in place, not copied; in a bfloat16 model, cast once to
+        it: weights.py), between requests. The prefix cache
         is dropped: keys and values computed with the old weights must not be reused."""
         if self._requests:
             raise ValueError(f"set_params with {len(self._requests)} requests running: their keys and values are of "
                              "the old weights. Fix: let every request finish (or cancel it) first.")
-        self.params = jax.device_put(params, self._layout)
+        self._collect()  # a step launched after the last request's end token: rows of ended requests only
+        self.params = serving_params(jax.device_put(params, self._layout), self._dtype)
         self.scheduler.cache.forget_prefixes()
 
     # REQUESTS
@@ -228,7 +250,7 @@ class InferenceEngine:
 
     def has_work(self) -> bool:
         """Whether a step has anything to do or report."""
-        return bool(self._requests or self._cancelled)
+        return bool(self._requests or self._cancelled or self._inflight)
 
     def stats(self) -> dict[str, int]:
         """The engine's state for metrics: KV pages held by requests (used), usable (total) and holding a cached
@@ -244,53 +266,81 @@ class InferenceEngine:
 
     def step(self) -> list[TokenEvent]:
         """One scheduler step: the chunks of prompts and the decodes of every running request, in one batch.
-        Returns the events of this step: sampled tokens, finished and cancelled requests."""
+        Returns the events of the step before it (sampled tokens, finished requests) and cancellations.
+
+        The step is launched before the host reads the last one's results, so the host's work for step N (reading
+        its tokens, detokenizing, stop strings, scheduling and laying out N + 2) runs while the device computes
+        N + 1: a decode reads the token sampled for it in the step before on the device (step.py). A request is
+        scheduled as if its pending token did not end it; when that token does (an end token or a stop string),
+        the one step computed after it is dropped. A request that reaches max_tokens is not scheduled again. While
+        any request wants log-probabilities of alternatives or of its prompt, steps run one at a time (launched and
+        read at once): their prompt scores and targets need every token on the host."""
         events = [TokenEvent(rid, None, "", None, "cancelled") for rid in self._cancelled]
         self._cancelled.clear()
+        at_once = any(self._wants_alternatives(r) for r in self._requests.values())
+        if at_once:
+            events += self._collect()
         chunks = pages_first(self.scheduler.schedule())
         self._batch_tokens = sum(c.count for c in chunks)
-        if not chunks:
-            return events
-        detail = any(self._wants_detail(chunk) for chunk in chunks)
-        tokens, logprobs, last, found = self._run(chunks, detail=detail)
-        self.scheduler.advance(chunks)
-        first_slot = 0
-        for row, chunk in enumerate(chunks):
-            request = self._requests[chunk.seq.request_id]
-            if request.prompt_logprobs is not None:
-                request.prompt_logprobs.record(chunk, first_slot, found)
-            first_slot += chunk.count
-            if chunk.samples:
-                wants_top = request.params.logprobs and request.params.top_logprobs > 0
-                top = found.top(last[row], request.params.top_logprobs) if wants_top else ()
-                events.append(self._accept(chunk.seq, int(tokens[row]), float(logprobs[row]), top))
+        launched = None
+        if chunks:
+            launched = self._launch(chunks, detail=at_once and any(self._wants_detail(c) for c in chunks))
+        events += self._collect()  # the step before, while this one runs
+        self._inflight = launched
+        if at_once:
+            events += self._collect()
         return events
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compiles the step for every token bucket (an empty batch: padding writes only the null page), and the
-        detail step (log-probabilities) for each bucket (it reads every token's pages), so no request compiles
-        anything. `progress` hears a line after each program: which of how many, and the time so far (a large
-        model's warm-up takes minutes)."""
-        programs = [(size, reading) for size in self.buckets for reading in page_buckets(size)]
-        programs += [(size, None) for size in self.buckets]  # None: the detail step
+        """Compiles the step for every token bucket and count of page-reading tokens, and the detail step
+        (log-probabilities) for each bucket (it reads every token's pages), so no request compiles anything. The
+        programs are traced one at a time and compiled together on WARMUP_THREADS threads (XLA's compiler releases
+        the GIL; on a TPU host one after another took 144 s for llama-1b's 18); each is then run once on an empty
+        batch (padding writes only the null page). `progress` hears a line after each program: which of how many,
+        and the time so far."""
+        programs = [(size, reading, False) for size in self.buckets for reading in page_buckets(size)]
+        programs += [(size, size, True) for size in self.buckets]  # the detail step reads every token's pages
         start = time.perf_counter()
-        for i, (size, reading) in enumerate(programs, 1):
-            self._run([], tokens=size, page_tokens=reading, detail=reading is None)
-            if progress is not None:
-                what = (f"{reading} cached tokens read a sequence" if reading is not None else
-                        "with every token's log-probabilities")
-                progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {what}); "
-                         f"{time.perf_counter() - start:.1f} s")
+        with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as workers:
+            compiling = [workers.submit(self._lower(*program).compile) for program in programs]
+            for i, (program, future) in enumerate(zip(programs, compiling), 1):
+                self._programs[program] = future.result()
+                size, reading, detail = program
+                self._inflight = self._launch([], tokens=size, page_tokens=reading, detail=detail)
+                self._collect()
+                if progress is not None:
+                    what = ("with every token's log-probabilities" if detail else
+                            f"{reading} cached tokens read a sequence")
+                    progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {what}); "
+                             f"{time.perf_counter() - start:.1f} s")
+
+    def _lower(self, size: int, reading: int, detail: bool) -> Any:
+        """The step program of `size` token slots, `reading` of them reading pages, lowered (traced) for its
+        arguments' shapes, as `_run` calls it."""
+        ids, batch = layout([], tokens=size, rows=min(size, self.max_seqs), page_size=self.page_size,
+                            pages_per_seq=self.pages_per_seq)
+        args = (self.params, self.pool, ids, self._previous, batch, self._row_sampling([], batch.kv_lens.shape[0]),
+                self.vocab_limit)
+        if detail:
+            return self._detail_step.lower(*args, reading, targets([], size))
+        return self._step.lower(*args, reading)
+
+    @staticmethod
+    def _wants_alternatives(request: _Request) -> bool:
+        """Whether a request needs a detail step: its prompt's log-probabilities, or alternatives of its tokens."""
+        return request.prompt_logprobs is not None or (request.params.logprobs and request.params.top_logprobs > 0)
 
     def _wants_detail(self, chunk: Chunk) -> bool:
         request = self._requests[chunk.seq.request_id]
         return ((chunk.samples and request.params.logprobs and request.params.top_logprobs > 0)
                 or (request.prompt_logprobs is not None and request.prompt_logprobs.wants(chunk)))
 
-    def _run(self, chunks: list[Chunk], tokens: int | None = None, page_tokens: int | None = None, *,
-             detail: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, StepDetail | None]:
-        """Runs the chunks (`pages_first` order) in the smallest bucket that holds them; (sampled ids (S,), their
-        log-probs (S,), each row's last token slot (S,), the detail step's outputs or None)."""
+    def _launch(self, chunks: list[Chunk], tokens: int | None = None, page_tokens: int | None = None, *,
+                detail: bool = False) -> _Launched:
+        """Launches the chunks (`pages_first` order) in the smallest bucket that holds them, without waiting for
+        the device. Each row that samples gets a pending token in its sequence (an id -(row + 1): the next step
+        reads it from this one's output), so the scheduler sees it decoding; its sequence is parked once that token
+        is its max_tokens-th."""
         n = sum(c.count for c in chunks)
         T = tokens or next(b for b in self.buckets if b >= n)
         S = min(T, self.max_seqs)
@@ -298,15 +348,56 @@ class InferenceEngine:
         reading = T if detail else page_tokens or page_bucket(T, sum(c.count for c in chunks if c.start > 0))
         ids, batch = layout(chunks, tokens=T, rows=S, page_size=self.page_size, pages_per_seq=self.pages_per_seq)
         sampling = self._row_sampling(chunks, S)
+        args = (self.params, self.pool, ids, self._previous, batch, sampling, self.vocab_limit)
+        compiled = self._programs.get((T, reading, detail))  # warmup's, called without the static page_tokens
         if detail:
-            out = self._detail_step(self.params, self.pool, ids, batch, sampling, self.vocab_limit, reading,
-                                    targets(chunks, T))
-            found = StepDetail(np.asarray(out.target_logprobs), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+            extra = (targets(chunks, T),)
+            out = compiled(*args, *extra) if compiled else self._detail_step(*args, reading, *extra)
         else:
-            out = self._step(self.params, self.pool, ids, batch, sampling, self.vocab_limit, reading)
-            found = None
-        self.pool = out.pool
-        return np.asarray(out.tokens), np.asarray(out.logprobs), batch.last, found
+            out = compiled(*args) if compiled else self._step(*args, reading)
+        self.pool, self._previous = out.pool, out.sampled
+        self.scheduler.advance(chunks)
+        pending: list[int | None] = []
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if chunk.start + chunk.count != len(seq.tokens):  # a prompt chunk short of its end samples nothing
+                pending.append(None)
+                continue
+            pending.append(len(seq.tokens))
+            seq.tokens.append(-(row + 1))
+            if seq.generated >= max(self._requests[seq.request_id].params.max_tokens, 1):
+                self.scheduler.park(seq)  # ends when this token is read: no step for it after this one
+        return _Launched(chunks, pending, out, batch.last, detail)
+
+    def _collect(self) -> list[TokenEvent]:
+        """Reads the launched step's results (one transfer; waits for the device) into its requests' events, and
+        forgets it. Rows of requests that ended or were cancelled since are dropped."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
+        sampled = np.asarray(launched.out.sampled)  # (2, M): tokens, log-probabilities' bits
+        tokens, logprobs = sampled[0], sampled[1].view(np.float32)
+        out = launched.out
+        found = StepDetail(np.asarray(out.target_logprobs), np.asarray(out.top_ids),
+                           np.asarray(out.top_logprobs)) if launched.detail else None
+        events = []
+        first_slot = 0
+        for row, (chunk, at) in enumerate(zip(launched.chunks, launched.pending)):
+            seq = chunk.seq
+            request = self._requests.get(seq.request_id)
+            slot, first_slot = first_slot, first_slot + chunk.count
+            if request is None or request.seq is not seq:
+                continue
+            if request.prompt_logprobs is not None and found is not None:
+                request.prompt_logprobs.record(chunk, slot, found)
+            if at is not None:
+                seq.tokens[at] = int(tokens[row])
+            self.scheduler.cache.register(seq.table, seq.tokens, seq.computed)  # its tokens are all known now
+            if at is not None:
+                wants_top = request.params.logprobs and request.params.top_logprobs > 0
+                top = found.top(launched.last[row], request.params.top_logprobs) if wants_top else ()
+                events.append(self._accept(seq, at, float(logprobs[row]), top))
+        return events
 
     def _row_sampling(self, chunks: list[Chunk], rows: int) -> RowSampling:
         """Each row's settings; rows that do not sample this step (and padding rows) are greedy."""
@@ -329,10 +420,12 @@ class InferenceEngine:
                     banned[r, :len(stops)] = stops
         return RowSampling(temperature, top_k, top_p, key, draw, logprob_temperature, banned)
 
-    def _accept(self, seq: Sequence, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenEvent:
-        """Appends a sampled token to its request; ends the request on a stop token, a stop string or max_tokens
-        (at once for max_tokens=0, whose token is dropped: the request only scores its prompt)."""
+    def _accept(self, seq: Sequence, at: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenEvent:
+        """Takes the token sampled at seq.tokens[at] into its request; ends the request on a stop token, a stop
+        string or max_tokens (at once for max_tokens=0, whose token is dropped: the request only scores its
+        prompt)."""
         request = self._requests[seq.request_id]
+        token = seq.tokens[at]
         prompt = None
         if request.prompt_logprobs is not None:  # complete: the prompt was computed to its end before this token
             prompt, request.prompt_logprobs = request.prompt_logprobs.result(), None
@@ -341,7 +434,6 @@ class InferenceEngine:
             del self._requests[seq.request_id]
             self.scheduler.remove(seq)
             return TokenEvent(seq.request_id, None, "", None, "length", prompt=prompt)
-        seq.tokens.append(token)
         finish = None
         if token in request.stop_ids:
             text, finish = request.stream.finish(), "stop"
@@ -349,7 +441,7 @@ class InferenceEngine:
             text, stopped = request.stream.add(token)
             if stopped:
                 finish = "stop"
-            elif seq.generated >= request.params.max_tokens:
+            elif at + 1 - seq.prompt_len >= request.params.max_tokens:
                 text, finish = text + request.stream.finish(), "length"
         if finish is not None:
             del self._requests[seq.request_id]

@@ -1,14 +1,21 @@
 """Attention over a paged KV cache for one engine step: a ragged batch of tokens from many sequences, each
 sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
 
-The pool is one array for all layers, (L, pages, page_size, 2 * KV, hd) in the compute dtype, keys and values
-interleaved along the head axis (k0, v0, k1, v1, ...), or that array in int8 with a float32 scale per row
-(`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written, dequantized as pages are read):
-the layout of JAX's TPU ragged paged attention kernel
-(`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), whose inputs `RaggedBatch` also carries (kv_lens,
-page_indices, cu_q_lens, num_seqs). One array for the layers lets the compiled step update the pool in place: the
-layers' scan carries it whole, writes each layer's new keys and values with a scatter and reads pages with a
-gather, so no layer's pool is sliced out and copied.
+The pool is one array for all layers, (L, pages, page_size, KV, 2 * hd) in the compute dtype, each key/value
+head's row its key and its value side by side ([k | v]), or that array in int8 with a float32 scale per key and per
+value (`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written, dequantized as pages are
+read). Side by side, a row is 128 lanes or more for every head width our families use (64, 128, 256). A TPU tiles an
+array's two minor axes by (8 or 16) x 128; it stored the former interleaved layout (..., 2 * KV, 64) with its pages
+minor-most instead, and the compiled step copied the whole donated pool twice a step, into the layers' loop and back
+(2 x 2.1 GB for llama-1b's 4,099 pages; tests/plan/test_serve.py checks the compiled program). With 8 key/value heads
+or more the (KV, 2 * hd) tile is dense; with 1 (Gemma) the 512-lane rows were not copied either; with 2 or 4 heads of
+64 (Qwen2.5-0.5B's shape) the compiled step still relays the whole pool out once a step for its gather (seen in the
+compiled program, not yet fixed). Heads before pages ((L, KV, pages, page_size, 2 * hd): a page's 16 tokens x 128
+lanes, dense for any head count) was tried and is worse: XLA's scatter into it and its gather out of it each copied.
+`RaggedBatch` carries what ragged paged attention kernels take (kv_lens, page_indices, cu_q_lens, num_seqs). One
+array for the layers lets the compiled step update the pool in place: the layers' scan carries it whole, writes each
+layer's new keys and values with a scatter and reads pages with a gather, so no layer's pool is sliced out and
+copied.
 
 `ragged_paged_attention` is the plain-JAX formulation that runs on every platform, one online softmax (flash
 attention's running max and sum) over two sets of keys:
@@ -64,16 +71,20 @@ class RaggedBatch(NamedTuple):
     seq_lens: jax.Array
 
 
-# The pool: (L, pages, page_size, 2 * KV, hd) in the compute dtype, or a QArray of int8 values of that shape and
-# float32 scales (L, pages, page_size, 2 * KV, 1).
+# The pool: (L, pages, page_size, KV, 2 * hd) in the compute dtype, or a QArray of int8 values of that shape and
+# float32 scales (L, pages, page_size, KV, 2), one for the key and one for the value (MLA: (L, pages, page_size, 1, C)
+# and scales (..., 1)).
 Pool = jax.Array | qwix.QArray
 
 
-def quantize_kv(x: jax.Array) -> qwix.QArray:
-    """x (..., hd) -> int8 values (..., hd) and one float32 scale (..., 1) per row: symmetric absmax over head_dim
-    (Qwix's), each element within scale / 2 = absmax / 255 of its value. In float32 whatever x's dtype: bfloat16's
-    8-bit mantissa would round x / scale once more before the rounding to an integer."""
-    return qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=tuple(range(x.ndim - 1)))
+def quantize_kv(x: jax.Array, width: int | None = None) -> qwix.QArray:
+    """x (..., W) -> int8 values (..., W) and one float32 scale per `width` entries (default W) of each row, (...,
+    W / width): symmetric absmax over each head's vector (Qwix's), each element within scale / 2 = absmax / 255 of
+    its value. A pool row [k | v] takes width=hd: a scale for the key and one for the value. In float32 whatever x's
+    dtype: bfloat16's 8-bit mantissa would round x / scale once more before the rounding to an integer."""
+    width = width or x.shape[-1]
+    return qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=tuple(range(x.ndim - 1)),
+                         tiled_axes={x.ndim - 1: width})
 
 
 def as_stored(x: jax.Array) -> jax.Array:
@@ -85,7 +96,7 @@ class PagedKV(NamedTuple):
     """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
     and values and attends over the pages."""
 
-    pool: Pool  # (L, pages, page_size, 2 * KV, hd)
+    pool: Pool  # (L, pages, page_size, KV, 2 * hd)
     layer: jax.Array | int  # this layer's index into the pool
     batch: RaggedBatch
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
@@ -112,12 +123,12 @@ class PagedKV(NamedTuple):
 def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array) -> Pool:
     """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized); v None:
     MLA's latent rows k (T, 1, C) alone."""
-    T, KV, hd = k.shape
+    hd = k.shape[-1]
     page_size = pool.shape[2]
-    kv = k if v is None else jnp.stack([k, v], axis=2).reshape(T, 2 * KV, hd)  # (T, 2KV, hd): k0, v0, k1, v1, ...
+    kv = k if v is None else jnp.concatenate([k, v], axis=-1)  # (T, KV, 2hd): [k | v] per head
     where = (layer, slots // page_size, slots % page_size)
-    if isinstance(pool, qwix.QArray):  # values (T, 2KV, hd) int8 and scales (T, 2KV, 1) into their two arrays
-        return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv))
+    if isinstance(pool, qwix.QArray):  # values (T, KV, 2hd) int8 and scales (T, KV, 2) into their two arrays
+        return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv, hd))
     return pool.at[where].set(kv.astype(pool.dtype))
 
 
@@ -195,7 +206,7 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
     pages (`tables` (T, pages_per_seq): each token's sequence's page table), a block at a time, over the blocks some
     token of this step needs. value_dim > 0: MLA's rows, keys and (their first value_dim entries) values."""
     T, KV, G, hd = qg.shape
-    L, P, page_size, row_heads = pool.shape[:4]
+    L, P, page_size, row_heads, width = pool.shape
     block_pages = max(1, (block_keys or keys_per_block()) // page_size)
     B = block_pages * page_size  # keys per block
     # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
@@ -216,8 +227,8 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
         # where the step's shorter sequences would each fetch pages from memory only to mask them.
         needed = real & (j * B < end) & ((j + 1) * B > first)  # (T,)
         ids = jnp.where(needed[:, None], ids, null)
-        kv = _gather(pages, ids, qg.dtype).reshape(T, B, row_heads, hd)  # (T, B, 2KV, hd), MLA: (T, B, 1, C)
-        k, v = (kv, kv[..., :value_dim]) if value_dim else (kv[:, :, 0::2], kv[:, :, 1::2])  # (T, B, KV, hd) each
+        kv = _gather(pages, ids, qg.dtype).reshape(T, B, row_heads, width)  # (T, B, KV, 2hd), MLA: (T, B, 1, C)
+        k, v = (kv, kv[..., :value_dim]) if value_dim else (kv[..., :hd], kv[..., hd:])  # (T, B, KV, hd) each
         s = _capped(jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (T, KV, G, B)
         keys = j * B + jnp.arange(B)  # (B,) key positions
         visible = (keys[None] < end[:, None]) & (keys[None] >= first[:, None])  # (T, B)
@@ -241,7 +252,7 @@ def _capped(scores: jax.Array, softcap: float) -> jax.Array:
 
 
 def _gather(pages: Pool, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Pages (N, page_size, 2KV, hd) by ids (T, bp) -> (T, bp, page_size, 2KV, hd); an int8 pool's pages with their
+    """Pages (N, page_size, KV, 2hd) by ids (T, bp) -> (T, bp, page_size, KV, 2hd); an int8 pool's pages with their
     scales, dequantized into `dtype` (the compute dtype: the score and value matmuls run in it, as for a float
     pool)."""
     if isinstance(pages, qwix.QArray):

@@ -62,7 +62,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
     pool_sharding = pool_layout(params, mesh, rules)
-    heads = pool_shape(model, 1, page_size, "auto").shape[3]  # 2 x kv_heads, MLA's one latent row
+    heads = pool_shape(model, 1, page_size, "auto").shape[3]  # kv_heads, MLA's one latent row
     split = heads // pool_sharding.shard_shape((1, 1, 1, heads, 1))[3]  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
     step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
@@ -83,7 +83,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
                                jax.ShapeDtypeStruct((rows, 2), jnp.uint32, sharding=replicated), ints(rows), reals(rows),
                                ints(rows, MAX_BANNED))
         with activate(mesh, rules):
-            return step.lower(params, pool, ints(tokens), batch, sampling, ints(), reading)
+            # previous: the last step's sampled tokens, (2, max_seqs); here rows is max_seqs.
+            return step.lower(params, pool, ints(tokens), ints(2, rows), batch, sampling, ints(), reading)
 
     def lower_step(sequences: int, prefill: int, pages: int):
         # The engine's step with max_seqs = sequences + 1 and max_tokens_per_step = sequences + prefill: a token for

@@ -193,6 +193,12 @@ class Scheduler:
             seq.table.root = self._root(seq)
             hit = 0 if seq.scores_prompt else self.cache.match_prefix(seq.table, seq.tokens)
             count = min(len(seq.tokens) - hit, budget)
+            if count < len(seq.tokens) - hit <= self.max_tokens_per_step:
+                # A prompt that one step holds waits for a step with room for all of it: a prompt split over two
+                # steps has its second chunk read the first's keys from the pages, a gather per token
+                # (paged_attention.py), which made a v5e step that prefilled beside 64 decodes 2.5x slower.
+                self.cache.release(seq.table)
+                return
             if not self.cache.grow(seq.table, hit + count):
                 self.cache.release(seq.table)  # the matched pages go back to the cache
                 return
@@ -205,10 +211,19 @@ class Scheduler:
 
     def advance(self, chunks: list[Chunk]) -> None:
         """Records that the step ran: the chunks' tokens are computed, and their pages that became full are
-        keyed in the prefix cache."""
+        keyed in the prefix cache, up to the first pending token (a negative id: the engine's token sampled by a
+        step whose results it has not read; it keys the rest with `cache.register` once they are known)."""
         for chunk in chunks:
-            chunk.seq.computed = chunk.start + chunk.count
-            self.cache.register(chunk.seq.table, chunk.seq.tokens, chunk.seq.computed)
+            seq = chunk.seq
+            seq.computed = chunk.start + chunk.count
+            known = seq.computed - (seq.tokens[seq.computed - 1] < 0)  # only a decode's input may be pending
+            self.cache.register(seq.table, seq.tokens, known)
+
+    def park(self, seq: Sequence) -> None:
+        """Schedules a running sequence no more, its pages kept: it ends when its last step's token is read
+        (`remove` then gives the pages back)."""
+        if seq in self.running:
+            self.running.remove(seq)
 
 
 def layout(chunks: list[Chunk], *, tokens: int, rows: int, page_size: int, pages_per_seq: int

@@ -47,8 +47,10 @@ class RowSampling(NamedTuple):
 
 class StepOutput(NamedTuple):
     pool: Pool  # the updated pool
-    tokens: jax.Array  # (S,) int32: each row's sampled token
-    logprobs: jax.Array  # (S,) float32: its log-probability under softmax(logits / logprob_temperature) (no top-k/p)
+    # (2, M) int32, M the engine's max_seqs (one shape for every bucket): row r's sampled token at [0, r], and at
+    # [1, r] its log-probability under softmax(logits / logprob_temperature) (no top-k/p), a float32's bits. One
+    # array, so the host reads a step's results in one transfer; the next step reads its tokens on the device.
+    sampled: jax.Array
     # Detail steps only (None otherwise), per token slot: the log-probability of its target (T,), and its
     # MAX_LOGPROBS most likely ids (T, K) int32 with theirs (T, K) float32, most likely first.
     target_logprobs: jax.Array | None = None
@@ -56,13 +58,16 @@ class StepOutput(NamedTuple):
     top_logprobs: jax.Array | None = None
 
 
-def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, batch: RaggedBatch,
-                sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None,
+def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, previous: jax.Array,
+                batch: RaggedBatch, sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None,
                 targets: jax.Array | None = None) -> StepOutput:
-    """tokens (T,) laid out by `batch` -> the next token of each row. Ids >= vocab_limit (the embedding's padding
-    rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py).
+    """tokens (T,) laid out by `batch` -> the next token of each row. A token id -(r + 1) is row r's token sampled
+    by the step before, read from that step's `previous` (2, M) `StepOutput.sampled` on the device: the engine
+    launches a step before the host has read the last one's tokens (engine.py). Ids >= vocab_limit (the embedding's
+    padding rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py).
     `targets` (T,) int32: each token's next token, for a detail step (see above)."""
     model = nnx.merge(graphdef, params)
+    tokens = jnp.where(tokens >= 0, tokens, previous[0, jnp.maximum(-tokens - 1, 0)])  # (T,)
     every = targets is not None
     logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens), every_token=every)
     token_logits, logits = (logits, logits[batch.last]) if every else (None, logits)  # (T, V), (S, V) float32
@@ -87,14 +92,16 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Arr
     # x / 1.0 is x exactly, so serving's raw log-probabilities are unchanged by the division.
     logp = jax.nn.log_softmax(limited / sampling.logprob_temperature[:, None], axis=-1)  # (S, V)
     chosen = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # (S,)
+    sampled = jnp.zeros_like(previous).at[:, :ids.shape[0]].set(
+        jnp.stack([ids, jax.lax.bitcast_convert_type(chosen, jnp.int32)]))  # (2, M)
     if not every:
-        return StepOutput(pool, ids, chosen)
+        return StepOutput(pool, sampled)
     # Every token's distribution at its row's log-probability temperature.
     per_token = sampling.logprob_temperature[batch.rows][:, None]  # (T, 1)
     token_logp = jax.nn.log_softmax(jnp.where(in_vocab, token_logits, -jnp.inf) / per_token, axis=-1)  # (T, V)
     target = jnp.take_along_axis(token_logp, targets[:, None], axis=-1)[:, 0]  # (T,)
     top_logprobs, top_ids = jax.lax.top_k(token_logp, MAX_LOGPROBS)  # (T, K) each
-    return StepOutput(pool, ids, chosen, target, top_ids.astype(jnp.int32), top_logprobs)
+    return StepOutput(pool, sampled, target, top_ids.astype(jnp.int32), top_logprobs)
 
 
 # One compiled step per model (and shape) for every engine of a process: the jitted closures by graphdef. Not
@@ -105,24 +112,35 @@ _STEPS: dict[nnx.GraphDef, Callable[..., StepOutput]] = {}
 
 def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: Rules | None,
               param_shardings: Any, pool_sharding: Any, detail: bool = False) -> Callable[..., StepOutput]:
-    """`engine_step` compiled for this model and layout: f(params, pool, tokens, batch, sampling, vocab_limit,
-    page_tokens), page_tokens static; with `detail`, f(..., page_tokens, targets), the detail step.
+    """`engine_step` compiled for this model and layout: f(params, pool, tokens, previous, batch, sampling,
+    vocab_limit, page_tokens), page_tokens static; with `detail`, f(..., page_tokens, targets), the detail step;
+    f.lower(...) as jit's.
     The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a
     mesh, the shardings in and out are fixed, so no call after the first of a shape compiles again, and the batch
     arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
         # (A detail call passes one argument more: jit traces it as its own program.)
         if graphdef not in _STEPS:
-            _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6)
+            _STEPS[graphdef] = jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=7)
         return _STEPS[graphdef]
-    compiled = jit_step(graphdef, mesh=mesh, param_shardings=param_shardings, pool_sharding=pool_sharding,
-                        detail=detail)
+    return _OnMesh(jit_step(graphdef, mesh=mesh, param_shardings=param_shardings, pool_sharding=pool_sharding,
+                            detail=detail), mesh, rules)
 
-    def run(*args):
-        with activate(mesh, rules):  # the layers' logical axis names resolve to the mesh while tracing
-            return compiled(*args)
 
-    return run
+class _OnMesh:
+    """A jitted step traced inside `activate(mesh, rules)`: the layers' logical axis names resolve to the mesh while
+    tracing. Called as the jitted function, or `lower`ed (the engine's warm-up compiles the programs together)."""
+
+    def __init__(self, jitted: Any, mesh: jax.sharding.Mesh, rules: Rules | None):
+        self._jitted, self._mesh, self._rules = jitted, mesh, rules
+
+    def __call__(self, *args):
+        with activate(self._mesh, self._rules):
+            return self._jitted(*args)
+
+    def lower(self, *args):
+        with activate(self._mesh, self._rules):
+            return self._jitted.lower(*args)
 
 
 def jit_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh, param_shardings: Any,
@@ -132,7 +150,7 @@ def jit_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh, param_shardings
     the detail step (it takes the targets after page_tokens)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     extra = (replicated,) * detail  # the targets
-    out = StepOutput(pool_sharding, replicated, replicated, *(replicated,) * (3 * detail))
-    return jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=6,
+    out = StepOutput(pool_sharding, replicated, *(replicated,) * (3 * detail))
+    return jax.jit(functools.partial(engine_step, graphdef), donate_argnums=1, static_argnums=7,
                    in_shardings=(param_shardings, pool_sharding, replicated, replicated, replicated, replicated,
-                                 *extra), out_shardings=out)
+                                 replicated, *extra), out_shardings=out)
