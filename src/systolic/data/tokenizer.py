@@ -95,6 +95,8 @@ class ByteTokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (any integer array or list); special ids are dropped (or spelt out, when not
         `skip_special_tokens`), broken UTF-8 becomes U+FFFD."""
+        if skip_special_tokens and isinstance(ids, list):  # the serving engine's few ids a token: no numpy round trip
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         ids = np.asarray(ids).reshape(-1)
         if not skip_special_tokens:
             names = {i: name for name, i in self.special_tokens.items()}

@@ -143,15 +143,21 @@ class Scheduler:
         planned: dict[int, Chunk] = {}  # by arrival
         decoding = [s for s in self.running if s.remaining == 1]
         prefilling = [s for s in self.running if s.remaining > 1]
+        # Counted as they change, not summed per sequence: a step of 256 decodes summed its plan 256 times.
+        used, preempted, running = 0, self.preemptions, set(map(id, self.running))
         for seq in decoding + prefilling:
-            budget = self.max_tokens_per_step - sum(c.count for c in planned.values())
+            budget = self.max_tokens_per_step - used
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted for an older sequence's pages
+            if id(seq) not in running:  # preempted for an older sequence's pages
                 continue
             count = min(seq.remaining, budget)
             if self._fit(seq, seq.computed + count, planned):
                 planned[seq.arrival] = Chunk(seq, seq.computed, count)
+                used += count
+            if self.preemptions != preempted:  # victims left the plan and the running set
+                used, preempted = sum(c.count for c in planned.values()), self.preemptions
+                running = set(map(id, self.running))
         chunks = list(planned.values())
         self._admit(chunks)
         return chunks
@@ -230,30 +236,32 @@ def layout(chunks: list[Chunk], *, tokens: int, rows: int, page_size: int, pages
            ) -> tuple[np.ndarray, RaggedBatch]:
     """The chunks laid out in `tokens` token slots and `rows` rows (a bucket), one contiguous run of tokens per row
     in the chunks' order: (token ids (T,) int32, the batch as host arrays). Padding tokens write into the null
-    page."""
-    ids = np.zeros(tokens, np.int32)
-    positions = np.zeros(tokens, np.int32)
-    token_rows = np.zeros(tokens, np.int32)
-    slots = np.full(tokens, NULL_PAGE * page_size, np.int32)
+    page. Built in Python lists, then one conversion per array: a step of 256 decodes is 256 rows of one token,
+    where numpy's per-call cost was most of the layout."""
+    ids, positions, token_rows, slots, kv_lens, seq_lens, counts = [], [], [], [], [], [], []
     page_table = np.full((rows, pages_per_seq), NULL_PAGE, np.int32)
-    kv_lens = np.zeros(rows, np.int32)
-    cu_q_lens = np.zeros(rows + 1, np.int32)
-    last = np.zeros(rows, np.int32)
-    seq_lens = np.zeros(rows, np.int32)
-    t = 0
     for r, chunk in enumerate(chunks):
-        seq, n = chunk.seq, chunk.count
-        pos = np.arange(chunk.start, chunk.start + n)
-        pages = np.asarray(seq.table.pages, np.int32)
-        ids[t:t + n] = seq.tokens[chunk.start:chunk.start + n]
-        positions[t:t + n] = pos
-        token_rows[t:t + n] = r
-        slots[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
+        seq, start, n = chunk.seq, chunk.start, chunk.count
+        pages = seq.table.pages
+        span = range(start, start + n)
+        ids += seq.tokens[start:start + n]
+        positions += span
+        token_rows += [r] * n
+        slots += [pages[p // page_size] * page_size + p % page_size for p in span]
         page_table[r, :len(pages)] = pages
-        kv_lens[r] = chunk.start + n
-        seq_lens[r] = len(seq.tokens)
-        t += n
-        cu_q_lens[r + 1:] = t
-        last[r] = t - 1
-    return ids, RaggedBatch(positions, token_rows, slots, np.int32(t), page_table, kv_lens, cu_q_lens,
-                            np.array([len(chunks)], np.int32), last, seq_lens)
+        kv_lens.append(start + n)
+        seq_lens.append(len(seq.tokens))
+        counts.append(n)
+    t, s = len(ids), len(chunks)
+
+    def padded(values: list[int], size: int, fill: int = 0) -> np.ndarray:
+        out = np.full(size, fill, np.int32)
+        out[:len(values)] = values
+        return out
+
+    cu = np.cumsum(counts, dtype=np.int32)  # (s,)
+    cu_q_lens = padded([0, *cu.tolist()], rows + 1, t)  # padding rows: empty runs at the end
+    return padded(ids, tokens), RaggedBatch(
+        padded(positions, tokens), padded(token_rows, tokens), padded(slots, tokens, NULL_PAGE * page_size),
+        np.int32(t), page_table, padded(kv_lens, rows), cu_q_lens, np.array([s], np.int32), padded(cu - 1, rows),
+        padded(seq_lens, rows))
