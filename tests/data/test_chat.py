@@ -6,6 +6,7 @@ decoding. The tokenizers are trained here and saved by transformers itself: no d
 import json
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -309,8 +310,18 @@ def test_generate_chat_stops_at_the_end_of_turn(chat_run, monkeypatch):
     end = tokenizer.token_id("<|im_end|>")
     written = np.concatenate([tokenizer.encode("Paris."), [end], tokenizer.encode(" Junk")])
     steps = iter(written.tolist())  # the engine's step samples one token of the request: these, one a step
-    # (sampled ids, their log-probabilities, each row's last token slot, no detail outputs)
-    monkeypatch.setattr(InferenceEngine, "_run", lambda self, chunks, detail: (np.array([next(steps)]), np.zeros(1),
-                                                                               np.zeros(1, np.int32), None))
+    launch = InferenceEngine._launch
+
+    def scripted(self, chunks, *args, **kwargs):
+        """The launched step, its sampled row (2, max_seqs) replaced by the next scripted token (logprob bits 0)."""
+        launched = launch(self, chunks, *args, **kwargs)
+        if any(at is not None for at in launched.pending):
+            sampled = np.zeros((2, self.max_seqs), np.int32)
+            sampled[0, 0] = next(steps)
+            launched.out = launched.out._replace(sampled=sampled)
+            self._previous = jnp.asarray(sampled)  # what the next step reads on the device
+        return launched
+
+    monkeypatch.setattr(InferenceEngine, "_launch", scripted)
     code, out, err = call("generate", str(run), "--chat", "--prompt", "Capital?", "--max-new-tokens", str(len(written)))
     assert code == 0 and out == "Paris.\n", err
