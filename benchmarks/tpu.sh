@@ -4,7 +4,8 @@
 #          platforms and a bit-exact resume, an int8 x int8 train step), one process
 #   train  `systolic bench lm` rows: gpt2-124m, llama-1b cut to 8 layers, llama-1b-v5e; step time, tokens/s, MFU
 #          against the 197 TFLOP/s bf16 data sheet, compile time
-#   serve  benchmarks/serve_engine.py on llama-1b in bfloat16 at 16 and 64 requests in flight
+#   serve  benchmarks/serve_engine.py, bfloat16: llama-1b at 1/16/64/256 requests in flight, gemma3-1b at 1/64, a
+#          Gemma-2B shape at 64/256 (tok/s, TTFT, TPOT, warm-up)
 #   rl     `systolic train rl --recipe rl-cartpole`: environment steps/s
 #   sim    `systolic simulate --recipe sim-taylor-green` in float32 on 512^2: solver steps/s
 # Default: all five in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each

@@ -458,7 +458,9 @@ def test_n_best_of_and_vllms_sampling_fields(srv, model, run_dir):
     kept = post(max_tokens=16, temperature=0, stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"]
     assert kept == greedy[: greedy.index(stop) + len(stop)]
 
+    # ignore_eos: a sampled end token (no seed: any run may draw one) would end a choice early, its count short
     events = srv.post("/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 5, "stream": True, "n": 2,
+                                          "ignore_eos": True,
                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     chunks = [json.loads(line[6:]) for line in events.text.splitlines() if line.startswith("data: {")]
     assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 10
