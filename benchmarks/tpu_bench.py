@@ -64,7 +64,8 @@ TRAIN_ROWS = (
         scan_layers=True, timeout_s=170, extra=("model.remat=full",)),
 )
 # The serving rows (benchmarks/serve_engine.py, random weights, greedy, 128-token prompts): (label, arguments). Cold
-# warm-ups measured 2026-12-06: 47 s (llama-1b), 64 s (gemma3-1b), 62 s (the Gemma-2B shape); 8 s warm.
+# warm-ups measured 2026-12-06 (commit b067cb5): 47 s (llama-1b), 62 s (gemma3-1b), 68 s (the Gemma-2B shape); 8 s
+# warm (llama-1b).
 BF16 = ["--dtype", "bfloat16"]
 SERVE_ROWS = (
     ("llama-1b bfloat16 (head_dim 64)", ["--recipe", "llama-1b", *BF16, "--levels", "1,16,64,256", "--max-seqs", "256",

@@ -315,15 +315,20 @@ class InferenceEngine:
                              f"{time.perf_counter() - start:.1f} s")
 
     def _lower(self, size: int, reading: int, detail: bool) -> Any:
-        """The step program of `size` token slots, `reading` of them reading pages, lowered (traced) for its
-        arguments' shapes, as `_run` calls it."""
-        ids, batch = layout([], tokens=size, rows=min(size, self.max_seqs), page_size=self.page_size,
+        """The step program of `size` token slots, `reading` of them reading pages, lowered (traced) for the
+        arguments `_launch` passes it."""
+        args, extra = self._inputs([], size, reading, detail)
+        return (self._detail_step if detail else self._step).lower(*args, reading, *extra)
+
+    def _inputs(self, chunks: list[Chunk], tokens: int, reading: int, detail: bool
+                ) -> tuple[tuple, tuple[np.ndarray, ...]]:
+        """The step's arguments for the chunks in `tokens` slots, before the static page_tokens (`reading`), and
+        after it (the detail step's targets)."""
+        ids, batch = layout(chunks, tokens=tokens, rows=min(tokens, self.max_seqs), page_size=self.page_size,
                             pages_per_seq=self.pages_per_seq)
-        args = (self.params, self.pool, ids, self._previous, batch, self._row_sampling([], batch.kv_lens.shape[0]),
-                self.vocab_limit)
-        if detail:
-            return self._detail_step.lower(*args, reading, targets([], size))
-        return self._step.lower(*args, reading)
+        args = (self.params, self.pool, ids, self._previous, batch,
+                self._row_sampling(chunks, batch.kv_lens.shape[0]), self.vocab_limit)
+        return args, (targets(chunks, tokens),) if detail else ()
 
     @staticmethod
     def _wants_alternatives(request: _Request) -> bool:
@@ -343,18 +348,14 @@ class InferenceEngine:
         is its max_tokens-th."""
         n = sum(c.count for c in chunks)
         T = tokens or next(b for b in self.buckets if b >= n)
-        S = min(T, self.max_seqs)
         # The detail step is compiled for every token reading pages only (one program per bucket, not per reading).
         reading = T if detail else page_tokens or page_bucket(T, sum(c.count for c in chunks if c.start > 0))
-        ids, batch = layout(chunks, tokens=T, rows=S, page_size=self.page_size, pages_per_seq=self.pages_per_seq)
-        sampling = self._row_sampling(chunks, S)
-        args = (self.params, self.pool, ids, self._previous, batch, sampling, self.vocab_limit)
+        args, extra = self._inputs(chunks, T, reading, detail)
         compiled = self._programs.get((T, reading, detail))  # warmup's, called without the static page_tokens
-        if detail:
-            extra = (targets(chunks, T),)
-            out = compiled(*args, *extra) if compiled else self._detail_step(*args, reading, *extra)
+        if compiled is not None:
+            out = compiled(*args, *extra)
         else:
-            out = compiled(*args) if compiled else self._step(*args, reading)
+            out = (self._detail_step if detail else self._step)(*args, reading, *extra)
         self.pool, self._previous = out.pool, out.sampled
         self.scheduler.advance(chunks)
         pending: list[int | None] = []
@@ -367,7 +368,7 @@ class InferenceEngine:
             seq.tokens.append(-(row + 1))
             if seq.generated >= max(self._requests[seq.request_id].params.max_tokens, 1):
                 self.scheduler.park(seq)  # ends when this token is read: no step for it after this one
-        return _Launched(chunks, pending, out, batch.last, detail)
+        return _Launched(chunks, pending, out, args[4].last, detail)  # args[4]: the RaggedBatch
 
     def _collect(self) -> list[TokenEvent]:
         """Reads the launched step's results (one transfer; waits for the device) into its requests' events, and

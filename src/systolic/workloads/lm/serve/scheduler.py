@@ -202,7 +202,8 @@ class Scheduler:
             if count < len(seq.tokens) - hit <= self.max_tokens_per_step:
                 # A prompt that one step holds waits for a step with room for all of it: a prompt split over two
                 # steps has its second chunk read the first's keys from the pages, a gather per token
-                # (paged_attention.py), which made a v5e step that prefilled beside 64 decodes 2.5x slower.
+                # (paged_attention.py). On a v5e (llama-1b, 64 in flight) the 256-token steps in which every token
+                # read pages took 24.5 ms against 5.2 ms for a decode step; not splitting: 5,566 -> 8,279 tok/s.
                 self.cache.release(seq.table)
                 return
             if not self.cache.grow(seq.table, hit + count):
