@@ -4,6 +4,7 @@ message, never a traceback, and a command that fails leaves existing run directo
 import contextlib
 import hashlib
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +42,17 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def call(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
+    # `plan` sets XLA_FLAGS and JAX_PLATFORMS for the process it starts in (plan/command.py); here that is a test
+    # worker, whose later subprocesses (test_cli.py's) then saw one CPU device instead of eight: put them back.
+    environ = dict(os.environ)
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's own usage errors
             code = e.code
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
     return code, err.getvalue()
 
 
