@@ -40,7 +40,7 @@ def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
     assert q.kv_bytes_per_token == 2 * L * KV * (hd + 4)
     pool = q.lower_step(3, 0, 7).args_info[0][1]  # the pool: a QArray of values and scales
     values, scales = pool.qvalue, pool.scale
-    assert values.dtype == jnp.int8 and scales.shape == (*values.shape[:-1], 2)  # a key's and a value's
+    assert values.dtype == jnp.int8 and scales.shape == (*values.shape[:-1], 2 * KV)  # each head's key's and value's
     lowered = sum(math.prod(a.shape) * a.dtype.itemsize for a in (values, scales))
     assert lowered == 7 * 16 * q.kv_bytes_per_token
 
@@ -125,12 +125,14 @@ def test_tiny_model_on_a_v5e_4_compiles_tensor_parallel():
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with")
-def test_the_tpu_step_updates_a_head_dim_64_pool_in_place():
-    """The donated pool is aliased to the step's output and never copied: with heads 64 wide (llama-1b's) the former
-    (..., 2 x KV, 64) layout made the TPU compiler store it pages-minor and copy it into and out of the layers' loop,
-    2 x 2.1 GB a step for llama-1b's 4,099 pages (docs/performance.md, "Serving on one v5e"). Compiled with libtpu
-    for a v5e chip, 2 layers x 512 (8 heads of 64, 8 key/value heads: llama-1b's rows of 8 x 128), 4,096 pages. (With
-    2 or 4 key/value heads of 64 the rows are still copied: docs/performance.md.)"""
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_the_tpu_step_updates_a_head_dim_64_pool_in_place(kv_heads):
+    """The donated pool is aliased to the step's output and never copied, and the step's attention is the Pallas
+    kernel: with heads 64 wide (llama-1b's) the former (..., 2 x KV, 64) layout made the TPU compiler store it
+    pages-minor and copy it into and out of the layers' loop, 2 x 2.1 GB a step for llama-1b's 4,099 pages
+    (docs/performance.md, "Serving on one v5e"); (..., KV, 128) rows were still relaid out once a step with 2 key/value
+    heads (Qwen2.5-0.5B's shape). Compiled with libtpu for a v5e chip, 2 layers x 512 (8 heads of 64, 8 or 2
+    key/value heads), 4,096 pages."""
     from systolic import config as config_lib
     from systolic.plan import targets
     from systolic.plan.planner import compile_lowered, devices_for, for_target
@@ -139,7 +141,7 @@ def test_the_tpu_step_updates_a_head_dim_64_pool_in_place():
 
     target = targets.resolve("v5e-1", mesh_devices=1)
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
-        *TINY_LM, "model.dtype=bfloat16", "model.d_model=512", "model.heads=8", "model.kv_heads=8",
+        *TINY_LM, "model.dtype=bfloat16", "model.d_model=512", "model.heads=8", f"model.kv_heads={kv_heads}",
         "model.max_seq_len=256"]))
     with for_target(target):
         m = plan_serve(cfg, devices_for(target), weights="bf16", kv="bf16", page_size=16)
@@ -150,6 +152,8 @@ def test_the_tpu_step_updates_a_head_dim_64_pool_in_place():
     assert memory.alias_size_in_bytes >= pool_bytes  # donated: the output is the input's memory
     assert memory.temp_size_in_bytes < pool_bytes / 8, memory.temp_size_in_bytes  # no copy of it
     model = cfg.model
-    shape = f"bf16[{model.layers},4096,16,{model.n_kv_heads},{2 * model.d_head}]"
-    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line and shape in line.split("=")[1]]
+    shape = f"bf16[{model.layers},4096,16,{model.n_kv_heads * 2 * model.d_head}]"
+    text = compiled.as_text()
+    copies = [line for line in text.splitlines() if " copy(" in line and shape in line.split("=")[1]]
     assert not copies, copies[:2]
+    assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention.py), not the plain gather

@@ -159,7 +159,7 @@ def test_inference_engine_matches_transformers(converted, kv_cache):
     # Layers as a list: the dense first layer and the MoE ones differ (a scan stacks identical layers).
     engine = assert_engine_matches_transformers(model, folder, scan_layers=False, kv_cache=kv_cache,
                                                 agree=NEW if kv_cache == "auto" else 4)
-    assert engine.pool.shape[3:] == (1, 16 + 8) if kv_cache == "auto" else engine.pool.qvalue.shape[3:] == (1, 24)
+    assert engine.pool.shape[3:] == (16 + 8,) if kv_cache == "auto" else engine.pool.qvalue.shape[3:] == (24,)
 
 
 def test_multi_token_prediction_layers_are_dropped_with_a_note(converted, tmp_path, capsys):

@@ -286,7 +286,7 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                 params = jax.eval_shape(lambda p: quant.quantize_params(p, scheme, stacked=True),
                                         nnx.to_pure_dict(abstract))
                 params = jax.tree.map(lambda s: spec(*s.shape, dtype=s.dtype), params)
-                pool = spec(cfg.layers, pages, page_size, cfg.n_kv_heads, 2 * cfg.d_head, dtype=jnp.bfloat16)
+                pool = spec(cfg.layers, pages, page_size, cfg.n_kv_heads * 2 * cfg.d_head, dtype=jnp.bfloat16)
                 batch = RaggedBatch(spec(T), spec(T), spec(T), spec(), spec(S, pages), spec(S), spec(S + 1), spec(1),
                                     spec(S), spec(S))
                 sampling = RowSampling(spec(S, dtype=jnp.float32), spec(S), spec(S, dtype=jnp.float32),

@@ -27,8 +27,8 @@ def test_int8_pool_layout_and_bytes():
     (hd + 4) bytes, against 2 x layers x kv_heads x hd x 4 in float32 and x 2 in bfloat16."""
     cfg = ModelConfig(d_model=32, layers=3, heads=4, kv_heads=2, dtype="float32")  # head_dim 8
     pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "int8"))
-    assert pool.qvalue.shape == (3, 5, PAGE, 2, 16) and pool.qvalue.dtype == jnp.int8 and not np.any(pool.qvalue)
-    assert pool.scale.shape == (3, 5, PAGE, 2, 2) and pool.scale.dtype == jnp.float32
+    assert pool.qvalue.shape == (3, 5, PAGE, 2 * 16) and pool.qvalue.dtype == jnp.int8 and not np.any(pool.qvalue)
+    assert pool.scale.shape == (3, 5, PAGE, 2 * 2) and pool.scale.dtype == jnp.float32
     assert kv_pool.token_bytes(cfg, "auto") == 2 * 3 * 2 * 8 * 4
     assert kv_pool.token_bytes(cfg, "int8") == 2 * 3 * 2 * (8 + 4)
     llama_1b = ModelConfig(d_model=2048, layers=16, heads=32, kv_heads=8, dtype="bfloat16")

@@ -49,7 +49,7 @@ def make_case(seed: int = 0):
         t += n
     new_k[n_real:] = rng.normal(size=(T - n_real, KV, HD))  # padding tokens: written to the null page, never read
     new_v[n_real:] = rng.normal(size=(T - n_real, KV, HD))
-    return pool, batch, q, new_k, new_v, full_k, full_v
+    return pool.reshape(1, PAGES, PAGE, KV * 2 * HD), batch, q, new_k, new_v, full_k, full_v
 
 
 def key_rows(full_k, full_v, window: int):
@@ -77,11 +77,14 @@ def dense_reference(q, full_k, full_v, window: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("window", [0, 3, 6], ids=["causal", "window-3", "window-6"])
-@pytest.mark.parametrize("block_keys, page_tokens", [(64, None), (8, None), (8, 8)],
-                         ids=["one-block", "blocks-of-8", "blocks-of-8-pages-for-the-first-8"])
-def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_tokens):
+@pytest.mark.parametrize("block_keys, page_tokens, kernel", [(64, None, False), (8, None, False), (8, 8, False),
+                                                             (None, None, True), (None, 8, True)],
+                         ids=["one-block", "blocks-of-8", "blocks-of-8-pages-for-the-first-8", "kernel",
+                              "kernel-for-the-first-8"])
+def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_tokens, kernel):
     """page_tokens=8: only the first 8 tokens (the chunk after cached positions and the decode, which the scheduler
-    puts first) read pages; the fresh prompt after them needs none."""
+    puts first) read pages; the fresh prompt after them needs none. kernel: the Pallas kernel (in its interpreter
+    here) for the tokens that read pages, the dense chunk attention for the rest."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     assert [c.start for c in pages_first([Chunk(None, s, n) for s, n in CHUNKS])] == [s for s, _ in CHUNKS]
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
@@ -90,9 +93,10 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
     def run(pool, q, k, v, batch):
         pool = pa.write_kv(pool, 0, k, v, batch.slots)
         return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys,
-                                         page_tokens=page_tokens), pool
+                                         page_tokens=page_tokens, kernel=kernel), pool
 
     out, written = run(f32(pool), f32(q), f32(new_k), f32(new_v), batch)
+    pool, written = pool.reshape(1, PAGES, PAGE, KV, 2 * HD), np.asarray(written).reshape(1, PAGES, PAGE, KV, -1)
     want = dense_reference(q, full_k, full_v, window)
     n = want.shape[0]
     np.testing.assert_allclose(np.asarray(out)[:n], want, atol=2e-5, rtol=2e-5)
@@ -110,7 +114,7 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
 def test_pool_layout_and_empty_step():
     cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
     pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "auto"))
-    assert pool.shape == (3, 5, PAGE, KV, 2 * HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
+    assert pool.shape == (3, 5, PAGE, KV * 2 * HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
     kv = jnp.ones((8, KV, HD))
     out = jax.jit(lambda q, pool, b: pa.ragged_paged_attention(q, kv, kv, pool, 1, b))(kv.repeat(2, 1), pool, batch)
@@ -146,8 +150,8 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     the output is within `quantization_bound` (plus 2e-5), and moved at all."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    cached = jax.jit(pa.quantize_kv, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV, 2hd) int8, (..., 2)
-    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, KV, 2)
+    cached = jax.jit(pa.quantize_kv, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV * 2hd) int8, (.., KV * 2)
+    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, KV * 2)
 
     @jax.jit
     def run(pool, q, k, v, batch):
@@ -157,7 +161,7 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
 
     out, written = run(cached, f32(q), f32(new_k), f32(new_v), batch)
     out = np.asarray(out)
-    back = stored(written)[0]  # (PAGES, PAGE, KV, 2hd)
+    back = stored(written)[0].reshape(PAGES, PAGE, KV, 2 * HD)
     got_k, got_v = [], []
     for (cached_n, n_new), k, v, pages in zip(CHUNKS, full_k, full_v, [np.asarray(r) for r in batch.page_table]):
         rows = np.stack([back[pages[p // PAGE], p % PAGE] for p in range(cached_n + n_new)])  # (len, KV, 2hd)
@@ -174,3 +178,30 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     assert np.all(error <= quantization_bound(q, full_k, full_v, window) + 2e-5)
     assert error.max() > 1e-4  # the int8 path quantized
 
+
+
+def test_kernel_split_over_heads_equals_one_device():
+    """Under a mesh the kernel runs per device in a shard_map over the heads (a Pallas call is opaque to XLA's
+    partitioner): two devices, each with one key/value head's [k | v] rows of the pool and its two query heads, give
+    one device's output (the kernel in its interpreter here)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from systolic.runtime.sharding import activate
+
+    pool, batch, q, new_k, new_v, _, _ = make_case()
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+    def run(pool, q, k, v, batch):
+        pool = pa.write_kv(pool, 0, k, v, batch.slots)
+        return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=6, page_tokens=8, kernel=True)
+
+    want = np.asarray(jax.jit(run)(f32(pool), f32(q), f32(new_k), f32(new_v), batch))
+    mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+    with activate(mesh, (("heads", "tensor"), ("kv_heads", "tensor"))):
+        heads = NamedSharding(mesh, P(None, "tensor", None))
+        args = (jax.device_put(f32(pool), NamedSharding(mesh, P(None, None, None, "tensor"))),
+                *(jax.device_put(f32(a), heads) for a in (q, new_k, new_v)))
+        got = jax.jit(run)(*args, batch)
+    assert got.sharding.spec[1] == "tensor"  # split as it came, not gathered
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-6)

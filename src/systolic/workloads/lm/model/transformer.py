@@ -479,7 +479,7 @@ class Transformer(nnx.Module):
     def decode_paged(self, tokens: jax.Array, kv: PagedKV, *,
                      every_token: bool = False) -> tuple[jax.Array, jax.Array]:
         """One inference engine step (lm/serve): tokens (T,) of many sequences, at kv.batch.positions, against the
-        paged pool kv.pool (L, pages, page_size, KV, 2 * hd). Returns the logits float32 (S, V) of each row's last
+        paged pool kv.pool (L, pages, page_size, KV * 2 * hd). Returns the logits float32 (S, V) of each row's last
         token (kv.batch.last), or with `every_token` (T, V) of every token (prompt log-probabilities), and the pool
         with the tokens' keys and values written."""
         cfg = self.cfg

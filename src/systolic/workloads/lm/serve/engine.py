@@ -41,6 +41,7 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime import memory
 from systolic.runtime.memory import gib, memory_stats
+from systolic.runtime.platform import compiling_for
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
@@ -165,6 +166,9 @@ class InferenceEngine:
         self._dtype = resolve_dtype(model.dtype)
         self.params = serving_params(jax.device_put(params, shardings), self._dtype)  # weights.py: no float32 read
         self._layout = jax.tree.map(lambda x: x.sharding, self.params)  # what set_params puts new weights on
+        # The step is traced for its devices' platform (the Pallas attention kernel on a TPU), not this process's
+        # default one: an engine on the host's CPU beside a TPU (tests/tpu/test_serve.py) takes the plain path.
+        self._platform = next(iter(jax.tree.leaves(self.params)[0].devices())).platform
         shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
         self.pool = make_pool(shape, home)
         graphdef = model_graphdef(self.model_cfg, self.vocab)
@@ -318,7 +322,8 @@ class InferenceEngine:
         """The step program of `size` token slots, `reading` of them reading pages, lowered (traced) for the
         arguments `_launch` passes it."""
         args, extra = self._inputs([], size, reading, detail)
-        return (self._detail_step if detail else self._step).lower(*args, reading, *extra)
+        with compiling_for(self._platform):
+            return (self._detail_step if detail else self._step).lower(*args, reading, *extra)
 
     def _inputs(self, chunks: list[Chunk], tokens: int, reading: int, detail: bool
                 ) -> tuple[tuple, tuple[np.ndarray, ...]]:
@@ -355,7 +360,8 @@ class InferenceEngine:
         if compiled is not None:
             out = compiled(*args, *extra)
         else:
-            out = (self._detail_step if detail else self._step)(*args, reading, *extra)
+            with compiling_for(self._platform):
+                out = (self._detail_step if detail else self._step)(*args, reading, *extra)
         self.pool, self._previous = out.pool, out.sampled
         self.scheduler.advance(chunks)
         pending: list[int | None] = []
@@ -573,7 +579,8 @@ def pool_layout(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None
     """The pool's layout: on a mesh, its key/value head axis split as the rules split kv_heads; otherwise on the
     parameters' devices (replicated when they are spread over several: the end-of-training sample)."""
     if mesh is not None:
-        return NamedSharding(mesh, P(None, None, None, logical_to_spec(("kv_heads",), rules)[0], None))
+        # A token's row is its heads' [k | v] one after another: split, each device holds whole heads.
+        return NamedSharding(mesh, P(None, None, None, logical_to_spec(("kv_heads",), rules)[0]))
     home = jax.tree.leaves(params)[0].sharding
     return NamedSharding(home.mesh, P()) if isinstance(home, NamedSharding) else home
 

@@ -3,9 +3,9 @@ default), or in int8 with one float32 scale per (token, key/value head) (`--kv-c
 
 int8 is Qwix's symmetric absmax quantization over head_dim (`qwix.quantize(x, jnp.int8, channelwise_axes=...)`): one
 head's key (or value) x is stored as round(x / s) with s = absmax(x) / 127.5, so every element comes back within
-s / 2 = absmax(x) / 255 of its value. The pool is then a `qwix.QArray`: values (L, pages, page_size, KV, 2 * hd) int8
-beside scales (L, pages, page_size, KV, 2) float32, the float pool's layout with a scale for each head's key and one
-for its value, so pages, page tables and the head axis's sharding are the same. paged_attention.py quantizes what it
+s / 2 = absmax(x) / 255 of its value. The pool is then a `qwix.QArray`: values (L, pages, page_size, KV * 2 * hd)
+int8 beside scales (L, pages, page_size, KV * 2) float32, the float pool's layout with a scale for each head's key
+and one for its value, so pages, page tables and the head axis's sharding are the same. paged_attention.py quantizes what it
 writes and dequantizes the pages it reads. A cached token then takes hd + 4 bytes per head, keys and values and layer,
 where bfloat16 takes 2 * hd and float32 4 * hd: at hd = 64, 0.53x of bfloat16's bytes and 0.27x of float32's, so
 that many times as many pages fit in the same memory.
@@ -32,14 +32,14 @@ SCALE_DTYPE = jnp.float32
 
 
 def pool_shape(model: ModelConfig, pages: int, page_size: int, kv_cache: str) -> Pool:
-    """The pool's arrays as `jax.ShapeDtypeStruct`s: one (L, pages, page_size, KV, 2 * hd) in the compute dtype
-    (each head's key and value side by side: paged_attention.py), or a QArray of int8 values of that shape and
-    float32 scales (L, pages, page_size, KV, 2)."""
+    """The pool's arrays as `jax.ShapeDtypeStruct`s: one (L, pages, page_size, KV * 2 * hd) in the compute dtype
+    (a token's row: each head's key and value side by side, head after head: paged_attention.py), or a QArray of
+    int8 values of that shape and float32 scales (L, pages, page_size, KV * 2)."""
     _check(kv_cache)
     if model.mla.kv_lora_rank:  # MLA: one row of latent and RoPE key per token (lm/model/mla.py)
-        shape, scales = (model.layers, pages, page_size, 1, model.mla.cache_width), 1
+        shape, scales = (model.layers, pages, page_size, model.mla.cache_width), 1
     else:
-        shape, scales = (model.layers, pages, page_size, model.n_kv_heads, 2 * model.d_head), 2
+        shape, scales = (model.layers, pages, page_size, model.n_kv_heads * 2 * model.d_head), 2 * model.n_kv_heads
     if kv_cache == "auto":
         return jax.ShapeDtypeStruct(shape, resolve_dtype(model.dtype))
     return qwix.QArray(jax.ShapeDtypeStruct(shape, jnp.int8),

@@ -1,21 +1,27 @@
 """Attention over a paged KV cache for one engine step: a ragged batch of tokens from many sequences, each
 sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
 
-The pool is one array for all layers, (L, pages, page_size, KV, 2 * hd) in the compute dtype, each key/value
-head's row its key and its value side by side ([k | v]), or that array in int8 with a float32 scale per key and per
-value (`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written, dequantized as pages are
-read). Side by side, a row is 128 lanes or more for every head width our families use (64, 128, 256). A TPU tiles an
-array's two minor axes by (8 or 16) x 128; it stored the former interleaved layout (..., 2 * KV, 64) with its pages
-minor-most instead, and the compiled step copied the whole donated pool twice a step, into the layers' loop and back
-(2 x 2.1 GB for llama-1b's 4,099 pages; tests/plan/test_serve.py checks the compiled program). With 8 key/value heads
-or more the (KV, 2 * hd) tile is dense; with 1 (Gemma) the 512-lane rows were not copied either; with 2 or 4 heads of
-64 (Qwen2.5-0.5B's shape) the compiled step still relays the whole pool out once a step for its gather (seen in the
-compiled program, not yet fixed). Heads before pages ((L, KV, pages, page_size, 2 * hd): a page's 16 tokens x 128
-lanes, dense for any head count) was tried and is worse: XLA's scatter into it and its gather out of it each copied.
+The pool is one array for all layers, (L, pages, page_size, KV * 2 * hd) in the compute dtype: a token's row holds
+each key/value head's key and value side by side ([k | v]), head after head; or that array in int8 with a float32
+scale per key and per value (`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written,
+dequantized as pages are read). A TPU tiles an array's two minor axes by (8 or 16) x 128: a page is then a dense
+(page_size, KV * 2hd) block for every head count and width our families use (64, 128, 256), one DMA for the Pallas
+kernel. Layouts measured on the v5e: the interleaved (..., 2 * KV, 64) was stored with its pages minor-most and the
+compiled step copied the whole donated pool twice a step (2 x 2.1 GB for llama-1b's 4,099 pages); (..., KV, 2hd)
+was dense for 8 heads or 1 but relaid out the pool once a step for 2 or 4 heads of 64 (Qwen2.5-0.5B's shape); one
+row per token is copied for none of them (tests/plan/test_serve.py checks the compiled program); heads before pages
+((L, KV, pages, page_size, 2hd)) was worse: XLA's scatter into it and its gather out of it each copied.
 `RaggedBatch` carries what ragged paged attention kernels take (kv_lens, page_indices, cu_q_lens, num_seqs). One
 array for the layers lets the compiled step update the pool in place: the layers' scan carries it whole, writes each
-layer's new keys and values with a scatter and reads pages with a gather, so no layer's pool is sliced out and
-copied.
+layer's new keys and values with a scatter and reads pages (a gather, or the kernel's DMAs), so no layer's pool is
+sliced out and copied.
+
+On a TPU (`uses_kernel`) the tokens that read pages attend through the Pallas kernel (kernels/paged_attention.py)
+over every position up to their own, this step's included (written to the pages first), and the fresh prompts'
+tokens after them through the dense chunk attention below: on the v5e 3.6x faster than the plain path for 256
+decoding sequences x 256 positions of llama-1b (benchmarks/paged_attention.py). The plain path is the reference
+(tests compare the two, in Pallas's interpreter here and compiled on the chip: tests/tpu/test_paged_attention.py)
+and serves int8 pools, MLA and every other platform.
 
 `ragged_paged_attention` is the plain-JAX formulation that runs on every platform, one online softmax (flash
 attention's running max and sum) over two sets of keys:
@@ -25,7 +31,7 @@ attention's running max and sum) over two sets of keys:
   so memory stays at one block per token whatever the context length; the loop runs only over the blocks some
   token of this step needs (none for a fresh prompt; a sliding window skips the blocks before it).
 Multi-head latent attention (model.mla, lm/model/mla.py) keeps one row per token and layer instead, its latent and
-RoPE key (L, pages, page_size, 1, kv_lora_rank + qk_rope_head_dim): the one key head of its absorbed queries, whose
+RoPE key (L, pages, page_size, kv_lora_rank + qk_rope_head_dim): the one key head of its absorbed queries, whose
 values are each row's first kv_lora_rank entries (`value_dim`), read from the same pages.
 Logits are soft-capped (Gemma 2's cap * tanh(s / cap)) before the masking when `softcap` > 0; a layer's window may
 be a traced value (a scan over stacked layers of both kinds, `model.layer_types`). GPT-OSS's attention sinks (one
@@ -41,8 +47,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import qwix
+from flax.core import spmd
 
-from systolic.runtime.platform import compile_platform
+from systolic.kernels import paged_attention as kernel_lib
+from systolic.runtime.platform import compile_platform, device_platform
+from systolic.runtime.sharding import logical_to_spec
 from systolic.workloads.lm.serve.kv_cache import NULL_PAGE
 
 
@@ -71,9 +80,9 @@ class RaggedBatch(NamedTuple):
     seq_lens: jax.Array
 
 
-# The pool: (L, pages, page_size, KV, 2 * hd) in the compute dtype, or a QArray of int8 values of that shape and
-# float32 scales (L, pages, page_size, KV, 2), one for the key and one for the value (MLA: (L, pages, page_size, 1, C)
-# and scales (..., 1)).
+# The pool: (L, pages, page_size, KV * 2 * hd) in the compute dtype, or a QArray of int8 values of that shape and
+# float32 scales (L, pages, page_size, KV * 2), one for each head's key and one for its value (MLA: (L, pages,
+# page_size, C) and scales (..., 1)).
 Pool = jax.Array | qwix.QArray
 
 
@@ -96,7 +105,7 @@ class PagedKV(NamedTuple):
     """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
     and values and attends over the pages."""
 
-    pool: Pool  # (L, pages, page_size, KV, 2 * hd)
+    pool: Pool  # (L, pages, page_size, KV * 2 * hd)
     layer: jax.Array | int  # this layer's index into the pool
     batch: RaggedBatch
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
@@ -123,11 +132,12 @@ class PagedKV(NamedTuple):
 def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array) -> Pool:
     """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized); v None:
     MLA's latent rows k (T, 1, C) alone."""
-    hd = k.shape[-1]
+    T, _, hd = k.shape
     page_size = pool.shape[2]
     kv = k if v is None else jnp.concatenate([k, v], axis=-1)  # (T, KV, 2hd): [k | v] per head
+    kv = kv.reshape(T, -1)  # (T, KV * 2hd): a token's row
     where = (layer, slots // page_size, slots % page_size)
-    if isinstance(pool, qwix.QArray):  # values (T, KV, 2hd) int8 and scales (T, KV, 2) into their two arrays
+    if isinstance(pool, qwix.QArray):  # values (T, KV * 2hd) int8 and scales (T, KV * 2) into their two arrays
         return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv, hd))
     return pool.at[where].set(kv.astype(pool.dtype))
 
@@ -136,7 +146,7 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool
                            batch: RaggedBatch, *, window: int | jax.Array = 0, softcap: float = 0.0,
                            sinks: jax.Array | None = None, block_keys: int | None = None,
                            page_tokens: int | None = None, scale: float | None = None,
-                           value_dim: int = 0) -> jax.Array:
+                           value_dim: int = 0, kernel: bool | None = None) -> jax.Array:
     """Causal attention of each token over its own sequence's positions up to its own (within the last `window`
     positions when > 0; a traced window of 0 is none too), logits soft-capped by `softcap` when > 0: q (T, H, hd),
     this step's k and v (T, KV, hd) -> (T, H, hd), H a multiple of KV (query head h reads key/value head
@@ -149,7 +159,13 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool
     chunk's own keys and values are read as the pool stores them too, so a token sees the same keys whether they
     came in its own step or from the pages (chunk sizes, prefix caching and preemption change no output).
     `scale`: on the logits (default 1/sqrt(hd)). `value_dim` > 0: MLA's latent pool (v None), k the rows (T, 1, C),
-    the values their first value_dim entries -> (T, H, value_dim)."""
+    the values their first value_dim entries -> (T, H, value_dim). `kernel`: the page-reading tokens attend through
+    the Pallas kernel (kernels/paged_attention.py; in its interpreter off a TPU); None: where `uses_kernel` says."""
+    if kernel is None:
+        kernel = uses_kernel(pool, q.shape[-1], value_dim)
+    if kernel:
+        return _kernel_attention(q, k, v, pool, layer, batch, window=window, softcap=softcap, sinks=sinks,
+                                 page_tokens=page_tokens, scale=scale)
     if isinstance(pool, qwix.QArray):
         k, v = as_stored(k), None if v is None else as_stored(v)
     if value_dim:
@@ -158,11 +174,7 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool
     KV = k.shape[1]
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     qg = (q * scale).reshape(T, KV, q.shape[1] // KV, hd)  # (T, KV, G, hd): a group per kv head
-    pos = batch.positions  # (T,)
-    if isinstance(window, int):
-        first = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)  # (T,) each token's first key
-    else:
-        first = jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)  # (T,)
+    first = _first_keys(batch.positions, window)
     real = jnp.arange(T) < batch.num_tokens
     m, l, acc = _chunk_attention(qg, k, v, batch, first, real, softcap)
     chunk_start = (batch.kv_lens - jnp.diff(batch.cu_q_lens))[batch.rows]  # (T,) positions before: in the pages
@@ -177,6 +189,67 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool
     return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
 
 
+def _first_keys(pos: jax.Array, window: int | jax.Array) -> jax.Array:
+    """Each token's first visible position (T,): within the last `window` positions when > 0 (a traced window of 0
+    is none too)."""
+    if isinstance(window, int):
+        return jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)
+    return jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+
+
+def uses_kernel(pool: Pool, head_dim: int, value_dim: int = 0) -> bool:
+    """Whether attention over `pool` takes the Pallas kernel: in a program for a TPU, over a pool in the compute
+    dtype whose [k | v] rows are whole 128-lane tiles (head_dim 64, 128, 256). An int8 pool and MLA's latent rows
+    take the plain path (the kernel does not dequantize or split a latent row yet), as do heads split over a mesh
+    where key/value heads are not (fewer of them than devices: the kernel reads whole groups)."""
+    rules = spmd.get_logical_axis_rules()
+    split_alike = not rules or logical_to_spec(("heads",), rules) == logical_to_spec(("kv_heads",), rules)
+    return (compile_platform() == "tpu" and not isinstance(pool, qwix.QArray) and not value_dim
+            and (2 * head_dim) % kernel_lib.LANES == 0 and split_alike)
+
+
+def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softcap, sinks, page_tokens, scale):
+    """`ragged_paged_attention` with the first `page_tokens` tokens (those that read pages) attending through the
+    Pallas kernel over every position up to their own, this step's included (`write_kv` put them in the pages
+    first); the tokens after them (fresh prompts, which have no pages) through the dense chunk attention."""
+    T, H, hd = q.shape
+    KV = k.shape[1]
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    qs = (q * scale).astype(q.dtype)
+    pos, first = batch.positions, _first_keys(batch.positions, window)
+    n = T if page_tokens is None else page_tokens
+    paged = _kernel_call(qs[:n], pool, layer, batch.page_table, batch.rows[:n], first[:n], pos[:n] + 1,
+                         batch.num_tokens, softcap, sinks)
+    if n == T:
+        return paged
+    real = jnp.arange(T) < batch.num_tokens
+    m, l, acc = _chunk_attention(qs[n:].reshape(T - n, KV, H // KV, hd), k, v, batch, first, real, softcap,
+                                 queries=n)
+    if sinks is not None:
+        l, acc = _with_sinks(sinks.reshape(KV, -1), m, l, acc)
+    rest = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(T - n, H, hd).astype(q.dtype)
+    return jnp.concatenate([paged, rest])
+
+
+def _kernel_call(q, pool, layer, page_table, rows, lo, hi, num_tokens, softcap, sinks):
+    """The kernel on q (n, H, hd), in its interpreter off a TPU; under a mesh, per device in a shard_map over the
+    heads (a Pallas kernel is opaque to XLA's partitioner), each device's pool rows holding its whole heads."""
+    local = lambda q, pool, layer, table, rows, lo, hi, num, sinks: kernel_lib.paged_attention(  # noqa: E731
+        q, pool, layer, table, rows, lo, hi, num, null_page=NULL_PAGE, softcap=softcap, sinks=sinks,
+        interpret=device_platform() != "tpu")
+    operands = (q, pool, jnp.asarray(layer, jnp.int32), page_table, rows, lo, hi, num_tokens, sinks)
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return local(*operands)
+    heads = logical_to_spec(("heads",), rules)[0]
+    P = jax.sharding.PartitionSpec
+    in_specs = (P(None, heads, None), P(None, None, None, heads), P(), P(), P(), P(), P(), P(),
+                None if sinks is None else P(heads))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, heads, None),
+                         check_vma=False)(*operands)
+
+
 def _with_sinks(sinks: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The online softmax's (l, acc) after one more key per head, of logit sinks (KV, G) and value zero: the sum
     gains exp(sink), rescaled with acc to the larger of the running max m (T, KV, G) and the sink."""
@@ -186,14 +259,16 @@ def _with_sinks(sinks: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array) ->
     return l * scale + jnp.exp(sinks - m_new), acc * scale[..., None]
 
 
-def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real, softcap):
+def _chunk_attention(qg, k, v, batch: RaggedBatch, first, real, softcap, queries: int = 0):
     """The online softmax's state (m, l, acc) after the keys of this step's own tokens: every token against the
     earlier tokens of its own chunk, dense, as one (T, T) score matrix per head (a prefill chunk's keys are the bulk
-    of its context; the pages would give each token its own copy of them)."""
+    of its context; the pages would give each token its own copy of them). qg: the queries of tokens [queries, T)
+    (default all), against all T keys."""
     pos, rows = batch.positions, batch.rows
-    s = _capped(jnp.einsum("tkgd,skd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (T, KV, G, T)
-    visible = ((rows[:, None] == rows[None]) & (pos[None] <= pos[:, None]) & (pos[None] >= first[:, None])
-               & real[None])  # (T, T): same sequence, causal, in the window; padding tokens are no keys
+    q_pos, q_rows, first = pos[queries:], rows[queries:], first[queries:]
+    s = _capped(jnp.einsum("tkgd,skd->tkgs", qg, k, preferred_element_type=jnp.float32), softcap)  # (Tq, KV, G, T)
+    visible = ((q_rows[:, None] == rows[None]) & (pos[None] <= q_pos[:, None]) & (pos[None] >= first[:, None])
+               & real[None])  # (Tq, T): same sequence, causal, in the window; padding tokens are no keys
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1)  # (T, KV, G): -inf only for padding tokens, which see nothing
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])  # (T, KV, G, T); hidden keys give exactly 0
@@ -206,13 +281,15 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
     pages (`tables` (T, pages_per_seq): each token's sequence's page table), a block at a time, over the blocks some
     token of this step needs. value_dim > 0: MLA's rows, keys and (their first value_dim entries) values."""
     T, KV, G, hd = qg.shape
-    L, P, page_size, row_heads, width = pool.shape
+    L, P, page_size, row = pool.shape
+    row_heads = 1 if value_dim else KV  # a token's row: KV heads' [k | v], or MLA's one latent row
+    width = row // row_heads
     block_pages = max(1, (block_keys or keys_per_block()) // page_size)
     B = block_pages * page_size  # keys per block
     # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
     # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
     # be split over the mesh).
-    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, row_heads, a.shape[-1]), pool)  # int8: and scales
+    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, a.shape[-1]), pool)  # int8: and scales
     null = layer * P + NULL_PAGE  # this layer's null page
     tables = tables + layer * P  # (T, pages_per_seq)
     blocks = -(-tables.shape[1] // block_pages)
@@ -252,7 +329,7 @@ def _capped(scores: jax.Array, softcap: float) -> jax.Array:
 
 
 def _gather(pages: Pool, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Pages (N, page_size, KV, 2hd) by ids (T, bp) -> (T, bp, page_size, KV, 2hd); an int8 pool's pages with their
+    """Pages (N, page_size, KV * 2hd) by ids (T, bp) -> (T, bp, page_size, KV * 2hd); an int8 pool's pages with their
     scales, dequantized into `dtype` (the compute dtype: the score and value matmuls run in it, as for a float
     pool)."""
     if isinstance(pages, qwix.QArray):

@@ -62,8 +62,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
     pool_sharding = pool_layout(params, mesh, rules)
-    heads = pool_shape(model, 1, page_size, "auto").shape[3]  # kv_heads, MLA's one latent row
-    split = heads // pool_sharding.shard_shape((1, 1, 1, heads, 1))[3]  # devices the key/value heads split over
+    row = pool_shape(model, 1, page_size, "auto").shape[3]  # a token's row: kv_heads x [k | v], MLA's latent row
+    split = row // pool_sharding.shard_shape((1, 1, 1, row))[3]  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
     step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
                     pool_sharding=pool_shardings(pool_shape(model, 1, page_size, kv_cache), pool_sharding))

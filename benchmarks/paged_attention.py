@@ -1,0 +1,116 @@
+"""Serving's attention over the paged KV pool, alone: the Pallas kernel (src/systolic/kernels/paged_attention.py)
+against the plain-JAX path (serve/paged_attention.py) on the same step, side by side, the two sides alternating
+round by round. One "step" is every layer's attention of a decode batch (a scan over the pool's layers, as the
+engine runs it), random bfloat16 keys and values, each sequence's pages shuffled over the pool.
+
+    PYTHONPATH=src python benchmarks/paged_attention.py                      # on a TPU: the rows below
+    PYTHONPATH=src python benchmarks/paged_attention.py --rows llama-1b:64:256 --rounds 3
+
+A row is shape:sequences:positions, or shape:sequences:positions:chunk for a continued prompt of `chunk` tokens
+per sequence (each token reads its pages). Prints ms per step for each side, the kernel's KV read rate (bytes of
+the positions it attends over / its time) and the largest difference between the sides' outputs. Off a TPU the
+kernel runs in Pallas's interpreter (for a dry run only: tiny sizes, slow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+# (layers, query heads, key/value heads, head_dim, sliding window): the serving rows of benchmarks/tpu_bench.py.
+SHAPES = {
+    "llama-1b": (16, 32, 8, 64, 0),
+    "gemma3-1b": (26, 4, 1, 256, 512),
+    "gemma-2b": (18, 8, 1, 256, 0),
+    "tiny": (2, 4, 2, 64, 0),
+}
+ROWS = ("llama-1b:64:256", "llama-1b:256:256", "llama-1b:64:1024", "gemma3-1b:64:256", "gemma-2b:256:256",
+        "llama-1b:4:384:128")
+PAGE = 16
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS), help="shape:sequences:positions[:chunk], comma-separated")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per row (default 5)")
+    p.add_argument("--reps", type=int, default=10, help="steps timed per round and side (default 10)")
+    return p.parse_args(argv)
+
+
+def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0):
+    """The pool (L, pages, 16, KV * 2hd) with `positions` cached per sequence (the last `chunk` of them this
+    step's), the step's batch and queries, and the two sides as jitted functions of (q, pool)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from systolic.workloads.lm.serve import paged_attention as pa
+
+    L, H, KV, hd, window = SHAPES[shape]
+    per_seq = -(-positions // PAGE)
+    pages = seqs * per_seq + 1  # page 0: the null page
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(np.arange(1, pages)).reshape(seqs, per_seq).astype(np.int32)
+    T = seqs * chunk
+    pos = np.tile(np.arange(positions - chunk, positions), seqs).astype(np.int32)  # (T,)
+    rows = np.repeat(np.arange(seqs), chunk).astype(np.int32)
+    batch = pa.RaggedBatch(
+        positions=jnp.asarray(pos), rows=jnp.asarray(rows),
+        slots=jnp.asarray(order[rows, pos // PAGE] * PAGE + pos % PAGE), num_tokens=jnp.asarray(T, jnp.int32),
+        page_table=jnp.asarray(order), kv_lens=jnp.full((seqs,), positions, jnp.int32),
+        cu_q_lens=jnp.asarray(np.arange(seqs + 1) * chunk, jnp.int32), num_seqs=jnp.asarray([seqs], jnp.int32),
+        last=jnp.asarray(np.arange(seqs) * chunk + chunk - 1, jnp.int32),
+        seq_lens=jnp.full((seqs,), positions, jnp.int32))
+    key = jax.random.key(seed)
+    pool = jax.random.normal(key, (L, pages, PAGE, KV * 2 * hd), jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (L, T, H, hd), jnp.bfloat16)
+    # This step's keys and values: what the pool holds at their slots (write_kv put them there).
+    step_rows = pool[:, order[rows, pos // PAGE], pos % PAGE].reshape(L, T, KV, 2, hd)
+    k, v = step_rows[..., 0, :], step_rows[..., 1, :]
+
+    def side(kernel: bool):
+        def run(q, k, v, pool):
+            def layer(_, xs):
+                l, q, k, v = xs
+                return None, pa.ragged_paged_attention(q, k, v, pool, l, batch, window=window, kernel=kernel)
+
+            return jax.lax.scan(layer, None, (jnp.arange(L), q, k, v))[1]  # (L, T, H, hd)
+
+        return jax.jit(run)
+
+    read = L * seqs * chunk * min(positions, window or positions) * KV * 2 * hd * 2  # bytes the tokens attend over
+    return (q, k, v, pool), side(False), side(True), read
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    import jax
+    import numpy as np
+
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    header = "| row | plain ms | kernel ms | speed-up | kernel GB/s | max abs diff |"
+    lines = [header, "|---|---:|---:|---:|---:|---:|"]
+    for row in args.rows.split(","):
+        shape, seqs, positions, *chunk = row.split(":")
+        operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), int(chunk[0]) if chunk else 1)
+        outs = [jax.block_until_ready(f(*operands)) for f in (plain, kernel)]  # compile both
+        diff = float(np.max(np.abs(np.asarray(outs[0], np.float32) - np.asarray(outs[1], np.float32))))
+        times: dict[str, list[float]] = {"plain": [], "kernel": []}
+        for r in range(args.rounds):
+            for name, f in (("plain", plain), ("kernel", kernel))[:: 1 if r % 2 == 0 else -1]:
+                t = time.perf_counter()
+                for _ in range(args.reps):
+                    out = f(*operands)
+                jax.block_until_ready(out)
+                times[name].append((time.perf_counter() - t) / args.reps)
+        p, k = statistics.median(times["plain"]), statistics.median(times["kernel"])
+        lines.append(f"| {row} | {p * 1e3:.3f} | {k * 1e3:.3f} | {p / k:.2f}x | {read / k / 1e9:.0f} | {diff:.4f} |")
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""A Pallas TPU kernel for attention over the serving engine's paged KV pool: each token of a step reads its own
+sequence's keys and values from the pages, positions [lo, hi), straight into VMEM, and keeps flash attention's
+online softmax there. Its plain-JAX reference is `workloads/lm/serve/paged_attention.ragged_paged_attention` (the
+path off a TPU, and for the pools and attentions this kernel does not take: an int8 pool, MLA's latent rows).
+
+Why our own and not JAX's `ragged_paged_attention`: JAX 0.10.2's kernel takes keys and values as interleaved heads
+(pages, page_size, 2 x KV, hd) and asserts on head_dim 64 (llama-1b's), and its rows of 64 lanes are half a TPU
+tile. Our pool's row is one token's every head, [k | v] per head side by side (L, pages, page_size, KV x 2hd;
+serve/kv_pool.py): 128 lanes or more per head whatever the head width, so one page is a dense (page_size, KV x 2hd)
+block and one DMA. What the plain path did in three passes over memory (a gather of each token's pages, a relayout
+copy of them, the masked scores; 2.2 of a 5.2 ms decode step at 64 sequences, measured on a v5e) is here one read.
+
+The design (tpu-inference's and JAX's ragged paged attention kernels work the same way):
+- One grid step takes `tokens_per_block` tokens (a block of q in VMEM); a token's keys are read `block_pages`
+  pages at a time, one DMA per page (its id from the page table in SMEM), double-buffered: while the kernel computes
+  on one block of pages, the next (this token's next block, or the next token's first, across grid steps too: the
+  grid runs in order on the one TensorCore) is in flight.
+- Per key/value head h, the G query heads of its group are one (Gp, hd) matrix, G padded to a multiple of 8 rows
+  (a float32 tile). With head_dim a multiple of 128 the head's k and v are whole lane tiles of the row: one matmul
+  for the scores, one for the values. With head_dim 64 each query is [q | 0] as wide as the head's 128-lane [k | v]
+  tile, so the scores are one matmul against the whole tile (the zeros meet the values) and the value product one
+  that yields [p.k | p.v]: each key and value passes the MXU twice. Measured on the v5e (benchmarks/
+  paged_attention.py): 242 GB/s of keys and values at 256 sequences x 256 positions, 3.6x the plain path. Pairing
+  two heads' tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong
+  outputs on the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms for llama-1b's 16 layers at
+  256 x 256): not kept.
+- Positions are masked by [lo, hi): causal (hi = the token's position + 1), a sliding window (lo), and pages past a
+  sequence's end are read from the null page, never out of bounds.
+- Logits soft-capped (Gemma 2) before the mask; attention sinks (GPT-OSS) join the denominator at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Keys per DMA'd block (as the plain path's block on an accelerator) and tokens per grid step: first choices, not
+# yet tuned on the chip.
+BLOCK_KEYS = 256
+TOKENS_PER_BLOCK = 32
+LANES = 128
+SUBLANES = 8
+
+
+def padded_group(group: int) -> int:
+    """Query heads per key/value head, rounded up to whole float32 tiles (8 rows)."""
+    return -(-group // SUBLANES) * SUBLANES
+
+
+def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_table: jax.Array, rows: jax.Array,
+                    lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
+                    sinks: jax.Array | None = None, block_keys: int = BLOCK_KEYS,
+                    tokens_per_block: int = TOKENS_PER_BLOCK, interpret: bool = False) -> jax.Array:
+    """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
+    KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
+    positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
+    sinks (H,) float32 or None. -> (n, H, hd) in q's dtype. `interpret`: run in Pallas's TPU interpreter (off a TPU,
+    for tests)."""
+    n, H, hd = q.shape
+    L, P, page_size, width = pool.shape
+    KV = width // (2 * hd)
+    G = H // KV
+    Gp = padded_group(G)
+    split = hd % LANES == 0  # k and v whole tiles of the row; else each head's [k | v] against [q | 0]
+    Lq = hd if split else 2 * hd  # lanes of a query and of an output row
+    pages_per_seq = page_table.shape[1]
+    block_pages = max(1, min(block_keys // page_size, pages_per_seq))
+    TQ = min(tokens_per_block, n)
+    n_pad = -(-n // TQ) * TQ
+    # (n, KV * Gp, Lq): each head's G query rows padded to Gp; pad rows are zero and never read back.
+    qp = jnp.zeros((n_pad, KV, Gp, Lq), q.dtype).at[:n, :, :G, :hd].set(q.reshape(n, KV, G, hd))
+    qp = qp.reshape(n_pad, KV * Gp, Lq)
+    pad = lambda a: jnp.pad(a.astype(jnp.int32), (0, n_pad - n))  # noqa: E731
+    sink_rows = jnp.zeros((KV, Gp), jnp.float32)
+    if sinks is not None:
+        sink_rows = sink_rows.at[:, :G].set(sinks.astype(jnp.float32).reshape(KV, G))
+    sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
+    meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
+    kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
+                               has_sinks=sinks is not None, null_page=null_page)
+    block = pl.BlockSpec((TQ, KV * Gp, Lq), lambda g, *_: (g, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(n_pad // TQ,),
+            in_specs=[block, pl.BlockSpec((KV * Gp, LANES), lambda g, *_: (0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=block,
+            scratch_shapes=[
+                pltpu.VMEM((2, block_pages * page_size, width), pool.dtype),  # the double buffer of pages
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((1,), jnp.int32),  # which buffer holds the block being computed
+                pltpu.VMEM((KV * Gp, LANES), jnp.float32),  # m: running max, lane-replicated
+                pltpu.VMEM((KV * Gp, LANES), jnp.float32),  # l: running sum
+                pltpu.VMEM((KV * Gp, Lq), jnp.float32),  # acc
+            ]),
+        # The grid runs in order: a step prefetches the next one's first pages.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        out_shape=jax.ShapeDtypeStruct((n_pad, KV * Gp, Lq), q.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="systolic_paged_attention",
+    )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool)
+    out = out[:n].reshape(n, KV, Gp, Lq)[:, :, :G]
+    return (out if split else out[..., hd:]).reshape(n, H, hd)  # padded: [p.k | p.v]
+
+
+def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
+            q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
+            out_ref,  # (TQ, KV * Gp, Lq)
+            buf, sems, slot_ref, m_ref, l_ref, acc_ref,  # scratch
+            *, split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
+            null_page: int):
+    TQ, _, Lq = q_ref.shape
+    _, B, _ = buf.shape  # B keys per block
+    page_size = pool_ref.shape[2]
+    block_pages = B // page_size
+    pages_per_seq = tables_ref.shape[1]
+    layer, n_real = meta_ref[0], meta_ref[1]
+    base = pl.program_id(0) * TQ
+    # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
+    # float32 contract precision for them); float32 ones follow it.
+    precision = lax.Precision.DEFAULT if buf.dtype == jnp.bfloat16 else None
+
+    def copies(t, b, slot):
+        """The DMAs of token t's block b of pages into buffer `slot` (pages past its keys: the null page)."""
+        out = []
+        for j in range(block_pages):
+            i = b * block_pages + j
+            page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
+                             tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
+            into = buf.at[slot, pl.ds(j * page_size, page_size)]
+            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], into, sems.at[slot]))
+        return out
+
+    def start(t, b, slot):
+        for c in copies(t, b, slot):
+            c.start()
+
+    # lax.div truncates (positions are >= 0): `//` lowers through sign, which asks the local device's TPU kind
+    # and so cannot be compiled for a TPU from a CPU host.
+    def first(t):
+        return lax.div(lo_ref[t], B)
+
+    def end(t):
+        return lax.div(hi_ref[t] + B - 1, B)
+
+    @pl.when((pl.program_id(0) == 0) & (n_real > 0))
+    def _():
+        slot_ref[0] = 0
+        start(0, first(0), 0)
+
+    def token(i, carry):
+        t = base + i
+
+        @pl.when(t < n_real)
+        def _():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
+            lo, hi = lo_ref[t], hi_ref[t]
+
+            def block(b, carry):
+                slot = slot_ref[0]
+                last = b + 1 >= end(t)
+
+                @pl.when(~last)
+                def _():
+                    start(t, b + 1, 1 - slot)
+
+                @pl.when(last & (t + 1 < n_real))
+                def _():
+                    start(t + 1, first(t + 1), 1 - slot)
+
+                for c in copies(t, b, slot):
+                    c.wait()
+                keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
+                visible = (keys >= lo) & (keys < hi)  # (1, B)
+                pages = buf.at[slot]
+                for h in range(kv_heads):
+                    heads = slice(h * rows, (h + 1) * rows)
+                    kt, vt = _tiles(pages, h, split, head_dim)  # (B, Lq) each
+                    s = lax.dot_general(q[heads].astype(kt.dtype), kt, (((1,), (1,)), ((), ())),
+                                        precision=precision, preferred_element_type=jnp.float32)  # (rows, B)
+                    if softcap:
+                        s = softcap * jnp.tanh(s / softcap)
+                    s = jnp.where(visible, s, -jnp.inf)
+                    m_cur = jnp.max(s, axis=1, keepdims=True)  # (rows, 1); -inf: no key of this block
+                    seen = m_cur > -jnp.inf
+                    p = jnp.exp(s - jnp.where(seen, m_cur, 0.0))  # (rows, B); hidden keys exactly 0
+                    pv = jnp.dot(p.astype(vt.dtype), vt, precision=precision,
+                                 preferred_element_type=jnp.float32)  # (rows, Lq)
+                    m_prev = m_ref[heads]  # (rows, 128)
+                    m_next = jnp.maximum(m_prev, m_cur)
+                    safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+                    alpha = jnp.exp(m_prev - safe)  # (rows, 128): 0 while nothing was seen
+                    beta = jnp.where(seen, jnp.exp(m_cur - safe), 0.0)  # (rows, 128)
+                    m_ref[heads] = m_next
+                    l_ref[heads] = alpha * l_ref[heads] + beta * jnp.sum(p, axis=1, keepdims=True)
+                    acc_ref[heads] = _lanes(alpha, Lq) * acc_ref[heads] + _lanes(beta, Lq) * pv
+                slot_ref[0] = 1 - slot
+                return carry
+
+            lax.fori_loop(first(t), end(t), block, 0)
+            m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
+            if has_sinks:  # one more key per head, logit sinks[h], value zero
+                sink = sinks_ref[...]
+                m_fin = jnp.maximum(m, sink)
+                scale = jnp.exp(m - m_fin)
+                l, acc = l * scale + jnp.exp(sink - m_fin), acc * _lanes(scale, Lq)
+            out_ref[i] = (acc / _lanes(jnp.where(l > 0, l, 1.0), Lq)).astype(out_ref.dtype)
+
+        @pl.when(t >= n_real)
+        def _():
+            out_ref[i] = jnp.zeros(out_ref.shape[1:], out_ref.dtype)
+
+        return carry
+
+    lax.fori_loop(0, TQ, token, 0)
+
+
+def _tiles(pages, h: int, split: bool, hd: int) -> tuple[jax.Array, jax.Array]:
+    """Head h's keys and values from the block of pool rows in VMEM (B, row), as the MXU takes them: k and v
+    (split), or the [k | v] tile for both (against [q | 0], and p times it gives [p.k | p.v])."""
+    if split:
+        return pages[:, 2 * h * hd:(2 * h + 1) * hd], pages[:, (2 * h + 1) * hd:(2 * h + 2) * hd]
+    kv = pages[:, 2 * h * hd:2 * (h + 1) * hd]
+    return kv, kv
+
+
+def _lanes(x: jax.Array, width: int) -> jax.Array:
+    """(rows, 128) lane-replicated -> (rows, width): copies of the tile side by side when width is a multiple of 128
+    (the TPU's case), else lane 0 broadcast (narrow test heads, in the interpreter)."""
+    if width % LANES:
+        return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+    return x if width == LANES else jnp.concatenate([x] * (width // LANES), axis=1)

@@ -1,0 +1,75 @@
+"""The Pallas paged attention kernel (src/systolic/kernels/paged_attention.py) compiled by Mosaic on the chip
+against the plain-JAX path (serve/paged_attention.py) compiled by XLA on the same chip, for one ragged step:
+decodes after 300 and 511 cached positions (several 256-key blocks), a continued prompt of 40 tokens after 17, a
+fresh prompt of 33, padding tokens; pages shuffled over the pool; head widths 64, 128 and 256; a sliding window,
+a soft cap and attention sinks. float32 at 'highest' matmul precision agrees to float32 rounding; bfloat16 to its
+rounding of the softmax weights and the output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from systolic.workloads.lm.serve import paged_attention as pa
+
+pytestmark = pytest.mark.tpu
+
+PAGE = 16
+CHUNKS = ((300, 1), (17, 40), (511, 1), (0, 33))  # (cached positions, this step's tokens), pages-first order
+T, S, PER_SEQ = 96, 6, 40
+
+
+def case(H: int, KV: int, hd: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = [c + n for c, n in CHUNKS]
+    pages = 1 + sum(-(-n // PAGE) for n in lengths)
+    free = list(rng.permutation(np.arange(1, pages)))
+    table = np.zeros((S, PER_SEQ), np.int32)
+    pos, rows = [], []
+    for r, (cached, n) in enumerate(CHUNKS):
+        table[r, :-(-(cached + n) // PAGE)] = [free.pop() for _ in range(-(-(cached + n) // PAGE))]
+        pos += range(cached, cached + n)
+        rows += [r] * n
+    real = len(pos)
+    pos = np.array(pos + [0] * (T - real), np.int32)
+    rows = np.array(rows + [0] * (T - real), np.int32)
+    slots = table[rows, pos // PAGE] * PAGE + pos % PAGE
+    slots[real:] = 0  # padding tokens write the null page
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:len(CHUNKS)] = lengths
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:len(CHUNKS) + 1] = np.cumsum([n for _, n in CHUNKS])
+    cu[len(CHUNKS) + 1:] = cu[len(CHUNKS)]
+    batch = pa.RaggedBatch(jnp.asarray(pos), jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(real, jnp.int32),
+                           jnp.asarray(table), jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray([len(CHUNKS)]),
+                           jnp.asarray(cu[1:] - 1), jnp.asarray(kv_lens))
+    pool = jnp.asarray(rng.normal(size=(2, pages, PAGE, KV * 2 * hd)), dtype)
+    q, k, v = (jnp.asarray(rng.normal(size=(T, h, hd)), dtype) for h in (H, KV, KV))
+    sinks = jnp.asarray(rng.normal(size=H), jnp.float32)
+    return pool, batch, q, k, v, sinks
+
+
+@pytest.mark.parametrize("H, KV, hd", [(8, 2, 64), (32, 8, 64), (8, 4, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window, softcap, sinks, page_tokens", [(0, 0.0, False, None), (100, 0.0, False, 48),
+                                                                 (0, 30.0, True, 48)],
+                         ids=["causal", "window-100-pages-for-48", "softcap-sinks-pages-for-48"])
+def test_kernel_equals_the_plain_path_on_the_chip(H, KV, hd, dtype, window, softcap, sinks, page_tokens):
+    pool, batch, q, k, v, sink = case(H, KV, hd, jnp.dtype(dtype))
+
+    def run(kernel):
+        @jax.jit
+        def f(pool, q, k, v):
+            pool = pa.write_kv(pool, 1, k, v, batch.slots)
+            return pa.ragged_paged_attention(q, k, v, pool, 1, batch, window=window, softcap=softcap,
+                                             sinks=sink if sinks else None, page_tokens=page_tokens, kernel=kernel)
+
+        with jax.default_matmul_precision("highest"):
+            return np.asarray(f(pool, q, k, v), np.float32)
+
+    assert jax.devices()[0].platform == "tpu"
+    plain, kernel = run(False), run(True)
+    real = int(batch.num_tokens)
+    tol = 2e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(kernel[:real], plain[:real], atol=tol, rtol=tol)
+    assert np.all(kernel[real:] == 0)  # padding tokens
