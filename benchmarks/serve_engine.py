@@ -6,6 +6,12 @@ recipe's model with random weights, at several numbers of requests in flight. Th
     PYTHONPATH=src python benchmarks/serve_engine.py                                # lm-tiny-sized Llama, CPU
     PYTHONPATH=src python benchmarks/serve_engine.py --recipe llama-1b --dtype bfloat16 --levels 1,16,64,128
     PYTHONPATH=src python benchmarks/serve_engine.py --kv-cache int8                 # keys and values in int8
+    PYTHONPATH=src python benchmarks/serve_engine.py --recipe llama-8b --dtype bfloat16 --quantize int8 \
+        --kv-cache int8 --levels 1,64,256 --max-seqs 256 --output 128               # Llama-3-8B on one v5e
+
+`--quantize` serves the weights as `systolic serve --quantize` does (lm/model/quant.py: the projections and an untied
+LM head int8 with a float32 scale per output channel; w8a8 quantizes the activations too), drawn directly in that
+form: no float copy of the model is ever made, on the host or the device (random_params).
 
 Per level N: 2N requests of --prompt random ids and exactly --output new tokens (no end token is sampled: the
 sampler's vocabulary limit stops short of it), greedy, N in flight at a time (a finished one is replaced at
@@ -15,6 +21,7 @@ once). Every step size is compiled before timing. tokens/s counts output tokens 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -23,10 +30,15 @@ import time
 # A CPU default as small as the CLI's benchmark model (benchmarks/serve_vs_peers.py): 4 x 256, 4 heads, 2 KV heads.
 CPU_MODEL = ["model.family=llama", "model.layers=4", "model.d_model=256", "model.heads=4", "model.kv_heads=2",
              "model.mlp_dim=704", "model.max_seq_len=1024", "model.vocab_size=4096", "model.vocab_multiple=64"]
+WEIGHT_STD = 0.02  # of every random weight (GPT-2's initializer's)
+# Of int8 values uniform over [-128, 127] (sqrt((256^2 - 1) / 12)): times a scale of WEIGHT_STD / INT8_STD, a
+# quantized weight has the float weights' spread.
+INT8_STD = 73.9
+CHUNK = 1 << 24  # values drawn at once: a float leaf's float32 draw takes 64 MiB at a time, never the whole leaf
 
 
 def _args(argv=None) -> argparse.Namespace:
-    from systolic.workloads.lm.commands import KV_CACHES  # light: no jax before the CPU tuning
+    from systolic.workloads.lm.commands import KV_CACHES, QUANTIZE_SCHEMES  # light: no jax before the CPU tuning
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", help="an lm recipe whose model to serve (default: a 4 x 256 Llama)")
@@ -35,10 +47,15 @@ def _args(argv=None) -> argparse.Namespace:
                    "model, e.g. --set model.layers=18 (a Gemma-2B shape from llama-1b: benchmarks/tpu_bench.py)")
     p.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="as `systolic serve --kv-cache` "
                    "(default auto: the compute dtype)")
+    p.add_argument("--quantize", choices=QUANTIZE_SCHEMES, help="the weights as `systolic serve --quantize` serves "
+                   "them, drawn quantized (int8: int8 weights; w8a8: int8 weights and activations; fp8)")
     p.add_argument("--levels", default="1,4,16,64", help="requests in flight (default 1,4,16,64)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--output", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--max-seqs", type=int, default=64, help="engine batch (default 64)")
+    p.add_argument("--kv-memory-gib", type=float, help="the pool's GiB, as `systolic serve --kv-memory-gib` (default: "
+                   "80%% of the device's free memory after the weights), cut to 4x what the levels hold and never "
+                   "less")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-tokens-per-step", type=int, default=256)
     p.add_argument("--json", help="also write one JSON line per level to this file")
@@ -51,45 +68,113 @@ def _args(argv=None) -> argparse.Namespace:
 
 
 def build_engine(args):
-    """An engine over random weights (std 0.02, drawn on the host: jax.random under jit compiles slowly on CPU)."""
+    """An engine over random weights (random_params), with the pool that the levels use."""
     import jax
     import numpy as np
-    from flax import nnx
 
     from systolic import config as config_lib
     from systolic.data.tokenizer import ByteTokenizer
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.model.transformer import make_model
-    from systolic.workloads.lm.model.layers import resolve_dtype
+    from systolic.workloads.lm.model import quant
     from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages
-    from systolic.workloads.lm.serve.weights import serving_params
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
     cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \
         config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
     model = cfg.model
+    if args.quantize:  # the activations as the scheme says (weight-only int8: the compute dtype), as load_run sets
+        model = dataclasses.replace(model, quant=quant.SCHEMES[args.quantize][1])
     vocab = model.padded_vocab(model.vocab_size or 32768)  # a 32k tokenizer where the recipe derives it
-    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
-    rng = np.random.default_rng(0)
-    # Cast on the host as the engine stores them (serve/weights.py), so the float32 copy never takes device memory.
-    host = serving_params(jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(x.dtype), abstract),
-                          resolve_dtype(model.dtype))
-    params = jax.device_put(host)
-    del host
-    # The pool: what `systolic serve` would take on this device, cut to 4x what max_seqs requests of prompt + output
-    # hold (the levels use no more) and never less than that.
+    params = random_params(model, vocab, args.quantize)
+    # The pool: what `systolic serve` would take on this device beside these weights, cut to 4x what max_seqs
+    # requests of prompt + output hold (the levels use no more) and never less than that.
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
-    pages, _ = pool_pages(model, args.page_size, kv_memory_gib=None, max_seqs=args.max_seqs,
+    pages, _ = pool_pages(model, args.page_size, kv_memory_gib=args.kv_memory_gib, max_seqs=args.max_seqs,
                           device=jax.devices()[0], split=1, kv_cache=args.kv_cache)
     pages = max(min(pages, 4 * need), need)
     engine = InferenceEngine(model, params, ByteTokenizer(), kv_pages=pages, page_size=args.page_size,
                              max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
                              kv_cache=args.kv_cache)
     engine.vocab_limit = np.int32(vocab - 1)  # any id but the last: random prompts, no end-of-text stop
+    weights = f"{args.quantize} weights" if args.quantize else "weights"
     print(f"model: {model.layers} layers x {model.d_model}, {model.heads} heads ({model.n_kv_heads} KV), "
-          f"vocabulary {vocab}, {model.dtype}; KV cache {pages - 1:,} pages of {args.page_size} ({args.kv_cache}); "
-          f"{jax.devices()[0]}")
+          f"vocabulary {vocab}, {model.dtype}; {weights} {quant.param_bytes(params) / 2**30:.2f} GiB; KV cache "
+          f"{pages - 1:,} pages of {args.page_size} ({args.kv_cache}); {jax.devices()[0]}")
     return engine, vocab
+
+
+def served_shapes(model, vocab: int, scheme: str | None):
+    """The parameters as the engine holds them, abstract (ShapeDtypeStructs): what `systolic serve` serves from a
+    float32 checkpoint, i.e. with `scheme` the projections quantized by quant.quantize_params (int8 values, float32
+    scales), and every other float32 weight a layer casts stored in the compute dtype (serve/weights.py)."""
+    import jax
+    from flax import nnx
+
+    from systolic.workloads.lm.model import quant
+    from systolic.workloads.lm.model.layers import resolve_dtype
+    from systolic.workloads.lm.model.transformer import make_model
+    from systolic.workloads.lm.serve.weights import serving_params
+
+    floats = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
+
+    def served(params):
+        if scheme is not None:
+            params = quant.quantize_params(params, scheme, stacked=model.scan_layers)
+        return serving_params(params, resolve_dtype(model.dtype))
+
+    return jax.eval_shape(served, floats)
+
+
+def random_params(model, vocab: int, scheme: str | None, *, seed: int = 0):
+    """Random parameters on the default device, shaped as served_shapes says: float weights normal with std
+    WEIGHT_STD, drawn in float32 CHUNK values at a time and cast; a quantized weight's values uniform over the
+    int8 range and its scales WEIGHT_STD / INT8_STD (so it has the float weights' spread). Drawn on the host with
+    NumPy (jax.random under jit compiles slowly on CPU, and would differ between platforms), one leaf at a time,
+    each on the device before the next is drawn.
+
+    Peak host memory: one leaf (its values, plus a float32 chunk of 64 MiB for a float leaf) besides what the
+    device holds. On an accelerator that is all: for llama-8b with int8 weights the largest leaf is a stacked MLP
+    projection (32 x 4096 x 14336 int8, 1.75 GiB), and the device holds the 7.97 GiB served model. On CPU the device
+    is the host: llama-8b's int8 model drawn with JAX_PLATFORMS=cpu peaked at 8.67 GiB resident (ru_maxrss; 0.18
+    before), in 53 s on this project's loaded 2-core host (2026-12-06)."""
+    import jax
+    import numpy as np
+
+    from systolic.workloads.lm.model import quant
+
+    rng = np.random.default_rng(seed)
+    device = jax.devices()[0]
+
+    def put(host: np.ndarray) -> jax.Array:
+        leaf = jax.device_put(host, device)
+        leaf.block_until_ready()  # the transfer is done before the host copy is dropped and the next leaf drawn
+        return leaf
+
+    def normal(n: int) -> np.ndarray:
+        return rng.standard_normal(n, np.float32) * np.float32(WEIGHT_STD)
+
+    def uniform_int8(n: int) -> np.ndarray:
+        return rng.bit_generator.random_raw(-(-n // 8)).view(np.int8)[:n]  # 8 random bytes a draw: the fastest
+
+    def draw(leaf):
+        if not quant.is_quantized(leaf):
+            return put(_filled(leaf.shape, leaf.dtype, normal))
+        scale = np.full(leaf.scale.shape, WEIGHT_STD / INT8_STD, leaf.scale.dtype)
+        return dataclasses.replace(leaf, qvalue=put(_filled(leaf.qvalue.shape, leaf.qvalue.dtype, uniform_int8)),
+                                   scale=put(scale))
+
+    return jax.tree.map(draw, served_shapes(model, vocab, scheme), is_leaf=quant.is_quantized)
+
+
+def _filled(shape: tuple[int, ...], dtype, draw):
+    """An array of `shape` and `dtype` filled CHUNK values at a time from draw(n) (n values, cast on assignment)."""
+    import numpy as np
+
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1)  # a view: filling it fills `out`
+    for start in range(0, flat.size, CHUNK):
+        flat[start:start + CHUNK] = draw(min(CHUNK, flat.size - start))
+    return out
 
 
 def run_level(engine, vocab: int, n: int, args) -> dict:
@@ -181,7 +266,7 @@ def main(argv=None) -> int:
         with open(args.json, "a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype,
-                                    "kv_cache": args.kv_cache, **row}) + "\n")
+                                    "quantize": args.quantize, "kv_cache": args.kv_cache, **row}) + "\n")
     return 0
 
 

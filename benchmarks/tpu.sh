@@ -6,9 +6,12 @@
 #          against the 197 TFLOP/s bf16 data sheet, compile time
 #   serve  benchmarks/serve_engine.py, bfloat16: llama-1b at 1/16/64/256 requests in flight, gemma3-1b at 1/64, a
 #          Gemma-2B shape at 64/256 (tok/s, TTFT, TPOT, warm-up)
+#   serve-int8  benchmarks/serve_engine.py, quantized weights drawn quantized: a Llama-3-8B shape with int8 weights
+#          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
+#          bfloat16 at 64/256
 #   rl     `systolic train rl --recipe rl-cartpole`: environment steps/s
 #   sim    `systolic simulate --recipe sim-taylor-green` in float32 on 512^2: solver steps/s
-# Default: all five in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
+# Default: all six in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
 #
 # It needs this tree, the machine's python3 3.11 with jax 0.10.2 and libtpu (PYTHONPATH names their folder: this

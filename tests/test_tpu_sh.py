@@ -31,14 +31,16 @@ def test_dry_run_runs_every_part(tmp_path: Path):
     assert sorted(p.name for p in out.iterdir()) == [
         "pytest.xml", "serve-engine.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of the 8 allowed
     env, *rows = [json.loads(line) for line in (out / "tpu-bench.jsonl").read_text().splitlines()]
-    assert env["dry_run"] and env["backend"] == "cpu" and env["parts"] == ["test", "train", "serve", "rl", "sim"]
+    assert env["dry_run"] and env["backend"] == "cpu"
+    assert env["parts"] == ["test", "train", "serve", "serve-int8", "rl", "sim"]
     status = {(r["part"], r["row"]): r["status"] for r in rows}
     assert status.pop(("train", "llama-1b-v5e")) in ("ok", "skipped")  # skipped: "recipe not found" until it lands
     assert set(status.values()) == {"ok"}, status
     train = [r for r in rows if r["part"] == "train" and r["status"] == "ok"]
     assert all(r["step_time_s"] > 0 and r["mfu"] > 0 and r["attention"] == "xla" for r in train)
-    (serve,) = [r for r in rows if r["part"] == "serve"]
-    assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
+    for part in ("serve", "serve-int8"):
+        (serve,) = [r for r in rows if r["part"] == part]
+        assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
     assert all(r["throughput"] > 0 for r in rows if r["part"] in ("rl", "sim"))
     table = (out / "tpu-bench.txt").read_text()
     assert table in proc.stdout and "gpt2-124m" in table and "environment steps/s" in table
