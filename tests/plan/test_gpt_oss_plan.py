@@ -46,7 +46,8 @@ def test_serving_keys_per_layer_count_the_windows():
     assert (m.window, m.window_share) == (4, 0.5)
     chip = targets.resolve("v5e-4", mesh_devices=0).chip
     c = Compile(sequences=8, prefill_tokens=0, pool_pages=64, fits=True, peak_bytes=0, pool_bytes=0, temp_bytes=None,
-                out_of_memory=None, compile_s=0.0, ici_wire_bytes=0.0, collectives={}, xla_flops=None)
+                out_of_memory=None, compile_s=0.0, ici_wire_bytes=0.0, collectives={}, xla_flops=None,
+                attention_kernel=False)
     full = decode_roofline(dataclasses.replace(m, window=0), chip, 1, 8, 1000, c)
     windowed = decode_roofline(m, chip, 1, 8, 1000, c)
     # 1000 keys on the full layer, 4 on the sliding one: (1000 + 4) / 2 a layer on average.

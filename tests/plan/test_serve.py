@@ -1,6 +1,7 @@
 """`systolic plan lm --serve`: the inference engine's step compiled for a target without running it, and the
 serving figures read from it."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -69,6 +70,43 @@ def test_int8_weights_are_half_the_bytes_but_the_embedding_and_scales():
     assert (w8a8.weight_bytes, w8a8.int8_matmuls, int8.int8_matmuls) == (int8.weight_bytes, True, False)
 
 
+LLAMA_1B = ["model.family=llama", "model.d_model=2048", "model.layers=16", "model.heads=32", "model.kv_heads=8",
+            "model.mlp_dim=8192", "model.vocab_size=32768", "model.tie_embeddings=true", "model.scan_layers=true",
+            "model.max_seq_len=2048"]
+
+
+def test_the_v5e_decode_step_is_priced_at_the_measured_rates():
+    """llama-1b as `benchmarks/tpu.sh serve` ran it (vocabulary 32,768) decoding 64 sequences of 192 tokens on a
+    v5e: 2.08 GB of weights at 812 GB/s and 16 layers at 29.5 us, then one 256-key block of keys and values a
+    sequence and layer at the kernel's 245 GB/s (heads of 64), then 64 tokens' matmuls at 181 TFLOP/s: 5.96 ms,
+    where the chip took 6.07 ms a token (TPOT p50) and the roofline says 3.03 ms. Only what was measured is priced:
+    not an int8 pool's plain attention path, int8 weights or another chip."""
+    from systolic.plan import targets
+    from systolic.plan.serve import Compile, _unmeasured, decode_roofline, expected_decode
+
+    _, m = serve_model([*LLAMA_1B, "model.dtype=bfloat16"], weights="bf16", kv="bf16", devices=1)
+    chip = targets.CHIPS["v5e"]
+    step = Compile(sequences=64, prefill_tokens=192, pool_pages=769, fits=True, peak_bytes=0, pool_bytes=0,
+                   temp_bytes=None, out_of_memory=None, compile_s=0.0, ici_wire_bytes=0.0, collectives={},
+                   xla_flops=None, attention_kernel=True)
+    matmul_params = 16 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192) + 32768 * 2048  # the LM head: tied
+    assert m.weight_read_bytes_per_chip == 2 * matmul_params + 4 * (2 * 16 + 1) * 2048  # norms in float32
+    assert m.kernel_block_keys == 256 and m.kv_bytes_per_token == 2 * 16 * 8 * 64 * 2
+    by_hand = (m.weight_read_bytes_per_chip / 812e9 + 16 * 29.5e-6 + 64 * 256 * 32768 / 245e9
+               + 64 * 2 * matmul_params / 181e12)
+    e = expected_decode(m, chip, 1, 64, 192, step)
+    assert e.step_s == pytest.approx(by_hand) == pytest.approx(5.96e-3, abs=0.01e-3)
+    assert e.keys == 256 and "blocks of 256" in e.note and "245 GB/s" in e.note
+    assert decode_roofline(m, chip, 1, 64, 192, step).step_s == pytest.approx(3.03e-3, abs=0.01e-3)
+    # Any context up to one block reads the same: the kernel takes a block's rest from the null page.
+    longer = expected_decode(m, chip, 1, 64, 257, step)  # two blocks
+    assert expected_decode(m, chip, 1, 64, 129, step).step_s == e.step_s and longer.kv_s == pytest.approx(2 * e.kv_s)
+    assert _unmeasured(m, chip, step) is None
+    assert "plain path" in _unmeasured(m, chip, dataclasses.replace(step, attention_kernel=False))
+    assert "int8 weights" in _unmeasured(dataclasses.replace(m, weights="int8"), chip, step)
+    assert "no serving step was measured" in _unmeasured(m, targets.CHIPS["v6e"], step)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     # Standard dtype promotion, as a user runs it (the GPU stand-in traces bfloat16 code, see test_planner.py).
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUMPY_DTYPE_PROMOTION")}
@@ -120,6 +158,27 @@ def test_tiny_model_on_a_v5e_4_compiles_tensor_parallel():
     assert r["topology"] == "v5e:2x2" and r["tensor"] * r["replicas"] == 4
     assert p["step"]["fits"] and p["step"]["collectives"]["all-reduce"] > 0  # the row-parallel projections
     assert 0 < p["step"]["peak_bytes"] < 16 * 2**30 and p["sequences"] == 8
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with")
+def test_a_v5e_plan_finds_the_kernel_and_its_tokens_follow_the_expected_step():
+    """The compiled step's attention is the Pallas kernel (heads of 64, bf16 pool), so the plan prices the decode
+    step at the v5e's measured rates, and its tokens/s and price follow that step, not the roofline."""
+    proc = run_cli(*SERVE, "model.dtype=bfloat16", "model.d_model=512", "model.heads=8", "model.kv_heads=8",
+                   "model.max_seq_len=256", "model.tie_embeddings=true", "--target", "v5e-1", "--context", "192",
+                   "--batch", "8", "--weights", "bf16", "--kv", "bf16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (p,) = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
+    e = p["decode_expected"]
+    assert p["step"]["attention_kernel"] and p["unmeasured"] is None
+    assert e["weights_s"] == pytest.approx(p["weight_bytes_per_chip"] / 812e9)  # tied: the LM head reads the table
+    assert e["layers_s"] == pytest.approx(2 * 29.5e-6)
+    assert e["kv_s"] == pytest.approx(8 * 256 * p["kv_bytes_per_token"] / 245e9)
+    parts = e["weights_s"] + e["layers_s"] + e["kv_s"] + e["matmul_s"]
+    assert e["step_s"] == pytest.approx(parts) and e["step_s"] > p["decode_roofline"]["step_s"]
+    assert p["output_tokens_per_s_per_chip"] == pytest.approx(8 / e["step_s"])
 
 
 @pytest.mark.tpu_aot

@@ -45,11 +45,18 @@ BLOCK_KEYS = 256
 TOKENS_PER_BLOCK = 32
 LANES = 128
 SUBLANES = 8
+NAME = "systolic_paged_attention"  # the pallas_call's, in the compiled HLO (the serving plan looks for it)
 
 
 def padded_group(group: int) -> int:
     """Query heads per key/value head, rounded up to whole float32 tiles (8 rows)."""
     return -(-group // SUBLANES) * SUBLANES
+
+
+def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_KEYS) -> int:
+    """Pages a token reads per DMA'd block: a block is whole (pages past the token's keys come from the null page),
+    so a sequence of any length up to `block_keys` costs one block a layer."""
+    return max(1, min(block_keys // page_size, pages_per_seq))
 
 
 def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_table: jax.Array, rows: jax.Array,
@@ -69,7 +76,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     split = hd % LANES == 0  # k and v whole tiles of the row; else each head's [k | v] against [q | 0]
     Lq = hd if split else 2 * hd  # lanes of a query and of an output row
     pages_per_seq = page_table.shape[1]
-    block_pages = max(1, min(block_keys // page_size, pages_per_seq))
+    block_pages = pages_per_block(page_size, pages_per_seq, block_keys)
     TQ = min(tokens_per_block, n)
     n_pad = -(-n // TQ) * TQ
     # (n, KV * Gp, Lq): each head's G query rows padded to Gp; pad rows are zero and never read back.
@@ -103,7 +110,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         out_shape=jax.ShapeDtypeStruct((n_pad, KV * Gp, Lq), q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="systolic_paged_attention",
+        name=NAME,
     )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool)
     out = out[:n].reshape(n, KV, Gp, Lq)[:, :, :G]
     return (out if split else out[..., hd:]).reshape(n, H, hd)  # padded: [p.k | p.v]

@@ -13,7 +13,13 @@ The step times are rooflines from the model's sizes, for decoding alone and pref
 usually reasoned about: a decode step reads every weight once and each sequence's keys and values (HBM-bound at
 small batches) and computes 2 x weights + attention FLOPs per token; a prefill chunk computes the same per prompt
 token, reading the weights once (compute-bound). XLA's own FLOP count of the compiled step is printed as a check
-(the page loop's trips depend on the data, so it counts them once).
+(the page loop's trips depend on the data, so it counts them once; the Pallas kernel's FLOPs are not in it).
+On a chip where the engine was measured (targets.SERVE_CALIBRATIONS), the decode step is also priced as it ran
+there (`expected_decode`): the weights at their measured streaming rate and a fixed cost per layer, then the keys
+and values at the Pallas kernel's measured rate, in the whole blocks it reads, then the matmuls at the measured
+matmul rate, one after another. The v5e took 1.2 to 2.9x the roofline's step (1 to 256 sequences); the expected
+step is within 20% of every one measured (docs/planning.md, "The serving plan against the chip"), and the tokens/s
+and price follow it.
 
 `--search` compiles candidate batches until the largest that fits is found (each guess from the last compile's
 fixed memory, kept between the largest batch that fitted and the smallest that did not).
@@ -27,9 +33,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from systolic.kernels import paged_attention as kernel_lib
 from systolic.plan import hlo_collectives, hlo_text
 from systolic.plan.planner import compile_lowered, ms_text
-from systolic.plan.targets import PRICES_DATED, Chip, Target
+from systolic.plan.targets import PRICES_DATED, SERVE_CALIBRATIONS, Chip, Target
 from systolic.runtime import memory as memory_lib
 from systolic.runtime.memory import size_text
 
@@ -58,6 +65,9 @@ class ServeModel:
     attention_flops_per_key: float  # 4 x layers x heads x head_dim: scores and mix, per token and key it sees
     window: int  # a sliding window's keys (0: none)
     window_share: float  # the share of the layers that slide (GPT-OSS, Gemma 2: half); the others see every key
+    layers: int
+    head_dim: int  # the key/value heads' width (the Pallas kernel's rate depends on it)
+    kernel_block_keys: int  # keys the Pallas kernel reads per block (a sequence reads whole blocks)
     int8_matmuls: bool  # w8a8: int8 x int8 projections, at the chip's int8 peak
     lower_step: Callable[[int, int, int], Any]  # (decoding sequences, prefill tokens, pool pages) -> lowered step
 
@@ -86,6 +96,7 @@ class Compile:
     ici_wire_bytes: float  # per chip per step, over the links (hlo_collectives: a ring)
     collectives: dict[str, int]  # kind -> count per step
     xla_flops: float | None  # all chips, each loop x its trips where the HLO shows them
+    attention_kernel: bool  # the step's attention is the Pallas kernel (kernels/paged_attention.py), by its HLO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +108,20 @@ class Roofline:
     ici_s: float
     flops: float  # the model's, all chips of a replica
     hbm_bytes_per_chip: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """The decode step priced at a chip's measured serving rates (`expected_decode`): its parts, one after another."""
+
+    step_s: float
+    weights_s: float
+    layers_s: float
+    kv_s: float
+    matmul_s: float
+    ici_s: float  # the roofline's: collectives were not measured
+    keys: float  # each sequence's keys read per layer (the layers' average): whole blocks of the kernel
+    note: str  # what it rests on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +142,11 @@ class ServePlan:
     fits: bool  # at least one sequence
     step: Compile  # the compile the memory figures come from
     decode_roofline: Roofline | None  # at `sequences`
+    decode_expected: Expected | None  # at the chip's measured rates (None: not measured; `unmeasured` says why)
+    unmeasured: str | None
     prefill_roofline: Roofline | None
     prefill_tokens: int
-    output_tokens_per_s_per_chip: float | None
+    output_tokens_per_s_per_chip: float | None  # at the expected decode step where there is one, else the roofline's
     output_tokens_per_s_per_slice: float | None
     usd_per_million_output_tokens: float | None
     prefill_tokens_per_s_per_slice: float | None
@@ -211,7 +238,7 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
         say(f"  compiled {what} in {seconds:.0f} s: DOES NOT FIT"
             + (f" (the compiler asks for {size_text(needed)} per chip)" if needed else ""))
         return Compile(n, prefill_tokens, pages, False, int(needed or 0), pool, None, out_of_memory, seconds, 0.0, {},
-                       None)
+                       None, False)
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
     collectives = hlo_collectives.read_collectives(hlo, ())
@@ -219,7 +246,8 @@ def _compile(m: ServeModel, target: Target, tensor: int, n: int, prefill_tokens:
     say(f"  compiled {what} in {seconds:.0f} s: {size_text(peak)} per chip")
     return Compile(n, prefill_tokens, pages, peak <= target.chip.hbm_bytes, peak, pool, int(memory.temp_size_in_bytes),
                    None, seconds, sum(c.wire_bytes for c in collectives.values()),
-                   {kind: c.count for kind, c in collectives.items() if c.count}, hlo_text.step_cost(hlo).flops * tensor)
+                   {kind: c.count for kind, c in collectives.items() if c.count},
+                   hlo_text.step_cost(hlo).flops * tensor, kernel_lib.NAME in hlo)
 
 
 def _capacity(c: Compile, hbm: float, seq_bytes: float, page_bytes: float) -> int | None:
@@ -244,14 +272,17 @@ def _plan(m: ServeModel, target: Target, tensor: int, step: Compile, *, context:
                   kv_formula=m.kv_formula, context=context, sequences=n, sequences_from=how, fits=n >= 1,
                   step=step, prefill_tokens=prefill_tokens, compiles=compiles)
     if n < 1:
-        return ServePlan(**common, decode_roofline=None, prefill_roofline=None, output_tokens_per_s_per_chip=None,
-                         output_tokens_per_s_per_slice=None, usd_per_million_output_tokens=None,
-                         prefill_tokens_per_s_per_slice=None, prompt_s=None)
+        return ServePlan(**common, decode_roofline=None, decode_expected=None, unmeasured=None, prefill_roofline=None,
+                         output_tokens_per_s_per_chip=None, output_tokens_per_s_per_slice=None,
+                         usd_per_million_output_tokens=None, prefill_tokens_per_s_per_slice=None, prompt_s=None)
     dec = decode_roofline(m, target.chip, tensor, n, context, step)
+    unmeasured = _unmeasured(m, target.chip, step)
+    expected = None if unmeasured else expected_decode(m, target.chip, tensor, n, context, step)
     pre = prefill_roofline(m, target.chip, tensor, prefill_tokens, step)
     replicas = target.chips // tensor
-    per_slice = n / dec.step_s * replicas
-    return ServePlan(**common, decode_roofline=dec, prefill_roofline=pre,
+    per_slice = n / (expected or dec).step_s * replicas
+    return ServePlan(**common, decode_roofline=dec, decode_expected=expected, unmeasured=unmeasured,
+                     prefill_roofline=pre,
                      output_tokens_per_s_per_chip=per_slice / target.chips, output_tokens_per_s_per_slice=per_slice,
                      usd_per_million_output_tokens=price * target.chips / (per_slice * 3600) * 1e6,
                      prefill_tokens_per_s_per_slice=prefill_tokens / pre.step_s * replicas,
@@ -298,6 +329,49 @@ def decode_roofline(m: ServeModel, chip: Chip, tensor: int, n: int, context: int
     return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens))
 
 
+def _unmeasured(m: ServeModel, chip: Chip, c: Compile) -> str | None:
+    """Why the decode step has no expected time on `chip` (None: it has one): only what was measured is priced."""
+    if chip.name not in SERVE_CALIBRATIONS:
+        return f"no serving step was measured on a {chip.name}"
+    if m.weights != "bf16":
+        return f"{m.weights} weights were not measured on the {chip.name} (bf16 weights were)"
+    if not c.attention_kernel:
+        return (f"this step's attention takes the plain path, not the Pallas kernel (an int8 KV pool or MLA's latent "
+                f"rows: lm/serve/paged_attention.py `uses_kernel`), not measured on the {chip.name}")
+    return None
+
+
+def expected_decode(m: ServeModel, chip: Chip, tensor: int, n: int, context: int, c: Compile) -> Expected:
+    """One token for each of n sequences at `context` (the batch's slowest step), at the chip's measured serving
+    rates (targets.SERVE_CALIBRATIONS), one part after another, as the chip ran them: every weight at the measured
+    streaming rate, and each layer's fixed cost; each sequence's keys and values at the Pallas kernel's rate, in
+    the whole blocks it reads (a short sequence reads a block's rest from the null page; a sliding layer's window
+    at most one block more than it spans); the matmuls of n tokens and their LM head at the measured matmul rate;
+    the collectives as the roofline has them."""
+    cal = SERVE_CALIBRATIONS[chip.name]
+    block = m.kernel_block_keys
+    full = -(-context // block) * block
+    window = min(full, (-(-m.window // block) + 1) * block) if m.window else full
+    keys = (1 - m.window_share) * full + m.window_share * window
+    narrow = m.head_dim % kernel_lib.LANES != 0
+    kv_rate = cal.kv_bytes_per_s_narrow if narrow else cal.kv_bytes_per_s
+    flops = n * (m.matmul_flops_per_token + m.head_flops_per_row) / tensor
+    weights_s = m.weight_read_bytes_per_chip / cal.weights_bytes_per_s
+    layers_s = m.layers * cal.layer_s
+    kv_s = n * keys * m.kv_bytes_per_token_per_chip / kv_rate
+    matmul_s = flops / cal.matmul_flops_per_s
+    ici_s = c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens) / chip.ici_bytes_per_s
+    note = (f"weights {ms_text(weights_s)} ({m.weight_read_bytes_per_chip / 1e9:.2f} GB at "
+            f"{cal.weights_bytes_per_s / 1e9:.0f} GB/s) + layers {ms_text(layers_s)} ({m.layers} x "
+            f"{cal.layer_s * 1e6:.1f} us) + KV {ms_text(kv_s)} ({n} x {keys:,.0f} keys, blocks of "
+            f"{block}, at the kernel's {kv_rate / 1e9:.0f} GB/s for heads of {m.head_dim}) + matmuls "
+            f"{ms_text(matmul_s)} ({flops:.3e} FLOPs at {cal.matmul_flops_per_s / 1e12:.0f} TFLOP/s)"
+            + (f" + ICI {ms_text(ici_s)} (the roofline's)" if ici_s else "")
+            + f": the {chip.name}'s measured rates ({cal.source})")
+    return Expected(weights_s + layers_s + kv_s + matmul_s + ici_s, weights_s, layers_s, kv_s, matmul_s, ici_s, keys,
+                    note)
+
+
 def prefill_roofline(m: ServeModel, chip: Chip, tensor: int, tokens: int, c: Compile) -> Roofline:
     """A chunk of `tokens` prompt tokens from position 0: causal attention within it (tokens x (tokens + 1) / 2
     keys), its keys and values written, the LM head for its last token."""
@@ -315,7 +389,7 @@ def count_text(n: float) -> str:
 
 
 HEADER = (f"{'weights':<8} {'KV':<9} {'weights/chip':>12} {'KV B/token':>10} {'sequences':>9} "
-          f"{'decode step (bound)':>20} {'tok/s/chip':>10} {'tok/s/slice':>11} {'$/M tok':>8} "
+          f"{'decode roofline':>20} {'expected':>9} {'tok/s/chip':>10} {'tok/s/slice':>11} {'$/M tok':>8} "
           f"{'prefill tok/s':>13} {'prompt':>8}")
 
 
@@ -325,10 +399,13 @@ def format_row(p: ServePlan) -> str:
     if not p.fits:
         return head + f"{0:>9} DOES NOT FIT"
     d = p.decode_roofline
-    return head + (f"{p.sequences:>9,} {ms_text(d.step_s) + ' (' + d.bound + ')':>20} "
-                   f"{p.output_tokens_per_s_per_chip:>10,.0f} {p.output_tokens_per_s_per_slice:>11,.0f} "
-                   f"{p.usd_per_million_output_tokens:>8.3g} {p.prefill_tokens_per_s_per_slice:>13,.0f} "
-                   f"{ms_text(p.prompt_s):>8}")
+    expected = ms_text(p.decode_expected.step_s) if p.decode_expected else "-"
+    star = "" if p.decode_expected else "*"  # at the roofline: not comparable with an expected row
+    per_chip = f"{p.output_tokens_per_s_per_chip:,.0f}{star}"
+    per_slice = f"{p.output_tokens_per_s_per_slice:,.0f}{star}"
+    return head + (f"{p.sequences:>9,} {ms_text(d.step_s) + ' (' + d.bound + ')':>20} {expected:>9} {per_chip:>10} "
+                   f"{per_slice:>11} {f'{p.usd_per_million_output_tokens:.3g}{star}':>8} "
+                   f"{p.prefill_tokens_per_s_per_slice:>13,.0f} {ms_text(p.prompt_s):>8}")
 
 
 def format_report(r: ServeReport) -> str:
@@ -337,7 +414,8 @@ def format_report(r: ServeReport) -> str:
         f"target        {r.target}: {r.chips} x {r.chip}" + (f" (topology {r.topology})" if r.topology else "")
         + f", {size_text(r.hbm_bytes)} HBM each",
         f"figures from  {r.compiler}: the engine's step (lm/serve/step.py) for memory and collectives; step times "
-        "are rooflines from the model's sizes",
+        "from the model's sizes: rooflines, and the decode step expected at the chip's measured rates where it was "
+        "measured",
         f"layout        tensor parallel over {r.tensor} chip{'s' if r.tensor > 1 else ''} (Megatron: heads, MLP and "
         f"vocabulary split), {r.replicas} replica{'s' if r.replicas > 1 else ''} over the slice",
         f"model         {count_text(first.params)} parameters",
@@ -351,9 +429,11 @@ def format_report(r: ServeReport) -> str:
     ]
     for p in r.plans:
         lines += _details(p)
-    lines.append("sequences: of the context, per replica; tok/s: output tokens of the decode step (prefill not "
-                 "included); $/M tok: per million output tokens at the price above; prompt: prefill of one "
-                 "context-long prompt (time to first token, a lower bound)")
+    lines.append("sequences: of the context, per replica; expected: the decode step at the chip's measured rates "
+                 "(-: not measured, see above); tok/s: output tokens of the decode step at the expected step, or "
+                 "with * at the roofline (an upper bound: the v5e took 1.2 to 2.9x the roofline's step; do not "
+                 "compare it with an expected row); prefill not included; $/M tok: per million output tokens at the "
+                 "price above; prompt: prefill of one context-long prompt (time to first token, a lower bound)")
     return "\n".join(lines)
 
 
@@ -378,6 +458,11 @@ def _details(p: ServePlan) -> list[str]:
             lines.append(f"  {name} roofline: {ms_text(r.step_s)} ({r.bound}-bound; compute {ms_text(r.compute_s)}, HBM "
                          f"{ms_text(r.hbm_s)} for {size_text(r.hbm_bytes_per_chip)} per chip, ICI {ms_text(r.ici_s)}); "
                          f"{r.flops:.3e} model FLOPs")
+        if name == "decode" and r is not None and p.decode_expected:
+            e = p.decode_expected
+            lines.append(f"  decode expected: {ms_text(e.step_s)}, {e.step_s / r.step_s:.2f}x the roofline = {e.note}")
+        elif name == "decode" and r is not None:
+            lines.append(f"  decode expected: none, {p.unmeasured}: the roofline alone (tok/s an upper bound)")
     if not p.fits and c.sequences == 1:
         lines.append(f"  DOES NOT FIT: not one sequence of {p.context:,} tokens fits beside the weights "
                      f"({size_text(p.weight_bytes_per_chip)} per chip). Fix: more chips (a larger --target or "

@@ -60,6 +60,39 @@ CALIBRATIONS: dict[str, Calibration] = {
         "HBM-bound, XLA's bytes as they are (an upper estimate). Every training row within 14% of the chip: "
         "docs/planning.md, 'The planner against the chip'")),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCalibration:
+    """What one decode step of the serving engine takes on a chip (plan/serve.py `expected_decode`): its parts one
+    after another, as measured (no overlap): every weight read at `weights_bytes_per_s` and a fixed `layer_s` per
+    layer, each sequence's keys and values read by the Pallas paged-attention kernel (kernels/paged_attention.py) at
+    its rate for the head width, and the step's matmuls at `matmul_flops_per_s`."""
+
+    weights_bytes_per_s: float
+    layer_s: float  # what a layer costs besides its weights at one token: launches, the layer loop, small ops
+    kv_bytes_per_s: float  # the kernel, head_dim a multiple of 128: k and v are whole lane tiles
+    kv_bytes_per_s_narrow: float  # the kernel, head_dim 64: a head's [k | v] is one tile, through the MXU twice
+    matmul_flops_per_s: float
+    source: str
+
+
+# By chip name. Chips without a row plan serving at the roofline alone (and say so). v5e: measured on the lent chip
+# on 2026-12-06 (jax 0.10.2, bfloat16):
+# - weights and layers: the two rows of 1 sequence in flight of `benchmarks/tpu.sh serve` (benchmarks/
+#   serve_engine.py), llama-1b (16 layers, 2.08 GB of weights) 3.08 ms a token (TPOT p50) and gemma3-1b (26 layers,
+#   2.00 GB) 3.26 ms, each less its KV read and matmuls at the rates below, solved for both: 812 GB/s (the data
+#   sheet's 819) and 29.5 us a layer;
+# - KV: `benchmarks/paged_attention.py` (every layer's attention of a decode batch, 256 positions a sequence):
+#   242 and 247 GB/s for llama-1b's heads of 64 at 64 and 256 sequences, 302 and 317 GB/s for gemma3-1b's and
+#   Gemma 2B's heads of 256;
+# - matmuls: an 8192^3 bfloat16 matmul at 181 TFLOP/s (observe/peak_flops.py; the data sheet's 197).
+SERVE_CALIBRATIONS: dict[str, ServeCalibration] = {
+    "TPU v5 lite": ServeCalibration(weights_bytes_per_s=812e9, layer_s=29.5e-6, kv_bytes_per_s=310e9,
+                                    kv_bytes_per_s_narrow=245e9, matmul_flops_per_s=181e12, source=(
+        "benchmarks/tpu.sh serve and benchmarks/paged_attention.py on the lent v5e, 2026-12-06; every decode step "
+        "measured there within 20%: docs/planning.md, 'The serving plan against the chip'")),
+}
 CHIPS: dict[str, Chip] = {
     # https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 or int8); https://cloud.google.com/tpu/pricing
     "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 275e12, 1200e9, 2400e9 / 8, 6.25e9, 3.22,

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import UserError
+from systolic.kernels import paged_attention as kernel_lib
 from systolic.plan.serve import ServeModel
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, with_shardings
@@ -117,6 +118,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         attention_flops_per_key=attention_flops_per_key(model),
         window=model.sliding_window if any(model.local_layers) else 0,
         window_share=sum(model.local_layers) / model.layers,
+        layers=model.layers, head_dim=model.d_head,
+        kernel_block_keys=kernel_lib.pages_per_block(page_size, table) * page_size,
         int8_matmuls=weights == "w8a8",
         lower_step=lower_step)
 
