@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("", "errors"),
     ("safe_json", "safe_yaml", "safe_npy", "outfile", "command"),  # command: a command as declared data (no imports above errors)
     ("config",),
-    ("runtime",),
+    ("runtime", "kernels"),  # kernels: Pallas kernels, jax only (serving's attention; the planner reads their names)
     ("data", "observe"),
     ("optim",),
     ("engine",),
