@@ -1,8 +1,17 @@
-"""PPO on CartPole-v1: `systolic train rl --recipe rl-cartpole` against PureJaxRL's `ppo.py`, same CPU, same
+"""PPO on CartPole-v1: `systolic train rl --recipe rl-cartpole` against PureJaxRL's `ppo.py`, same machine, same
 hyperparameters, seeds and environment steps, alternated runs.
 
     python benchmarks/rl_vs_purejaxrl.py                # 3 pairs, the order flipped every pair
     python benchmarks/rl_vs_purejaxrl.py --pairs 5
+    python benchmarks/rl_vs_purejaxrl.py --platform cpu --set rl.num_envs=2048 rl.updates_per_chunk=8 \
+        rl.total_env_steps=4194304                      # the wide configuration: 2,048 environments x 8 seeds
+
+Platform: each side's process runs where the caller's environment says (JAX_PLATFORMS as set, or unset: JAX's
+choice, the TPU on the lent chip's machine), with the caller's PYTHONPATH kept after src/ (the chip's jax and the
+carried wheels live there); `--platform cpu` (or tpu) sets JAX_PLATFORMS for both sides. On a machine without an
+accelerator the default is the CPU run of docs/benchmarks.md. The parent process never starts a JAX backend (one
+process at a time may hold a TPU): the float32 matmul peak is measured in a child process too. `--set KEY=VALUE`
+overrides the recipe for both sides (rl.* and ppo.* keys: PureJaxRL's config is read from the overridden recipe).
 
 PureJaxRL side: `make_train` below is PureJaxRL's `purejaxrl/ppo.py` (github.com/luchris429/purejaxrl, commit
 31756b1), re-implemented line for line with two adaptations, both marked ADAPTED: gymnax 1.0.1's `step` returns
@@ -255,21 +264,21 @@ def purejaxrl_config(cfg) -> dict:
             "ANNEAL_LR": ppo.anneal_lr}
 
 
-def recipe_config():
+def recipe_config(overrides: list[str]):
     sys.path.insert(0, SRC)
     from systolic import config as config_lib
     from systolic.workloads.rl.config import RLConfig
 
-    return config_lib.load(RLConfig, RECIPE, [], RECIPE)[0]
+    return config_lib.load(RLConfig, RECIPE, overrides, RECIPE)[0]
 
 
-def run_purejaxrl_here() -> dict:
+def run_purejaxrl_here(overrides: list[str]) -> dict:
     """This process is the PureJaxRL side: compile, run, report one JSON object."""
     t_start = time.perf_counter()
     import jax
     import numpy as np
 
-    cfg = recipe_config()
+    cfg = recipe_config(overrides)
     config = purejaxrl_config(cfg)
     rngs = jax.random.split(jax.random.PRNGKey(cfg.rl.seed), cfg.rl.num_seeds)
     train = jax.jit(jax.vmap(make_train(config)))
@@ -287,34 +296,51 @@ def run_purejaxrl_here() -> dict:
     per_seed = [float(r[e].mean()) if e.any() else float("nan") for r, e in zip(returns, ended)]
     steps = cfg.rl.num_seeds * config["NUM_UPDATES"] * config["NUM_STEPS"] * config["NUM_ENVS"]
     return {"env_steps_per_s": steps / run_s, "compile_s": compile_s, "run_s": run_s, "steps_per_seed":
-            steps // cfg.rl.num_seeds, "final_returns": per_seed, "process_s": time.perf_counter() - t_start}
+            steps // cfg.rl.num_seeds, "final_returns": per_seed, "process_s": time.perf_counter() - t_start,
+            "backend": jax.default_backend()}
+
+
+def measure_peak_here() -> dict:
+    """This process measures a 2048^2 float32 matmul's FLOP/s on its JAX backend (the parent never opens one)."""
+    import jax
+
+    sys.path.insert(0, SRC)
+    from systolic.observe.peak_flops import measured_matmul_flops
+
+    return {"flops_per_s": measured_matmul_flops(2048), "backend": jax.default_backend()}
 
 
 # THE TWO SIDES, EACH IN ITS OWN PROCESS ------------------------------------------------------------------------
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(platform: str | None) -> dict[str, str]:
+    """The caller's environment without XLA and systolic settings (both sides run plain), src/ first on PYTHONPATH
+    and the caller's entries kept after it; JAX_PLATFORMS as the caller set it unless `platform` names one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SYSTOLIC_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=SRC)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    if platform:
+        env["JAX_PLATFORMS"] = platform
     return env
 
 
-def run_purejaxrl() -> dict:
+def run_child(side: str, args) -> dict:
+    """One `--side` process (the same overrides); its last stdout line is its JSON result."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE), "--side", "purejaxrl"], env=clean_env(), capture_output=True,
-                          text=True, timeout=1800)
+    overrides = ["--set", *args.set] if args.set else []
+    proc = subprocess.run([sys.executable, str(HERE), "--side", side, *overrides], env=clean_env(args.platform),
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"PureJaxRL side failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{side} side failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result | {"wall_s": time.perf_counter() - t}
 
 
-def run_systolic() -> dict:
+def run_systolic(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="rl-vs-purejaxrl-") as run_dir:
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "systolic", "train", "rl", "--recipe", RECIPE, "--run-dir",
-                               run_dir], env=clean_env() | {"SYSTOLIC_COMPILE_CACHE": "off"}, capture_output=True,
-                              text=True, timeout=1800)
+                               run_dir, *args.set], env=clean_env(args.platform) | {"SYSTOLIC_COMPILE_CACHE": "off"},
+                              capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - t
         if proc.returncode != 0:
             raise SystemExit(f"systolic side failed:\n{proc.stderr[-3000:]}")
@@ -342,24 +368,28 @@ def ppo_flops_per_env_step(cfg, obs_size: int, actions: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--side", choices=["purejaxrl"], help=argparse.SUPPRESS)  # the child process's role
+    parser.add_argument("--platform", help="JAX_PLATFORMS for both sides (cpu, tpu); default: the caller's")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for both sides, e.g. rl.num_envs=2048")
+    parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak (two processes fewer)")
+    parser.add_argument("--json", type=Path, help="append the summary as one JSON line to this file")
+    parser.add_argument("--side", choices=["purejaxrl", "peak"], help=argparse.SUPPRESS)  # a child process's role
     args = parser.parse_args()
     if args.side == "purejaxrl":
-        print(json.dumps(run_purejaxrl_here()))
+        print(json.dumps(run_purejaxrl_here(args.set)))
+        return 0
+    if args.side == "peak":
+        print(json.dumps(measure_peak_here()))
         return 0
 
-    os.environ.update(JAX_PLATFORMS="cpu")
-    import jax
-
-    sys.path.insert(0, SRC)
-    from systolic.observe.peak_flops import measured_matmul_flops
-
-    cfg = recipe_config()
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; jax {jax.__version__}; recipe "
-          f"{RECIPE}: {cfg.rl.num_seeds} seeds x {cfg.rl.num_envs} envs, {cfg.rl.num_updates} updates = "
-          f"{cfg.rl.num_updates * cfg.rl.env_steps_per_update:,} env steps per seed")
-    peak_before = measured_matmul_flops(2048)
-    sides = {"systolic": run_systolic, "purejaxrl": run_purejaxrl}
+    cfg = recipe_config(args.set)
+    platform = args.platform or os.environ.get("JAX_PLATFORMS") or "JAX's choice"
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; platform {platform}; recipe "
+          f"{RECIPE}{' ' + ' '.join(args.set) if args.set else ''}: {cfg.rl.num_seeds} seeds x {cfg.rl.num_envs} "
+          f"envs, {cfg.rl.num_updates} updates = {cfg.rl.num_updates * cfg.rl.env_steps_per_update:,} env steps per "
+          "seed")
+    peak_before = None if args.no_peak else run_child("peak", args)
+    sides = {"systolic": lambda: run_systolic(args), "purejaxrl": lambda: run_child("purejaxrl", args)}
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for pair in range(args.pairs):
         for name in (("systolic", "purejaxrl") if pair % 2 == 0 else ("purejaxrl", "systolic")):
@@ -369,25 +399,37 @@ def main() -> int:
                   f"(compile {r['compile_s']:.1f} s), final training return per seed "
                   f"{' '.join(f'{x:.0f}' for x in r['final_returns'])}"
                   + (f"; evaluation {' '.join(f'{x:.0f}' for x in r['eval_returns'])}" if "eval_returns" in r else "")
+                  + (f"; backend {r['backend']}" if "backend" in r else "")
                   + f" (load {os.getloadavg()[0]:.1f})", flush=True)
-    peak_after = measured_matmul_flops(2048)
-    peak = max(peak_before, peak_after)
     flops = ppo_flops_per_env_step(cfg, obs_size=4, actions=2)
-    print(f"\nmatmul peak (2048^2 float32, this process): {peak_before / 1e9:.1f} GFLOP/s before the pairs, "
-          f"{peak_after / 1e9:.1f} after; PPO matmul FLOPs per env step: {flops / 1e3:.1f} k")
+    peak = None
+    if not args.no_peak:
+        peak_after = run_child("peak", args)
+        peak = max(peak_before["flops_per_s"], peak_after["flops_per_s"])
+        print(f"\nmatmul peak (2048^2 float32, {peak_after['backend']}): {peak_before['flops_per_s'] / 1e9:.1f} "
+              f"GFLOP/s before the pairs, {peak_after['flops_per_s'] / 1e9:.1f} after; PPO matmul FLOPs per env step: "
+              f"{flops / 1e3:.1f} k")
     print("| side | env steps/s (median) | runs | wall s (median) | final training return, mean over seeds "
           "(median run) | PPO GFLOP/s | of peak |")
     print("|---|---|---|---|---|---|---|")
-    medians = {}
+    summary = {"overrides": args.set, "platform": platform, "pairs": args.pairs, "seeds": cfg.rl.num_seeds,
+               "envs": cfg.rl.num_envs, "env_steps_per_seed": cfg.rl.num_updates * cfg.rl.env_steps_per_update,
+               "peak_flops_per_s": peak}
     for name, runs in results.items():
         rate = statistics.median(r["env_steps_per_s"] for r in runs)
-        medians[name] = rate
         returns = statistics.median(statistics.fmean(r["final_returns"]) for r in runs)
+        summary[name] = {"env_steps_per_s": rate, "runs": [r["env_steps_per_s"] for r in runs],
+                         "final_return": returns, "wall_s": statistics.median(r["wall_s"] for r in runs),
+                         "compile_s": statistics.median(r["compile_s"] for r in runs)}
         each = ", ".join(f"{r['env_steps_per_s']:,.0f}" for r in runs)
-        print(f"| {name} | {rate:,.0f} | {each} | "
-              f"{statistics.median(r['wall_s'] for r in runs):.1f} | {returns:.1f} | "
-              f"{rate * flops / 1e9:.1f} | {100 * rate * flops / peak:.1f}% |")
-    print(f"\nsystolic / PureJaxRL (median env steps/s): {medians['systolic'] / medians['purejaxrl']:.2f}x")
+        of_peak = f"{100 * rate * flops / peak:.1f}%" if peak else "-"
+        print(f"| {name} | {rate:,.0f} | {each} | {summary[name]['wall_s']:.1f} | {returns:.1f} | "
+              f"{rate * flops / 1e9:.1f} | {of_peak} |")
+    summary["ratio"] = summary["systolic"]["env_steps_per_s"] / summary["purejaxrl"]["env_steps_per_s"]
+    print(f"\nsystolic / PureJaxRL (median env steps/s): {summary['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps(summary) + "\n")
     return 0
 
 

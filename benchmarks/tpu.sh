@@ -9,15 +9,18 @@
 #   serve-int8  benchmarks/serve_engine.py, quantized weights drawn quantized: a Llama-3-8B shape with int8 weights
 #          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
 #          bfloat16 at 64/256
-#   rl     `systolic train rl --recipe rl-cartpole`: environment steps/s
-#   sim    `systolic simulate --recipe sim-taylor-green` in float32 on 512^2: solver steps/s
-# Default: all six in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
+#   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
+#          then the rl-cartpole recipe (8 x 4), systolic against PureJaxRL's ppo.py: env steps/s, final return
+#   sim    `systolic simulate` in float32: sim-taylor-green on 512^2, sim-turbulence on 1024^2: solver steps/s
+#   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s
+# Default: all seven in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
 #
 # It needs this tree, the machine's python3 3.11 with jax 0.10.2 and libtpu (PYTHONPATH names their folder: this
 # appends to it), and the wheels that benchmarks/tpu-wheels.sh downloads into .whl-tpu/: when that holds wheels they
 # are installed into $SYSTOLIC_TPU_SH_SITE (default /tmp/site) with no registry. matplotlib and seaborn (gymnax
-# imports them) come from the machine's own index when it has one. systolic runs from src/ (no pip install).
+# imports them; the rl part) and scikit-learn and pillow (the gan part's bundled digits) come from the machine's own
+# index when it has one. systolic runs from src/ (no pip install).
 # JAX's persistent compilation cache is .jax-cache/ (ignored; carry it to reuse compiles from an earlier call).
 # Prints the table; in $OUT (default /tmp/tpu-bench): tpu-bench.txt, tpu-bench.jsonl, tpu-bench.log, pytest.xml,
 # serve-engine.jsonl. Exit code 2 when JAX sees no TPU, 1 when a row failed.
@@ -39,14 +42,21 @@ if compgen -G ".whl-tpu/*.whl" >/dev/null; then
     --upgrade --target "$SITE" .whl-tpu/*.whl
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
 fi
-# Only the rl part needs them (gymnax imports both); the others start sooner without.
-needs_plots=0
-if [ $# -eq 0 ] || [[ " $* " == *" rl "* ]]; then needs_plots=1; fi
-if [ "$needs_plots" = 1 ] && ! "$PY" -c "import matplotlib, seaborn" 2>/dev/null && [ -d /opt/pypi/simple ]; then
+# Only the rl part needs matplotlib and seaborn (gymnax imports both), only the gan part scikit-learn and pillow (its
+# bundled digits); the others start sooner without.
+from_index=()
+if [ $# -eq 0 ] || [[ " $* " == *" rl "* ]]; then
+  "$PY" -c "import matplotlib, seaborn" 2>/dev/null || from_index+=(matplotlib seaborn)
+fi
+if [ $# -eq 0 ] || [[ " $* " == *" gan "* ]]; then
+  "$PY" -c "import sklearn, PIL" 2>/dev/null || from_index+=(scikit-learn pillow)
+fi
+if [ ${#from_index[@]} -gt 0 ] && [ -d /opt/pypi/simple ]; then
   # The machine's own index (KINDS.md), into a folder of its own, appended last so that numpy stays the machine's.
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
-    --index-url file:///opt/pypi/simple --target "$SITE-index" matplotlib seaborn \
-    && export PYTHONPATH="$PYTHONPATH:$SITE-index" || echo "tpu.sh: matplotlib and seaborn did not install from /opt/pypi"
+    --index-url file:///opt/pypi/simple --target "$SITE-index" "${from_index[@]}" \
+    && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE-index" \
+    || echo "tpu.sh: ${from_index[*]} did not install from /opt/pypi"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${SYSTOLIC_TPU_SH_DRY_RUN:-}" ]; then

@@ -1,9 +1,10 @@
 """The parts of `benchmarks/tpu.sh` on one TPU v5e chip, one program on the chip at a time: the `tpu` tests, the
 training rows (step time, tokens/s and MFU of `systolic bench lm`), the inference engine's tokens/s (bfloat16, then
-quantized), PPO's and the spectral solver's throughput. tpu.sh installs the carried wheels and sets PYTHONPATH
+quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 8 seeds), the spectral solvers'
+and the gan-dcgan-64 recipe's throughput. tpu.sh installs the carried wheels and sets PYTHONPATH
 before it runs this.
 
-    bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim ...]    # default: all six, in that order
+    bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim|gan ...]    # default: all seven, in that order
     SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh         # anywhere: the same parts, tiny models on CPU
 
 One command on the lent machine may run 10 minutes: the parts share a budget of SYSTOLIC_TPU_SH_BUDGET_S (default
@@ -34,11 +35,12 @@ from bench_rows import Row, error_line, format_table, preflight, run_bench_row, 
 DRY_RUN_ENV = "SYSTOLIC_TPU_SH_DRY_RUN"
 BUDGET_ENV = "SYSTOLIC_TPU_SH_BUDGET_S"
 TOTAL_S = 480.0  # of a command's 10 minutes; the rest: the wheels' install, matplotlib's from the machine's index
-PARTS = ("test", "train", "serve", "serve-int8", "rl", "sim")
-PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "rl": 180.0, "sim": 150.0}
+PARTS = ("test", "train", "serve", "serve-int8", "rl", "sim", "gan")
+PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "rl": 450.0, "sim": 200.0,
+                 "gan": 180.0}
 MIN_ROW_S = 60.0  # a row never starts with less: opening the chip takes ~15 s and a compile tens of seconds
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "grain", "qwix", "gymnax", "matplotlib",
-            "numpy")
+            "scikit-learn", "pillow", "numpy")
 
 # The training rows, in order. Measured on the chip 2026-12-06 before this harness (NOTES-jax-stack.md): gpt2-124m
 # 32 x 1024 46.7% MFU, 284 ms a step; llama-1b cut to 8 layers, 4 x 2048, remat=dots 40.4%; 8 x 2048 with remat=dots
@@ -105,12 +107,34 @@ SERVE_INT8_DRY = (("4 x 256 llama w8a8, int8 KV", ["--levels", "1,4", "--prompt"
                                                    "4", "--max-tokens-per-step", "16", "--quantize", "w8a8",
                                                    "--kv-cache", "int8"]),)
 WARMUP = re.compile(r"warm-up \(every step size compiled\): ([\d.]+) s")
-# PPO on CartPole as recipe'd (8 seeds); the solver in float32 (the chip has no float64 FFT) on a 512^2 grid.
-RL = ["--recipe", "rl-cartpole", "observe.plot=false"]
-RL_DRY = ["rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
-          "rl.eval_episodes=2", "model.hidden=16", "env.max_episode_steps=40"]
-SIM = ["--recipe", "sim-taylor-green", "sim.dtype=float32", "grid.n=512", "output.images=false", "observe.plot=false"]
+# PPO on CartPole (issue 43): benchmarks/rl_vs_purejaxrl.py, one alternated pair (systolic, then PureJaxRL's ppo.py),
+# each side its own process on the chip (--platform tpu: no silent fall-back to the CPU). The wide row first (the
+# figure the chip has not yet given): 2,048 environments x 8 seeds, 2 chunks of 8 updates = 4,194,304 env steps per
+# seed (systolic's rate is its second chunk's); then the recipe (8 seeds x 4 environments, 507,904 env steps per
+# seed: ~80k env steps/s a side on the chip, 2026-12-06, so ~100 s a side with opening the chip and compiling).
+# (label, overrides, dry-run overrides)
+RL_ROWS = (
+    ("PPO 2048 envs x 8 seeds", ["rl.num_envs=2048", "rl.updates_per_chunk=8", "rl.total_env_steps=4194304"],
+     ["rl.num_seeds=2", "rl.num_envs=32", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=2048",
+      "rl.eval_episodes=2"]),
+    ("PPO rl-cartpole (8 seeds x 4 envs)", [],
+     ["rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
+      "rl.eval_episodes=2"]),
+)
+# The solvers in float32 (the chip has no float64 FFT): Taylor-Green on 512^2, and 2-D decaying turbulence on 1024^2
+# (the issue's row, 395 steps/s there, 2026-12-06) to t = 5 of the recipe's 15 (~1/3 of its CFL steps). systolic
+# alone: no jax-cfd comparison exists in this project yet (issue 43 asks for one).
+NO_PICTURES = ["output.images=false", "observe.plot=false"]
+SIM = ["--recipe", "sim-taylor-green", "sim.dtype=float32", "grid.n=512", *NO_PICTURES]
 SIM_DRY = ["grid.n=32", "output.frames=4"]
+TURBULENCE = ["--recipe", "sim-turbulence", "grid.n=1024", "sim.t_end=5.0", *NO_PICTURES]
+TURBULENCE_DRY = ["grid.n=32", "sim.t_end=0.5", "output.frames=4"]
+# DCGAN at 64x64 (the recipe's 512-channel networks, batch 64) on the bundled digits (data.path='': scikit-learn's
+# 8x8 digits resized with Pillow, one channel), evaluated once at the end. images/s only: the gan workload has no
+# FLOP formula, so no MFU here yet.
+GAN = ["--recipe", "gan-dcgan-64", "train.steps=300", "train.eval_every=100000", "checkpoint.every_steps=100000",
+       "observe.plot=false"]
+GAN_DRY = ["train.steps=6", "train.batch_size=8", "model.g_channels=16", "model.d_channels=16", "observe.log_every=2"]
 THROUGHPUT = re.compile(r"throughput: ([\d,.]+) ([^;]+); [^;]* ([\d.]+) s; wall time ([\d.]+) s")
 
 
@@ -212,38 +236,73 @@ def serve_part(part: str, rows: tuple, dry_rows: tuple):
     return run
 
 
-def run_cli(part: str, label: str, argv: list[str], dry: list[str], imports: str | None):
-    """A part that runs the real CLI (`systolic train rl`, `systolic simulate`) and reads its `throughput:` line;
-    skipped with the reason when `imports` (a module the workload needs) does not import."""
-
-    def run(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
-        with tempfile.TemporaryDirectory(prefix=f"tpu-bench-{part}-") as run_dir:
-            cmd = [sys.executable, "-m", "systolic", *argv, *(dry if dry_run else []), "--run-dir", run_dir]
+def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+    """Each RL_ROWS row: one benchmarks/rl_vs_purejaxrl.py pair; its summary (both sides' median env steps/s, final
+    training return, compile and wall times, the ratio) into the row's record."""
+    check = subprocess.run([sys.executable, "-c", "import gymnax, flax.linen, optax"], capture_output=True, text=True,
+                           env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+    for label, overrides, dry in RL_ROWS:
+        with tempfile.TemporaryDirectory(prefix="tpu-bench-rl-") as tmp:
+            summary_file = Path(tmp) / "summary.jsonl"
+            cmd = [sys.executable, "benchmarks/rl_vs_purejaxrl.py", "--pairs", "1", "--no-peak", "--platform",
+                   "cpu" if dry_run else "tpu", "--json", str(summary_file), "--set", *overrides,
+                   *(dry if dry_run else [])]
             record = {"row": label, "command": " ".join(cmd[1:])}
-            if imports:
-                check = subprocess.run([sys.executable, "-c", f"import {imports}"], capture_output=True, text=True,
-                                       env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
-                if check.returncode != 0:
-                    yield {**record, "status": "skipped", "wall_s": 0.0,
-                           "error": f"import {imports}: {error_line(check.stderr)}"}
-                    return
+            if check.returncode != 0:
+                yield {**record, "status": "skipped", "wall_s": 0.0, "error": error_line(check.stderr)}
+                continue
             left_s = part_end - time.monotonic()
             if left_s < MIN_ROW_S:
                 yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
-                return
-            status, out, wall_s = run_command(cmd, env, left_s, log, part)
-            found = THROUGHPUT.search(out) if status == "ok" else None
-            measured = {"throughput": float(found[1].replace(",", "")), "unit": found[2], "compile_s": float(found[3]),
-                        "run_wall_s": float(found[4])} if found else {}
-            yield {**record, **measured, "status": status, "error": "" if status == "ok" else out, "wall_s": wall_s}
+                continue
+            status, out, wall_s = run_command(cmd, env, left_s, log, "rl")
+            summary = json.loads(summary_file.read_text()) if status == "ok" and summary_file.exists() else None
+            if status == "ok" and summary is None:
+                status, out = "failed", "no summary written (see tpu-bench.log)"
+            yield {**record, **({"vs_purejaxrl": summary} if summary else {}), "status": status,
+                   "error": "" if status == "ok" else out, "wall_s": wall_s}
+
+
+def run_cli(part: str, rows: tuple, imports: str | None):
+    """A part whose rows (label, argv, dry-run overrides) run the real CLI (`systolic simulate`, `systolic train
+    gan`) and read its `throughput:` line; skipped with the reason when `imports` (what the workload needs) does not
+    import."""
+
+    def run(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+        check = None
+        if imports:
+            check = subprocess.run([sys.executable, "-c", f"import {imports}"], capture_output=True, text=True,
+                                   env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+        for label, argv, dry in rows:
+            with tempfile.TemporaryDirectory(prefix=f"tpu-bench-{part}-") as run_dir:
+                cmd = [sys.executable, "-m", "systolic", *argv, *(dry if dry_run else []), "--run-dir", run_dir]
+                record = {"row": label, "command": " ".join(cmd[1:])}
+                if check is not None and check.returncode != 0:
+                    yield {**record, "status": "skipped", "wall_s": 0.0,
+                           "error": f"import {imports}: {error_line(check.stderr)}"}
+                    continue
+                left_s = part_end - time.monotonic()
+                if left_s < MIN_ROW_S:
+                    yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+                    continue
+                status, out, wall_s = run_command(cmd, env, left_s, log, part)
+                found = THROUGHPUT.search(out) if status == "ok" else None
+                measured = {"throughput": float(found[1].replace(",", "")), "unit": found[2],
+                            "compile_s": float(found[3]), "run_wall_s": float(found[4])} if found else {}
+                yield {**record, **measured, "status": status, "error": "" if status == "ok" else out,
+                       "wall_s": wall_s}
 
     return run
 
 
 PART_RUNNERS = {"test": run_tests, "train": run_train, "serve": serve_part("serve", SERVE_ROWS, SERVE_DRY),
                 "serve-int8": serve_part("serve-int8", SERVE_INT8_ROWS, SERVE_INT8_DRY),
-                "rl": run_cli("rl", "rl-cartpole", ["train", "rl", *RL], RL_DRY, imports="gymnax"),
-                "sim": run_cli("sim", "sim-taylor-green float32", ["simulate", *SIM], SIM_DRY, imports=None)}
+                "rl": run_rl_vs_purejaxrl,
+                "sim": run_cli("sim", (("sim-taylor-green float32 512^2", ["simulate", *SIM], SIM_DRY),
+                                       ("sim-turbulence float32 1024^2", ["simulate", *TURBULENCE], TURBULENCE_DRY)),
+                               imports=None),
+                "gan": run_cli("gan", (("gan-dcgan-64 (digits, 1 channel)", ["train", "gan", *GAN], GAN_DRY),),
+                               imports="sklearn, PIL")}
 
 
 def report(records: list[dict]) -> str:
@@ -265,6 +324,12 @@ def report(records: list[dict]) -> str:
             lines.append(f"{head}: ok in {r['wall_s']:.0f} s{warmup}")
             lines += [f"  {x['in_flight']:>3} in flight: {x['tok_s']:,.0f} output tok/s, TTFT p50 {x['ttft_p50_ms']:.0f} "
                       f"ms, TPOT p50 {x['tpot_p50_ms']:.1f} ms" for x in r["levels"]]
+        elif "vs_purejaxrl" in r:
+            v = r["vs_purejaxrl"]
+            lines.append(f"{head}: systolic {v['systolic']['env_steps_per_s']:,.0f} env steps/s (return "
+                         f"{v['systolic']['final_return']:.1f}), PureJaxRL {v['purejaxrl']['env_steps_per_s']:,.0f} "
+                         f"(return {v['purejaxrl']['final_return']:.1f}): {v['ratio']:.2f}x; compile "
+                         f"{v['systolic']['compile_s']:.1f} / {v['purejaxrl']['compile_s']:.1f} s")
         elif "throughput" in r:
             lines.append(f"{head}: {r['throughput']:,.0f} {r['unit']}, first (compile) {r['compile_s']:.1f} s, run "
                          f"{r['run_wall_s']:.1f} s")

@@ -32,7 +32,7 @@ def test_dry_run_runs_every_part(tmp_path: Path):
         "pytest.xml", "serve-engine.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of the 8 allowed
     env, *rows = [json.loads(line) for line in (out / "tpu-bench.jsonl").read_text().splitlines()]
     assert env["dry_run"] and env["backend"] == "cpu"
-    assert env["parts"] == ["test", "train", "serve", "serve-int8", "rl", "sim"]
+    assert env["parts"] == ["test", "train", "serve", "serve-int8", "rl", "sim", "gan"]
     status = {(r["part"], r["row"]): r["status"] for r in rows}
     assert status.pop(("train", "llama-1b-v5e")) in ("ok", "skipped")  # skipped: "recipe not found" until it lands
     assert set(status.values()) == {"ok"}, status
@@ -41,9 +41,11 @@ def test_dry_run_runs_every_part(tmp_path: Path):
     for part in ("serve", "serve-int8"):
         (serve,) = [r for r in rows if r["part"] == part]
         assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
-    assert all(r["throughput"] > 0 for r in rows if r["part"] in ("rl", "sim"))
+    assert all(r["throughput"] > 0 for r in rows if r["part"] in ("sim", "gan"))
+    rl = [r["vs_purejaxrl"] for r in rows if r["part"] == "rl"]
+    assert len(rl) == 2 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
     table = (out / "tpu-bench.txt").read_text()
-    assert table in proc.stdout and "gpt2-124m" in table and "environment steps/s" in table
+    assert table in proc.stdout and "gpt2-124m" in table and "env steps/s" in table and "img/s" in table
 
 
 def test_without_a_tpu_it_says_so_and_exits_2(tmp_path: Path):
