@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from systolic.workloads.lm.serve import paged_attention as pa
+from systolic.workloads.lm.serve.kv_cache import PageTable
+from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
 
 pytestmark = pytest.mark.tpu
 
@@ -20,29 +22,17 @@ T, S, PER_SEQ = 96, 6, 40
 
 
 def case(H: int, KV: int, hd: int, dtype, seed: int = 0):
+    """The pool (2 layers) with random keys and values, the step's batch as the scheduler lays it out (pages
+    shuffled), and the step's q, k, v and sinks."""
     rng = np.random.default_rng(seed)
     lengths = [c + n for c, n in CHUNKS]
     pages = 1 + sum(-(-n // PAGE) for n in lengths)
     free = list(rng.permutation(np.arange(1, pages)))
-    table = np.zeros((S, PER_SEQ), np.int32)
-    pos, rows = [], []
-    for r, (cached, n) in enumerate(CHUNKS):
-        table[r, :-(-(cached + n) // PAGE)] = [free.pop() for _ in range(-(-(cached + n) // PAGE))]
-        pos += range(cached, cached + n)
-        rows += [r] * n
-    real = len(pos)
-    pos = np.array(pos + [0] * (T - real), np.int32)
-    rows = np.array(rows + [0] * (T - real), np.int32)
-    slots = table[rows, pos // PAGE] * PAGE + pos % PAGE
-    slots[real:] = 0  # padding tokens write the null page
-    kv_lens = np.zeros(S, np.int32)
-    kv_lens[:len(CHUNKS)] = lengths
-    cu = np.zeros(S + 1, np.int32)
-    cu[1:len(CHUNKS) + 1] = np.cumsum([n for _, n in CHUNKS])
-    cu[len(CHUNKS) + 1:] = cu[len(CHUNKS)]
-    batch = pa.RaggedBatch(jnp.asarray(pos), jnp.asarray(rows), jnp.asarray(slots), jnp.asarray(real, jnp.int32),
-                           jnp.asarray(table), jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray([len(CHUNKS)]),
-                           jnp.asarray(cu[1:] - 1), jnp.asarray(kv_lens))
+    chunks = []
+    for i, ((cached, n), length) in enumerate(zip(CHUNKS, lengths)):
+        table = PageTable(pages=[int(free.pop()) for _ in range(-(-length // PAGE))])
+        chunks.append(Chunk(Sequence(f"s{i}", list(rng.integers(0, 50, length)), length, i, table=table), cached, n))
+    _, batch = layout(chunks, tokens=T, rows=S, page_size=PAGE, pages_per_seq=PER_SEQ)
     pool = jnp.asarray(rng.normal(size=(2, pages, PAGE, KV * 2 * hd)), dtype)
     q, k, v = (jnp.asarray(rng.normal(size=(T, h, hd)), dtype) for h in (H, KV, KV))
     sinks = jnp.asarray(rng.normal(size=H), jnp.float32)

@@ -53,6 +53,12 @@ def padded_group(group: int) -> int:
     return -(-group // SUBLANES) * SUBLANES
 
 
+def splits_kv(head_dim: int) -> bool:
+    """Whether a head's k and v are whole lane tiles of the row, each read by the MXU once (head_dim a multiple of
+    128); else the head's [k | v] tile meets it twice, against [q | 0] (head_dim 64)."""
+    return head_dim % LANES == 0
+
+
 def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_KEYS) -> int:
     """Pages a token reads per DMA'd block: a block is whole (pages past the token's keys come from the null page),
     so a sequence of any length up to `block_keys` costs one block a layer."""
@@ -73,7 +79,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     KV = width // (2 * hd)
     G = H // KV
     Gp = padded_group(G)
-    split = hd % LANES == 0  # k and v whole tiles of the row; else each head's [k | v] against [q | 0]
+    split = splits_kv(hd)
     Lq = hd if split else 2 * hd  # lanes of a query and of an output row
     pages_per_seq = page_table.shape[1]
     block_pages = pages_per_block(page_size, pages_per_seq, block_keys)
@@ -169,6 +175,7 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
             q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
             lo, hi = lo_ref[t], hi_ref[t]
 

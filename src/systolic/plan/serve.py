@@ -326,7 +326,12 @@ def decode_roofline(m: ServeModel, chip: Chip, tensor: int, n: int, context: int
     keys = (1 - m.window_share) * context + m.window_share * min(context, m.window) if m.window else context
     flops = n * (m.matmul_flops_per_token + m.head_flops_per_row + m.attention_flops_per_key * keys)
     hbm_bytes = m.weight_read_bytes_per_chip + n * keys * m.kv_bytes_per_token_per_chip
-    return _roofline(m, chip, tensor, flops, hbm_bytes, c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens))
+    return _roofline(m, chip, tensor, flops, hbm_bytes, _decode_wire_bytes(c, n))
+
+
+def _decode_wire_bytes(c: Compile, n: int) -> float:
+    """Collective bytes per chip of a decode step of n tokens: the compiled step's, scaled by its token count."""
+    return c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens)
 
 
 def _unmeasured(m: ServeModel, chip: Chip, c: Compile) -> str | None:
@@ -353,14 +358,13 @@ def expected_decode(m: ServeModel, chip: Chip, tensor: int, n: int, context: int
     full = -(-context // block) * block
     window = min(full, (-(-m.window // block) + 1) * block) if m.window else full
     keys = (1 - m.window_share) * full + m.window_share * window
-    narrow = m.head_dim % kernel_lib.LANES != 0
-    kv_rate = cal.kv_bytes_per_s_narrow if narrow else cal.kv_bytes_per_s
+    kv_rate = cal.kv_bytes_per_s if kernel_lib.splits_kv(m.head_dim) else cal.kv_bytes_per_s_narrow
     flops = n * (m.matmul_flops_per_token + m.head_flops_per_row) / tensor
     weights_s = m.weight_read_bytes_per_chip / cal.weights_bytes_per_s
     layers_s = m.layers * cal.layer_s
     kv_s = n * keys * m.kv_bytes_per_token_per_chip / kv_rate
     matmul_s = flops / cal.matmul_flops_per_s
-    ici_s = c.ici_wire_bytes * n / (c.sequences + c.prefill_tokens) / chip.ici_bytes_per_s
+    ici_s = _decode_wire_bytes(c, n) / chip.ici_bytes_per_s
     note = (f"weights {ms_text(weights_s)} ({m.weight_read_bytes_per_chip / 1e9:.2f} GB at "
             f"{cal.weights_bytes_per_s / 1e9:.0f} GB/s) + layers {ms_text(layers_s)} ({m.layers} x "
             f"{cal.layer_s * 1e6:.1f} us) + KV {ms_text(kv_s)} ({n} x {keys:,.0f} keys, blocks of "
