@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # systolic on one TPU v5e chip, in parts (benchmarks/tpu_bench.py holds the rows and the budgets):
 #   test   `pytest -m tpu` (tests/tpu/: splash against XLA attention, 50 steps against the CPU's, checkpoints across
-#          platforms and a bit-exact resume, an int8 x int8 train step), one process
+#          platforms and a bit-exact resume, an int8 x int8 train step, rl, gan and sim runs against the CPU's), one
+#          process
 #   train  `systolic bench lm` rows: gpt2-124m, llama-1b cut to 8 layers, llama-1b-v5e; step time, tokens/s, MFU
 #          against the 197 TFLOP/s bf16 data sheet, compile time
 #   serve  benchmarks/serve_engine.py, bfloat16: llama-1b at 1/16/64/256 requests in flight, gemma3-1b at 1/64, a
@@ -12,7 +13,7 @@
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
 #          then the rl-cartpole recipe (8 x 4), systolic against PureJaxRL's ppo.py: env steps/s, final return
 #   sim    `systolic simulate` in float32: sim-taylor-green on 512^2, sim-turbulence on 1024^2: solver steps/s
-#   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s
+#   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s and MFU
 # Default: all seven in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
 #
@@ -43,12 +44,13 @@ if compgen -G ".whl-tpu/*.whl" >/dev/null; then
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
 fi
 # Only the rl part needs matplotlib and seaborn (gymnax imports both), only the gan part scikit-learn and pillow (its
-# bundled digits); the others start sooner without.
+# bundled digits), and the test part both (tests/tpu/test_workload_parity.py runs rl and gan); the others start
+# sooner without.
 from_index=()
-if [ $# -eq 0 ] || [[ " $* " == *" rl "* ]]; then
+if [ $# -eq 0 ] || [[ " $* " == *" rl "* || " $* " == *" test "* ]]; then
   "$PY" -c "import matplotlib, seaborn" 2>/dev/null || from_index+=(matplotlib seaborn)
 fi
-if [ $# -eq 0 ] || [[ " $* " == *" gan "* ]]; then
+if [ $# -eq 0 ] || [[ " $* " == *" gan "* || " $* " == *" test "* ]]; then
   "$PY" -c "import sklearn, PIL" 2>/dev/null || from_index+=(scikit-learn pillow)
 fi
 if [ ${#from_index[@]} -gt 0 ] && [ -d /opt/pypi/simple ]; then

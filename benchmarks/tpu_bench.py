@@ -1,7 +1,7 @@
 """The parts of `benchmarks/tpu.sh` on one TPU v5e chip, one program on the chip at a time: the `tpu` tests, the
 training rows (step time, tokens/s and MFU of `systolic bench lm`), the inference engine's tokens/s (bfloat16, then
 quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 8 seeds), the spectral solvers'
-and the gan-dcgan-64 recipe's throughput. tpu.sh installs the carried wheels and sets PYTHONPATH
+and the gan-dcgan-64 recipe's throughput and MFU. tpu.sh installs the carried wheels and sets PYTHONPATH
 before it runs this.
 
     bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim|gan ...]    # default: all seven, in that order
@@ -130,12 +130,15 @@ SIM_DRY = ["grid.n=32", "output.frames=4"]
 TURBULENCE = ["--recipe", "sim-turbulence", "grid.n=1024", "sim.t_end=5.0", *NO_PICTURES]
 TURBULENCE_DRY = ["grid.n=32", "sim.t_end=0.5", "output.frames=4"]
 # DCGAN at 64x64 (the recipe's 512-channel networks, batch 64) on the bundled digits (data.path='': scikit-learn's
-# 8x8 digits resized with Pillow, one channel), evaluated once at the end. images/s only: the gan workload has no
-# FLOP formula, so no MFU here yet.
+# 8x8 digits resized with Pillow, one channel), evaluated once at the end. images/s, and the MFU that the run's
+# throughput line adds on a chip with a data-sheet peak (none on a CPU, so none in a dry run): model FLOPs counted from
+# the layer shapes (workloads/gan/flops.py: 2.926e11 a step, XLA:CPU's cost analysis 0.6% more) over the bf16 peak,
+# since the float32 convolutions run as one bf16 pass at JAX's default precision.
 GAN = ["--recipe", "gan-dcgan-64", "train.steps=300", "train.eval_every=100000", "checkpoint.every_steps=100000",
        "observe.plot=false"]
 GAN_DRY = ["train.steps=6", "train.batch_size=8", "model.g_channels=16", "model.d_channels=16", "observe.log_every=2"]
 THROUGHPUT = re.compile(r"throughput: ([\d,.]+) ([^;]+); [^;]* ([\d.]+) s; wall time ([\d.]+) s")
+MFU = re.compile(r"wall time [\d.]+ s; MFU ([\d.]+)%")  # the throughput line's tail where the task counts its FLOPs
 
 
 def main(argv: list[str]) -> int:
@@ -265,8 +268,8 @@ def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log
 
 def run_cli(part: str, rows: tuple, imports: str | None):
     """A part whose rows (label, argv, dry-run overrides) run the real CLI (`systolic simulate`, `systolic train
-    gan`) and read its `throughput:` line; skipped with the reason when `imports` (what the workload needs) does not
-    import."""
+    gan`) and read its `throughput:` line (and the MFU on it, where there is one); skipped with the reason when
+    `imports` (what the workload needs) does not import."""
 
     def run(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
         check = None
@@ -289,6 +292,8 @@ def run_cli(part: str, rows: tuple, imports: str | None):
                 found = THROUGHPUT.search(out) if status == "ok" else None
                 measured = {"throughput": float(found[1].replace(",", "")), "unit": found[2],
                             "compile_s": float(found[3]), "run_wall_s": float(found[4])} if found else {}
+                if found and (mfu := MFU.search(out)):
+                    measured["mfu"] = float(mfu[1]) / 100
                 yield {**record, **measured, "status": status, "error": "" if status == "ok" else out,
                        "wall_s": wall_s}
 
@@ -331,8 +336,9 @@ def report(records: list[dict]) -> str:
                          f"(return {v['purejaxrl']['final_return']:.1f}): {v['ratio']:.2f}x; compile "
                          f"{v['systolic']['compile_s']:.1f} / {v['purejaxrl']['compile_s']:.1f} s")
         elif "throughput" in r:
-            lines.append(f"{head}: {r['throughput']:,.0f} {r['unit']}, first (compile) {r['compile_s']:.1f} s, run "
-                         f"{r['run_wall_s']:.1f} s")
+            mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+            lines.append(f"{head}: {r['throughput']:,.0f} {r['unit']}{mfu}, first (compile) {r['compile_s']:.1f} s, "
+                         f"run {r['run_wall_s']:.1f} s")
         else:
             lines.append(f"{head}: ok, no throughput line (see tpu-bench.log)")
     return "\n".join(lines)

@@ -52,3 +52,17 @@ def test_without_a_tpu_it_says_so_and_exits_2(tmp_path: Path):
     proc = tpu_sh(tmp_path, "train", JAX_PLATFORMS="cpu")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "JAX sees no TPU" in proc.stderr and "SYSTOLIC_TPU_SH_DRY_RUN=1" in proc.stderr
+
+
+def test_the_gan_rows_mfu_reaches_the_table(monkeypatch):
+    """On the chip a gan run's throughput line ends with its MFU (a CPU has no data-sheet peak, so the dry run shows
+    none): the row reads it and the table shows it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import tpu_bench
+
+    line = "throughput: 1,234 img/s; first step (compile) 40.1 s; wall time 80.2 s; MFU 12.3%"
+    assert tpu_bench.THROUGHPUT.search(line).groups() == ("1,234", "img/s", "40.1", "80.2")
+    assert tpu_bench.MFU.search(line)[1] == "12.3" and tpu_bench.MFU.search(line.rpartition(";")[0]) is None
+    row = {"part": "gan", "row": "gan-dcgan-64", "status": "ok", "throughput": 1234.0, "unit": "img/s",
+           "compile_s": 40.1, "run_wall_s": 80.2, "mfu": 0.123, "wall_s": 90.0}
+    assert tpu_bench.report([row]) == "gan    gan-dcgan-64: 1,234 img/s, MFU 12.3%, first (compile) 40.1 s, run 80.2 s"

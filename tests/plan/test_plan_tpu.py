@@ -71,11 +71,16 @@ def plan_workload(workload: str, recipe: str, mesh: dict[str, int], *, slices: i
                                                     ("sim", "sim-gray-scott", {"data": 4})])
 def test_every_workload_plans_its_real_step(workload, recipe, mesh):
     p = plan_workload(workload, recipe, mesh)
-    assert (p.fits, p.topology, p.model_flops_per_step) == (True, "v5e:2x2", None)
+    assert (p.fits, p.topology) == (True, "v5e:2x2")
     assert sum(c["count"] for c in p.collectives.values()) > 0  # the data-parallel reductions, the halo exchange
     if workload != "gan":  # rl's rollout and update loops, sim's solver steps: weighted by their trips
         assert p.xla_flops_per_step > 10 * p.xla_flops_raw, p.flops_note
-    assert p.mfu is not None and "no FLOP formula" in p.mfu_note
+    assert p.mfu is not None
+    if workload == "gan":  # it counts its model FLOPs (workloads/gan/flops.py); the TPU compiler's count adds the
+        # element-wise work the formula leaves out (5.3% here, 2026-12-07, libtpu 0.0.42.1)
+        assert p.model_flops_per_step < p.xla_flops_per_step < 1.08 * p.model_flops_per_step, p.mfu_note
+    else:
+        assert p.model_flops_per_step is None and "no FLOP formula" in p.mfu_note
     assert p.dcn_s == 0
 
 

@@ -142,6 +142,7 @@ class RunResult:
     items_done: float  # items of the steps this invocation ran
     wall_s: float
     preempted: bool = False
+    mfu: float | None = None  # steady state, as items_per_s; None without the task's FLOPs or the chip's peak
 
     @property
     def train_loss(self) -> float | None:
@@ -212,7 +213,7 @@ def train(task: Task, settings: LoopSettings, run_dir: Path) -> RunResult:
     return RunResult(state=state, start_step=start, final_step=int(jax.device_get(state.step)),
                      eval_metrics=eval_metrics, first_metrics=first, last_metrics=window.last,
                      compile_s=window.compile_s, items_per_s=window.items_per_s, items_done=window.items_done,
-                     wall_s=time.perf_counter() - t_begin, preempted=preempted)
+                     wall_s=time.perf_counter() - t_begin, preempted=preempted, mfu=window.mfu)
 
 
 def _run_steps(task: Task, settings: LoopSettings, state: TrainState, start: int, stepper: _Stepper,
@@ -322,12 +323,21 @@ class _MetricsWindow:
         self.last = last  # the latest train row
         self.compile_s: float | None = None
         self.items_done = self.timed_items = self.timed_s = 0.0  # timed_*: steady-state stepping only
+        self.timed_steps = 0
         self.restart_clock(start)
 
     @property
     def items_per_s(self) -> float | None:
         """The steady-state rate: without the compiling first step and evaluations."""
         return self.timed_items / self.timed_s if self.timed_s else None
+
+    @property
+    def mfu(self) -> float | None:
+        """The steady-state model FLOPs utilisation, when the task counts its FLOPs and the chip has a known peak."""
+        task = self.task
+        if not (self.timed_s and task.flops_per_step and task.peak_flops):
+            return None
+        return task.flops_per_step * self.timed_steps / self.timed_s / task.peak_flops
 
     def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
         self.pending.append((step, metrics))
@@ -371,6 +381,7 @@ class _MetricsWindow:
         stats: dict[str, float | str] = {k: self.last[k] for k in task.progress_keys if k in self.last}
         if timed:
             self.timed_items, self.timed_s = self.timed_items + window_items, self.timed_s + elapsed
+            self.timed_steps += step - self.step_mark
             stats[f"{task.item_unit}/s"] = window_items / elapsed
             if task.flops_per_step and task.peak_flops:
                 stats["mfu"] = task.flops_per_step * (step - self.step_mark) / elapsed / task.peak_flops

@@ -78,7 +78,9 @@ class Run:
 
     def say_throughput(self, result: RunResult, unit: str, *, first: str = "first step (compile)",
                        digits: int = 0) -> None:
-        """`throughput: <rate> <unit>; <first> <s> s; wall time <s> s`, when the run timed steady-state steps."""
+        """`throughput: <rate> <unit>; <first> <s> s; wall time <s> s[; MFU <p>%]`, when the run timed steady-state
+        steps; the MFU where the task counts its FLOPs and the chip's peak is known (not on a CPU)."""
         if result.items_per_s:
+            mfu = f"; MFU {100 * result.mfu:.1f}%" if result.mfu else ""
             self.say(f"throughput: {result.items_per_s:,.{digits}f} {unit}; {first} {result.compile_s:.1f} s; "
-                     f"wall time {result.wall_s:.1f} s")
+                     f"wall time {result.wall_s:.1f} s{mfu}")

@@ -85,7 +85,8 @@ def plan(cfg: GANConfig, devices: list) -> StepProgram:
     """The real train step (`gan.d_steps` discriminator updates, one generator update, the EMA) lowered from
     abstract inputs on a mesh of `devices`, for `systolic plan`."""
     from systolic.workloads.gan.data import channels_for
-    from systolic.workloads.gan.task import make_step
+    from systolic.workloads.gan.flops import train_flops_per_step
+    from systolic.workloads.gan.task import PEAK_DTYPE, make_step
     from systolic.engine.state import param_count
 
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -97,5 +98,7 @@ def plan(cfg: GANConfig, devices: list) -> StepProgram:
         lowered = train_step.lower(abstract, batch)
     return StepProgram(lowered=lowered, argument_bytes=mesh_lib.bytes_per_device((abstract, batch)),
                        params=param_count(abstract.params), items_per_step=rows, item_unit="img",
-                       model_flops_per_step=None, dtype="float32",
-                       notes=("no FLOP formula for the gan workload: the MFU is taken from XLA's count",))
+                       model_flops_per_step=train_flops_per_step(cfg, channels), dtype=PEAK_DTYPE,
+                       notes=("model FLOPs: the convolutions' and dense layers' multiply-adds with image pixels "
+                              "(workloads/gan/flops.py); float32 networks, counted against the bfloat16 peak: on a "
+                              "TPU, JAX's default precision runs float32 convolutions as one bfloat16 pass",))

@@ -15,17 +15,23 @@ from systolic.data.stream import DeviceStream
 from systolic.engine.loop import Task
 from systolic.engine.step import jit_step
 from systolic.engine.state import TrainState, param_count
+from systolic.observe.peak_flops import peak_flops
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, logical_to_spec, rules_for
 from systolic.workloads.gan import evaluate as eval_lib
 from systolic.workloads.gan.config import GANConfig
 from systolic.workloads.gan.data import BatchIterator, ImageSet, load_images
+from systolic.workloads.gan.flops import train_flops_per_step
 from systolic.workloads.gan.pictures import image_grid, save_grid
 from systolic.workloads.gan.train import (Networks, make_models, make_networks, make_sampler, make_state_fns,
                                           make_train_step)
 
 CHECKED = ("d_loss", "g_loss")  # both networks' losses; the guard also checks every parameter of both
 GRID_COUNT = 64
+# The peak the MFU is measured against. The networks are float32, but JAX's default matmul precision runs float32
+# convolutions on a TPU as one bfloat16 pass of the matrix unit (TF32 on recent NVIDIA GPUs, half bfloat16's rate:
+# there the MFU reads low), so the bfloat16 peak is the rate the step could reach.
+PEAK_DTYPE = "bfloat16"
 EVAL_SEED = 1234  # evaluation noise is fixed, so a resumed run evaluates identically
 
 
@@ -70,12 +76,15 @@ def build_task(cfg: GANConfig, mesh: Mesh, run_dir: Path | None) -> BuiltGANTask
     evaluate, references = None, {}
     if run_dir is not None:
         evaluate, references = make_evaluate(cfg, nets, images, run_dir)
+    peak = peak_flops(dtype=PEAK_DTYPE)  # None on a CPU (no data-sheet peak): then the log shows no MFU
     task = Task(
         workload="gan", abstract_state=abstract, init_state=init, train_step=train_step,
         data=DeviceStream(iterator, batch_shard, cfg.train.batch_size), check=CHECKED, evaluate=evaluate,
         nonfinite_advice=("lower optim.lr, gan.d_lr_scale or optim.clip_norm, then rerun the same command to "
                           "resume; or set loop.nonfinite=skip to drop such steps and go on"),
         items_per_step=cfg.train.batch_size, item_unit="images",
+        flops_per_step=train_flops_per_step(cfg, images.channels),
+        peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "gan", "channels": images.channels, "image_size": cfg.image.size},
     )
     return BuiltGANTask(task=task, mesh=mesh, rules=rules, images=images, nets=nets,
