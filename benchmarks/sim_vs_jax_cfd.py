@@ -108,10 +108,12 @@ def compare(n: int, steps: int, viscosity: float = VISCOSITY, repeats: int = 3, 
     sim = systolic_simulation(n, viscosity, dt, steps, peak_mode)
     state = sim.initial_state()
     w0 = vorticity_of_systolic(np.asarray(state.params["w_hat"]))  # (n, n) real: what both start from
+    t = time.perf_counter()
     # sim.dt: the step that the frame's fixed steps take exactly (dt adjusted to fit the frame, by round-off)
     peer = jax_cfd_program(n, viscosity if jax_cfd_viscosity is None else jax_cfd_viscosity, sim.dt, steps)
     peer_start = jax.device_put(jnp.fft.rfftn(jnp.asarray(w0, jnp.float32)), jax.devices()[0])
     compiled = sim.frame_step.lower(state, None).compile()
+    compile_s = time.perf_counter() - t
 
     peer_s = systolic_s = math.inf
     for _ in range(repeats):
@@ -129,7 +131,7 @@ def compare(n: int, steps: int, viscosity: float = VISCOSITY, repeats: int = 3, 
     w_systolic = vorticity_of_systolic(np.asarray(out.params["w_hat"]))
     w_peer = np.fft.irfft2(np.asarray(peer_out, np.complex128), s=(n, n))
     return {"n": n, "steps": steps, "dt": sim.dt, "viscosity": viscosity, "jax_cfd_steps_per_s": steps / peer_s,
-            "systolic_steps_per_s": steps / systolic_s, "ratio": peer_s / systolic_s,
+            "systolic_steps_per_s": steps / systolic_s, "ratio": peer_s / systolic_s, "compile_s": compile_s,
             **agreement(w_systolic, w_peer)}
 
 

@@ -4,7 +4,7 @@
 # jaxlib, libtpu, numpy, scipy, pytest and hypothesis (/work/.library/device/KINDS.md). Run it here, on a machine
 # that reaches the registry, from the repository root:
 #
-#   bash benchmarks/tpu-wheels.sh          # 45 wheels, 42 MB; a call that carries them sends at most 64 MiB in all
+#   bash benchmarks/tpu-wheels.sh          # 47 wheels, 42 MB; a call that carries them sends at most 64 MiB in all
 #
 # The list: systolic's dependencies (pyproject.toml) and their needs, minus what the machine has, at the versions
 # this project's venv runs (`pip list`, 2026-12-06); 42 of them installed there on 2026-12-06 (NOTES-jax-stack.md,
@@ -30,6 +30,9 @@ WHEELS=(
   starlette==1.10.0 anyio==4.16.0 sniffio==1.3.1 idna==3.21 uvicorn==0.55.0 h11==0.16.0 click==8.5.1
   # the rl workload: gymnax and what it imports (matplotlib and seaborn come from the machine's index, above)
   gymnax==1.0.1 gymnasium==1.3.0 farama-notifications==0.0.6
+  # the sim part's peer (benchmarks/sim_vs_jax_cfd.py): pure Python; it needs jax, numpy and scipy (the machine's)
+  # and tree-math, which needs only jax
+  jax-cfd==0.2.1 tree-math==0.2.1
 )
 PY=${PYTHON:-python3}
 rm -rf .whl-tpu && mkdir .whl-tpu

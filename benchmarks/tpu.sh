@@ -12,7 +12,9 @@
 #          bfloat16 at 64/256
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
 #          then the rl-cartpole recipe (8 x 4), systolic against PureJaxRL's ppo.py: env steps/s, final return
-#   sim    `systolic simulate` in float32: sim-taylor-green on 512^2, sim-turbulence on 1024^2: solver steps/s
+#   sim    float32: benchmarks/sim_vs_jax_cfd.py at 1024^2 (2-D turbulence, systolic against jax-cfd: steps/s and
+#          agreement), benchmarks/dns3d_fft_share.py at 128^3 and 256^3 (Taylor-Green DNS: steps/s, the FFTs' share
+#          and their memory roofline), then `systolic simulate` sim-turbulence on 1024^2 if the budget leaves time
 #   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s and MFU
 # Default: all seven in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
@@ -24,7 +26,7 @@
 # index when it has one. systolic runs from src/ (no pip install).
 # JAX's persistent compilation cache is .jax-cache/ (ignored; carry it to reuse compiles from an earlier call).
 # Prints the table; in $OUT (default /tmp/tpu-bench): tpu-bench.txt, tpu-bench.jsonl, tpu-bench.log, pytest.xml,
-# serve-engine.jsonl. Exit code 2 when JAX sees no TPU, 1 when a row failed.
+# serve-engine.jsonl, sim.jsonl. Exit code 2 when JAX sees no TPU, 1 when a row failed.
 #
 #   bash benchmarks/tpu-wheels.sh                       # first, here, where the registry is reachable
 #   bash benchmarks/tpu.sh test train                   # on the TPU machine

@@ -1,7 +1,8 @@
 """The parts of `benchmarks/tpu.sh` on one TPU v5e chip, one program on the chip at a time: the `tpu` tests, the
 training rows (step time, tokens/s and MFU of `systolic bench lm`), the inference engine's tokens/s (bfloat16, then
-quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 8 seeds), the spectral solvers'
-and the gan-dcgan-64 recipe's throughput and MFU. tpu.sh installs the carried wheels and sets PYTHONPATH
+quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 8 seeds), 2-D turbulence against
+jax-cfd and the 3-D DNS step's FFT share, and the gan-dcgan-64 recipe's throughput and MFU. tpu.sh installs the
+carried wheels and sets PYTHONPATH
 before it runs this.
 
     bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim|gan ...]    # default: all seven, in that order
@@ -13,7 +14,7 @@ would start with too little left is reported "skipped: budget". MFU is against t
 peak of a v5e ('TPU v5 lite' in observe/peak_flops.py; an 8192^3 bf16 matmul measured 181 there, 2026-12-06).
 Output in $OUT (default /tmp/tpu-bench): tpu-bench.txt (the table), tpu-bench.jsonl (one line per row),
 tpu-bench.log (every process's output), pytest.xml (the tests, with their measured errors as properties),
-serve-engine.jsonl: five files of the eight that come back.
+serve-engine.jsonl, sim.jsonl: six files of the eight that come back.
 
 Exit codes: 0 every row that ran succeeded; 1 a row failed (the table and the log say which); 2 JAX sees no TPU
 (and no dry run was asked for).
@@ -36,7 +37,7 @@ DRY_RUN_ENV = "SYSTOLIC_TPU_SH_DRY_RUN"
 BUDGET_ENV = "SYSTOLIC_TPU_SH_BUDGET_S"
 TOTAL_S = 480.0  # of a command's 10 minutes; the rest: the wheels' install, matplotlib's from the machine's index
 PARTS = ("test", "train", "serve", "serve-int8", "rl", "sim", "gan")
-PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "rl": 450.0, "sim": 200.0,
+PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "rl": 450.0, "sim": 300.0,
                  "gan": 180.0}
 MIN_ROW_S = 60.0  # a row never starts with less: opening the chip takes ~15 s and a compile tens of seconds
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "grain", "qwix", "gymnax", "matplotlib",
@@ -121,12 +122,25 @@ RL_ROWS = (
      ["rl.num_seeds=2", "rl.num_envs=8", "rl.num_steps=8", "rl.updates_per_chunk=2", "rl.total_env_steps=512",
       "rl.eval_episodes=2"]),
 )
-# The solvers in float32 (the chip has no float64 FFT): Taylor-Green on 512^2, and 2-D decaying turbulence on 1024^2
-# (the issue's row, 395 steps/s there, 2026-12-06) to t = 5 of the recipe's 15 (~1/3 of its CFL steps). systolic
-# alone: no jax-cfd comparison exists in this project yet (issue 43 asks for one).
+# The solvers in float32 (the chip has no float64 FFT), issue 43. First, each its own process, appending to
+# $OUT/sim.jsonl: 2-D turbulence on 1024^2 against jax-cfd's spectral solver (benchmarks/sim_vs_jax_cfd.py, same
+# field, viscosity and dt; 1,000 steps a side: ~2.5 s of systolic at the 395 steps/s that `systolic simulate` ran
+# there, 2026-12-06), then the 3-D Taylor-Green DNS step at 128^3 and 256^3 with its FFTs' share and their memory
+# roofline (benchmarks/dns3d_fft_share.py). The TPU compiler took 68 s (128^3) and 132 s (256^3) for the FFT program
+# alone on this project's loaded 2-core host (libtpu AOT, 2026-12-06), and each DNS row compiles it and the step:
+# the 256^3 row is the one that may not fit the part's budget. (label, script, arguments, dry-run arguments)
+SIM_BENCH_ROWS = (
+    ("2-D turbulence 1024^2 vs jax-cfd", "sim_vs_jax_cfd.py", ["--sizes", "1024", "--steps", "1000"],
+     ["--sizes", "32", "--steps", "4", "--repeats", "1"]),
+    ("3-D Taylor-Green DNS 128^3: FFT share", "dns3d_fft_share.py", ["--sizes", "128", "--steps", "40"],
+     ["--sizes", "16", "--steps", "2", "--repeats", "1"]),
+    ("3-D Taylor-Green DNS 256^3: FFT share", "dns3d_fft_share.py", ["--sizes", "256", "--steps", "10"],
+     ["--sizes", "32", "--steps", "2", "--repeats", "1"]),
+)
+# Then, if the budget leaves time, the CLI's own figure: 2-D decaying turbulence on 1024^2 (the issue's row, 395
+# steps/s there, 2026-12-06) to t = 5 of the recipe's 15 (~1/3 of its CFL steps). (Taylor-Green on 512^2, run here
+# before, gave way to the rows above.)
 NO_PICTURES = ["output.images=false", "observe.plot=false"]
-SIM = ["--recipe", "sim-taylor-green", "sim.dtype=float32", "grid.n=512", *NO_PICTURES]
-SIM_DRY = ["grid.n=32", "output.frames=4"]
 TURBULENCE = ["--recipe", "sim-turbulence", "grid.n=1024", "sim.t_end=5.0", *NO_PICTURES]
 TURBULENCE_DRY = ["grid.n=32", "sim.t_end=0.5", "output.frames=4"]
 # DCGAN at 64x64 (the recipe's 512-channel networks, batch 64) on the bundled digits (data.path='': scikit-learn's
@@ -266,6 +280,36 @@ def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log
                    "error": "" if status == "ok" else out, "wall_s": wall_s}
 
 
+def run_sim_benchmarks(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
+    """Each SIM_BENCH_ROWS row: one benchmark script, its JSON objects (one per size) appended to sim.jsonl and
+    copied into the row's record; then the CLI rows (`systolic simulate`) in what is left of the budget."""
+    jsonl = out_dir / "sim.jsonl"
+    check = subprocess.run([sys.executable, "-c", "import jax_cfd"], capture_output=True, text=True,
+                           env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+    for label, script, args, dry in SIM_BENCH_ROWS:
+        cmd = [sys.executable, f"benchmarks/{script}", *(dry if dry_run else args), "--json", str(jsonl)]
+        record = {"row": label, "command": " ".join(cmd[1:])}
+        if script == "sim_vs_jax_cfd.py" and check.returncode != 0:
+            yield {**record, "status": "skipped", "wall_s": 0.0,
+                   "error": f"import jax_cfd: {error_line(check.stderr)} (benchmarks/tpu-wheels.sh carries it)"}
+            continue
+        left_s = part_end - time.monotonic()
+        if left_s < MIN_ROW_S:
+            yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+            continue
+        before = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
+        status, out, wall_s = run_command(cmd, env, left_s, log, "sim")
+        results = [json.loads(line) for line in jsonl.read_text().splitlines()[before:]] if jsonl.exists() else []
+        if status == "ok" and not results:
+            status, out = "failed", "no JSON written (see tpu-bench.log)"
+        elif status == "ok" and not dry_run and not all(r["device"].startswith("TPU") for r in results):
+            status, out = "failed", f"ran on {results[0]['device']}, not the chip"
+        yield {**record, "results": results, "status": status, "error": "" if status == "ok" else out,
+               "wall_s": wall_s}
+    yield from run_cli("sim", (("sim-turbulence float32 1024^2", ["simulate", *TURBULENCE], TURBULENCE_DRY),),
+                       imports=None)(dry_run, env, part_end, log, out_dir)
+
+
 def run_cli(part: str, rows: tuple, imports: str | None):
     """A part whose rows (label, argv, dry-run overrides) run the real CLI (`systolic simulate`, `systolic train
     gan`) and read its `throughput:` line (and the MFU on it, where there is one); skipped with the reason when
@@ -303,9 +347,7 @@ def run_cli(part: str, rows: tuple, imports: str | None):
 PART_RUNNERS = {"test": run_tests, "train": run_train, "serve": serve_part("serve", SERVE_ROWS, SERVE_DRY),
                 "serve-int8": serve_part("serve-int8", SERVE_INT8_ROWS, SERVE_INT8_DRY),
                 "rl": run_rl_vs_purejaxrl,
-                "sim": run_cli("sim", (("sim-taylor-green float32 512^2", ["simulate", *SIM], SIM_DRY),
-                                       ("sim-turbulence float32 1024^2", ["simulate", *TURBULENCE], TURBULENCE_DRY)),
-                               imports=None),
+                "sim": run_sim_benchmarks,
                 "gan": run_cli("gan", (("gan-dcgan-64 (digits, 1 channel)", ["train", "gan", *GAN], GAN_DRY),),
                                imports="sklearn, PIL")}
 
@@ -335,6 +377,8 @@ def report(records: list[dict]) -> str:
                          f"{v['systolic']['final_return']:.1f}), PureJaxRL {v['purejaxrl']['env_steps_per_s']:,.0f} "
                          f"(return {v['purejaxrl']['final_return']:.1f}): {v['ratio']:.2f}x; compile "
                          f"{v['systolic']['compile_s']:.1f} / {v['purejaxrl']['compile_s']:.1f} s")
+        elif "results" in r:
+            lines += [f"{head}: {sim_line(x)}" for x in r["results"]]
         elif "throughput" in r:
             mfu = f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
             lines.append(f"{head}: {r['throughput']:,.0f} {r['unit']}{mfu}, first (compile) {r['compile_s']:.1f} s, "
@@ -342,6 +386,18 @@ def report(records: list[dict]) -> str:
         else:
             lines.append(f"{head}: ok, no throughput line (see tpu-bench.log)")
     return "\n".join(lines)
+
+
+def sim_line(x: dict) -> str:
+    """One size of benchmarks/sim_vs_jax_cfd.py or dns3d_fft_share.py, as a line of the report."""
+    if "jax_cfd_steps_per_s" in x:
+        return (f"{x['n']}^2 x {x['steps']} steps: systolic {x['systolic_steps_per_s']:,.1f} steps/s, jax-cfd "
+                f"{x['jax_cfd_steps_per_s']:,.1f}: {x['ratio']:.2f}x; energy / enstrophy rel. diff "
+                f"{x['energy_rel_diff']:.1e} / {x['enstrophy_rel_diff']:.1e}, max vorticity {x['max_rel_diff']:.1e}")
+    roofline = ("" if x["fft_of_roofline"] is None else
+                f" (memory roofline {x['fft_roofline_ms_per_step']:.2f} ms: {x['fft_of_roofline']:.1%} of it)")
+    return (f"{x['n']}^3 x {x['steps']} steps: {x['steps_per_s']:,.2f} steps/s ({x['step_ms']:.2f} ms), FFTs "
+            f"{x['fft_ms_per_step']:.2f} ms = {x['fft_share']:.0%} of the step, {x['fft_gb_per_s']:.0f} GB/s{roofline}")
 
 
 if __name__ == "__main__":

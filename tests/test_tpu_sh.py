@@ -29,7 +29,7 @@ def test_dry_run_runs_every_part(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
-        "pytest.xml", "serve-engine.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of the 8 allowed
+        "pytest.xml", "serve-engine.jsonl", "sim.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of 8
     env, *rows = [json.loads(line) for line in (out / "tpu-bench.jsonl").read_text().splitlines()]
     assert env["dry_run"] and env["backend"] == "cpu"
     assert env["parts"] == ["test", "train", "serve", "serve-int8", "rl", "sim", "gan"]
@@ -41,11 +41,15 @@ def test_dry_run_runs_every_part(tmp_path: Path):
     for part in ("serve", "serve-int8"):
         (serve,) = [r for r in rows if r["part"] == part]
         assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
-    assert all(r["throughput"] > 0 for r in rows if r["part"] in ("sim", "gan"))
+    assert all(r["throughput"] > 0 for r in rows if r["part"] in ("sim", "gan") and "results" not in r)
+    sim = [x for r in rows if r["part"] == "sim" for x in r.get("results", [])]  # the benchmark scripts' sizes
+    assert [x["n"] for x in sim] == [32, 16, 32] and all(x.get("systolic_steps_per_s", x.get("steps_per_s")) > 0
+                                                         for x in sim)
     rl = [r["vs_purejaxrl"] for r in rows if r["part"] == "rl"]
     assert len(rl) == 2 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
     table = (out / "tpu-bench.txt").read_text()
     assert table in proc.stdout and "gpt2-124m" in table and "env steps/s" in table and "img/s" in table
+    assert "jax-cfd" in table and "of the step" in table
 
 
 def test_without_a_tpu_it_says_so_and_exits_2(tmp_path: Path):
