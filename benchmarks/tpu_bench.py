@@ -2,8 +2,7 @@
 training rows (step time, tokens/s and MFU of `systolic bench lm`), the inference engine's tokens/s (bfloat16, then
 quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 8 seeds), 2-D turbulence against
 jax-cfd and the 3-D DNS step's FFT share, and the gan-dcgan-64 recipe's throughput and MFU. tpu.sh installs the
-carried wheels and sets PYTHONPATH
-before it runs this.
+carried wheels and sets PYTHONPATH before it runs this.
 
     bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim|gan ...]    # default: all seven, in that order
     SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh         # anywhere: the same parts, tiny models on CPU
