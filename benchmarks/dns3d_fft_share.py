@@ -160,7 +160,7 @@ def measure(n: int, steps: int, repeats: int = 3, bandwidth: float | None = None
     t = time.perf_counter()
     # Both at once: the TPU compiler takes minutes for each on one core (68 s for the 128^3 FFT program, libtpu on
     # this project's 2-core host, 2026-12-06), and the chip's host has 13.
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         step_job = pool.submit(lambda: sim.frame_step.lower(state, None).compile())
         fft_compiled, step_compiled = ffts.lower(spectrum).compile(), step_job.result()
     compile_s = time.perf_counter() - t
@@ -204,8 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    from systolic.runtime import cpu_tuning
+    from systolic.runtime import compile_cache, cpu_tuning
 
+    compile_cache.enable()  # a second call on a warm machine skips the TPU compiler's minutes (tpu.sh sets it)
     cpu_tuning.apply_at_start(workload="sim", stepping=True)  # what `systolic simulate` runs with (on a CPU)
     bandwidth, source = device_bandwidth(args.bandwidth_gbs)
     kind = jax.devices()[0].device_kind
