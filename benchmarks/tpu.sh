@@ -11,7 +11,8 @@
 #          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
 #          bfloat16 at 64/256
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
-#          then the rl-cartpole recipe (8 x 4), systolic against PureJaxRL's ppo.py: env steps/s, final return
+#          then the rl-cartpole recipe (8 x 4), then the recipe with rl.unroll=8 (a quarter of its steps), systolic
+#          against PureJaxRL's ppo.py: env steps/s, final return
 #   sim    `systolic simulate` in float32: sim-taylor-green on 512^2, sim-turbulence on 1024^2: solver steps/s
 #   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s and MFU
 # Default: all seven in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each

@@ -43,7 +43,8 @@ def test_dry_run_runs_every_part(tmp_path: Path):
         assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
     assert all(r["throughput"] > 0 for r in rows if r["part"] in ("sim", "gan"))
     rl = [r["vs_purejaxrl"] for r in rows if r["part"] == "rl"]
-    assert len(rl) == 2 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
+    assert len(rl) == 3 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
+    assert "rl.unroll=3" in rl[2]["overrides"]  # the unrolled row's key reached the benchmark
     table = (out / "tpu-bench.txt").read_text()
     assert table in proc.stdout and "gpt2-124m" in table and "env steps/s" in table and "img/s" in table
 
