@@ -11,7 +11,8 @@
 #          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
 #          bfloat16 at 64/256
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
-#          then the rl-cartpole recipe (8 x 4), systolic against PureJaxRL's ppo.py: env steps/s, final return
+#          then the rl-cartpole recipe (8 x 4), then the recipe with rl.unroll=8 (a quarter of its steps), systolic
+#          against PureJaxRL's ppo.py: env steps/s, final return
 #   sim    float32: benchmarks/sim_vs_jax_cfd.py at 1024^2 (2-D turbulence, systolic against jax-cfd: steps/s and
 #          agreement), benchmarks/dns3d_fft_share.py at 128^3 and 256^3 (Taylor-Green DNS: steps/s, the FFTs' share
 #          and their memory roofline), then `systolic simulate` sim-turbulence on 1024^2 if the budget leaves time

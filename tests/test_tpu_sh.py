@@ -47,7 +47,8 @@ def test_dry_run_runs_every_part(tmp_path: Path):
     assert [x["n"] for x in sim] == [64, 16, 32] and all(x.get("systolic_steps_per_s", x.get("steps_per_s")) > 0
                                                          for x in sim)
     rl = [r["vs_purejaxrl"] for r in rows if r["part"] == "rl"]
-    assert len(rl) == 2 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
+    assert len(rl) == 3 and all(v[side]["env_steps_per_s"] > 0 for v in rl for side in ("systolic", "purejaxrl"))
+    assert "rl.unroll=3" in rl[2]["overrides"]  # the unrolled row's key reached the benchmark
     table = (out / "tpu-bench.txt").read_text()
     assert table in proc.stdout and "gpt2-124m" in table and "env steps/s" in table and "img/s" in table
     assert "jax-cfd" in table and "of the step" in table

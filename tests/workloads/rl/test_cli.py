@@ -55,6 +55,7 @@ def test_train_resume_and_eval(tiny_rl, tmp_path, capsys):
     (["train", "rl", "ppo.num_minibatches=7"], "cannot be split into ppo.num_minibatches=7"),
     (["train", "rl", "model.conv_channels=16"], "only the Q-networks (algo=pqn, algo=dqn) have a convolution"),
     (["train", "rl", "rl.num_sedes=8"], "Did you mean 'rl.num_seeds'"),
+    (["train", "rl", "rl.unroll=0"], "rl.unroll=0 must be >= 1"),
     (["train", "rl", "algo=pqn"], "has a 'ppo' section but algo=pqn"),  # rl-cartpole is a PPO recipe
     (["train", "rl", "env.name=Pong"], "is not an environment the rl workload can build"),
     (["train", "rl", "--recipe", "lm-tiny"], "is for the 'lm' workload, not 'rl'"),

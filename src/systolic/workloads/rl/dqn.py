@@ -130,7 +130,8 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
                       jax.random.uniform(explore_key, (n_steps, n_envs)),  # (T, N)
                       jax.random.randint(action_key, (n_steps, n_envs), 0, spec.action_dim, jnp.int32),  # (T, N)
                       jnp.broadcast_to(eps, (n_steps,)))
-        carry, (transitions, (finished_return, finished_length, done)) = jax.lax.scan(rollout_step, carry, randomness)
+        carry, (transitions, (finished_return, finished_length, done)) = jax.lax.scan(
+            rollout_step, carry, randomness, unroll=run.unroll)
         # STORE: time-major, so the buffer's order is the order of experience.
         flat = jax.tree.map(lambda x: x.reshape(steps_per_update, *x.shape[2:]), transitions)  # (T*N, ...)
         buffer = replay.add(carry.buffer, flat)

@@ -237,7 +237,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         randomness = (jax.random.split(step_key, (n_steps, n_envs)),  # (T, N, 2)
                       jax.vmap(jax.vmap(env.reset))(jax.random.split(reset_key, (n_steps, n_envs))),  # (T, N, ...)
                       policy.action_noise(spec, (n_steps, n_envs), key=noise_key))  # (T, N, A or D)
-        carry, traj = jax.lax.scan(rollout_step, carry, randomness)  # traj: (T, N, ...)
+        carry, traj = jax.lax.scan(rollout_step, carry, randomness, unroll=run.unroll)  # traj: (T, N, ...)
         # BOOTSTRAP VALUES: V of the state each step really led to, in one batched pass.
         next_values = policy.value(graphdef, carry.params, traj.final_obs, n_obs_axes)  # (T, N)
         # ADVANTAGES

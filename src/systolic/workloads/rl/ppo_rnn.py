@@ -113,7 +113,7 @@ def make_rollout(cfg: RLConfig, env: Env):
         randomness = (jax.random.split(step_key, (run.num_steps, run.num_envs)),  # (T, N, 2)
                       jax.vmap(jax.vmap(env.reset))(jax.random.split(reset_key, (run.num_steps, run.num_envs))),
                       policy.action_noise(spec, (run.num_steps, run.num_envs), key=noise_key))  # (T, N, A or D)
-        return jax.lax.scan(rollout_step, state, randomness)
+        return jax.lax.scan(rollout_step, state, randomness, unroll=run.unroll)
 
     return rollout
 

@@ -161,7 +161,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
                       jax.random.uniform(explore_key, (n_steps, n_envs)),  # (T, N)
                       jax.random.randint(action_key, (n_steps, n_envs), 0, spec.action_dim, jnp.int32),  # (T, N)
                       jnp.broadcast_to(eps, (n_steps,)))
-        carry, traj = jax.lax.scan(rollout_step, carry, randomness)  # traj: (T, N, ...)
+        carry, traj = jax.lax.scan(rollout_step, carry, randomness, unroll=run.unroll)  # traj: (T, N, ...)
         # Q(LAMBDA) TARGETS: max_a Q of the state each step really led to, in one batched pass. The parameters did
         # not change during the rollout, so these are the values the acting network saw (purejaxql reuses those).
         next_q = q_values(carry.params, traj.final_obs).max(axis=-1)  # (T, N)
