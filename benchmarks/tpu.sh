@@ -10,6 +10,8 @@
 #   serve-int8  benchmarks/serve_engine.py, quantized weights drawn quantized: a Llama-3-8B shape with int8 weights
 #          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
 #          bfloat16 at 64/256
+#   serve-steps  benchmarks/serve_engine.py with more tokens a step (--max-tokens-per-step): llama-1b at 256 in flight
+#          with 1,024 and 2,048, gemma3-1b at 64 with 512
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
 #          then the rl-cartpole recipe (8 x 4), then the recipe with rl.unroll=8 (a quarter of its steps), systolic
 #          against PureJaxRL's ppo.py: env steps/s, final return
@@ -17,7 +19,7 @@
 #          agreement), benchmarks/dns3d_fft_share.py at 128^3 and 256^3 (Taylor-Green DNS: steps/s, the FFTs' share
 #          and their memory roofline), then `systolic simulate` sim-turbulence on 1024^2 if the budget leaves time
 #   gan    `systolic train gan --recipe gan-dcgan-64` on the bundled digits: images/s and MFU
-# Default: all seven in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
+# Default: all eight in order. One command there runs at most 10 minutes: the parts named share 8 minutes, each
 # within its own budget, and a row that would start with too little left says "skipped: budget".
 #
 # It needs this tree, the machine's python3 3.11 with jax 0.10.2 and libtpu (PYTHONPATH names their folder: this

@@ -4,7 +4,7 @@ quantized), PPO against PureJaxRL's ppo.py (the recipe and 2,048 environments x 
 jax-cfd and the 3-D DNS step's FFT share, and the gan-dcgan-64 recipe's throughput and MFU. tpu.sh installs the
 carried wheels and sets PYTHONPATH before it runs this.
 
-    bash benchmarks/tpu.sh [test|train|serve|serve-int8|rl|sim|gan ...]    # default: all seven, in that order
+    bash benchmarks/tpu.sh [test|train|serve|serve-int8|serve-steps|rl|sim|gan ...]    # default: all, in order
     SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh         # anywhere: the same parts, tiny models on CPU
 
 One command on the lent machine may run 10 minutes: the parts share a budget of SYSTOLIC_TPU_SH_BUDGET_S (default
@@ -35,8 +35,9 @@ from bench_rows import Row, error_line, format_table, preflight, run_bench_row, 
 DRY_RUN_ENV = "SYSTOLIC_TPU_SH_DRY_RUN"
 BUDGET_ENV = "SYSTOLIC_TPU_SH_BUDGET_S"
 TOTAL_S = 480.0  # of a command's 10 minutes; the rest: the wheels' install, matplotlib's from the machine's index
-PARTS = ("test", "train", "serve", "serve-int8", "rl", "sim", "gan")
-PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "rl": 450.0, "sim": 420.0,
+PARTS = ("test", "train", "serve", "serve-int8", "serve-steps", "rl", "sim", "gan")
+PART_BUDGET_S = {"test": 300.0, "train": 480.0, "serve": 420.0, "serve-int8": 420.0, "serve-steps": 360.0,
+                 "rl": 450.0, "sim": 420.0,
                  "gan": 180.0}
 MIN_ROW_S = 60.0  # a row never starts with less: opening the chip takes ~15 s and a compile tens of seconds
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "grain", "qwix", "gymnax", "matplotlib",
@@ -106,6 +107,22 @@ SERVE_INT8_ROWS = (
 SERVE_INT8_DRY = (("4 x 256 llama w8a8, int8 KV", ["--levels", "1,4", "--prompt", "32", "--output", "16", "--max-seqs",
                                                    "4", "--max-tokens-per-step", "16", "--quantize", "w8a8",
                                                    "--kv-cache", "int8"]),)
+# How many tokens a step may take (`--max-tokens-per-step`, issue 42). At 256 requests in flight the default 256 leaves
+# a step no room for prompt tokens once every sequence decodes, and 256 prompts of 128 tokens take 128 steps of
+# their own: at 256 in flight llama-1b ran 9,422 output tok/s over the whole run at TPOT 13.1 ms (256 / 13.1 ms
+# would be 19,500), 2026-12-06. 1,024 and 2,048 tokens a step at 256 in flight; gemma3-1b at 64 with 512 (7,212
+# tok/s, TPOT 6.7 ms with 256). Each row only its level, so that the part fits one command.
+SERVE_STEPS_ROWS = tuple(
+    (f"{name} {tokens} tokens a step", [*args, "--max-tokens-per-step", str(tokens)])
+    for name, args, tokens in (
+        ("llama-1b bfloat16 at 256", ["--recipe", "llama-1b", *BF16, "--levels", "256", "--max-seqs", "256",
+                                      "--output", "128"], 1024),
+        ("llama-1b bfloat16 at 256", ["--recipe", "llama-1b", *BF16, "--levels", "256", "--max-seqs", "256",
+                                      "--output", "128"], 2048),
+        ("gemma3-1b bfloat16 at 64", ["--recipe", "gemma3-1b", *BF16, "--levels", "64", "--max-seqs", "64",
+                                      "--output", "64"], 512)))
+SERVE_STEPS_DRY = (("4 x 256 llama float32, 128 tokens a step", ["--levels", "1,4", "--prompt", "32", "--output", "16",
+                                                                 "--max-seqs", "4", "--max-tokens-per-step", "128"]),)
 WARMUP = re.compile(r"warm-up \(every step size compiled\): ([\d.]+) s")
 # PPO on CartPole (issue 43): benchmarks/rl_vs_purejaxrl.py, one alternated pair (systolic, then PureJaxRL's ppo.py),
 # each side its own process on the chip (--platform tpu: no silent fall-back to the CPU). The wide row first (the
@@ -354,6 +371,7 @@ def run_cli(part: str, rows: tuple, imports: str | None):
 
 PART_RUNNERS = {"test": run_tests, "train": run_train, "serve": serve_part("serve", SERVE_ROWS, SERVE_DRY),
                 "serve-int8": serve_part("serve-int8", SERVE_INT8_ROWS, SERVE_INT8_DRY),
+                "serve-steps": serve_part("serve-steps", SERVE_STEPS_ROWS, SERVE_STEPS_DRY),
                 "rl": run_rl_vs_purejaxrl,
                 "sim": run_sim_benchmarks,
                 "gan": run_cli("gan", (("gan-dcgan-64 (digits, 1 channel)", ["train", "gan", *GAN], GAN_DRY),),
@@ -374,7 +392,7 @@ def report(records: list[dict]) -> str:
             lines.append(f"{head}: {r['status'].upper()}: {r['error']}")
         elif r["part"] == "test":
             lines.append(f"{head}: {r['summary']}")
-        elif r["part"] in ("serve", "serve-int8"):
+        elif r["part"] in ("serve", "serve-int8", "serve-steps"):
             warmup = "" if r.get("warmup_s") is None else f", warm-up {r['warmup_s']:.1f} s"
             lines.append(f"{head}: ok in {r['wall_s']:.0f} s{warmup}")
             lines += [f"  {x['in_flight']:>3} in flight: {x['tok_s']:,.0f} output tok/s, TTFT p50 {x['ttft_p50_ms']:.0f} "

@@ -33,13 +33,14 @@ def test_dry_run_runs_every_part(tmp_path: Path):
         "pytest.xml", "serve-engine.jsonl", "sim.jsonl", "tpu-bench.jsonl", "tpu-bench.log", "tpu-bench.txt"]  # of 8
     env, *rows = [json.loads(line) for line in (out / "tpu-bench.jsonl").read_text().splitlines()]
     assert env["dry_run"] and env["backend"] == "cpu"
-    assert env["parts"] == ["test", "train", "serve", "serve-int8", "rl", "sim", "gan"]
+    assert env["parts"] == ["test", "train", "serve", "serve-int8", "serve-steps", "rl", "sim",
+                           "gan"]
     status = {(r["part"], r["row"]): r["status"] for r in rows}
     assert status.pop(("train", "llama-1b-v5e")) in ("ok", "skipped")  # skipped: "recipe not found" until it lands
     assert set(status.values()) == {"ok"}, status
     train = [r for r in rows if r["part"] == "train" and r["status"] == "ok"]
     assert all(r["step_time_s"] > 0 and r["mfu"] > 0 and r["attention"] == "xla" for r in train)
-    for part in ("serve", "serve-int8"):
+    for part in ("serve", "serve-int8", "serve-steps"):
         (serve,) = [r for r in rows if r["part"] == part]
         assert [level["in_flight"] for level in serve["levels"]] == [1, 4]
     assert all(r["throughput"] > 0 for r in rows if r["part"] in ("sim", "gan") and "results" not in r)
