@@ -222,6 +222,17 @@ def main(argv: list[str]) -> int:
     return 1 if any(r["status"] not in ("ok", "skipped") for r in records) else 0
 
 
+def skipped(record: dict, error: str) -> dict:
+    """A row that did not run, and why."""
+    return {**record, "status": "skipped", "error": error, "wall_s": 0.0}
+
+
+def budget_left(part_end: float) -> tuple[float, str | None]:
+    """The seconds left of the part's budget, and why a row must not start with them (None: it may)."""
+    left_s = part_end - time.monotonic()
+    return left_s, (f"budget: {left_s:.0f} s left" if left_s < MIN_ROW_S else None)
+
+
 def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
     """`pytest -m tpu` in one process (one program holds the chip); SYSTOLIC_TEST_PLATFORMS=tpu,cpu keeps
     tests/conftest.py from pinning JAX to the CPU. Collection errors (a test module importing what the machine
@@ -232,9 +243,9 @@ def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir:
            "--continue-on-collection-errors", f"--junitxml={out_dir / 'pytest.xml'}", *where.split()]
     test_env = env if dry_run else dict(env, SYSTOLIC_TEST_PLATFORMS="tpu,cpu")
     row = {"row": f"pytest -m tpu {where}", "command": " ".join(cmd[1:])}
-    left_s = part_end - time.monotonic()
-    if left_s < MIN_ROW_S:
-        yield {**row, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+    left_s, why = budget_left(part_end)
+    if why:
+        yield skipped(row, why)
         return
     status, _, wall_s = run_command(cmd, test_env, left_s, log, "test")
     output = Path(log.name).read_text(encoding="utf-8").rpartition("=== test: ")[2]
@@ -265,9 +276,9 @@ def serve_part(part: str, rows: tuple, dry_rows: tuple):
             cmd = [sys.executable, "benchmarks/serve_engine.py", *args, "--json", str(jsonl)]
             before = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
             record = {"row": label, "command": " ".join(cmd[1:])}
-            left_s = part_end - time.monotonic()
-            if left_s < MIN_ROW_S:
-                yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+            left_s, why = budget_left(part_end)
+            if why:
+                yield skipped(record, why)
                 continue
             status, out, wall_s = run_command(cmd, env, left_s, log, part)
             levels = [json.loads(line) for line in jsonl.read_text().splitlines()[before:]] if jsonl.exists() else []
@@ -291,11 +302,11 @@ def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log
                    *(dry if dry_run else [])]
             record = {"row": label, "command": " ".join(cmd[1:])}
             if check.returncode != 0:
-                yield {**record, "status": "skipped", "wall_s": 0.0, "error": error_line(check.stderr)}
+                yield skipped(record, error_line(check.stderr))
                 continue
-            left_s = part_end - time.monotonic()
-            if left_s < MIN_ROW_S:
-                yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+            left_s, why = budget_left(part_end)
+            if why:
+                yield skipped(record, why)
                 continue
             status, out, wall_s = run_command(cmd, env, left_s, log, "rl")
             summary = json.loads(summary_file.read_text()) if status == "ok" and summary_file.exists() else None
@@ -315,12 +326,11 @@ def run_sim_benchmarks(dry_run: bool, env: dict[str, str], part_end: float, log,
         cmd = [sys.executable, f"benchmarks/{script}", *(dry if dry_run else args), "--json", str(jsonl)]
         record = {"row": label, "command": " ".join(cmd[1:])}
         if script == "sim_vs_jax_cfd.py" and check.returncode != 0:
-            yield {**record, "status": "skipped", "wall_s": 0.0,
-                   "error": f"import jax_cfd: {error_line(check.stderr)} (benchmarks/tpu-wheels.sh carries it)"}
+            yield skipped(record, f"import jax_cfd: {error_line(check.stderr)} (benchmarks/tpu-wheels.sh carries it)")
             continue
-        left_s = part_end - time.monotonic()
-        if left_s < MIN_ROW_S:
-            yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+        left_s, why = budget_left(part_end)
+        if why:
+            yield skipped(record, why)
             continue
         before = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
         status, out, wall_s = run_command(cmd, env, left_s, log, "sim")
@@ -350,12 +360,11 @@ def run_cli(part: str, rows: tuple, imports: str | None):
                 cmd = [sys.executable, "-m", "systolic", *argv, *(dry if dry_run else []), "--run-dir", run_dir]
                 record = {"row": label, "command": " ".join(cmd[1:])}
                 if check is not None and check.returncode != 0:
-                    yield {**record, "status": "skipped", "wall_s": 0.0,
-                           "error": f"import {imports}: {error_line(check.stderr)}"}
+                    yield skipped(record, f"import {imports}: {error_line(check.stderr)}")
                     continue
-                left_s = part_end - time.monotonic()
-                if left_s < MIN_ROW_S:
-                    yield {**record, "status": "skipped", "error": f"budget: {left_s:.0f} s left", "wall_s": 0.0}
+                left_s, why = budget_left(part_end)
+                if why:
+                    yield skipped(record, why)
                     continue
                 status, out, wall_s = run_command(cmd, env, left_s, log, part)
                 found = THROUGHPUT.search(out) if status == "ok" else None
