@@ -313,10 +313,23 @@ def measure_peak_here() -> dict:
 # THE TWO SIDES, EACH IN ITS OWN PROCESS ------------------------------------------------------------------------
 
 
+# PureJaxRL's train vmaps its network init over seeds: on a CPU its orthogonal init is then a batched QR, and
+# jaxlib 0.10's QR kernel splits a batch into tasks on the thread pool it runs on and waits for them. The actor's
+# and the critic's QR, run at once by XLA:CPU's concurrency-minded schedule, can each hold one of a 2-core host's
+# two pool threads and wait forever (2026-12-06: its side hung in 2 of 5 runs of the dry-run recipe; py-spy and
+# gdb: two threads in lapack_sgeqrf_ffi -> ParallelBatchMap -> BlockingCounter::Wait). This scheduler flag (XLA:CPU
+# only; nothing on the chip) ran 12,000 such programs without a hang where the default hung within 200 (a vmapped
+# init of six orthogonal 64 x 64 layers over 8 seeds, this host); both sides get it, so that they run alike.
+# systolic's own rl init maps over seeds one at a time instead (workloads/rl/train.py).
+CPU_XLA_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
 def clean_env(platform: str | None) -> dict[str, str]:
-    """The caller's environment without XLA and systolic settings (both sides run plain), src/ first on PYTHONPATH
-    and the caller's entries kept after it; JAX_PLATFORMS as the caller set it unless `platform` names one."""
+    """The caller's environment without XLA and systolic settings (both sides run plain, but for CPU_XLA_FLAGS),
+    src/ first on PYTHONPATH and the caller's entries kept after it; JAX_PLATFORMS as the caller set it unless
+    `platform` names one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SYSTOLIC_"))}
+    env["XLA_FLAGS"] = CPU_XLA_FLAGS
     env["PYTHONPATH"] = os.pathsep.join([SRC, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)])
     if platform:
         env["JAX_PLATFORMS"] = platform
