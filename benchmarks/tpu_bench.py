@@ -227,10 +227,18 @@ def skipped(record: dict, error: str) -> dict:
     return {**record, "status": "skipped", "error": error, "wall_s": 0.0}
 
 
-def budget_left(part_end: float) -> tuple[float, str | None]:
-    """The seconds left of the part's budget, and why a row must not start with them (None: it may)."""
+def budget_left(part_end: float, missing: str | None = None) -> tuple[float, str | None]:
+    """The seconds left of the part's budget, and why a row must not start (None: it may): `missing` (what the row
+    cannot import, from `cannot_import`), or too little time left."""
     left_s = part_end - time.monotonic()
-    return left_s, (f"budget: {left_s:.0f} s left" if left_s < MIN_ROW_S else None)
+    return left_s, missing or (f"budget: {left_s:.0f} s left" if left_s < MIN_ROW_S else None)
+
+
+def cannot_import(modules: str, env: dict[str, str]) -> str | None:
+    """Why `import modules` fails in the rows' environment (checked off the chip), or None when it imports."""
+    check = subprocess.run([sys.executable, "-c", f"import {modules}"], capture_output=True, text=True,
+                           env=dict(env, JAX_PLATFORMS="cpu"))
+    return None if check.returncode == 0 else f"import {modules}: {error_line(check.stderr)}"
 
 
 def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
@@ -292,8 +300,7 @@ def serve_part(part: str, rows: tuple, dry_rows: tuple):
 def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
     """Each RL_ROWS row: one benchmarks/rl_vs_purejaxrl.py pair; its summary (both sides' median env steps/s, final
     training return, compile and wall times, the ratio) into the row's record."""
-    check = subprocess.run([sys.executable, "-c", "import gymnax, flax.linen, optax"], capture_output=True, text=True,
-                           env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+    missing = cannot_import("gymnax, flax.linen, optax", env)
     for label, overrides, dry in RL_ROWS:
         with tempfile.TemporaryDirectory(prefix="tpu-bench-rl-") as tmp:
             summary_file = Path(tmp) / "summary.jsonl"
@@ -301,10 +308,7 @@ def run_rl_vs_purejaxrl(dry_run: bool, env: dict[str, str], part_end: float, log
                    "cpu" if dry_run else "tpu", "--json", str(summary_file), "--set", *overrides,
                    *(dry if dry_run else [])]
             record = {"row": label, "command": " ".join(cmd[1:])}
-            if check.returncode != 0:
-                yield skipped(record, error_line(check.stderr))
-                continue
-            left_s, why = budget_left(part_end)
+            left_s, why = budget_left(part_end, missing)
             if why:
                 yield skipped(record, why)
                 continue
@@ -320,15 +324,12 @@ def run_sim_benchmarks(dry_run: bool, env: dict[str, str], part_end: float, log,
     """Each SIM_BENCH_ROWS row: one benchmark script, its JSON objects (one per size) appended to sim.jsonl and
     copied into the row's record; then the CLI rows (`systolic simulate`) in what is left of the budget."""
     jsonl = out_dir / "sim.jsonl"
-    check = subprocess.run([sys.executable, "-c", "import jax_cfd"], capture_output=True, text=True,
-                           env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+    no_jax_cfd = cannot_import("jax_cfd", env)
     for label, script, args, dry in SIM_BENCH_ROWS:
         cmd = [sys.executable, f"benchmarks/{script}", *(dry if dry_run else args), "--json", str(jsonl)]
         record = {"row": label, "command": " ".join(cmd[1:])}
-        if script == "sim_vs_jax_cfd.py" and check.returncode != 0:
-            yield skipped(record, f"import jax_cfd: {error_line(check.stderr)} (benchmarks/tpu-wheels.sh carries it)")
-            continue
-        left_s, why = budget_left(part_end)
+        missing = no_jax_cfd and f"{no_jax_cfd} (benchmarks/tpu-wheels.sh carries it)"
+        left_s, why = budget_left(part_end, missing if script == "sim_vs_jax_cfd.py" else None)
         if why:
             yield skipped(record, why)
             continue
@@ -351,18 +352,12 @@ def run_cli(part: str, rows: tuple, imports: str | None):
     `imports` (what the workload needs) does not import."""
 
     def run(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir: Path):
-        check = None
-        if imports:
-            check = subprocess.run([sys.executable, "-c", f"import {imports}"], capture_output=True, text=True,
-                                   env=dict(env, JAX_PLATFORMS="cpu"))  # off the chip
+        missing = cannot_import(imports, env) if imports else None
         for label, argv, dry in rows:
             with tempfile.TemporaryDirectory(prefix=f"tpu-bench-{part}-") as run_dir:
                 cmd = [sys.executable, "-m", "systolic", *argv, *(dry if dry_run else []), "--run-dir", run_dir]
                 record = {"row": label, "command": " ".join(cmd[1:])}
-                if check is not None and check.returncode != 0:
-                    yield skipped(record, f"import {imports}: {error_line(check.stderr)}")
-                    continue
-                left_s, why = budget_left(part_end)
+                left_s, why = budget_left(part_end, missing)
                 if why:
                     yield skipped(record, why)
                     continue
