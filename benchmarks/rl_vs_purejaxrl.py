@@ -382,7 +382,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--platform", help="JAX_PLATFORMS for both sides (cpu, tpu); default: the caller's")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for both sides, e.g. rl.num_envs=2048")
     parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak (two processes fewer)")
     parser.add_argument("--json", type=Path, help="append the summary as one JSON line to this file")

@@ -341,6 +341,29 @@ def test_xla_flags_are_checked_before_xla_can_abort(monkeypatch):
     xla_env.check_xla_flags("--xla_force_host_platform_device_count=8 --xla_cpu_experimental_xnn_fusion_type=dot")
 
 
+def test_xla_flags_probe_finds_a_jaxlib_that_only_pythonpath_names():
+    # The lent TPU machine's jax lives in a folder PYTHONPATH names; the probe once ran `python -I`, which ignores
+    # PYTHONPATH, so every flag there was "refused" (2026-12-07). The base interpreter of this venv, finding jaxlib
+    # only through PYTHONPATH, must accept a flag this XLA knows and still refuse one it does not.
+    import jaxlib
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    probe = subprocess.run([str(base), "-I", "-c", "import jaxlib"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip(f"{base} has jaxlib of its own: no interpreter here lacks it")
+    site = str(Path(jaxlib.__file__).parents[1])
+    src = str(Path(xla_env.__file__).parents[2])
+    code = ("from systolic.runtime import xla_env\n"
+            "xla_env.check_xla_flags('--xla_cpu_enable_concurrency_optimized_scheduler=false')\n"
+            "try:\n    xla_env.check_xla_flags('--no_such_xla_flag')\n"
+            "except Exception as e:\n    print('refused:', e)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, site])}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([str(base), "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "refused: XLA_FLAGS='--no_such_xla_flag' would stop XLA" in result.stdout
+
+
 def test_jax_platforms_failures_are_explained():
     error = RuntimeError("Unable to initialize backend 'tpu': NOT_FOUND: TPU initialization failed: No jellyfish "
                          "device found. (set JAX_PLATFORMS='' to automatically choose an available backend)")

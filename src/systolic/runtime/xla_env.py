@@ -133,12 +133,17 @@ def _backend_started() -> bool:
 def _probe(value: str) -> str | None:
     """What XLA says about XLA_FLAGS=`value` when it parses them, or None when it accepts them."""
     env = {**os.environ, "XLA_FLAGS": value}
-    result = subprocess.run([sys.executable, "-I", "-c", _PROBE], env=env, capture_output=True, text=True,
+    # Isolated (no current folder, no user site) but with this process's own import path: jaxlib may live in a
+    # folder only PYTHONPATH names (the lent TPU machine's), which -I alone would hide.
+    code = f"import sys; sys.path[:] = {sys.path!r}; {_PROBE}"
+    result = subprocess.run([sys.executable, "-I", "-c", code], env=env, capture_output=True, text=True,
                             errors="replace", timeout=120)
     if result.returncode == 0:
         return None
     # XLA's log lines (E1206 01:01:51.55 6315 file.cc:63] message): its first error names the flag; the usage text
     # it prints after it lists every flag.
     logged = [line.split("] ", 1)[-1] for line in result.stderr.splitlines() if _LOG_LINE.match(line)]
+    if not logged and "Traceback (most recent call last)" in result.stderr:
+        return None  # Python failed before XLA read a flag: no verdict on them (jax itself reports what is wrong)
     said = (logged or [f"exit status {result.returncode}"])[0].strip()
     return f"XLA said {said!r}"
