@@ -47,3 +47,29 @@ def tensorboard_tags(run: Path) -> set[str]:
             tags |= {value.tag for value in event.summary.value}
             at += 12 + length + 4
     return tags
+
+
+def test_checkpoint_saves_are_not_throughput(tmp_path, monkeypatch):
+    # A save that takes 1e9 s of the loop's clock (a fake clock: no real waiting) must leave the rate alone, as an
+    # evaluation does: on the chip rl-cartpole's saves once halved its reported rate (2026-12-07).
+    import time
+    import types
+
+    from systolic.engine import loop
+
+    offset = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0], monotonic=time.monotonic)
+    monkeypatch.setattr(loop, "time", clock)
+    save = loop._Saving.save
+
+    def slow_save(self, state):
+        save(self, state)
+        offset[0] += 1e9
+
+    monkeypatch.setattr(loop._Saving, "save", slow_save)
+    run = tmp_path / "rl"
+    argv, split, key = RUNS["rl"]
+    assert main([*argv, *EVERY_STEP, "checkpoint.every_steps=1", "--run-dir", str(run)]) == 0
+    rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+    rates = [r[key] for r in rows if key in r]
+    assert len(rates) >= 3 and min(rates) > 1.0, rates  # a counted save: under 1 env step/s
