@@ -28,6 +28,7 @@ from systolic.workloads.rl import optimization, q_chunk, qnetwork, replay
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.env_api import Env
+from systolic.workloads.rl.policy import pick
 
 
 def td_targets(rewards: jax.Array, next_q_target: jax.Array, terminated: jax.Array, *, gamma: float) -> jax.Array:
@@ -111,7 +112,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         next_q = q_values(target_params, batch["next_obs"]).max(axis=-1)  # (B,)
         targets = td_targets(batch["reward"], next_q, batch["terminated"], gamma=dqn.gamma)
         q = q_values(params, batch["obs"])  # (B, A)
-        q_taken = jnp.take_along_axis(q, batch["action"][:, None], axis=-1)[:, 0]  # (B,)
+        q_taken = pick(q, batch["action"])  # (B,)
         return 0.5 * jnp.square(q_taken - targets).mean(), q_taken.mean()
 
     def gradient_step(carry, key):

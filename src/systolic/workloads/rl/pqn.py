@@ -26,6 +26,7 @@ from systolic.workloads.rl import optimization, q_chunk, qnetwork
 from systolic.workloads.rl.algorithm import Actor, Algorithm, feed_forward
 from systolic.workloads.rl.config import RLConfig
 from systolic.workloads.rl.env_api import Env
+from systolic.workloads.rl.policy import pick
 
 # Q(LAMBDA) TARGETS --------------------------------------------------------------------------------------------
 
@@ -131,7 +132,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
         episode_return = carry.episode_return + step.reward
         episode_length = carry.episode_length + 1
         transition = Transition(
-            obs=carry.obs, action=action, q_taken=jnp.take_along_axis(q, action[:, None], axis=-1)[:, 0],
+            obs=carry.obs, action=action, q_taken=pick(q, action),
             reward=step.reward * pqn.reward_scale, terminated=step.terminated, done=done, final_obs=step.final_obs,
             finished_return=jnp.where(done, episode_return, 0.0),
             finished_length=jnp.where(done, episode_length, 0).astype(jnp.float32),
@@ -143,7 +144,7 @@ def make_seed_fns(cfg: RLConfig, env: Env, tx: optax.GradientTransformation):
 
     def loss_fn(params: Any, minibatch: dict[str, jax.Array]) -> jax.Array:
         q = q_values(params, minibatch["obs"])  # (B, A)
-        q_taken = jnp.take_along_axis(q, minibatch["action"][:, None], axis=-1)[:, 0]  # (B,)
+        q_taken = pick(q, minibatch["action"])  # (B,)
         return 0.5 * jnp.square(q_taken - minibatch["target"]).mean()
 
     def radam_step(carry, minibatch):
