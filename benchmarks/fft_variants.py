@@ -1,4 +1,4 @@
-"""The 2-D turbulence step's transforms on the chip, three ways side by side: what one IFRK4 stage transforms
+"""The 2-D turbulence step's transforms on the chip, several ways side by side: what one IFRK4 stage transforms
 (four spectral fields back to the grid in one batched inverse, their product forward again), float32.
 
     python benchmarks/fft_variants.py                    # on the chip (src/ on PYTHONPATH); anywhere on a CPU too
@@ -8,7 +8,8 @@
 - `two passes`: the same as two 1-D transforms, along kx then ky (the multi-device Slab's order);
 - `two passes, pruned`: only the ky columns the 2/3 rule keeps (ky < n/3, rounded up to 128 lanes: 384 of 512 at
   n = 1,024) go through the kx pass, and the forward pass computes only those: the zeroed modes are never
-  transformed. The fields' last axis is then that many columns, not n/2.
+  transformed. The fields' last axis is then that many columns, not n/2;
+- `matmul DFT, pruned`: the pruned transforms as products with the DFT's matrices, at HIGH and HIGHEST precision.
 Each prints ms per stage and the largest error against NumPy's float64 transforms of the same fields, relative to
 the largest value. On the chip (2026-12-07) systolic's 1,024^2 step ran at 1.34x jax-cfd's; a step is 4 stages.
 """
@@ -16,6 +17,7 @@ the largest value. On the chip (2026-12-07) systolic's 1,024^2 step ran at 1.34x
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -44,8 +46,34 @@ def variants(n: int):
         product = grid[0] * grid[2] + grid[1] * grid[3]
         return jnp.fft.fft(jnp.fft.rfft(product, axis=-1)[:, :columns], axis=-2)  # (n, columns)
 
+    # The same pruned transforms as dense matrix products (the DFT's matrices; the matrix unit instead of XLA's FFT
+    # code): O(n^3) work, but on the chip's 197 TFLOP/s. Float32 operands at HIGH (three bf16 passes) or HIGHEST.
+    x = np.arange(n)
+    kx = np.fft.fftfreq(n, 1.0 / n)
+    ky = np.arange(m)
+    e = np.exp(2j * np.pi * np.outer(x, kx) / n) / n  # (n x, n kx): inverse along kx
+    weight = np.where(ky == 0, 1.0, 2.0)[:, None]  # a real signal's ky > 0 stand for +ky and -ky
+    c_y = weight * np.cos(2 * np.pi * np.outer(ky, x) / n) / n  # (m, n y)
+    s_y = weight * np.sin(2 * np.pi * np.outer(ky, x) / n) / n
+    mats = {name: jnp.asarray(a, jnp.float32) for name, a in
+            {"er": e.real, "ei": e.imag, "cy": c_y, "sy": s_y, "fr": np.cos(2 * np.pi * np.outer(kx, x) / n),
+             "fi": -np.sin(2 * np.pi * np.outer(kx, x) / n), "cyt": np.cos(2 * np.pi * np.outer(x, ky) / n),
+             "syt": -np.sin(2 * np.pi * np.outer(x, ky) / n)}.items()}
+
+    def matmul_dft(fields, precision):
+        dot = functools.partial(jnp.matmul, precision=precision)
+        cr, ci = fields[..., :m].real, fields[..., :m].imag  # (4, n kx, m)
+        gr = dot(mats["er"], cr) - dot(mats["ei"], ci)  # (4, n x, m)
+        gi = dot(mats["er"], ci) + dot(mats["ei"], cr)
+        grid = dot(gr, mats["cy"]) - dot(gi, mats["sy"])  # (4, n x, n y)
+        product = grid[0] * grid[2] + grid[1] * grid[3]
+        pr, pi = dot(product, mats["cyt"]), dot(product, mats["syt"])  # (n x, m)
+        return jax.lax.complex(dot(mats["fr"], pr) - dot(mats["fi"], pi), dot(mats["fr"], pi) + dot(mats["fi"], pr))
+
     return m, {"rfft2": jax.jit(rfft2), "two passes": jax.jit(two_passes),
-               "two passes, pruned": jax.jit(lambda f: two_passes(f, m))}
+               "two passes, pruned": jax.jit(lambda f: two_passes(f, m)),
+               "matmul DFT, pruned, HIGH": jax.jit(lambda f: matmul_dft(f, jax.lax.Precision.HIGH)),
+               "matmul DFT, pruned, HIGHEST": jax.jit(lambda f: matmul_dft(f, jax.lax.Precision.HIGHEST))}
 
 
 def reference(fields: np.ndarray, n: int) -> np.ndarray:
