@@ -1,7 +1,7 @@
 """The 2-D turbulence step's transforms on the chip, several ways side by side: what one IFRK4 stage transforms
 (four spectral fields back to the grid in one batched inverse, their product forward again), float32.
 
-    python benchmarks/fft_variants.py                    # on the chip (src/ on PYTHONPATH); anywhere on a CPU too
+    bash benchmarks/tpu.sh env python3 benchmarks/fft_variants.py    # on the chip; `python` it anywhere else
     python benchmarks/fft_variants.py --sizes 512 1024 --repeats 20
 
 - `rfft2`: one `irfft2` of the (4, n, n/2) fields and one `rfft2` (the solver's Slab with one device, today);

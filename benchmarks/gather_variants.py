@@ -1,6 +1,6 @@
 """How to put PPO's rollout in a random order on the chip: the shuffle's variants, timed side by side.
 
-    python benchmarks/gather_variants.py                  # on the chip (src/ on PYTHONPATH); anywhere on a CPU too
+    bash benchmarks/tpu.sh env python3 benchmarks/gather_variants.py    # on the chip; `python` it anywhere else
     python benchmarks/gather_variants.py --rows 512 262144 --repeats 20
 
 The data: 8 seeds, each n examples of PPO's CartPole batch (observation 4 floats, action int32, log-probability,

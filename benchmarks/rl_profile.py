@@ -1,6 +1,6 @@
 """Where a PPO update's time goes on the chip: systolic's rl chunk and PureJaxRL's ppo.py, traced side by side.
 
-    python benchmarks/rl_profile.py --set rl.num_envs=4          # on the chip (tpu.sh's wheels, src/ on PYTHONPATH):
+    bash benchmarks/tpu.sh env python3 benchmarks/rl_profile.py   # on the chip (tpu.sh installs the carried wheels):
                                                                  # $OUT/rl-systolic.xplane.pb, $OUT/rl-purejaxrl.xplane.pb
     python benchmarks/rl_profile.py --summarize $OUT/rl-systolic.xplane.pb   # here: pip install xprof
 

@@ -34,6 +34,7 @@
 #   bash benchmarks/tpu-wheels.sh                       # first, here, where the registry is reachable
 #   bash benchmarks/tpu.sh test train                   # on the TPU machine
 #   SYSTOLIC_TPU_SH_DRY_RUN=1 bash benchmarks/tpu.sh    # anywhere: the same pipeline, tiny models on CPU
+#   bash benchmarks/tpu.sh env python3 benchmarks/rl_profile.py    # any command in the same environment
 #
 # With the device tool (a session lent a tpu-v5e), after `bash benchmarks/tpu-wheels.sh` in the root of the
 # session's own checkout (the one the tool sends):
@@ -52,7 +53,7 @@ fi
 # bundled digits), and the test part both (tests/tpu/test_workload_parity.py runs rl and gan); the others start
 # sooner without.
 from_index=()
-if [ $# -eq 0 ] || [[ " $* " == *" rl "* || " $* " == *" test "* ]]; then
+if [ $# -eq 0 ] || [ "$1" = env ] || [[ " $* " == *" rl "* || " $* " == *" test "* ]]; then
   "$PY" -c "import matplotlib, seaborn" 2>/dev/null || from_index+=(matplotlib seaborn)
 fi
 if [ $# -eq 0 ] || [[ " $* " == *" gan "* || " $* " == *" test "* ]]; then
@@ -71,4 +72,10 @@ if [ -n "${SYSTOLIC_TPU_SH_DRY_RUN:-}" ]; then
   export JAX_PLATFORMS=cpu SYSTOLIC_COMPILE_CACHE=${SYSTOLIC_COMPILE_CACHE:-${TMPDIR:-/tmp}/systolic-tpu-sh-dry-xla}
 fi
 export SYSTOLIC_COMPILE_CACHE=${SYSTOLIC_COMPILE_CACHE:-$PWD/.jax-cache}
+if [ "${1:-}" = env ]; then
+  # `tpu.sh env CMD ...`: CMD alone in this environment (the wheels installed, src/ and them on PYTHONPATH), no
+  # table: the chip's probes, e.g. `bash benchmarks/tpu.sh env python3 benchmarks/gather_variants.py`.
+  shift
+  exec "$@"
+fi
 exec "$PY" benchmarks/tpu_bench.py "$@"

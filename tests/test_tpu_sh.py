@@ -73,3 +73,12 @@ def test_the_gan_rows_mfu_reaches_the_table(monkeypatch):
     row = {"part": "gan", "row": "gan-dcgan-64", "status": "ok", "throughput": 1234.0, "unit": "img/s",
            "compile_s": 40.1, "run_wall_s": 80.2, "mfu": 0.123, "wall_s": 90.0}
     assert tpu_bench.report([row]) == "gan    gan-dcgan-64: 1,234 img/s, MFU 12.3%, first (compile) 40.1 s, run 80.2 s"
+
+
+def test_env_runs_a_command_in_the_benchmarks_environment(tmp_path: Path):
+    # The chip's probes (benchmarks/rl_profile.py, gather_variants.py) need the carried wheels and src/ on the path.
+    code = "import os, systolic; print(systolic.__file__); print(os.environ['PYTHONPATH'].split(os.pathsep)[0])"
+    proc = tpu_sh(tmp_path, "env", sys.executable, "-c", code, SYSTOLIC_TPU_SH_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    module, first = proc.stdout.split("\n")[-3:-1]
+    assert module == str(ROOT / "src" / "systolic" / "__init__.py") and first == str(ROOT / "src")
