@@ -1,5 +1,6 @@
 """The machinery that the accelerator harnesses share (benchmarks/gpu_bench.py, benchmarks/tpu_bench.py): a preflight
-in a child process, `systolic bench lm` rows run one process each under a time budget, and the rows' table.
+in a child process, `systolic bench lm` rows run one process each under a time budget, and the rows' table; and
+the chip's probes' (gather_variants.py, fft_variants.py) timing of one jitted call.
 
 Each row is one `systolic bench lm --recipe R --json` process (a fresh process per row: each gets the whole chip,
 and an out-of-memory row fails alone). A row that would start with too little of the budget left is reported as
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +45,20 @@ class Row:
         out = [*batch, f"model.attention={self.attention_run(dry_run)}",
                f"model.scan_layers={str(self.scan_layers).lower()}", *self.extra, *DATA]
         return out + (tiny(self.recipe) if dry_run else [])
+
+
+def median_seconds(fn, args: tuple, repeats: int) -> float:
+    """The median wall time of `fn(*args)` (jitted) to its results being ready, over `repeats` calls after one that
+    compiles."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def tiny(recipe: str) -> list[str]:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 
 import numpy as np
+from bench_rows import median_seconds  # sys.path[0]: benchmarks/
 
 
 def kept_columns(n: int) -> int:
@@ -108,15 +107,11 @@ def main(argv: list[str]) -> int:
         _, fns = variants(n)
         for name, fn in fns.items():
             x = jax.device_put(fields)
-            got = np.asarray(jax.block_until_ready(fn(x)))  # compiles
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(x))
-                times.append(time.perf_counter() - start)
+            seconds = median_seconds(fn, (x,), args.repeats)
+            got = np.asarray(fn(x))
             columns = got.shape[-1]
             error = np.abs(got - want[:, :columns]).max() / scale
-            print(f"| {n} | {name} | {columns} | {statistics.median(times) * 1e3:.3f} | {error:.1e} |", flush=True)
+            print(f"| {n} | {name} | {columns} | {seconds * 1e3:.3f} | {error:.1e} |", flush=True)
     return 0
 
 

@@ -11,15 +11,15 @@ and 262,144 (2,048 environments x 128). Each variant applies one fresh random or
 - `packed, flat`: the same rows with the seeds folded into the row index (one gather without batch dimensions);
 - `sort`: no gather, `lax.sort` of random keys carrying the nine columns along (a random order by construction).
 The orders themselves (`jax.random.permutation`, a sort) are drawn outside the timed gathers, once, and timed apart
-as `permutation`. On the chip (2026-12-07) the per-leaf gathers took ~80% of a 2,048-environment PPO update.
+as `permutation`. On the chip (2026-12-07) the per-leaf gathers took 63% of a 2,048-environment PPO update.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+
+from bench_rows import median_seconds  # sys.path[0]: benchmarks/
 
 
 def variants(seeds: int, n: int):
@@ -63,18 +63,6 @@ def variants(seeds: int, n: int):
             "sort": (jax.jit(sort), (data, orders))}
 
 
-def timed(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 262144], help="examples per seed")
@@ -88,7 +76,7 @@ def main(argv: list[str]) -> int:
     print("|---|---|---|---|")
     for n in args.rows:
         for name, (fn, fn_args) in variants(args.seeds, n).items():
-            seconds = timed(fn, fn_args, args.repeats)
+            seconds = median_seconds(fn, fn_args, args.repeats)
             print(f"| {n:,} | {name} | {seconds * 1e3:.3f} | {seconds * 1e9 / (args.seeds * n):.2f} |", flush=True)
     return 0
 

@@ -1,7 +1,7 @@
 """Where a PPO update's time goes on the chip: systolic's rl chunk and PureJaxRL's ppo.py, traced side by side.
 
-    bash benchmarks/tpu.sh env python3 benchmarks/rl_profile.py   # on the chip (tpu.sh installs the carried wheels):
-                                                                 # $OUT/rl-systolic.xplane.pb, $OUT/rl-purejaxrl.xplane.pb
+    bash benchmarks/tpu.sh env python3 benchmarks/rl_profile.py   # on the chip (tpu.sh installs the wheels); writes
+                                            # $OUT/rl-systolic.xplane.pb and $OUT/rl-purejaxrl.xplane.pb
     python benchmarks/rl_profile.py --summarize $OUT/rl-systolic.xplane.pb   # here: pip install xprof
 
 Both sides run the rl-cartpole recipe with the `--set` overrides (benchmarks/rl_vs_purejaxrl.py reads PureJaxRL's
@@ -15,28 +15,13 @@ operations take the time (the chip runs a tiny environment's step as a chain of 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import rl_vs_purejaxrl  # sys.path[0]: benchmarks/
-from tpu_profile import summarize
-
-
-def traced(name: str, run, out: Path) -> None:
-    """Runs `run()` under jax.profiler.trace and copies the xplane file to out/<name>.xplane.pb."""
-    import jax
-
-    trace_dir = tempfile.mkdtemp(prefix="rl-profile-")
-    with jax.profiler.trace(trace_dir):
-        jax.block_until_ready(run())
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        shutil.copy(path, out / f"{name}.xplane.pb")  # flat: the device tool brings back two folders down at most
-        print(f"{name}: traced into {out / f'{name}.xplane.pb'}")
+from tpu_profile import summarize, traced
 
 
 def profile_systolic(overrides: list[str], out: Path) -> None:

@@ -28,8 +28,9 @@ and plots included, as a user runs it), in its own process, with its persistent 
 
 Reported per run: env steps/s (all seeds; steady state: systolic's `throughput:` line, which leaves out the
 compiling first chunk, evaluations and checkpoint saves; PureJaxRL: the steps of the compiled program over its
-execution time, compilation timed apart), wall time of the whole process, and each seed's final training return (the mean return
-of the episodes that ended in the last 16 updates, systolic's last chunk: the same measure on both sides). Then
+execution time, compilation timed apart), wall time of the whole process, and each seed's final training return
+(the mean return of the episodes that ended in the last 16 updates, systolic's last chunk: the same measure on both
+sides). Then
 the medians, their ratio, and the achieved FLOP/s of PPO's matmuls (rollout forward + update epochs forward and
 backward, counted from the network sizes) as a fraction of a 2048^2 float32 matmul measured in this run (before
 and after the pairs; the higher of the two is the peak, as the machine may be shared).

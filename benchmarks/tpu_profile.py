@@ -54,15 +54,28 @@ def profile(recipe: str, overrides: list[str], name: str, steps: int) -> int:
         step_s = (time.perf_counter() - start) / len(batches)
         mfu = f", MFU {100 * task.flops_per_step / step_s / task.peak_flops:.1f}%" if task.peak_flops else ""
         print(f"{name}: {step_s * 1e3:.1f} ms a step{mfu}")
-        trace_dir = tempfile.mkdtemp(prefix="tpu-profile-")
-        with jax.profiler.trace(trace_dir):
+        holder = [state]
+
+        def run_steps():
             for _ in range(steps):
-                state, _ = task.train_step(state, next(task.data))
-            jax.block_until_ready(state)
+                holder[0], _ = task.train_step(holder[0], next(task.data))
+            return holder[0]
+
+        traced(name, run_steps, out)
+    return 0
+
+
+def traced(name: str, run, out: Path) -> None:
+    """Runs `run()` (to its results being ready) under jax.profiler.trace and copies the xplane file to
+    out/<name>.xplane.pb."""
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="tpu-profile-")
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready(run())
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         shutil.copy(path, out / f"{name}.xplane.pb")  # flat: the device tool brings back two folders down at most
-        print(f"{name}: {steps} steps traced into {out / f'{name}.xplane.pb'}")
-    return 0
+        print(f"{name}: traced into {out / f'{name}.xplane.pb'}")
 
 
 def summarize(path: str, top: int) -> int:

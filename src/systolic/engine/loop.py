@@ -337,10 +337,13 @@ class _MetricsWindow:
     @property
     def mfu(self) -> float | None:
         """The steady-state model FLOPs utilisation, when the task counts its FLOPs and the chip has a known peak."""
+        return self._mfu(self.timed_steps, self.timed_s)
+
+    def _mfu(self, steps: int, seconds: float) -> float | None:
         task = self.task
-        if not (self.timed_s and task.flops_per_step and task.peak_flops):
+        if not (seconds and task.flops_per_step and task.peak_flops):
             return None
-        return task.flops_per_step * self.timed_steps / self.timed_s / task.peak_flops
+        return task.flops_per_step * steps / seconds / task.peak_flops
 
     def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
         self.pending.append((step, metrics))
@@ -386,8 +389,8 @@ class _MetricsWindow:
             self.timed_items, self.timed_s = self.timed_items + window_items, self.timed_s + elapsed
             self.timed_steps += step - self.step_mark
             stats[f"{task.item_unit}/s"] = window_items / elapsed
-            if task.flops_per_step and task.peak_flops:
-                stats["mfu"] = task.flops_per_step * (step - self.step_mark) / elapsed / task.peak_flops
+            if (mfu := self._mfu(step - self.step_mark, elapsed)) is not None:
+                stats["mfu"] = mfu
         if self.guard.skipped:
             stats["skipped"] = f"{self.guard.skipped}"
         self.progress.update(step, stats)

@@ -57,7 +57,7 @@ def take_examples(data: Any, leaf_axes: Any, order: jax.Array) -> Any:
     """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in `order`, (n,) int. The leaves are
     gathered together: their bits side by side in one (n, columns) uint32 array (a column per element of an example,
     whatever its dtype up to 32 bits), one gather of whole rows, split again (exact). On the TPU a gather's cost is
-    per row, not per byte: PPO's six leaves gathered apart took ~80% of a 2,048-environment update there
+    per row, not per byte: PPO's six leaves gathered apart took 63% of a 2,048-environment update there
     (benchmarks/rl_profile.py, 2026-12-07). 64-bit leaves are gathered on their own."""
     leaves, treedef = jax.tree.flatten(data)
     axes = jax.tree.leaves(leaf_axes)
