@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from systolic import config as config_lib  # noqa: E402
 from systolic.workloads.lm.config import LMConfig  # noqa: E402
-from systolic.workloads.lm.model.transformer import MLP, MoE  # noqa: E402
+from systolic.workloads.lm.model.sublayers import MLP, MoE  # noqa: E402
 
 SIZES = ["model.d_model=192", "model.layers=4", "model.heads=6", "model.dtype=float32", "model.moe.experts=8",
          "model.moe.top_k=2", "model.moe.mlp_dim=256"]

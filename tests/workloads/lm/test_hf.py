@@ -29,7 +29,8 @@ from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import tensors as hf_tensors
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model.config import ModelConfig, MoeConfig
+from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.sections import MoeConfig
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.sample import generate_from_run
 from systolic.workloads.lm.train import build_task, model_graphdef, param_shardings

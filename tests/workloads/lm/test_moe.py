@@ -12,7 +12,7 @@ from systolic import config as config_lib
 from systolic.errors import ConfigError
 from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model.transformer import MoE
+from systolic.workloads.lm.model.sublayers import MoE
 from tiny import MOE, TINY_MOE
 
 B, T = 2, 8

@@ -15,7 +15,8 @@ from flax import nnx
 from systolic.workloads.lm.config import LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.layer_kind import LayerKind
-from systolic.workloads.lm.model.transformer import Transformer, make_ropes
+from systolic.workloads.lm.model.sublayers import make_ropes
+from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 from systolic.workloads.lm.train import make_loss_fn
 

@@ -8,7 +8,7 @@ from tiny_files import TINY_MODEL
 
 from systolic.engine.state import param_count
 from systolic.workloads.lm.model import sizes
-from systolic.workloads.lm.model.config import LoraConfig, MoeConfig
+from systolic.workloads.lm.model.sections import LoraConfig, MoeConfig
 from systolic.workloads.lm.hf.convert import abstract_params
 
 

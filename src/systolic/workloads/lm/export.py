@@ -36,7 +36,7 @@ from flax import nnx
 from systolic import outfile
 from systolic.errors import UserError
 from systolic.workloads.lm.model.layers import resolve_dtype
-from systolic.workloads.lm.model.transformer import KVCache
+from systolic.workloads.lm.model.sublayers import KVCache
 from systolic.workloads.lm.loaded_run import LoadedRun, load_run
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

@@ -14,7 +14,8 @@ from flax import nnx
 
 from systolic.errors import UserError
 from systolic.workloads.lm.model.rope import longrope_switch_step
-from systolic.workloads.lm.model.transformer import KVCache, Transformer
+from systolic.workloads.lm.model.sublayers import KVCache
+from systolic.workloads.lm.model.transformer import Transformer
 
 
 def _merge(graphdef: nnx.GraphDef, params) -> Transformer:

@@ -31,7 +31,8 @@ from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.config import LMConfig, PipelineConfig
-from systolic.workloads.lm.model.config import ModelConfig, MoeConfig
+from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.sections import MoeConfig
 from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model.layers import resolve_dtype

@@ -41,7 +41,8 @@ import numpy as np
 from systolic import config as config_lib
 from systolic import safe_json
 from systolic.errors import ConfigError, UserError
-from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig, MoeConfig, RopeScalingConfig
+from systolic.workloads.lm.model.config import MAX_LAYERS, ModelConfig
+from systolic.workloads.lm.model.sections import MoeConfig, RopeScalingConfig
 from systolic.workloads.lm.hf import deepseek, families
 from systolic.workloads.lm.hf.architectures import ARCHITECTURES
 from systolic.workloads.lm.hf.config_rules import SUPPORTED_LIST, require, unsupported

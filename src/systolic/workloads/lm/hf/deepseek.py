@@ -20,7 +20,8 @@ from typing import Any
 from systolic.errors import UserError
 from systolic.workloads.lm.hf.config_rules import require, unsupported
 from systolic.workloads.lm.hf.rope_config import rope_from_hf, rope_to_hf
-from systolic.workloads.lm.model.config import MlaConfig, ModelConfig, MoeConfig
+from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.sections import MlaConfig, MoeConfig
 
 MODEL_TYPE = "deepseek_v3"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from systolic.workloads.lm.hf.config_rules import unsupported
-from systolic.workloads.lm.model.config import ModelConfig, RopeScalingConfig
+from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.sections import RopeScalingConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # rope_type values that import (to model.rope_scaling.type)
 

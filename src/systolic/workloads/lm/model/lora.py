@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from systolic.workloads.lm.model.config import LORA_TARGETS, LoraConfig, ModelConfig
+from systolic.workloads.lm.model.config import ModelConfig
+from systolic.workloads.lm.model.sections import LORA_TARGETS, LoraConfig
 
 SUFFIX = "_lora"  # an adapter of the weight `wq` is `wq_lora`, beside it
 

@@ -82,7 +82,7 @@ class MultiHeadLatentAttention(nnx.Module):
         return quant_lib.project(x, w[...].astype(self.dtype), contract, self.quant)
 
     def __call__(self, x, ropes, kind, start, kv, segment_ids=None):
-        """As transformer.Attention: x (B, T, D), kv None (training), this layer's cache (rows (B, S, r + rope),
+        """As sublayers.Attention: x (B, T, D), kv None (training), this layer's cache (rows (B, S, r + rope),
         None) with x's rows written at `start`, or the engine's PagedKV. Every MLA layer is full and rotates (the
         config refuses windows and NoPE layers with MLA), so `kind` says nothing here. Returns (y (B, T, D),
         updated kv or None)."""

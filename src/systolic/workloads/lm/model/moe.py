@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from systolic.runtime.sharding import logical_to_spec
 from systolic.workloads.lm.model import cpu
-from systolic.workloads.lm.model.config import MoeConfig
+from systolic.workloads.lm.model.sections import MoeConfig
 
 
 class Routing(NamedTuple):

@@ -102,7 +102,7 @@ def as_stored(x: jax.Array) -> jax.Array:
 
 
 class PagedKV(NamedTuple):
-    """The pool handed to one layer's attention (transformer.py's hook): `attend` writes the layer's new keys
+    """The pool handed to one layer's attention (sublayers.py's Attention): `attend` writes the layer's new keys
     and values and attends over the pages."""
 
     pool: Pool  # (L, pages, page_size, KV * 2 * hd)
