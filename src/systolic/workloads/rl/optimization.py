@@ -45,33 +45,66 @@ def shuffled_epochs(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, dat
         x = x.reshape(*x.shape[:axis], minibatches, n // minibatches, *x.shape[axis + 1:])  # (..., M, n/M, ...)
         return x if axis == 0 else jnp.moveaxis(x, axis, 0)  # (M, ..., n/M, ...)
 
-    def epoch(carry: Any, order: jax.Array) -> tuple[Any, Any]:
-        shuffled = take_examples(data, leaf_axes, order)
+    def epoch(carry: Any, key: jax.Array) -> tuple[Any, Any]:
+        shuffled = shuffle_examples(data, leaf_axes, key)
         return jax.lax.scan(step, carry, jax.tree.map(cut, leaf_axes, shuffled))
 
-    orders = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, epochs))  # (epochs, n)
-    return jax.lax.scan(epoch, carry, orders)
+    return jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
+
+
+# On the TPU a sort moving a few 32-bit columns beats a gather of rows: at 8 x 262,144 PPO examples of 9 columns, one
+# sort carrying them took 12.5 ms, a permutation and one gather of the packed rows 6.4 + 47.6 ms (the gather's cost is
+# per row, ~23 ns; a sort's grows with its operands; benchmarks/gather_variants.py on a v5e, 2026-12-07). Wider
+# examples (image observations, a recurrent policy's whole environments) are gathered as rows.
+SORT_CARRY_COLUMNS = 32
+
+
+def random_order(key: jax.Array, n: int) -> jax.Array:
+    """A uniformly random permutation of range(n), (n,) int32: iota sorted by 64 random bits a position (two uint32
+    keys, so ties, which a stable sort would leave in order, have probability ~n^2 / 2^65). `shuffle_examples(..., key)`
+    puts narrow examples in exactly this order."""
+    high, low = jax.random.bits(key, (2, n), jnp.uint32)
+    return jax.lax.sort((high, low, jnp.arange(n, dtype=jnp.int32)), num_keys=2)[2]
+
+
+def shuffle_examples(data: Any, leaf_axes: Any, key: jax.Array) -> Any:
+    """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in a random order drawn from `key`,
+    exact for any dtype (bits move, not values). Examples of up to SORT_CARRY_COLUMNS 32-bit words travel inside the
+    sort that makes the order, `random_order(key, n)`, a column per operand; wider ones, few (a recurrent policy's
+    environments), in one gather of whole rows (`take_examples`) in `jax.random.permutation(key, n)`'s order."""
+    leaves, treedef = jax.tree.flatten(data)
+    axes = jax.tree.leaves(leaf_axes)
+    rows = [jnp.moveaxis(x, axis, 0) for axis, x in zip(axes, leaves, strict=True)]  # each (n, ...)
+    n = rows[0].shape[0]
+    columns = [_bits(x) for x in rows]  # (n, c_i) uint32
+    if sum(c.shape[1] for c in columns) > SORT_CARRY_COLUMNS:
+        return take_examples(data, leaf_axes, jax.random.permutation(key, n))
+    high, low = jax.random.bits(key, (2, n), jnp.uint32)
+    flat = [c[:, j] for c in columns for j in range(c.shape[1])]  # each (n,)
+    moved = jax.lax.sort((high, low, *flat), num_keys=2)[2:]
+    out, start = [], 0
+    for x, c in zip(rows, columns, strict=True):
+        width = c.shape[1]
+        out.append(_from_bits(jnp.stack(moved[start:start + width], axis=1), x.shape, x.dtype))
+        start += width
+    return jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, axis) for axis, x in zip(axes, out, strict=True)])
 
 
 def take_examples(data: Any, leaf_axes: Any, order: jax.Array) -> Any:
     """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in `order`, (n,) int. The leaves are
-    gathered together: their bits side by side in one (n, columns) uint32 array (a column per element of an example,
-    whatever its dtype up to 32 bits), one gather of whole rows, split again (exact). On the TPU a gather's cost is
-    per row, not per byte: PPO's six leaves gathered apart took 63% of a 2,048-environment update there
-    (benchmarks/rl_profile.py, 2026-12-07). 64-bit leaves are gathered on their own."""
+    gathered together: their bits side by side in one (n, columns) uint32 array (a column per 32 bits of an example,
+    whatever its dtypes), one gather of whole rows, split again (exact). On the TPU a gather's cost is per row, not
+    per byte: PPO's six leaves gathered apart took 63% of a 2,048-environment update there (benchmarks/rl_profile.py,
+    2026-12-07)."""
     leaves, treedef = jax.tree.flatten(data)
     axes = jax.tree.leaves(leaf_axes)
-    n = order.shape[0]
     rows = [jnp.moveaxis(x, axis, 0) for axis, x in zip(axes, leaves, strict=True)]  # each (n, ...)
-    packed = [i for i, x in enumerate(rows) if x.dtype.itemsize <= 4]
-    out = [None if i in packed else x[order] for i, x in enumerate(rows)]
-    if packed:
-        columns = [_bits(rows[i]).reshape(n, -1) for i in packed]  # (n, c_i) uint32
-        taken = jnp.concatenate(columns, axis=1)[order]  # (n, sum c_i)
-        start = 0
-        for i, width in zip(packed, (c.shape[1] for c in columns), strict=True):
-            out[i] = _from_bits(taken[:, start:start + width].reshape(rows[i].shape), rows[i].dtype)
-            start += width
+    columns = [_bits(x) for x in rows]  # (n, c_i) uint32
+    taken = jnp.concatenate(columns, axis=1)[order]  # (n, sum c_i)
+    out, start = [], 0
+    for x, c in zip(rows, columns, strict=True):
+        out.append(_from_bits(taken[:, start:start + c.shape[1]], x.shape, x.dtype))
+        start += c.shape[1]
     return jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, axis) for axis, x in zip(axes, out, strict=True)])
 
 
@@ -79,13 +112,22 @@ _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def _bits(x: jax.Array) -> jax.Array:
-    """x's bits as uint32, element for element (bool as 0 or 1)."""
+    """(n, ...) -> (n, c) uint32: an example's bits, a column per element up to 32 bits (bool as 0 or 1), two per
+    64-bit element."""
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+    return bits.reshape(x.shape[0], -1)
 
 
-def _from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+def _from_bits(bits: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The inverse of `_bits`: (n, c) uint32 -> `shape` of `dtype`."""
+    dtype = jnp.dtype(dtype)
     if dtype == jnp.bool_:
-        return bits != 0
-    return jax.lax.bitcast_convert_type(bits.astype(_UNSIGNED[jnp.dtype(dtype).itemsize]), dtype)
+        return (bits != 0).reshape(shape)
+    if dtype.itemsize == 8:
+        return jax.lax.bitcast_convert_type(bits.reshape(*shape, 2), dtype)
+    return jax.lax.bitcast_convert_type(bits.astype(_UNSIGNED[dtype.itemsize]).reshape(shape), dtype)
