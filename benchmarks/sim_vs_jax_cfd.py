@@ -36,6 +36,7 @@ import datetime
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -98,11 +99,12 @@ def agreement(w: np.ndarray, reference: np.ndarray) -> dict[str, float]:
 
 
 def compare(n: int, steps: int, viscosity: float = VISCOSITY, repeats: int = 3, peak_mode: int = PEAK_MODE,
-            jax_cfd_viscosity: float | None = None) -> dict[str, float]:
+            jax_cfd_viscosity: float | None = None, trace: Path | None = None) -> dict[str, float]:
     """Times `steps` steps of each side from the same initial vorticity, `repeats` times alternating, best time
     each; returns steps/s, the ratio (systolic over jax-cfd) and the agreement after the steps.
     `jax_cfd_viscosity` (default: `viscosity`) gives the peer another viscosity: the test's check that a wrong
-    equation shows in the agreement."""
+    equation shows in the agreement. With `trace`, one more call of each runs under the profiler, into
+    trace/sim-{systolic,jax-cfd}-<n>.xplane.pb (read with `python benchmarks/tpu_profile.py --summarize FILE`)."""
     import jax
     import jax.numpy as jnp
 
@@ -134,6 +136,13 @@ def compare(n: int, steps: int, viscosity: float = VISCOSITY, repeats: int = 3, 
         out, _ = compiled(start, None)
         jax.block_until_ready(out)
         systolic_s = min(systolic_s, time.perf_counter() - t)
+    if trace is not None:
+        from tpu_profile import traced  # sys.path[0]: benchmarks/
+
+        trace.mkdir(parents=True, exist_ok=True)
+        traced(f"sim-jax-cfd-{n}", lambda: peer(peer_start), trace)
+        again = jax.tree.map(lambda x: x.copy(), state)
+        traced(f"sim-systolic-{n}", lambda: compiled(again, None), trace)
     w_systolic = vorticity_of_systolic(np.asarray(out.params["w_hat"]))
     w_peer = np.fft.irfft2(np.asarray(peer_out, np.complex128), s=(n, n))
     return {"n": n, "steps": steps, "dt": sim.dt, "viscosity": viscosity, "jax_cfd_steps_per_s": steps / peer_s,
@@ -147,6 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per size (0: 40 at 256^2, fewer for larger grids)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each, alternating; the best counts")
     parser.add_argument("--json", metavar="PATH", help="append one JSON object per size to PATH")
+    parser.add_argument("--trace", metavar="DIR", type=Path, help="profile one more call of each side into DIR")
     args = parser.parse_args()
     import jax
     import jax_cfd
@@ -162,7 +172,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in args.sizes:
         steps = args.steps or max(3, 40 * 256**2 // n**2)
-        r = compare(n, steps, repeats=args.repeats)
+        r = compare(n, steps, repeats=args.repeats, trace=args.trace)
         print(f"| {n}^2 | {steps} | {r['jax_cfd_steps_per_s']:.2f} | {r['systolic_steps_per_s']:.2f} | "
               f"{r['ratio']:.2f}x | {r['energy_rel_diff']:.1e} | {r['enstrophy_rel_diff']:.1e} | "
               f"{r['max_rel_diff']:.1e} |", flush=True)
