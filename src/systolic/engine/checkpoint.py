@@ -82,6 +82,20 @@ class _ClosedLoopCallbacks:
 _ORBAX_FILTER = _OrbaxFailureLogs()
 
 
+# A state smaller than this is written before `save` returns, even with checkpoint.async_save: Orbax's background
+# write is mostly Python (its event loop, tensorstore's callbacks), and for a small state it takes the host's time
+# (and the GIL) from the loop's next steps for longer than writing it at once takes. Measured (2-core VM,
+# 2026-12-07): rl-cartpole shrunk to 1 seed x 1 environment x 8 steps, a checkpoint every 10 chunks, ran 1,731 env
+# steps/s with background writes and 6,199 written at once (9,375 without checkpoints), the same wall time. On the
+# chip, the recipe's CLI ran at 1.46M env steps/s where its compiled chunks ran 6.65M. Large states (an lm's
+# parameters and optimizer) still write in the background while training goes on.
+BACKGROUND_WRITE_BYTES = 64 * 2**20
+
+
+def state_bytes(state: Any) -> int:
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
+
+
 class Checkpointer:
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: a filter object is added only once
@@ -121,6 +135,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - any failure to write is reported the same way
             raise self._write_error(step, e) from None
         self._unsealed.append(step)
+        if state_bytes(state) < BACKGROUND_WRITE_BYTES:
+            self._seal()
 
     def wait(self) -> None:
         """Blocks until every write has finished and been sealed with its manifest."""
