@@ -1,5 +1,7 @@
 """The pencil-decomposed 3-D FFT against NumPy on one device, on 2-D meshes and on both slabs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +13,12 @@ from systolic.workloads.sim.pencil import make_pencil
 pytestmark = pytest.mark.usefixtures("x64")
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired"])  # pair_real_transforms: the TPU's z passes
 @pytest.mark.parametrize("layout", ["1 device", "2x2", "2x4", "data=8", "1x8"])
-def test_forward_and_inverse_match_numpy(layout, mesh_of):
+def test_forward_and_inverse_match_numpy(layout, paired, mesh_of):
     mesh = mesh_of(layout)
     n = 16
-    pencil = make_pencil(n, mesh)
+    pencil = dataclasses.replace(make_pencil(n, mesh), pair_real_transforms=paired)
     assert pencil.parts == mesh.size
     f = np.random.default_rng(0).normal(size=(2, n, n, n))  # a batch of fields, as the solver transforms 6 at once
     batched = lambda spec: jax.P(None, *spec)

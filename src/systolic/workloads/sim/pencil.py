@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import GRID_RULES, Rules, logical_to_spec
+from systolic.workloads.sim.slab import irfft_in_pairs, rfft_by_half_length
 
 # Logical names of the physical grid's axes (x, y, z); GRID_RULES maps the split ones to mesh axes. The spectral
 # layout puts the same mesh axes on (ky, kz).
@@ -44,6 +45,7 @@ class Pencil:
     col_axes: tuple[str, ...] = ()  # mesh axes that split y (physical) and kz (spectral)
     rows: int = 1  # P1: product of the row axes' sizes
     cols: int = 1  # P2
+    pair_real_transforms: bool = False  # the z passes as complex transforms of half the work (slab.py); TPUs
 
     def __post_init__(self):
         assert self.n % self.rows == 0 and self.n % (2 * self.cols) == 0, "checked by make_pencil"
@@ -63,9 +65,10 @@ class Pencil:
     def forward(self, f: jax.Array) -> jax.Array:
         """(..., n/P1, n/P2, n) real -> (..., n, n/P1, n/(2 P2)) complex, unnormalised (like numpy.fft)."""
         n = self.n
-        if self.parts == 1:
+        if self.parts == 1 and not self.pair_real_transforms:
             return jnp.fft.rfftn(f, axes=(-3, -2, -1))[..., : n // 2]  # (..., n, n, n/2)
-        g = jnp.fft.rfft(f, axis=-1)[..., : n // 2]  # (..., n/P1, n/P2, n/2): drop Nyquist so kz splits evenly
+        # (..., n/P1, n/P2, n/2): drop Nyquist so kz splits evenly
+        g = rfft_by_half_length(f) if self.pair_real_transforms else jnp.fft.rfft(f, axis=-1)[..., : n // 2]
         if self.cols > 1:  # within a mesh row: kz split in P2 chunks, y gathered whole
             g = lax.all_to_all(g, self.col_axes, split_axis=g.ndim - 1, concat_axis=g.ndim - 2, tiled=True)
         g = jnp.fft.fft(g, axis=-2)  # (..., n/P1, n, n/(2 P2)): y -> ky
@@ -76,7 +79,8 @@ class Pencil:
     def inverse(self, g: jax.Array) -> jax.Array:
         """(..., n, n/P1, n/(2 P2)) complex -> (..., n/P1, n/P2, n) real; the dropped Nyquist plane is taken as 0."""
         n = self.n
-        if self.parts == 1:
+        paired = self.pair_real_transforms and g.ndim >= 4 and g.shape[-4] % 2 == 0
+        if self.parts == 1 and not paired:
             return jnp.fft.irfftn(g, s=(n, n, n), axes=(-3, -2, -1))  # pads kz to n/2 + 1 with zeros
         f = jnp.fft.ifft(g, axis=-3)  # (..., n, n/P1, n/(2 P2)): kx -> x
         if self.rows > 1:
@@ -84,6 +88,8 @@ class Pencil:
         f = jnp.fft.ifft(f, axis=-2)  # (..., n/P1, n, n/(2 P2)): ky -> y
         if self.cols > 1:
             f = lax.all_to_all(f, self.col_axes, split_axis=f.ndim - 2, concat_axis=f.ndim - 1, tiled=True)
+        if paired:  # (..., fields, a, b, n/2) as (..., fields, a * b, n/2) rows
+            return irfft_in_pairs(f.reshape(*f.shape[:-3], -1, f.shape[-1])).reshape(*f.shape[:-1], n)
         return jnp.fft.irfft(f, n=n, axis=-1)  # (..., n/P1, n/P2, n)
 
     def wavenumber_indices(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,7 +141,7 @@ def make_pencil(n: int, mesh: Mesh, rules: Rules = GRID_RULES) -> Pencil:
     # A mesh axis of size 1 need not take part: keep the names only where they split something.
     row_axes = tuple(a for a in row_axes if mesh.shape[a] > 1)
     col_axes = tuple(a for a in col_axes if mesh.shape[a] > 1)
-    return Pencil(n, row_axes, col_axes, rows, cols)
+    return Pencil(n, row_axes, col_axes, rows, cols, pair_real_transforms=mesh.devices.flat[0].platform == "tpu")
 
 
 def _multiple(n: int, a: int, b: int) -> int:
