@@ -9,7 +9,9 @@
 - `two passes, pruned`: only the ky columns the 2/3 rule keeps (ky < n/3, rounded up to 128 lanes: 384 of 512 at
   n = 1,024) go through the kx pass, and the forward pass computes only those: the zeroed modes are never
   transformed. The fields' last axis is then that many columns, not n/2;
-- `matmul DFT, pruned`: the pruned transforms as products with the DFT's matrices, at HIGH and HIGHEST precision.
+- `matmul DFT, pruned`: the pruned transforms as products with the DFT's matrices, at HIGH and HIGHEST precision;
+- `paired`: the solver's Slab with `pair_real_transforms` (its TPU default since 2026-12-07): the y passes as complex
+  transforms of half the work (two real fields in one inverse; a real row as a complex half-length row forward).
 Each prints ms per stage and the largest error against NumPy's float64 transforms of the same fields, relative to
 the largest value. On the chip (2026-12-07) systolic's 1,024^2 step ran at 1.34x jax-cfd's; a step is 4 stages.
 """
@@ -69,10 +71,19 @@ def variants(n: int):
         pr, pi = dot(product, mats["cyt"]), dot(product, mats["syt"])  # (n x, m)
         return jax.lax.complex(dot(mats["fr"], pr) - dot(mats["fi"], pi), dot(mats["fr"], pi) + dot(mats["fi"], pr))
 
+    from systolic.workloads.sim.slab import Slab
+
+    slab = Slab(n, pair_real_transforms=True)
+
+    def paired(fields):
+        grid = slab.inverse(fields)  # (4, n, n)
+        return slab.forward(grid[0] * grid[2] + grid[1] * grid[3])  # (n, n/2)
+
     return m, {"rfft2": jax.jit(rfft2), "two passes": jax.jit(two_passes),
                "two passes, pruned": jax.jit(lambda f: two_passes(f, m)),
                "matmul DFT, pruned, HIGH": jax.jit(lambda f: matmul_dft(f, jax.lax.Precision.HIGH)),
-               "matmul DFT, pruned, HIGHEST": jax.jit(lambda f: matmul_dft(f, jax.lax.Precision.HIGHEST))}
+               "matmul DFT, pruned, HIGHEST": jax.jit(lambda f: matmul_dft(f, jax.lax.Precision.HIGHEST)),
+               "paired": jax.jit(paired)}
 
 
 def reference(fields: np.ndarray, n: int) -> np.ndarray:
