@@ -7,9 +7,11 @@ The data: 8 seeds, each n examples of PPO's CartPole batch (observation 4 floats
 value, advantage, return: 9 columns of 32 bits); n = 512 (the rl-cartpole recipe, 4 environments x 128 steps)
 and 262,144 (2,048 environments x 128). Each variant applies one fresh random order per seed:
 - `per leaf`: a vmapped gather of each of the six leaves (systolic before 2026-12-07, and PureJaxRL's ppo.py);
-- `packed`: systolic's `take_examples`, the leaves' bits side by side, one gather of 9-column rows;
+- `packed`: `take_examples` (systolic's shuffle between session 18's change and the sort), the leaves' bits side
+  by side, one gather of 9-column rows (still its path for examples wider than 32 words);
 - `packed, flat`: the same rows with the seeds folded into the row index (one gather without batch dimensions);
-- `sort`: no gather, `lax.sort` of random keys carrying the nine columns along (a random order by construction).
+- `sort`: no gather, `lax.sort` of random keys carrying the nine columns along (a random order by construction;
+  systolic's `shuffle_examples` since the chip measured it 4x faster than `packed` at 262,144, 2026-12-07).
 The orders themselves (`jax.random.permutation`, a sort) are drawn outside the timed gathers, once, and timed apart
 as `permutation`. On the chip (2026-12-07) the per-leaf gathers took 63% of a 2,048-environment PPO update.
 """
