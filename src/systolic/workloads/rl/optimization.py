@@ -55,7 +55,9 @@ def shuffled_epochs(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, dat
 # On the TPU a sort moving a few 32-bit columns beats a gather of rows: at 8 x 262,144 PPO examples of 9 columns, one
 # sort carrying them took 12.5 ms, a permutation and one gather of the packed rows 6.4 + 47.6 ms (the gather's cost is
 # per row, ~23 ns; a sort's grows with its operands; benchmarks/gather_variants.py on a v5e, 2026-12-07). Wider
-# examples (image observations, a recurrent policy's whole environments) are gathered as rows.
+# examples (image observations, a recurrent policy's whole environments) are gathered as rows. The bound is an
+# estimate from that one width (the 11-operand sort at ~1.1 ms an operand reaches the gather's 48 ms near 40
+# operands), not measured at others.
 SORT_CARRY_COLUMNS = 32
 
 
