@@ -73,41 +73,41 @@ def shuffle_examples(data: Any, leaf_axes: Any, key: jax.Array) -> Any:
     """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in a random order drawn from `key`,
     exact for any dtype (bits move, not values). Examples of up to SORT_CARRY_COLUMNS 32-bit words travel inside the
     sort that makes the order, `random_order(key, n)`, a column per operand; wider ones, few (a recurrent policy's
-    environments), in one gather of whole rows (`take_examples`) in `jax.random.permutation(key, n)`'s order."""
-    leaves, treedef = jax.tree.flatten(data)
-    axes = jax.tree.leaves(leaf_axes)
-    rows = [jnp.moveaxis(x, axis, 0) for axis, x in zip(axes, leaves, strict=True)]  # each (n, ...)
-    n = rows[0].shape[0]
-    columns = [_bits(x) for x in rows]  # (n, c_i) uint32
-    if sum(c.shape[1] for c in columns) > SORT_CARRY_COLUMNS:
-        return take_examples(data, leaf_axes, jax.random.permutation(key, n))
+    environments), in one gather of whole rows (as `take_examples`) in `jax.random.permutation(key, n)`'s order."""
+    columns, unpack = _as_columns(data, leaf_axes)  # (n, C) uint32
+    n, width = columns.shape
+    if width > SORT_CARRY_COLUMNS:
+        return unpack(columns[jax.random.permutation(key, n)])
     high, low = jax.random.bits(key, (2, n), jnp.uint32)
-    flat = [c[:, j] for c in columns for j in range(c.shape[1])]  # each (n,)
-    moved = jax.lax.sort((high, low, *flat), num_keys=2)[2:]
-    out, start = [], 0
-    for x, c in zip(rows, columns, strict=True):
-        width = c.shape[1]
-        out.append(_from_bits(jnp.stack(moved[start:start + width], axis=1), x.shape, x.dtype))
-        start += width
-    return jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, axis) for axis, x in zip(axes, out, strict=True)])
+    moved = jax.lax.sort((high, low, *(columns[:, j] for j in range(width))), num_keys=2)[2:]  # C of (n,)
+    return unpack(jnp.stack(moved, axis=1))
 
 
 def take_examples(data: Any, leaf_axes: Any, order: jax.Array) -> Any:
     """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in `order`, (n,) int. The leaves are
-    gathered together: their bits side by side in one (n, columns) uint32 array (a column per 32 bits of an example,
-    whatever its dtypes), one gather of whole rows, split again (exact). On the TPU a gather's cost is per row, not
-    per byte: PPO's six leaves gathered apart took 63% of a 2,048-environment update there (benchmarks/rl_profile.py,
-    2026-12-07)."""
+    gathered together: their bits side by side in one (n, columns) uint32 array, one gather of whole rows, split
+    again (exact). On the TPU a gather's cost is per row, not per byte: PPO's six leaves gathered apart took 63% of
+    a 2,048-environment update there (benchmarks/rl_profile.py, 2026-12-07)."""
+    columns, unpack = _as_columns(data, leaf_axes)
+    return unpack(columns[order])
+
+
+def _as_columns(data: Any, leaf_axes: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """`data`'s examples as rows of bits: (n, C) uint32, a column per 32 bits of an example whatever its leaves'
+    dtypes, and the function that splits such an (n, C) array back into `data`'s leaves, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(data)
     axes = jax.tree.leaves(leaf_axes)
     rows = [jnp.moveaxis(x, axis, 0) for axis, x in zip(axes, leaves, strict=True)]  # each (n, ...)
     columns = [_bits(x) for x in rows]  # (n, c_i) uint32
-    taken = jnp.concatenate(columns, axis=1)[order]  # (n, sum c_i)
-    out, start = [], 0
-    for x, c in zip(rows, columns, strict=True):
-        out.append(_from_bits(taken[:, start:start + c.shape[1]], x.shape, x.dtype))
-        start += c.shape[1]
-    return jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, axis) for axis, x in zip(axes, out, strict=True)])
+
+    def unpack(packed: jax.Array) -> Any:
+        out, start = [], 0
+        for x, c in zip(rows, columns, strict=True):
+            out.append(_from_bits(packed[:, start:start + c.shape[1]], x.shape, x.dtype))
+            start += c.shape[1]
+        return jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, axis) for axis, x in zip(axes, out, strict=True)])
+
+    return jnp.concatenate(columns, axis=1), unpack
 
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
