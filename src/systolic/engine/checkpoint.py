@@ -92,7 +92,7 @@ _ORBAX_FILTER = _OrbaxFailureLogs()
 BACKGROUND_WRITE_BYTES = 64 * 2**20
 
 
-def state_bytes(state: Any) -> int:
+def _state_bytes(state: Any) -> int:
     return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
 
 
@@ -135,7 +135,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - any failure to write is reported the same way
             raise self._write_error(step, e) from None
         self._unsealed.append(step)
-        if state_bytes(state) < BACKGROUND_WRITE_BYTES:
+        if _state_bytes(state) < BACKGROUND_WRITE_BYTES:
             self._seal()
 
     def wait(self) -> None:

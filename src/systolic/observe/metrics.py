@@ -29,7 +29,10 @@ class MetricsWriter:
                     f"({e}). Fix: pip install tensorboardX (a systolic dependency), or observe.tensorboard=false "
                     "(metrics.jsonl is written either way)."
                 ) from None
+            from tensorboardX.proto.summary_pb2 import Summary
+
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._summary = Summary  # a row's scalars in one event (write)
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
@@ -38,16 +41,14 @@ class MetricsWriter:
         record = {"step": int(step), "split": split, **{k: _plain(v) for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            from tensorboardX.proto.summary_pb2 import Summary
-
             # One event holding the row's scalars, not an add_scalar each: every event is a put on tensorboardX's
             # multiprocessing queue, ~0.6 ms under its writer's lock, so rl's rows of ~40 per-seed scalars took ~9 ms
             # each, the loop's time between chunks (rl-cartpole's CLI at 0.85x PureJaxRL on the chip, 2026-12-07,
             # its compiled chunks at 3.5x). TensorBoard reads the values of one event as separate scalars.
-            scalars = [Summary.Value(tag=f"{split}/{key}", simple_value=float(value)) for key, value in record.items()
+            scalars = [self._summary.Value(tag=f"{split}/{key}", simple_value=float(value)) for key, value in record.items()
                        if key not in ("step", "split") and isinstance(value, (int, float)) and math.isfinite(value)]
             if scalars:
-                self._tb._get_file_writer().add_summary(Summary(value=scalars), int(step))
+                self._tb._get_file_writer().add_summary(self._summary(value=scalars), int(step))
 
     def flush(self) -> None:
         if self.enabled:

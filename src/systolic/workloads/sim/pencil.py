@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from systolic.errors import ConfigError
 from systolic.runtime.sharding import GRID_RULES, Rules, logical_to_spec
-from systolic.workloads.sim.slab import irfft_in_pairs, rfft_by_half_length
+from systolic.workloads.sim.slab import irfft_in_pairs, pairs_real_transforms, rfft_by_half_length
 
 # Logical names of the physical grid's axes (x, y, z); GRID_RULES maps the split ones to mesh axes. The spectral
 # layout puts the same mesh axes on (ky, kz).
@@ -141,7 +141,7 @@ def make_pencil(n: int, mesh: Mesh, rules: Rules = GRID_RULES) -> Pencil:
     # A mesh axis of size 1 need not take part: keep the names only where they split something.
     row_axes = tuple(a for a in row_axes if mesh.shape[a] > 1)
     col_axes = tuple(a for a in col_axes if mesh.shape[a] > 1)
-    return Pencil(n, row_axes, col_axes, rows, cols, pair_real_transforms=mesh.devices.flat[0].platform == "tpu")
+    return Pencil(n, row_axes, col_axes, rows, cols, pair_real_transforms=pairs_real_transforms(mesh))
 
 
 def _multiple(n: int, a: int, b: int) -> int:

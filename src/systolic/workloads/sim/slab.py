@@ -19,7 +19,8 @@ the inverse's y pass takes two real fields as the real and imaginary parts of on
 symmetry gives each field's negative wavenumbers), and the forward's y pass takes a real row of n as a complex row
 of n/2 (even samples real, odd imaginary) with one twiddle step, the textbook real-FFT identities. A 2-D solver
 stage (four fields back, one forward) drops from 6.57 to ~4.4 GFLOP at 1024^2; the results agree with the plain
-transforms to round-off. On XLA:CPU (pocketfft, whose real transforms are real) the same code is 1.7x slower, so
+transforms to round-off (`python benchmarks/fft_cost.py` prints the counts). On XLA:CPU (pocketfft, whose real
+transforms are real) a paired stage is 1.8x slower (benchmarks/fft_variants.py, 1024^2: 59.6 against 32.5 ms), so
 it stays off there.
 """
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,12 @@ class Slab:
 
     def pmax(self, x: jax.Array) -> jax.Array:
         return lax.pmax(x, self.axes) if self.axes else x
+
+
+def pairs_real_transforms(mesh: Mesh) -> bool:
+    """Whether the solvers on `mesh` pair their real transforms (`pair_real_transforms`): on TPUs, where XLA's real
+    FFTs cost full complex ones; not on CPUs (pocketfft's are real: pairing is 1.8x slower there)."""
+    return mesh.devices.flat[0].platform == "tpu"
 
 
 def irfft_in_pairs(g: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from systolic.workloads.sim import navier_stokes as ns_lib
 from systolic.workloads.sim.config import SimConfig
 from systolic.workloads.sim.simulation import (Simulation, check_grid_fits, fixed_steps, jit_frame_step, new_state,
                                                real_dtype, state_shardings)
-from systolic.workloads.sim.slab import Slab
+from systolic.workloads.sim.slab import Slab, pairs_real_transforms
 from systolic.workloads.sim.solver_3d import make_turbulence
 
 def make_simulation(cfg: SimConfig, mesh: Mesh) -> Simulation:
@@ -47,7 +47,7 @@ def make_slab(cfg: SimConfig, mesh: Mesh) -> Slab:
             f"Fix: grid.n={good} (any multiple of {2 * parts})."
         )
     # every mesh axis, flattened: one slab per device; on TPUs the y passes paired (slab.py: a third fewer FLOPs)
-    return Slab(n, mesh_lib.AXES, parts, pair_real_transforms=mesh.devices.flat[0].platform == "tpu")
+    return Slab(n, mesh_lib.AXES, parts, pair_real_transforms=pairs_real_transforms(mesh))
 
 
 def make_forcing(cfg: SimConfig, spec: ns_lib.Spectrum) -> ns_lib.Forcing | None:
