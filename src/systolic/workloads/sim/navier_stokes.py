@@ -98,7 +98,7 @@ def integrate_fixed(w_hat: jax.Array, t: jax.Array, dt: jax.Array, steps: int, *
                     viscosity: jax.Array | float, drag: jax.Array | float = 0.0,
                     forcing: Forcing | None = None, remat: bool = False) -> tuple[jax.Array, jax.Array]:
     """`steps` IFRK4 steps of size dt as one `lax.scan`; reverse-mode differentiable (time_stepping.py)."""
-    decay_half = jnp.exp(linear_rate(spec, viscosity, drag) * (0.5 * dt))
+    decay_half = time_stepping.exp(linear_rate(spec, viscosity, drag) * (0.5 * dt))
     return time_stepping.integrate_fixed(w_hat, t, dt, steps, rhs=make_rhs(spec, slab, forcing), decay_half=decay_half,
                                          remat=remat)
 
@@ -160,7 +160,7 @@ def random_vorticity_hat(noise_hat: jax.Array, spec: Spectrum, slab: Slab, peak_
     |w_hat|^2 / k^2 of energy, so E(k) ~ S(k)^2 / k for white noise times S(k): S = k^2.5 exp(-(k/k0)^2)."""
     c = noise_hat.dtype
     k = jnp.sqrt(spec.kx_index.astype(spec.k2.dtype) ** 2 + spec.ky_index.astype(spec.k2.dtype) ** 2)
-    shaped = noise_hat * ((k / peak_mode) ** 2.5).astype(c) * jnp.exp(-((k / peak_mode) ** 2)).astype(c)
+    shaped = noise_hat * ((k / peak_mode) ** 2.5).astype(c) * time_stepping.exp(-((k / peak_mode) ** 2)).astype(c)
     shaped = jnp.where(k > 0, shaped * spec.dealias.astype(c), 0)
     e, _ = energy_enstrophy(shaped, spec, slab)
     return shaped * jnp.sqrt(energy / e).astype(c)

@@ -102,7 +102,7 @@ def integrate_fixed(u_hat: jax.Array, t: jax.Array, dt: jax.Array, steps: int, *
                     viscosity: jax.Array | float, remat: bool = False) -> tuple[jax.Array, jax.Array]:
     """`steps` IFRK4 steps of size dt as one `lax.scan`; reverse-mode differentiable (each step a
     `jax.checkpoint` with `remat`)."""
-    decay_half = jnp.exp(-viscosity * spec.k2 * (0.5 * dt))
+    decay_half = time_stepping.exp(-viscosity * spec.k2 * (0.5 * dt))
     return time_stepping.integrate_fixed(u_hat, t, dt, steps, rhs=make_rhs(spec, pencil), decay_half=decay_half,
                                          remat=remat)
 
