@@ -99,7 +99,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for line in exp_rows(chip) + exp_rows(host)[:1] + fft_rows(chip, 64) + fft_rows(chip, 1024) + fft_rows(host, 64):
         print(line)
-    print("\n| 64^2 run: exp in the factors, transforms | energy at t=0.5 (this / CPU) - 1 | enstrophy | max over frames |")
+    print("\n| 64^2 run: exp in the factors, transforms | energy at t=0.5 (this / CPU) - 1 | enstrophy "
+          "| max over frames |")
     print("|---|---|---|---|")
     ours = time_stepping.exp
     on_host = turbulence_energy(host, ours)

@@ -45,7 +45,8 @@ class MetricsWriter:
             # multiprocessing queue, ~0.6 ms under its writer's lock, so rl's rows of ~40 per-seed scalars took ~9 ms
             # each, the loop's time between chunks (rl-cartpole's CLI at 0.85x PureJaxRL on the chip, 2026-12-07,
             # its compiled chunks at 3.5x). TensorBoard reads the values of one event as separate scalars.
-            scalars = [self._summary.Value(tag=f"{split}/{key}", simple_value=float(value)) for key, value in record.items()
+            scalars = [self._summary.Value(tag=f"{split}/{key}", simple_value=float(value))
+                       for key, value in record.items()
                        if key not in ("step", "split") and isinstance(value, (int, float)) and math.isfinite(value)]
             if scalars:
                 self._tb._get_file_writer().add_summary(self._summary(value=scalars), int(step))

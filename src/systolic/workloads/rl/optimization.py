@@ -65,8 +65,13 @@ def random_order(key: jax.Array, n: int) -> jax.Array:
     """A uniformly random permutation of range(n), (n,) int32: iota sorted by 64 random bits a position (two uint32
     keys, so ties, which a stable sort would leave in order, have probability ~n^2 / 2^65). `shuffle_examples(..., key)`
     puts narrow examples in exactly this order."""
-    high, low = jax.random.bits(key, (2, n), jnp.uint32)
-    return jax.lax.sort((high, low, jnp.arange(n, dtype=jnp.int32)), num_keys=2)[2]
+    return _sorted_by_random_keys(key, [jnp.arange(n, dtype=jnp.int32)])[0]
+
+
+def _sorted_by_random_keys(key: jax.Array, columns: list[jax.Array]) -> list[jax.Array]:
+    """The (n,) `columns` moved together into the order of 64 random bits a position drawn from `key`."""
+    high, low = jax.random.bits(key, (2, columns[0].shape[0]), jnp.uint32)
+    return list(jax.lax.sort((high, low, *columns), num_keys=2)[2:])
 
 
 def shuffle_examples(data: Any, leaf_axes: Any, key: jax.Array) -> Any:
@@ -78,8 +83,7 @@ def shuffle_examples(data: Any, leaf_axes: Any, key: jax.Array) -> Any:
     n, width = columns.shape
     if width > SORT_CARRY_COLUMNS:
         return unpack(columns[jax.random.permutation(key, n)])
-    high, low = jax.random.bits(key, (2, n), jnp.uint32)
-    moved = jax.lax.sort((high, low, *(columns[:, j] for j in range(width))), num_keys=2)[2:]  # C of (n,)
+    moved = _sorted_by_random_keys(key, [columns[:, j] for j in range(width)])  # C of (n,)
     return unpack(jnp.stack(moved, axis=1))
 
 

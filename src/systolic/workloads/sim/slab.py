@@ -64,10 +64,10 @@ class Slab:
             return jnp.fft.rfft2(f)[..., : n // 2]  # (..., n, n/2)
         # (..., n/P, n/2): drop Nyquist so ky splits evenly
         g = rfft_by_half_length(f) if self.pair_real_transforms else jnp.fft.rfft(f, axis=-1)[..., : n // 2]
-        if self.parts == 1:
-            return jnp.fft.fft(g, axis=-2)
-        # Transpose: split ky into P chunks, send chunk j to device j, stack the received row slabs in order.
-        g = lax.all_to_all(g, self.axes, split_axis=g.ndim - 1, concat_axis=g.ndim - 2, tiled=True)  # (..., n, n/(2P))
+        if self.parts > 1:
+            # Transpose: split ky into P chunks, send chunk j to device j, stack the received row slabs in order.
+            # (..., n, n/(2P))
+            g = lax.all_to_all(g, self.axes, split_axis=g.ndim - 1, concat_axis=g.ndim - 2, tiled=True)
         return jnp.fft.fft(g, axis=-2)
 
     def inverse(self, g: jax.Array) -> jax.Array:
@@ -78,7 +78,8 @@ class Slab:
             return jnp.fft.irfft2(g, s=(n, n))  # pads the ky axis to n/2 + 1 with zeros
         f = jnp.fft.ifft(g, axis=-2)  # (..., n, n/(2P))
         if self.parts > 1:
-            f = lax.all_to_all(f, self.axes, split_axis=f.ndim - 2, concat_axis=f.ndim - 1, tiled=True)  # (..., n/P, n/2)
+            # (..., n/P, n/2)
+            f = lax.all_to_all(f, self.axes, split_axis=f.ndim - 2, concat_axis=f.ndim - 1, tiled=True)
         return irfft_in_pairs(f) if paired else jnp.fft.irfft(f, n=n, axis=-1)
 
     def wavenumber_indices(self) -> tuple[jax.Array, jax.Array]:
