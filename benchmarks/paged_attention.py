@@ -36,11 +36,12 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help="shape:sequences:positions[:chunk], comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per row (default 5)")
     p.add_argument("--reps", type=int, default=10, help="steps timed per round and side (default 10)")
+    p.add_argument("--page-size", type=int, default=PAGE, help=f"tokens a page (default {PAGE}, the engine's)")
     return p.parse_args(argv)
 
 
-def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0):
-    """The pool (L, pages, 16, KV * 2hd) with `positions` cached per sequence (the last `chunk` of them this
+def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0, page: int = PAGE):
+    """The pool (L, pages, page, KV * 2hd) with `positions` cached per sequence (the last `chunk` of them this
     step's), the step's batch and queries, and the two sides as jitted functions of (q, pool)."""
     import jax
     import jax.numpy as jnp
@@ -49,7 +50,7 @@ def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0):
     from systolic.workloads.lm.serve import paged_attention as pa
 
     L, H, KV, hd, window = SHAPES[shape]
-    per_seq = -(-positions // PAGE)
+    per_seq = -(-positions // page)
     pages = seqs * per_seq + 1  # page 0: the null page
     rng = np.random.default_rng(seed)
     order = rng.permutation(np.arange(1, pages)).reshape(seqs, per_seq).astype(np.int32)
@@ -58,16 +59,16 @@ def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0):
     rows = np.repeat(np.arange(seqs), chunk).astype(np.int32)
     batch = pa.RaggedBatch(
         positions=jnp.asarray(pos), rows=jnp.asarray(rows),
-        slots=jnp.asarray(order[rows, pos // PAGE] * PAGE + pos % PAGE), num_tokens=jnp.asarray(T, jnp.int32),
+        slots=jnp.asarray(order[rows, pos // page] * page + pos % page), num_tokens=jnp.asarray(T, jnp.int32),
         page_table=jnp.asarray(order), kv_lens=jnp.full((seqs,), positions, jnp.int32),
         cu_q_lens=jnp.asarray(np.arange(seqs + 1) * chunk, jnp.int32), num_seqs=jnp.asarray([seqs], jnp.int32),
         last=jnp.asarray(np.arange(seqs) * chunk + chunk - 1, jnp.int32),
         seq_lens=jnp.full((seqs,), positions, jnp.int32))
     key = jax.random.key(seed)
-    pool = jax.random.normal(key, (L, pages, PAGE, KV * 2 * hd), jnp.bfloat16)
+    pool = jax.random.normal(key, (L, pages, page, KV * 2 * hd), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (L, T, H, hd), jnp.bfloat16)
     # This step's keys and values: what the pool holds at their slots (write_kv put them there).
-    step_rows = pool[:, order[rows, pos // PAGE], pos % PAGE].reshape(L, T, KV, 2, hd)
+    step_rows = pool[:, order[rows, pos // page], pos % page].reshape(L, T, KV, 2, hd)
     k, v = step_rows[..., 0, :], step_rows[..., 1, :]
 
     def side(kernel: bool):
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
     lines = [header, "|---|---:|---:|---:|---:|---:|"]
     for row in args.rows.split(","):
         shape, seqs, positions, *chunk = row.split(":")
-        operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), int(chunk[0]) if chunk else 1)
+        operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), int(chunk[0]) if chunk else 1,
+                                                  page=args.page_size)
         outs = [jax.block_until_ready(f(*operands)) for f in (plain, kernel)]  # compile both
         diff = float(np.max(np.abs(np.asarray(outs[0], np.float32) - np.asarray(outs[1], np.float32))))
         times: dict[str, list[float]] = {"plain": [], "kernel": []}

@@ -57,7 +57,8 @@ def _args(argv=None) -> argparse.Namespace:
                    "80%% of the device's free memory after the weights), cut to 4x what the levels hold and never "
                    "less")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-tokens-per-step", type=int, default=256)
+    p.add_argument("--max-tokens-per-step", type=int, help="as `systolic serve --max-tokens-per-step` (default: 256, "
+                   "or 4 x --max-seqs when that is more)")
     p.add_argument("--json", help="also write one JSON line per level to this file")
     p.add_argument("--profile", metavar="DIR", help="after the levels, trace each of --profile-levels once more "
                    "with jax.profiler into DIR/serve-N.xplane.pb (read it with benchmarks/tpu_profile.py --summarize)")
@@ -76,7 +77,7 @@ def build_engine(args):
     from systolic.data.tokenizer import ByteTokenizer
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
-    from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages
+    from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages, tokens_per_step
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
     cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \
@@ -92,6 +93,7 @@ def build_engine(args):
     pages, _ = pool_pages(model, args.page_size, kv_memory_gib=args.kv_memory_gib, max_seqs=args.max_seqs,
                           device=jax.devices()[0], split=1, kv_cache=args.kv_cache)
     pages = max(min(pages, 4 * need), need)
+    args.max_tokens_per_step = args.max_tokens_per_step or tokens_per_step(args.max_seqs)  # the JSON records it
     engine = InferenceEngine(model, params, ByteTokenizer(), kv_pages=pages, page_size=args.page_size,
                              max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
                              kv_cache=args.kv_cache)
@@ -266,7 +268,8 @@ def main(argv=None) -> int:
         with open(args.json, "a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype,
-                                    "quantize": args.quantize, "kv_cache": args.kv_cache, **row}) + "\n")
+                                    "quantize": args.quantize, "kv_cache": args.kv_cache,
+                                    "max_tokens_per_step": args.max_tokens_per_step, **row}) + "\n")
     return 0
 
 

@@ -10,8 +10,9 @@
 #   serve-int8  benchmarks/serve_engine.py, quantized weights drawn quantized: a Llama-3-8B shape with int8 weights
 #          and an int8 KV cache at 1/64/256 (bf16 weights do not fit one chip), llama-1b with --quantize w8a8 and in
 #          bfloat16 at 64/256
-#   serve-steps  benchmarks/serve_engine.py with more tokens a step (--max-tokens-per-step): llama-1b at 256 in flight
-#          with 1,024 and 2,048, gemma3-1b at 64 with 512
+#   serve-steps  benchmarks/serve_engine.py with more tokens a step (--max-tokens-per-step): llama-1b in bfloat16 with
+#          1,024 (1/64/256 in flight) and 256 (64/256), w8a8 with 1,024 (64/256), gemma3-1b with 512 (1/64), then the
+#          Llama-3-8B shape with int8 weights (1/64)
 #   rl     benchmarks/rl_vs_purejaxrl.py, one alternated pair each: PPO on CartPole with 2,048 environments x 8 seeds,
 #          then the rl-cartpole recipe (8 x 4), then the recipe with rl.unroll=8 (a quarter of its steps), systolic
 #          against PureJaxRL's ppo.py: env steps/s, final return

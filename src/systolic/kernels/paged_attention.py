@@ -19,11 +19,16 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   (a float32 tile). With head_dim a multiple of 128 the head's k and v are whole lane tiles of the row: one matmul
   for the scores, one for the values. With head_dim 64 each query is [q | 0] as wide as the head's 128-lane [k | v]
   tile, so the scores are one matmul against the whole tile (the zeros meet the values) and the value product one
-  that yields [p.k | p.v]: each key and value passes the MXU twice. Measured on the v5e (benchmarks/
-  paged_attention.py): 242 GB/s of keys and values at 256 sequences x 256 positions, 3.6x the plain path. Pairing
-  two heads' tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong
-  outputs on the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms for llama-1b's 16 layers at
-  256 x 256): not kept.
+  that yields [p.k | p.v]: each key and value passes the MXU twice. And a decode's few query rows per head keep
+  the MXU waiting on its weight loads, so heads of 64 go FUSED_HEADS at a time: their queries block-diagonal,
+  (8 Gp, 8 x 128), against the 8 heads' [k | v] tiles side by side in one matmul for the scores, one for the
+  values, each head's rows then taking their own 128 lanes. Measured on the v5e (benchmarks/paged_attention_ab.py,
+  llama-1b's 16 layers at 256 sequences x 256 positions, 2026-12-07): 4.81 ms against 8.70 ms one head at a time
+  (446 against 247 GB/s of keys and values); head widths of 128 and more read at 300-380 GB/s. Pairing two heads'
+  tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong outputs on
+  the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms): not kept.
+- The online softmax's running max, sum and output are the block loop's carry; 8, 32 or 128 tokens a grid step,
+  and the state in VMEM scratch instead, measured the same.
 - Positions are masked by [lo, hi): causal (hi = the token's position + 1), a sliding window (lo), and pages past a
   sequence's end are read from the null page, never out of bounds.
 - Logits soft-capped (Gemma 2) before the mask; attention sinks (GPT-OSS) join the denominator at the end.
@@ -42,7 +47,10 @@ from jax.experimental.pallas import tpu as pltpu
 # Keys per DMA'd block (as the plain path's block on an accelerator) and tokens per grid step: first choices, not
 # yet tuned on the chip.
 BLOCK_KEYS = 256
-TOKENS_PER_BLOCK = 32
+TOKENS_PER_BLOCK = 32  # 8 and 128 measured the same on the v5e (llama-1b, 256 sequences x 256 positions)
+# Heads of 64 whose [k | v] tiles meet the MXU in one matmul (the block-diagonal queries): 8 measured 1.8x faster than
+# one head at a time on the v5e; the matmuls' wasted zeros grow with the group's square, so larger groups are split.
+FUSED_HEADS = 8
 LANES = 128
 SUBLANES = 8
 NAME = "systolic_paged_attention"  # the pallas_call's, in the compiled HLO (the serving plan looks for it)
@@ -108,9 +116,6 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
                 pltpu.VMEM((2, block_pages * page_size, width), pool.dtype),  # the double buffer of pages
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((1,), jnp.int32),  # which buffer holds the block being computed
-                pltpu.VMEM((KV * Gp, LANES), jnp.float32),  # m: running max, lane-replicated
-                pltpu.VMEM((KV * Gp, LANES), jnp.float32),  # l: running sum
-                pltpu.VMEM((KV * Gp, Lq), jnp.float32),  # acc
             ]),
         # The grid runs in order: a step prefetches the next one's first pages.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
@@ -125,7 +130,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
             out_ref,  # (TQ, KV * Gp, Lq)
-            buf, sems, slot_ref, m_ref, l_ref, acc_ref,  # scratch
+            buf, sems, slot_ref,  # scratch
             *, split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
             null_page: int):
     TQ, _, Lq = q_ref.shape
@@ -134,6 +139,7 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     block_pages = B // page_size
     pages_per_seq = tables_ref.shape[1]
     layer, n_real = meta_ref[0], meta_ref[1]
+    KV_rows = kv_heads * rows
     base = pl.program_id(0) * TQ
     # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
     # float32 contract precision for them); float32 ones follow it.
@@ -172,14 +178,19 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
 
         @pl.when(t < n_real)
         def _():
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
             # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
             q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
             lo, hi = lo_ref[t], hi_ref[t]
+            # What meets the MXU as the queries: per head (split), or per group of FUSED_HEADS heads of 64 the
+            # block-diagonal (F * Gp, F * 128) of their [q | 0] rows, built once a token.
+            groups = ([(h, 1, q[h * rows:(h + 1) * rows].astype(buf.dtype)) for h in range(kv_heads)] if split else
+                      [(g, min(FUSED_HEADS, kv_heads - g), None) for g in range(0, kv_heads, FUSED_HEADS)])
+            if not split:
+                groups = [(g, f, _block_diagonal(q[g * rows:(g + f) * rows], f, rows).astype(buf.dtype))
+                          for g, f, _ in groups]
 
-            def block(b, carry):
+            def block(b, state):
+                # The online softmax's state is the loop's carry (KV * Gp, 128) x 2 and (KV * Gp, Lq), float32.
                 slot = slot_ref[0]
                 last = b + 1 >= end(t)
 
@@ -196,32 +207,24 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
                 keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
                 visible = (keys >= lo) & (keys < hi)  # (1, B)
                 pages = buf.at[slot]
-                for h in range(kv_heads):
-                    heads = slice(h * rows, (h + 1) * rows)
-                    kt, vt = _tiles(pages, h, split, head_dim)  # (B, Lq) each
-                    s = lax.dot_general(q[heads].astype(kt.dtype), kt, (((1,), (1,)), ((), ())),
-                                        precision=precision, preferred_element_type=jnp.float32)  # (rows, B)
-                    if softcap:
-                        s = softcap * jnp.tanh(s / softcap)
-                    s = jnp.where(visible, s, -jnp.inf)
-                    m_cur = jnp.max(s, axis=1, keepdims=True)  # (rows, 1); -inf: no key of this block
-                    seen = m_cur > -jnp.inf
-                    p = jnp.exp(s - jnp.where(seen, m_cur, 0.0))  # (rows, B); hidden keys exactly 0
-                    pv = jnp.dot(p.astype(vt.dtype), vt, precision=precision,
-                                 preferred_element_type=jnp.float32)  # (rows, Lq)
-                    m_prev = m_ref[heads]  # (rows, 128)
-                    m_next = jnp.maximum(m_prev, m_cur)
-                    safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
-                    alpha = jnp.exp(m_prev - safe)  # (rows, 128): 0 while nothing was seen
-                    beta = jnp.where(seen, jnp.exp(m_cur - safe), 0.0)  # (rows, 128)
-                    m_ref[heads] = m_next
-                    l_ref[heads] = alpha * l_ref[heads] + beta * jnp.sum(p, axis=1, keepdims=True)
-                    acc_ref[heads] = _lanes(alpha, Lq) * acc_ref[heads] + _lanes(beta, Lq) * pv
+                parts = []
+                for g, f, qg in groups:
+                    span = slice(g * rows, (g + f) * rows)
+                    if split:
+                        kt, vt = pages[:, 2 * g * head_dim:(2 * g + 1) * head_dim], \
+                            pages[:, (2 * g + 1) * head_dim:(2 * g + 2) * head_dim]  # (B, hd) each
+                        pick = None
+                    else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
+                        kt = vt = pages[:, g * Lq:(g + f) * Lq]
+                        pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
+                    parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
+                                              precision=precision, pick=pick))
                 slot_ref[0] = 1 - slot
-                return carry
+                return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
 
-            lax.fori_loop(first(t), end(t), block, 0)
-            m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
+            init = (jnp.full((KV_rows, LANES), -jnp.inf, jnp.float32), jnp.zeros((KV_rows, LANES), jnp.float32),
+                    jnp.zeros((KV_rows, Lq), jnp.float32))
+            m, l, acc = lax.fori_loop(first(t), end(t), block, init)
             if has_sinks:  # one more key per head, logit sinks[h], value zero
                 sink = sinks_ref[...]
                 m_fin = jnp.maximum(m, sink)
@@ -238,13 +241,44 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     lax.fori_loop(0, TQ, token, 0)
 
 
-def _tiles(pages, h: int, split: bool, hd: int) -> tuple[jax.Array, jax.Array]:
-    """Head h's keys and values from the block of pool rows in VMEM (B, row), as the MXU takes them: k and v
-    (split), or the [k | v] tile for both (against [q | 0], and p times it gives [p.k | p.v])."""
-    if split:
-        return pages[:, 2 * h * hd:(2 * h + 1) * hd], pages[:, (2 * h + 1) * hd:(2 * h + 2) * hd]
-    kv = pages[:, 2 * h * hd:2 * (h + 1) * hd]
-    return kv, kv
+def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick):
+    """One block of keys into the online softmax of R query rows: q (R, K) against kt (B, K) -> scores (R, B), soft-
+    capped and masked by `visible` (1, B); then p (R, B) times vt (B, W), reduced by `pick` to the rows' own (R, Lq)
+    (the fused heads' diagonal blocks; None: all of it). state: m, l (R, 128) lane-replicated, acc (R, Lq) ->
+    the same, updated."""
+    m_prev, l_prev, acc_prev = state
+    s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)  # (R, B)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(visible, s, -jnp.inf)
+    m_cur = jnp.max(s, axis=1, keepdims=True)  # (R, 1); -inf: no key of this block
+    seen = m_cur > -jnp.inf
+    p = jnp.exp(s - jnp.where(seen, m_cur, 0.0))  # (R, B); hidden keys exactly 0
+    pv = jnp.dot(p.astype(vt.dtype), vt, precision=precision, preferred_element_type=jnp.float32)  # (R, W)
+    if pick is not None:
+        pv = pick(pv)
+    m_next = jnp.maximum(m_prev, m_cur)
+    safe = jnp.where(m_next > -jnp.inf, m_next, 0.0)
+    alpha = jnp.exp(m_prev - safe)  # (R, 128): 0 while nothing was seen
+    beta = jnp.where(seen, jnp.exp(m_cur - safe), 0.0)  # (R, 128)
+    Lq = acc_prev.shape[1]
+    return (m_next, alpha * l_prev + beta * jnp.sum(p, axis=1, keepdims=True),
+            _lanes(alpha, Lq) * acc_prev + _lanes(beta, Lq) * pv)
+
+
+def _block_diagonal(q: jax.Array, heads: int, rows: int) -> jax.Array:
+    """(heads * rows, W) query rows -> (heads * rows, heads * W): head h's rows in lanes [h * W, (h + 1) * W),
+    zeros elsewhere, so that one matmul against `heads` [k | v] tiles side by side gives every head's scores."""
+    R, W = q.shape
+    lane_head = lax.broadcasted_iota(jnp.int32, (R, heads * W), 1) // W
+    row_head = lax.broadcasted_iota(jnp.int32, (R, heads * W), 0) // rows
+    return jnp.where(lane_head == row_head, jnp.concatenate([q] * heads, axis=1), 0.0)
+
+
+def _diagonal(o: jax.Array, *, heads: int, rows: int, width: int) -> jax.Array:
+    """(heads * rows, heads * width) -> (heads * rows, width): each head's rows from its own lanes."""
+    return jnp.concatenate([o[h * rows:(h + 1) * rows, h * width:(h + 1) * width] for h in range(heads)], axis=0)
 
 
 def _lanes(x: jax.Array, width: int) -> jax.Array:

@@ -72,7 +72,7 @@ class ServeCalibration:
     weights_bytes_per_s: float
     layer_s: float  # what a layer costs besides its weights at one token: launches, the layer loop, small ops
     kv_bytes_per_s: float  # the kernel, head_dim a multiple of 128: k and v are whole lane tiles
-    kv_bytes_per_s_narrow: float  # the kernel, head_dim 64: a head's [k | v] is one tile, through the MXU twice
+    kv_bytes_per_s_narrow: float  # the kernel, head_dim 64: 8 heads' [k | v] tiles in one matmul, twice
     matmul_flops_per_s: float
     source: str
 
@@ -84,14 +84,15 @@ class ServeCalibration:
 #   2.00 GB) 3.26 ms, each less its KV read and matmuls at the rates below, solved for both: 812 GB/s (the data
 #   sheet's 819) and 29.5 us a layer;
 # - KV: `benchmarks/paged_attention.py` (every layer's attention of a decode batch, 256 positions a sequence):
-#   242 and 247 GB/s for llama-1b's heads of 64 at 64 and 256 sequences, 302 and 317 GB/s for gemma3-1b's and
-#   Gemma 2B's heads of 256;
+#   302 and 317 GB/s for gemma3-1b's and Gemma 2B's heads of 256; for llama-1b's heads of 64, 430 and 446 GB/s at
+#   64 and 256 sequences with 8 heads a matmul (2026-12-07; 242 and 247 one head at a time);
 # - matmuls: an 8192^3 bfloat16 matmul at 181 TFLOP/s (observe/peak_flops.py; the data sheet's 197).
 SERVE_CALIBRATIONS: dict[str, ServeCalibration] = {
     "TPU v5 lite": ServeCalibration(weights_bytes_per_s=812e9, layer_s=29.5e-6, kv_bytes_per_s=310e9,
-                                    kv_bytes_per_s_narrow=245e9, matmul_flops_per_s=181e12, source=(
-        "benchmarks/tpu.sh serve and benchmarks/paged_attention.py on the lent v5e, 2026-12-06; every decode step "
-        "measured there within 20%: docs/planning.md, 'The serving plan against the chip'")),
+                                    kv_bytes_per_s_narrow=440e9, matmul_flops_per_s=181e12, source=(
+        "benchmarks/tpu.sh serve and benchmarks/paged_attention.py on the lent v5e, 2026-12-06 (heads of 64: "
+        "2026-12-07); every decode step measured there within 25%: docs/planning.md, 'The serving plan against the "
+        "chip'")),
 }
 CHIPS: dict[str, Chip] = {
     # https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16 or int8); https://cloud.google.com/tpu/pricing

@@ -181,8 +181,8 @@ _SERVE = Command(
               "device's free memory)"),
           arg("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)"),
           arg("--max-seqs", type=int, default=16, help="requests generating together (default 16)"),
-          arg("--max-tokens-per-step", type=int, default=256, help="prompt and decode tokens in one step "
-              "(default 256); longer prompts are prefilled in chunks"),
+          arg("--max-tokens-per-step", type=int, help="prompt and decode tokens in one step (default: 256, or 4 x "
+              "--max-seqs when that is more); longer prompts are prefilled in chunks"),
           arg("--no-prefix-caching", dest="prefix_caching", action="store_false",
               help="do not share the KV pages of prompts' common beginnings between requests"),
           arg("--mesh-tensor", type=int, default=1, help="devices to split the model over (tensor parallelism; "

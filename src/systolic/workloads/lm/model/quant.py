@@ -24,6 +24,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import qwix
+from jax import lax
 # Qwix's quantization-aware dot itself: its public API reaches it only by intercepting jax.lax.dot_general in a
 # whole model (QtProvider), which our flattened projections do not need (pyproject pins qwix below 0.2).
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
@@ -65,19 +66,29 @@ def project(x: jax.Array, w: jax.Array | qwix.QArray, contract: int = 1, quant: 
         if not is_quantized(w):  # quantization-aware training: quantized forward, straight-through backward
             qt = DotGeneralQtConfig(lhs_qtype=QTYPES[quant], rhs_qtype=QTYPES[quant])
             return dot_general_qt(x, w, dims, qt).astype(x.dtype)
+        if quant == "none":
+            return _weight_only(x, w, dims, contract, x.dtype)
         dtype = x.dtype
-        if quant != "none":
-            x = qwix.quantize(x, QTYPES[quant], channelwise_axes=rows)
+        x = qwix.quantize(x, QTYPES[quant], channelwise_axes=rows)
         return qwix.dot_general(x, w, dims).astype(dtype)
+
+
+def _weight_only(x: jax.Array, w: qwix.QArray, dims, contract: int, dtype) -> jax.Array:
+    """x @ w for a weight stored quantized with one scale per output channel: the integer values converted to x's
+    dtype (exactly: |q| <= 127 fits bfloat16's mantissa) meet x in the dot, and the scales multiply the product's
+    columns. Dequantizing the weight first (q * scale, what Qwix's dot_general does for a float x) made the TPU
+    compiler compute a float32 product per weight element inside the dot's operand fusion: the Llama-3-8B shape
+    decoded one request at 51 ms a token on a v5e, where its 8 GB of int8 weights stream in 10 ms."""
+    y = lax.dot_general(x, w.qvalue.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    scale = w.scale.reshape(w.scale.shape[contract:])  # (*out): the contracted axes' scales are size 1
+    return (y * scale).astype(dtype)
 
 
 def readout(x: jax.Array, w: jax.Array | qwix.QArray) -> jax.Array:
     """The LM head: x (B, T, D) @ w (D, V) -> logits float32 (B, T, V), float32 accumulation (a stored
     quantized head is dequantized: weight-only)."""
     if is_quantized(w):
-        with jax.numpy_dtype_promotion("standard"):
-            return qwix.dot_general(x, w, (((2,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32).astype(jnp.float32)
+        return _weight_only(x, w, (((2,), (0,)), ((), ())), 1, jnp.float32)
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
 
 
