@@ -262,7 +262,9 @@ def test_tpu_train_step_multiplies_int8_operands():
 def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
     """The serving engine's step (lm/serve/step.py) compiled by libtpu for one v5e chip, with the weights stored in
     int8 (quant.quantize_params): w8a8 (model.quant=int8) multiplies int8 x int8 in each projection; weight-only
-    int8 dequantizes the weights into the dot instead."""
+    int8 multiplies the bfloat16 activations by the int8 weights as stored, the scales applied to the product (a
+    dequantized weight, q * scale, was computed in float32 element by element inside the dot: the Llama-3-8B shape
+    decoded at 51 ms a token on a v5e where its int8 weights stream in 10 ms)."""
     from systolic.plan import targets
     from systolic.plan.planner import devices_for
     from systolic.runtime.platform import compiling_for
@@ -293,8 +295,9 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
                                        spec(S, 2, dtype=jnp.uint32), spec(S), spec(S, dtype=jnp.float32),
                                        spec(S, MAX_BANNED))
                 step = jax.jit(functools.partial(engine_step, graphdef), static_argnums=7)
-                counts[scheme] = int8_dots(step.lower(params, pool, spec(T), spec(2, S), batch, sampling, spec(), None)
-                                           .compile().as_text())
+                hlo = step.lower(params, pool, spec(T), spec(2, S), batch, sampling, spec(), None).compile().as_text()
+                counts[scheme] = int8_dots(hlo), int8_dots(hlo, ("bf16", "s8"))
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
-    assert counts["int8"] == 0 and counts["w8a8"] >= len(PROJECTIONS), counts
+    assert counts["w8a8"][0] >= len(PROJECTIONS), counts
+    assert counts["int8"][0] == 0 and counts["int8"][1] >= len(PROJECTIONS), counts
