@@ -94,12 +94,24 @@ def model(srv) -> str:
 
 
 def test_the_warm_up_says_each_program_it_compiles(srv):
-    """Before its address the server compiles every step program, each said on stderr with the time so far."""
+    """Before its address the server compiles every step program, each said on stderr with the time so far; the
+    start-up line says how many and the warm-up's time."""
     lines = [line for line in srv.log.read_text().splitlines() if line.startswith("warm-up: ")]
     total = int(lines[-1].split(" of ")[1].split()[0])
     assert total >= 3 and len(lines) == total  # at least the 3 step sizes of SETTINGS, each with its page readings
     assert [int(line.split()[3]) for line in lines] == list(range(1, total + 1))
     assert all(line.endswith(" s") for line in lines)
+    start = next(line for line in srv.lines if "serving " in line)
+    seconds = float(start.split(f"every step size compiled ({total} programs, warm-up ")[1].split(" s)")[0])
+    assert seconds >= float(lines[-1].rsplit("; ", 1)[1].removesuffix(" s"))
+
+
+def test_a_sigterm_right_after_the_start_up_line_stops_the_server_cleanly(run_dir, tmp_path):
+    """A supervisor may stop the server as soon as it reads its address: `running` sends SIGTERM then and wants exit
+    code 0 and no traceback (the handlers were set only later, just before uvicorn ran: the process died of the
+    signal, -15)."""
+    with running(run_dir, tmp_path / "server.log", **SETTINGS):
+        pass
 
 
 # THE OPENAI CLIENT --------------------------------------------------------------------------------------------

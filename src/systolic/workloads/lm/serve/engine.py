@@ -296,13 +296,13 @@ class InferenceEngine:
             events += self._collect()
         return events
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> int:
         """Compiles the step for every token bucket and count of page-reading tokens, and the detail step
         (log-probabilities) for each bucket (it reads every token's pages), so no request compiles anything. The
         programs are traced one at a time and compiled together on WARMUP_THREADS threads (XLA's compiler releases
         the GIL; on a TPU host one after another took 144 s for llama-1b's 18); each is then run once on an empty
         batch (padding writes only the null page). `progress` hears a line after each program: which of how many,
-        and the time so far."""
+        and the time so far. -> how many programs."""
         programs = [(size, reading, False) for size in self.buckets for reading in page_buckets(size)]
         programs += [(size, size, True) for size in self.buckets]  # the detail step reads every token's pages
         start = time.perf_counter()
@@ -318,6 +318,7 @@ class InferenceEngine:
                             f"{reading} cached tokens read a sequence")
                     progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {what}); "
                              f"{time.perf_counter() - start:.1f} s")
+        return len(programs)
 
     def _lower(self, size: int, reading: int, detail: bool) -> Any:
         """The step program of `size` token slots, `reading` of them reading pages, lowered (traced) for the

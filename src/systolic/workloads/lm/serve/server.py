@@ -449,7 +449,9 @@ def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key:
                                       max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step,
                                       prefix_caching=prefix_caching, mesh_tensor=mesh_tensor, kv_cache=kv_cache,
                                       quantize=quantize)
-    engine.warmup(progress=lambda line: print(line, file=sys.stderr, flush=True))  # no silent minutes before serving
+    start = time.perf_counter()
+    programs = engine.warmup(progress=lambda line: print(line, file=sys.stderr, flush=True))  # no silent minutes
+    warmup_s = time.perf_counter() - start
     info = ModelInfo(engine.model_name, engine.max_context, engine.tokenizer, engine.chat_template, engine.eos_ids,
                      _tokenizer_folder(Path(run_dir), engine.tokenizer))
     metrics = ServeMetrics()
@@ -457,11 +459,16 @@ def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key:
     sock = _listen(host, port)
     url = _url(host, sock.getsockname()[1])
     driver.start()
+    server = _uvicorn_server(make_app(info, driver, metrics, api_key=api_key), driver, grace_s)
+    previous = _stop_on_signals(server)  # before the line below: a client may stop the server as soon as it reads it
     print(f"serving {info.name} (context {info.max_context} tokens) at {url}/v1 (OpenAI API), metrics at "
-          f"{url}/metrics; SIGTERM or Ctrl-C stops it", flush=True)
+          f"{url}/metrics; every step size compiled ({programs} programs, warm-up {warmup_s:.1f} s); SIGTERM or "
+          "Ctrl-C stops it", flush=True)
     try:
-        _run_uvicorn(make_app(info, driver, metrics, api_key=api_key), sock, driver, grace_s)
+        server.run(sockets=[sock])
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         driver.stop()
         sock.close()
     print("stopped", flush=True)
@@ -528,7 +535,7 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _run_uvicorn(app: Starlette, sock: socket.socket, driver: EngineDriver, grace_s: float) -> None:
+def _uvicorn_server(app: Starlette, driver: EngineDriver, grace_s: float) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -540,18 +547,15 @@ def _run_uvicorn(app: Starlette, sock: socket.socket, driver: EngineDriver, grac
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=grace_s + SHUTDOWN_MARGIN_S)
-    server = Server(config)
-    # uvicorn stops gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises that signal again
-    # (to die "as the signal would have"): a no-op handler here makes the stop an ordinary return, exit code 0.
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return Server(config)
 
 
-def _ignore_signal(signum: int, frame: Any) -> None:
-    pass
+def _stop_on_signals(server: Any) -> dict:
+    """SIGINT and SIGTERM stop `server` gracefully from now on: before it runs (it then starts and stops at once,
+    where the default handler would have killed the process, exit code -15) and after, when uvicorn, having run with
+    its own handlers, restores these and raises the signal again (to die "as the signal would have"): it lands here,
+    so the stop is an ordinary return, exit code 0. -> the handlers found, to restore. Only the main thread can set
+    handlers; elsewhere (tests) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
