@@ -77,7 +77,8 @@ def build_engine(args):
     from systolic.data.tokenizer import ByteTokenizer
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
-    from systolic.workloads.lm.serve.engine import InferenceEngine, pool_pages, tokens_per_step
+    from systolic.workloads.lm.serve.engine import InferenceEngine
+    from systolic.workloads.lm.serve.sizing import pool_pages, tokens_per_step
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
     cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \

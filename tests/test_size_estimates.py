@@ -15,7 +15,7 @@ from systolic.errors import UserError
 from systolic.runtime import memory
 from systolic.workloads.gan import train as gan_train
 from systolic.workloads.lm.model import sizes
-from systolic.workloads.lm.serve import engine
+from systolic.workloads.lm.serve import sizing
 
 BUDGET = 23 * 2**30  # this machine's RAM, whatever runs the test
 
@@ -62,10 +62,10 @@ def test_a_gan_evaluation_estimate_covers_its_measured_peak():
 def test_a_kv_pool_over_memory_is_refused():
     model = load("lm", []).model
     with memory.budget(BUDGET, "23 GiB of test budget"), pytest.raises(UserError) as raised:
-        engine.pool_pages(model, 16, kv_memory_gib=1e5, max_seqs=8, device=jax.devices()[0], split=1)
+        sizing.pool_pages(model, 16, kv_memory_gib=1e5, max_seqs=8, device=jax.devices()[0], split=1)
     assert "--kv-memory-gib" in str(raised.value) and "needs at least" in str(raised.value)
     with memory.budget(BUDGET, "23 GiB of test budget"), pytest.raises(UserError, match="--max-seqs"):
-        engine.pool_pages(model, 16, kv_memory_gib=0.01, max_seqs=10**12, device=jax.devices()[0], split=1)
+        sizing.pool_pages(model, 16, kv_memory_gib=0.01, max_seqs=10**12, device=jax.devices()[0], split=1)
 
 
 def test_an_sft_record_of_too_many_messages_is_refused_by_line(tmp_path):

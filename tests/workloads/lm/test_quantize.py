@@ -20,7 +20,8 @@ from systolic import cli
 from systolic.data.tokenizer import ByteTokenizer
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model import quant
-from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams, tensor_layout
+from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
+from systolic.workloads.lm.serve.sizing import tensor_layout
 
 _rng = np.random.default_rng(0)
 X = _rng.normal(size=(2, 5, 4, 8)).astype(np.float32)  # (B, T, H, hd): contracted over its last 2 axes by wo

@@ -19,8 +19,8 @@ from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.workloads.lm import generate as gen
 from systolic.workloads.lm.sample import continuation_text
-from systolic.workloads.lm.serve.engine import (InferenceEngine, SamplingParams, pool_pages, prng_key_data,
-                                               tensor_layout)
+from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams, prng_key_data
+from systolic.workloads.lm.serve.sizing import pool_pages, tensor_layout
 
 NEW = 10
 _rng = np.random.default_rng(1)

@@ -13,7 +13,7 @@ from tiny_serve import PAGE, random_params, tiny_model
 from systolic.errors import UserError
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.serve import kv_pool
-from systolic.workloads.lm.serve.engine import pool_pages
+from systolic.workloads.lm.serve.sizing import pool_pages
 from systolic.workloads.lm.serve.kv_cache import PageTable
 from systolic.workloads.lm.serve.paged_attention import PagedKV
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout

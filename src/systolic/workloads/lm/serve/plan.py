@@ -1,6 +1,6 @@
 """What `systolic plan lm --serve` compiles: the inference engine's step (step.py `jit_step`, the program `systolic
 serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parallel mesh of the target's devices
-(engine.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
+(sizing.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
 one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
 
 Weights: "bf16" stores the parameters in bfloat16 (the norms' scales in float32); "int8" and "w8a8" store the
@@ -30,7 +30,7 @@ from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.flops import matmul_params
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.layers import resolve_dtype
-from systolic.workloads.lm.serve.engine import pool_layout, tensor_layout
+from systolic.workloads.lm.serve.sizing import pool_layout, tensor_layout
 from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, token_bytes
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 from systolic.workloads.lm.serve.scheduler import page_bucket
