@@ -44,10 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Keys per DMA'd block (as the plain path's block on an accelerator) and tokens per grid step: first choices, not
-# yet tuned on the chip.
+# Keys per DMA'd block (as the plain path's block on an accelerator; not yet tuned on the chip) and tokens per grid
+# step (8 and 128 measured the same as 32 on the v5e: llama-1b, 256 sequences x 256 positions).
 BLOCK_KEYS = 256
-TOKENS_PER_BLOCK = 32  # 8 and 128 measured the same on the v5e (llama-1b, 256 sequences x 256 positions)
+TOKENS_PER_BLOCK = 32
 # Heads of 64 whose [k | v] tiles meet the MXU in one matmul (the block-diagonal queries): 8 measured 1.8x faster than
 # one head at a time on the v5e; the matmuls' wasted zeros grow with the group's square, so larger groups are split.
 FUSED_HEADS = 8
@@ -181,13 +181,13 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
             q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
             lo, hi = lo_ref[t], hi_ref[t]
-            # What meets the MXU as the queries: per head (split), or per group of FUSED_HEADS heads of 64 the
-            # block-diagonal (F * Gp, F * 128) of their [q | 0] rows, built once a token.
-            groups = ([(h, 1, q[h * rows:(h + 1) * rows].astype(buf.dtype)) for h in range(kv_heads)] if split else
-                      [(g, min(FUSED_HEADS, kv_heads - g), None) for g in range(0, kv_heads, FUSED_HEADS)])
-            if not split:
-                groups = [(g, f, _block_diagonal(q[g * rows:(g + f) * rows], f, rows).astype(buf.dtype))
-                          for g, f, _ in groups]
+            # (first head, heads, what meets the MXU as their queries), built once a token: each head's rows
+            # (split), or for FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0].
+            groups = []
+            for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
+                f = 1 if split else min(FUSED_HEADS, kv_heads - g)
+                rows_g = q[g * rows:(g + f) * rows]
+                groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(buf.dtype)))
 
             def block(b, state):
                 # The online softmax's state is the loop's carry (KV * Gp, 128) x 2 and (KV * Gp, Lq), float32.
