@@ -61,6 +61,23 @@ def median_seconds(fn, args: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
+def alternating_medians(fns: dict, args: tuple, rounds: int, reps: int) -> dict[str, float]:
+    """Each of `fns` (name -> jitted function, compiled already) timed on `args`: `rounds` rounds, the sides in
+    turn, reversed every other round (the machine's drift falls on both), each `reps` calls to their results being
+    ready -> name -> the median seconds a call."""
+    import jax
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            for _ in range(reps):
+                out = fns[name](*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / reps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def tiny(recipe: str) -> list[str]:
     """The dry run's overrides: the recipe's family at 2 layers of width 64, sequences of 64 tokens, in bfloat16
     (as on the chip; `auto` would be float32 on CPU)."""

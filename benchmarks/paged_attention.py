@@ -15,9 +15,9 @@ kernel runs in Pallas's interpreter (for a dry run only: tiny sizes, slow).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+
+import bench_rows  # sys.path[0]: benchmarks/
 
 # (layers, query heads, key/value heads, head_dim, sliding window): the serving rows of benchmarks/tpu_bench.py.
 SHAPES = {
@@ -99,15 +99,8 @@ def main(argv=None) -> int:
                                                   page=args.page_size)
         outs = [jax.block_until_ready(f(*operands)) for f in (plain, kernel)]  # compile both
         diff = float(np.max(np.abs(np.asarray(outs[0], np.float32) - np.asarray(outs[1], np.float32))))
-        times: dict[str, list[float]] = {"plain": [], "kernel": []}
-        for r in range(args.rounds):
-            for name, f in (("plain", plain), ("kernel", kernel))[:: 1 if r % 2 == 0 else -1]:
-                t = time.perf_counter()
-                for _ in range(args.reps):
-                    out = f(*operands)
-                jax.block_until_ready(out)
-                times[name].append((time.perf_counter() - t) / args.reps)
-        p, k = statistics.median(times["plain"]), statistics.median(times["kernel"])
+        medians = bench_rows.alternating_medians({"plain": plain, "kernel": kernel}, operands, args.rounds, args.reps)
+        p, k = medians["plain"], medians["kernel"]
         lines.append(f"| {row} | {p * 1e3:.3f} | {k * 1e3:.3f} | {p / k:.2f}x | {read / k / 1e9:.0f} | {diff:.4f} |")
         print(lines[-1], flush=True)
     print("\n".join(lines))

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import paged_attention as bench  # noqa: E402  (benchmarks/paged_attention.py: the step and its rows)
+import bench_rows  # sys.path[0]: benchmarks/
+import paged_attention as bench  # benchmarks/paged_attention.py: the step and its rows
 
 ROWS = ("llama-1b:256:256", "llama-1b:256:256@64", "llama-1b:256:256@128", "llama-1b:64:256", "llama-1b:64:1024",
         "gemma3-1b:64:256", "gemma-2b:256:256", "gemma-2b:256:256@64")
@@ -68,15 +65,8 @@ def main(argv=None) -> int:
             finally:
                 pa.kernel_lib.paged_attention = after_kernel
             fns[name], diffs[name] = f, float(np.max(np.abs(out - ref)))
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for r in range(args.rounds):
-            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                t = time.perf_counter()
-                for _ in range(args.reps):
-                    out = fns[name](*operands)
-                jax.block_until_ready(out)
-                times[name].append((time.perf_counter() - t) / args.reps)
-        b, a = statistics.median(times["before"]), statistics.median(times["after"])
+        medians = bench_rows.alternating_medians(fns, operands, args.rounds, args.reps)
+        b, a = medians["before"], medians["after"]
         lines.append(f"| {row} | {b * 1e3:.3f} | {a * 1e3:.3f} | {b / a:.2f}x | {read / a / 1e9:.0f} | "
                      f"{diffs['before']:.4f} / {diffs['after']:.4f} |")
         print(lines[-1], flush=True)
