@@ -78,7 +78,7 @@ def build_engine(args):
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
     from systolic.workloads.lm.serve.engine import InferenceEngine
-    from systolic.workloads.lm.serve.sizing import pool_pages, tokens_per_step
+    from systolic.workloads.lm.serve.sizing import pool_pages
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
     cfg = config_lib.load(LMConfig, args.recipe, overrides, "lm-tiny", "lm")[0] if args.recipe else \
@@ -94,7 +94,6 @@ def build_engine(args):
     pages, _ = pool_pages(model, args.page_size, kv_memory_gib=args.kv_memory_gib, max_seqs=args.max_seqs,
                           device=jax.devices()[0], split=1, kv_cache=args.kv_cache)
     pages = max(min(pages, 4 * need), need)
-    args.max_tokens_per_step = args.max_tokens_per_step or tokens_per_step(args.max_seqs)  # the JSON records it
     engine = InferenceEngine(model, params, ByteTokenizer(), kv_pages=pages, page_size=args.page_size,
                              max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
                              kv_cache=args.kv_cache)
@@ -270,7 +269,7 @@ def main(argv=None) -> int:
             for row in rows:
                 f.write(json.dumps({"recipe": args.recipe or "cpu-4x256", "dtype": args.dtype,
                                     "quantize": args.quantize, "kv_cache": args.kv_cache,
-                                    "max_tokens_per_step": args.max_tokens_per_step, **row}) + "\n")
+                                    "max_tokens_per_step": engine.max_tokens_per_step, **row}) + "\n")
     return 0
 
 

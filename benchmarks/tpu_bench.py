@@ -70,7 +70,7 @@ TRAIN_ROWS = (
 # The serving rows (benchmarks/serve_engine.py, random weights, greedy, 128-token prompts): (label, arguments). Cold
 # warm-ups measured 2026-12-06 (commit b067cb5): 47 s (llama-1b), 62 s (gemma3-1b), 68 s (the Gemma-2B shape); 8 s
 # warm (llama-1b). Since 2026-12-07 a step holds 4 x --max-seqs tokens by default (1,024 for the rows of 256): 76 s
-# cold for llama-1b (more step sizes), 15 s warm.
+# cold for llama-1b (more step sizes); 15 s for its 256-token programs from the cache.
 BF16 = ["--dtype", "bfloat16"]
 SERVE_ROWS = (
     ("llama-1b bfloat16 (head_dim 64)", ["--recipe", "llama-1b", *BF16, "--levels", "1,16,64,256", "--max-seqs", "256",

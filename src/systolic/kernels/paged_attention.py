@@ -24,7 +24,7 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   (8 Gp, 8 x 128), against the 8 heads' [k | v] tiles side by side in one matmul for the scores, one for the
   values, each head's rows then taking their own 128 lanes. Measured on the v5e (benchmarks/paged_attention_ab.py,
   llama-1b's 16 layers at 256 sequences x 256 positions, 2026-12-07): 4.81 ms against 8.70 ms one head at a time
-  (446 against 247 GB/s of keys and values); head widths of 128 and more read at 300-380 GB/s. Pairing two heads'
+  (446 against 247 GB/s of keys and values); heads of 256 read at 300-380 GB/s. Pairing two heads'
   tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong outputs on
   the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms): not kept.
 - The online softmax's running max, sum and output are the block loop's carry; 8, 32 or 128 tokens a grid step,

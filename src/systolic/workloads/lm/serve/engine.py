@@ -140,13 +140,17 @@ class InferenceEngine:
     keys and values in the compute dtype or int8 (`kv_cache`: kv_pool.py)."""
 
     def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int, page_size: int = 16,
-                 max_seqs: int = 16, max_tokens_per_step: int = 256, prefix_caching: bool = True,
+                 max_seqs: int = 16, max_tokens_per_step: int | None = None, prefix_caching: bool = True,
                  mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None, model_name: str = "model",
                  chat_template: Any = None, kv_cache: str = "auto"):
-        """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given."""
+        """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given.
+        `max_tokens_per_step` None: `tokens_per_step(max_seqs)`."""
         from systolic.workloads.lm.train import model_graphdef, param_shardings
 
+        if max_tokens_per_step is None:
+            max_tokens_per_step = tokens_per_step(max_seqs)
         check_sizes(kv_pages, page_size, max_seqs, max_tokens_per_step)
+        self.max_tokens_per_step = max_tokens_per_step
         self.model_cfg = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))
         self.vocab = int(params["embed"].shape[0])
         self.tokenizer, self.chat_template, self.model_name = tokenizer, chat_template, model_name
