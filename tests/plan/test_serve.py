@@ -42,6 +42,19 @@ def test_the_step_bans_ids_without_copying_the_logits():
     assert not [line for line in hlo.splitlines() if f"= {logits}" in line and ("scatter" in line or " copy(" in line)]
 
 
+def test_a_step_without_banned_ids_skips_the_mask():
+    """The (rows, vocabulary) mask of banned ids is built only in the branch taken when some row bans an id (a
+    conditional inside the greedy/sampled one): its compares took 0.18 ms of gemma3-1b's 6.8 ms step at 64 rows on a
+    v5e when no row banned any (2026-12-07 profile). Here: every (rows, vocabulary) boolean of XLA:CPU's program for
+    a tiny model that compares ids is made in that nested branch."""
+    cfg, m = serve_model([*TINY_LM, "model.dtype=float32"], weights="bf16", kv="bf16", devices=1)
+    hlo = m.lower_step(3, 0, 7).compile().as_text()
+    V = cfg.model.padded_vocab(cfg.model.vocab_size or 320)
+    masks = [line for line in hlo.splitlines() if re.search(rf"= pred\[3,{V}\]\S* (compare|or)\(", line)]
+    assert masks, "no (rows, vocabulary) mask in the compiled step"
+    assert all(re.search(r"cond/branch_\d_fun/cond/branch_\d_fun/", line) for line in masks), masks[0]
+
+
 def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
     cfg, m = serve_model([*TINY_LM, "model.dtype=bfloat16"], weights="bf16", kv="bf16")
     L, KV, hd = cfg.model.layers, cfg.model.n_kv_heads, cfg.model.d_head
