@@ -42,17 +42,20 @@ def test_the_step_bans_ids_without_copying_the_logits():
     assert not [line for line in hlo.splitlines() if f"= {logits}" in line and ("scatter" in line or " copy(" in line)]
 
 
-def test_a_step_without_banned_ids_skips_the_mask():
-    """The (rows, vocabulary) mask of banned ids is built only in the branch taken when some row bans an id (a
-    conditional inside the greedy/sampled one): its compares took 0.18 ms of gemma3-1b's 6.8 ms step at 64 rows on a
-    v5e when no row banned any (2026-12-07 profile). Here: every (rows, vocabulary) boolean of XLA:CPU's program for
-    a tiny model that compares ids is made in that nested branch."""
+def test_a_greedy_step_without_banned_ids_skips_the_mask():
+    """The (rows, vocabulary) mask of banned ids is built only in the branches that use it: the sampling branch, and
+    in the all-greedy branch (lax.cond's true branch, `branch_1`) only inside its own conditional taken when some row
+    bans an id: the compares took 0.18 ms of gemma3-1b's 6.8 ms step at 64 rows on a v5e when no row banned any
+    (2026-12-07 profile). Here: XLA:CPU's program for a tiny model, each compare's place from its op_name."""
     cfg, m = serve_model([*TINY_LM, "model.dtype=float32"], weights="bf16", kv="bf16", devices=1)
     hlo = m.lower_step(3, 0, 7).compile().as_text()
     V = cfg.model.padded_vocab(cfg.model.vocab_size or 320)
-    masks = [line for line in hlo.splitlines() if re.search(rf"= pred\[3,{V}\]\S* (compare|or)\(", line)]
-    assert masks, "no (rows, vocabulary) mask in the compiled step"
-    assert all(re.search(r"cond/branch_\d_fun/cond/branch_\d_fun/", line) for line in masks), masks[0]
+    names = [re.search(r'op_name="([^"]*)"', line).group(1) for line in hlo.splitlines()
+             if re.search(rf"= pred\[3,{V}\]\S* (compare|or)\(", line)]
+    greedy = [n for n in names if re.match(r"[^/]*/cond/branch_1_fun/", n)]  # the step's own cond's true branch
+    assert greedy, "no mask in the greedy branch of the compiled step"
+    assert all("/cond/branch_" in n for n in names), names  # none before the branches
+    assert all(re.match(r"[^/]*/cond/branch_1_fun/cond/branch_\d_fun/", n) for n in greedy), greedy
 
 
 def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():

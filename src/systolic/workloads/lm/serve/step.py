@@ -82,25 +82,28 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Arr
     in_vocab = vocab < vocab_limit  # (V,)
     limited = jnp.where(in_vocab, logits, -jnp.inf)  # (S, V)
 
-    def choose(pick, source):
-        """pick(source (S, V)) -> (S,) ids, with each row's banned ids out of the draw. Banned ids leave the sampled
-        distribution only; the reported log-probabilities stay the model's. The mask is compared in place
-        (MAX_BANNED compares an element, fused into what reads it), not a scattered copy of the logits (each
-        whole-vocabulary float32 pass is 68 MB at 65 rows of gemma3-1b's 262,144 ids, 83 us at a v5e's 819
-        GB/s), and only in a step where some row bans an id (min_tokens' stop ids): its compares took 0.18 ms of
-        gemma3-1b's 6.8 ms step at 64 rows on the v5e, when no row banned any."""
-        def masked():
-            banned = functools.reduce(jnp.logical_or, [vocab == sampling.banned[:, b:b + 1]
-                                                       for b in range(sampling.banned.shape[1])])  # (S, V)
-            return pick(jnp.where(banned, -jnp.inf, source))
+    def banned_out(source):
+        """source (S, V) with each row's banned ids at -inf: they leave the sampled distribution only (the reported
+        log-probabilities stay the model's). A mask compared in place (MAX_BANNED compares an element, fused into
+        what reads it), not a scattered copy of the logits: each whole-vocabulary float32 pass is 68 MB at 65 rows
+        of gemma3-1b's 262,144 ids, 83 us at a v5e's 819 GB/s."""
+        banned = functools.reduce(jnp.logical_or, [vocab == sampling.banned[:, b:b + 1]
+                                                   for b in range(sampling.banned.shape[1])])  # (S, V)
+        return jnp.where(banned, -jnp.inf, source)
 
-        return jax.lax.cond(jnp.any(sampling.banned >= 0), masked, lambda: pick(source))
+    def greedy():
+        """The argmax; over the mask only in a step where some row bans an id (min_tokens' stop ids): its compares
+        took 0.18 ms of gemma3-1b's 6.8 ms step at 64 rows on the v5e when no row banned any. (Sampling keeps the
+        mask: its sort of the vocabulary costs more. The step compiled for a v5e from this host, gemma3-1b at 64
+        rows: 12.0-13.0 s, against 15.7-17.0 with the mask before the branches.)"""
+        argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)  # noqa: E731
+        return jax.lax.cond(jnp.any(sampling.banned >= 0), lambda: argmax(banned_out(limited)),
+                            lambda: argmax(limited))
 
     # An all-greedy step skips sampling's sort of the vocabulary (the same ids: greedy rows take the argmax).
-    ids = jax.lax.cond(jnp.all(sampling.temperature == 0),
-                       lambda: choose(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), limited),
-                       lambda: choose(lambda x: jax.vmap(sample_row)(x, keys, sampling.temperature, sampling.top_k,
-                                                                     sampling.top_p), logits))  # (S,)
+    ids = jax.lax.cond(jnp.all(sampling.temperature == 0), greedy,
+                       lambda: jax.vmap(sample_row)(banned_out(logits), keys, sampling.temperature, sampling.top_k,
+                                                    sampling.top_p))  # (S,)
     # The chosen id's log_softmax(limited / logprob_temperature), as jax.nn.log_softmax computes it, without its
     # (S, V) result: the row's max and sum of exponentials are two reductions, the id's logit one gather. x / 1.0
     # is x exactly, so serving's raw log-probabilities are unchanged by the division.
