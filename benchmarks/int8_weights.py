@@ -15,9 +15,10 @@ by a scan), the same with each layer's weights as separate arrays (an unrolled l
 to the dot through an optimization barrier (forces the copies), and weight-only int8 (bf16 x s8 dots).
 
 Measured on the v5e at 256 tokens (2026-12-07, docs/benchmarks.md): this loop alone compiles without the copies,
-and w8a8 runs a layer in 0.100 ms against bfloat16's 0.166 (1.66x); the engine's step, with the attention kernel
-and the rest of a layer around the same dots, has them (not yet understood). `--aot` compiles for compile-only v5e
-devices here (libtpu, no chip); that compiler did not make the copies in the engine's step either.
+and w8a8 runs a layer in 0.100 ms against bfloat16's 0.166 (1.66x). Its weights are quantized from bfloat16, so
+their scales are bfloat16; the engine's were float32 (quantized from a float32 checkpoint), and float32 scales are
+what made the compiler copy the slices (the engine's step compiled for compile-only v5e devices: 7 copies a layer
+with float32 scales, none with bfloat16 ones). `--aot` compiles for those devices here (libtpu, no chip).
 """
 
 from __future__ import annotations

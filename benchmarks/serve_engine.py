@@ -10,8 +10,9 @@ recipe's model with random weights, at several numbers of requests in flight. Th
         --kv-cache int8 --levels 1,64,256 --max-seqs 256 --output 128               # Llama-3-8B on one v5e
 
 `--quantize` serves the weights as `systolic serve --quantize` does (lm/model/quant.py: the projections and an untied
-LM head int8 with a float32 scale per output channel; w8a8 quantizes the activations too), drawn directly in that
-form: no float copy of the model is ever made, on the host or the device (random_params).
+LM head int8 with a scale per output channel, in the compute dtype as serve/weights.py stores it; w8a8 quantizes the
+activations too), drawn directly in that form: no float copy of the model is ever made, on the host or the device
+(random_params).
 
 Per level N: 2N requests of --prompt random ids and exactly --output new tokens (no end token is sampled: the
 sampler's vocabulary limit stops short of it), greedy, N in flight at a time (a finished one is replaced at
@@ -108,7 +109,8 @@ def build_engine(args):
 def served_shapes(model, vocab: int, scheme: str | None):
     """The parameters as the engine holds them, abstract (ShapeDtypeStructs): what `systolic serve` serves from a
     float32 checkpoint, i.e. with `scheme` the projections quantized by quant.quantize_params (int8 values, float32
-    scales), and every other float32 weight a layer casts stored in the compute dtype (serve/weights.py)."""
+    scales), then every float32 weight a layer casts and those scales stored in the compute dtype
+    (serve/weights.py)."""
     import jax
     from flax import nnx
 

@@ -3,7 +3,8 @@ quantization-aware training.
 
 Two independent settings meet in a projection x @ W:
 - the weight's storage: float32 parameters, or a Qwix `QArray` (int8 or float8_e4m3fn values, one float32 scale per
-  output channel, and per layer when the layers are stacked) that `quantize_params` makes once, for serving;
+  output channel, and per layer when the layers are stacked) that `quantize_params` makes once, for serving (a
+  bfloat16 model is served with the scales in bfloat16: serve/weights.py says why);
 - `model.quant`, the matmul's operands: "none" multiplies in the compute dtype (a stored int8 weight is dequantized
   into it, which XLA fuses into the dot: weight-only quantization halves the bytes a decode step reads);
   "int8" / "fp8" quantize the activations too (each row its own absmax scale, computed on the fly), so both operands
@@ -81,7 +82,7 @@ def _weight_only(x: jax.Array, w: qwix.QArray, dims, contract: int, dtype) -> ja
     decoded one request at 51 ms a token on a v5e, where its 8 GB of int8 weights stream in 10 ms."""
     y = lax.dot_general(x, w.qvalue.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     scale = w.scale.reshape(w.scale.shape[contract:])  # (*out): the contracted axes' scales are size 1
-    return (y * scale).astype(dtype)
+    return (y * scale.astype(jnp.float32)).astype(dtype)  # scales served in bfloat16 (serve/weights.py) too
 
 
 def readout(x: jax.Array, w: jax.Array | qwix.QArray) -> jax.Array:

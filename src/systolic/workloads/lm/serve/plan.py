@@ -3,8 +3,9 @@ serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parall
 (sizing.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
 one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
 
-Weights: "bf16" stores the parameters in bfloat16 (the norms' scales in float32); "int8" and "w8a8" store the
-projections as Qwix int8 arrays with a scale per output channel, in bfloat16, the dtype they are quantized from
+Weights, as the engine serves a float32 checkpoint (serve/weights.py `serving_params`): "bf16" stores the parameters
+in bfloat16 (the norms' scales and the few other float32 ones in float32); "int8" and "w8a8" store the projections
+as Qwix int8 arrays quantized from float32 with a scale per output channel, the scales then stored in bfloat16
 (model/quant.py `quantize_params`; w8a8 quantizes the activations too).
 KV cache: the engine's pool (kv_pool.py), in the compute dtype ("bf16") or int8 with a float32 scale per token,
 layer, key or value and head ("int8", `--kv-cache int8`), lowered as the engine allocates it.
@@ -35,6 +36,7 @@ from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, toke
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 from systolic.workloads.lm.serve.scheduler import page_bucket
 from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, jit_step
+from systolic.workloads.lm.serve.weights import serving_params
 from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
 
 WEIGHTS = ("bf16", "int8", "w8a8")  # not fp8: no planned target has fp8 matmuls (quant.SCHEMES has it)
@@ -56,9 +58,12 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     shardings = param_shardings(served, vocab, mesh, rules)
     with activate(mesh, rules):
         floats = jax.eval_shape(lambda: init_params(served, vocab, jax.random.key(0)))
-    params = jax.tree_util.tree_map_with_path(_stored, floats)
+    # As the engine serves a float32 checkpoint: quantized from float32 (`--quantize`), then stored in bfloat16
+    # but for what its layers use in float32, a quantized weight's scales in bfloat16 too (weights.py).
+    quantized = (lambda p: p) if weights == "bf16" else (
+        lambda p: quant.quantize_params(p, weights, stacked=model.scan_layers))
+    params = jax.eval_shape(lambda p: serving_params(quantized(p), jnp.bfloat16), floats)
     if weights != "bf16":
-        params = jax.eval_shape(lambda p: quant.quantize_params(p, weights, stacked=model.scan_layers), params)
         shardings = quant.quantized_shardings(shardings, params)
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
@@ -130,12 +135,6 @@ def attention_flops_per_key(model) -> float:
     if model.mla.kv_lora_rank:
         return 2.0 * model.layers * model.heads * (model.mla.cache_width + model.mla.kv_lora_rank)
     return 4.0 * model.layers * model.heads * model.d_head
-
-
-def _stored(path, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """A parameter as served: bfloat16, but the norms' scales (a few KiB), which the norms multiply in float32."""
-    norm = any("norm" in str(getattr(key, "key", "")) for key in path)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype if norm else jnp.bfloat16)
 
 
 def _name(dtype: jnp.dtype) -> str:

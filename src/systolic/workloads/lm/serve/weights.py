@@ -8,12 +8,22 @@ values reach every matmul, so the outputs do not change.
 
 The parameters a layer uses in float32 stay float32 (a few KiB each): the norms' scales and biases (the norms
 multiply in float32, lm/model/layers.py), attention sinks (added to float32 scores) and a mixture of experts'
-router (routing is decided in float32, lm/model/moe.py). Weights already quantized (Qwix arrays of int8 or fp8 and
-their scales) stay as they are.
+router (routing is decided in float32, lm/model/moe.py).
+
+Weights already quantized (Qwix arrays of int8 or fp8) keep their values; their scales (one per output channel) are
+stored in the compute dtype too, as Qwix makes them when it quantizes bfloat16 weights. With float32 scales (a
+float32 checkpoint quantized at load, `--quantize`) the TPU compiler copied every layer's int8 weight slices into
+on-chip memory before their dots, one after the other: 74 ms of a 782 ms trace of llama-1b's w8a8 steps at 256 in
+flight on a v5e, w8a8 1.11x bfloat16 where its dots alone are 1.66x (docs/benchmarks.md, 2026-12-07). The same step
+compiled for a v5e (compile-only devices) has 7 such copies a layer with float32 scales, none with bfloat16 ones,
+for w8a8 and weight-only int8 alike (tests/plan/test_serve.py checks); casting the scales at each use did not
+remove them. A bfloat16 scale is within 2^-9 of the float32 one, under int8's own rounding of 1/254 of a channel's
+largest weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -26,13 +36,16 @@ FLOAT32_PARAMS = ("norm", "sinks", "router", "score_correction")
 
 def serving_params(params: Any, dtype: jnp.dtype) -> Any:
     """params (a pure dict of arrays; some may be `qwix.QArray`s) with every float32 weight a layer casts to
-    `dtype` before use stored in `dtype` (on its device, with its sharding); the rest unchanged. A no-op for a
-    float32 model."""
+    `dtype` before use, and every quantized weight's float32 scales, stored in `dtype` (on its device, with its
+    sharding); the rest unchanged. A no-op for a float32 model."""
     if jnp.dtype(dtype) == jnp.float32:
         return params
 
     def cast(path, leaf):
-        if isinstance(leaf, qwix.QArray) or leaf.dtype != jnp.float32:
+        if isinstance(leaf, qwix.QArray):  # its values as they are; float32 scales in dtype (see above)
+            return dataclasses.replace(leaf, scale=leaf.scale.astype(dtype if leaf.scale.dtype == jnp.float32
+                                                                     else leaf.scale.dtype))
+        if leaf.dtype != jnp.float32:
             return leaf
         if any(word in str(getattr(key, "key", "")) for key in path for word in FLOAT32_PARAMS):
             return leaf
