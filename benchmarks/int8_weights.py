@@ -58,7 +58,7 @@ def build(variant: str, tokens: int):
         return h + quant.project(jax.nn.silu(gate) * up, w["down"], 1, mode)
 
     if variant.endswith("unrolled"):
-        layers = [jax.tree.map(lambda a, i=i: a[i], weights, is_leaf=None) for i in range(LAYERS)]
+        layers = [jax.tree.map(lambda a, i=i: a[i], weights) for i in range(LAYERS)]  # a QArray: values and scales
 
         @jax.jit
         def run(h, layers):

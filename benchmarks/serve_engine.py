@@ -108,25 +108,18 @@ def build_engine(args):
 
 def served_shapes(model, vocab: int, scheme: str | None):
     """The parameters as the engine holds them, abstract (ShapeDtypeStructs): what `systolic serve` serves from a
-    float32 checkpoint, i.e. with `scheme` the projections quantized by quant.quantize_params (int8 values, float32
-    scales), then every float32 weight a layer casts and those scales stored in the compute dtype
-    (serve/weights.py)."""
+    float32 checkpoint (serve/weights.py `served_checkpoint`): with `scheme` the projections quantized from float32,
+    then every float32 weight a layer casts and the quantized weights' scales stored in the compute dtype."""
     import jax
     from flax import nnx
 
-    from systolic.workloads.lm.model import quant
     from systolic.workloads.lm.model.layers import resolve_dtype
     from systolic.workloads.lm.model.transformer import make_model
-    from systolic.workloads.lm.serve.weights import serving_params
+    from systolic.workloads.lm.serve.weights import served_checkpoint
 
     floats = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: make_model(model, vocab, 0)), nnx.Param))
-
-    def served(params):
-        if scheme is not None:
-            params = quant.quantize_params(params, scheme, stacked=model.scan_layers)
-        return serving_params(params, resolve_dtype(model.dtype))
-
-    return jax.eval_shape(served, floats)
+    return jax.eval_shape(lambda p: served_checkpoint(p, scheme, resolve_dtype(model.dtype),
+                                                      stacked=model.scan_layers), floats)
 
 
 def random_params(model, vocab: int, scheme: str | None, *, seed: int = 0):

@@ -255,14 +255,15 @@ def test_the_tpu_step_updates_a_head_dim_64_pool_in_place(kv_heads):
 def test_the_tpu_step_reads_int8_weights_without_copying_their_slices(weights, monkeypatch):
     """Quantized weights stacked by layer are served with their scales in bfloat16 (serve/weights.py): with float32
     scales the TPU compiler copied each layer's int8 weight slices into on-chip memory before their dots, one after
-    the other (on a v5e: w8a8 1.11x bfloat16 at 256 in flight, where its dots alone are 1.66x). Compiled with libtpu
-    for a v5e chip, 2 scanned layers x 512 (MLP 2,048): no such copy, where the float32 scales make one per weight."""
+    the other (on a v5e: w8a8 1.11x bfloat16 at 256 in flight, where a scan of its MLPs alone ran 1.66x). Compiled
+    with libtpu for a v5e chip, 2 scanned layers x 512 (MLP 2,048): no such copy, where the float32 scales make one
+    per weight."""
     from systolic import config as config_lib
     from systolic.plan import targets
     from systolic.plan.planner import compile_lowered, devices_for, for_target
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
-    from systolic.workloads.lm.serve import plan as serve_plan
+    from systolic.workloads.lm.serve import plan as serve_plan, weights as weights_lib
 
     target = targets.resolve("v5e-1", mesh_devices=1)
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
@@ -277,11 +278,11 @@ def test_the_tpu_step_reads_int8_weights_without_copying_their_slices(weights, m
         return len(re.findall(r"dynamic-slice\S* = s8\[", compiled.as_text()))  # a layer's slice, on its own
 
     assert weight_copies() == 0
-    served = serve_plan.serving_params
+    served = weights_lib.serving_params
 
     def float32_scales(params, dtype):  # as served, but each quantized weight keeps its float32 scales
         return jax.tree.map(lambda s, p: dataclasses.replace(s, scale=p.scale) if quant.is_quantized(s) else s,
                             served(params, dtype), params, is_leaf=quant.is_quantized)
 
-    monkeypatch.setattr(serve_plan, "serving_params", float32_scales)
+    monkeypatch.setattr(weights_lib, "serving_params", float32_scales)
     assert weight_copies() > 0

@@ -3,7 +3,7 @@ serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parall
 (sizing.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
 one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
 
-Weights, as the engine serves a float32 checkpoint (serve/weights.py `serving_params`): "bf16" stores the parameters
+Weights, as the engine serves a float32 checkpoint (serve/weights.py `served_checkpoint`): "bf16" stores the parameters
 in bfloat16 (the norms' scales and the few other float32 ones in float32); "int8" and "w8a8" store the projections
 as Qwix int8 arrays quantized from float32 with a scale per output channel, the scales then stored in bfloat16
 (model/quant.py `quantize_params`; w8a8 quantizes the activations too).
@@ -36,7 +36,7 @@ from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, toke
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 from systolic.workloads.lm.serve.scheduler import page_bucket
 from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, jit_step
-from systolic.workloads.lm.serve.weights import serving_params
+from systolic.workloads.lm.serve.weights import served_checkpoint
 from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
 
 WEIGHTS = ("bf16", "int8", "w8a8")  # not fp8: no planned target has fp8 matmuls (quant.SCHEMES has it)
@@ -58,11 +58,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     shardings = param_shardings(served, vocab, mesh, rules)
     with activate(mesh, rules):
         floats = jax.eval_shape(lambda: init_params(served, vocab, jax.random.key(0)))
-    # As the engine serves a float32 checkpoint: quantized from float32 (`--quantize`), then stored in bfloat16
-    # but for what its layers use in float32, a quantized weight's scales in bfloat16 too (weights.py).
-    quantized = (lambda p: p) if weights == "bf16" else (
-        lambda p: quant.quantize_params(p, weights, stacked=model.scan_layers))
-    params = jax.eval_shape(lambda p: serving_params(quantized(p), jnp.bfloat16), floats)
+    params = jax.eval_shape(lambda p: served_checkpoint(p, None if weights == "bf16" else weights, jnp.bfloat16,
+                                                        stacked=model.scan_layers), floats)
     if weights != "bf16":
         shardings = quant.quantized_shardings(shardings, params)
     params = with_shardings(params, shardings)

@@ -14,7 +14,8 @@ Weights already quantized (Qwix arrays of int8 or fp8) keep their values; their 
 stored in the compute dtype too, as Qwix makes them when it quantizes bfloat16 weights. With float32 scales (a
 float32 checkpoint quantized at load, `--quantize`) the TPU compiler copied every layer's int8 weight slices into
 on-chip memory before their dots, one after the other: 74 ms of a 782 ms trace of llama-1b's w8a8 steps at 256 in
-flight on a v5e, w8a8 1.11x bfloat16 where its dots alone are 1.66x (docs/benchmarks.md, 2026-12-07). The same step
+flight on a v5e, w8a8 1.11x bfloat16 where a scan of the same MLPs alone, bfloat16 scales, runs 1.66x
+(docs/benchmarks.md, 2026-12-07). The same step
 compiled for a v5e (compile-only devices) has 7 such copies a layer with float32 scales, none with bfloat16 ones,
 for w8a8 and weight-only int8 alike (tests/plan/test_serve.py checks); casting the scales at each use did not
 remove them. A bfloat16 scale is within 2^-9 of the float32 one, under int8's own rounding of 1/254 of a channel's
@@ -30,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from systolic.workloads.lm.model import quant
+
 # A parameter whose path names one of these is used in float32 by its layer (see above), never cast.
 FLOAT32_PARAMS = ("norm", "sinks", "router", "score_correction")
 
@@ -43,8 +46,8 @@ def serving_params(params: Any, dtype: jnp.dtype) -> Any:
 
     def cast(path, leaf):
         if isinstance(leaf, qwix.QArray):  # its values as they are; float32 scales in dtype (see above)
-            return dataclasses.replace(leaf, scale=leaf.scale.astype(dtype if leaf.scale.dtype == jnp.float32
-                                                                     else leaf.scale.dtype))
+            return dataclasses.replace(leaf, scale=leaf.scale.astype(dtype)) if leaf.scale.dtype == jnp.float32 \
+                else leaf
         if leaf.dtype != jnp.float32:
             return leaf
         if any(word in str(getattr(key, "key", "")) for key in path for word in FLOAT32_PARAMS):
@@ -52,3 +55,12 @@ def serving_params(params: Any, dtype: jnp.dtype) -> Any:
         return leaf.astype(dtype)  # on its devices, laid out as the float32 array was
 
     return jax.tree_util.tree_map_with_path(cast, params, is_leaf=lambda x: isinstance(x, qwix.QArray))
+
+
+def served_checkpoint(params: Any, scheme: str | None, dtype: jnp.dtype, *, stacked: bool) -> Any:
+    """A float32 checkpoint's parameters as the engine serves them with `--quantize scheme` (None: not quantized):
+    the projections quantized from float32 (quant.quantize_params; `stacked`: model.scan_layers), then
+    `serving_params`. What `systolic plan lm --serve` and benchmarks/serve_engine.py lower and draw, abstract."""
+    if scheme is not None:
+        params = quant.quantize_params(params, scheme, stacked=stacked)
+    return serving_params(params, dtype)
