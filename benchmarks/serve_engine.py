@@ -245,9 +245,16 @@ def main(argv=None) -> int:
 
     cpu_tuning.apply_at_start(workload="lm", stepping=True)  # as `systolic serve` does, before jax starts
     compile_cache.enable()
-    engine, vocab = build_engine(args)
+    from systolic.errors import UserError
+
     t = time.perf_counter()
-    engine.warmup()
+    try:
+        engine, vocab = build_engine(args)
+        t = time.perf_counter()
+        engine.warmup()
+    except UserError as e:  # a pool or a step that does not fit: the engine's paragraph, not a traceback
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
     print(f"warm-up (every step size compiled): {time.perf_counter() - t:.1f} s")
     rows = []
     print(f"{'in flight':>9} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "

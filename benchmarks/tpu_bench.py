@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -258,7 +259,7 @@ def run_tests(dry_run: bool, env: dict[str, str], part_end: float, log, out_dir:
     # Every `tpu` test lives in tests/tpu/ (collecting the whole suite there took a minute of the command's ten).
     where = os.environ.get("SYSTOLIC_TPU_SH_TESTS", "tests/tpu/")
     cmd = [sys.executable, "-m", "pytest", "-m", "tpu", "-q", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", f"--junitxml={out_dir / 'pytest.xml'}", *where.split()]
+           "--continue-on-collection-errors", f"--junitxml={out_dir / 'pytest.xml'}", *shlex.split(where)]
     test_env = env if dry_run else dict(env, SYSTOLIC_TEST_PLATFORMS="tpu,cpu")
     row = {"row": f"pytest -m tpu {where}", "command": " ".join(cmd[1:])}
     left_s, why = budget_left(part_end)

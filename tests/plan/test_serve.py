@@ -214,14 +214,16 @@ def test_a_v5e_plan_finds_the_kernel_and_its_tokens_follow_the_expected_step():
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with")
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_the_tpu_step_updates_a_head_dim_64_pool_in_place(kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, kv", [(8, 8, "bf16"), (8, 2, "bf16"), (4, 4, "int8")])
+def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_heads, kv):
     """The donated pool is aliased to the step's output and never copied, and the step's attention is the Pallas
     kernel: with heads 64 wide (llama-1b's) the former (..., 2 x KV, 64) layout made the TPU compiler store it
     pages-minor and copy it into and out of the layers' loop, 2 x 2.1 GB a step for llama-1b's 4,099 pages
     (docs/performance.md, "Serving on one v5e"); (..., KV, 128) rows were still relaid out once a step with 2 key/value
-    heads (Qwen2.5-0.5B's shape). Compiled with libtpu for a v5e chip, 2 layers x 512 (8 heads of 64, 8 or 2
-    key/value heads), 4,096 pages."""
+    heads (Qwen2.5-0.5B's shape). An int8 pool of heads of 128 goes through the kernel too: the plain path's gather of
+    every token's pages took a Llama-3-8B shape's 1,024-token step to 16.65 GiB of temporaries on the v5e. Compiled
+    with libtpu for a v5e chip, 2 layers x 512 (8 heads of 64 with 8 or 2 key/value heads; 4 of 128 over int8),
+    4,096 pages."""
     from systolic import config as config_lib
     from systolic.plan import targets
     from systolic.plan.planner import compile_lowered, devices_for, for_target
@@ -230,10 +232,10 @@ def test_the_tpu_step_updates_a_head_dim_64_pool_in_place(kv_heads):
 
     target = targets.resolve("v5e-1", mesh_devices=1)
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
-        *TINY_LM, "model.dtype=bfloat16", "model.d_model=512", "model.heads=8", f"model.kv_heads={kv_heads}",
+        *TINY_LM, "model.dtype=bfloat16", "model.d_model=512", f"model.heads={heads}", f"model.kv_heads={kv_heads}",
         "model.max_seq_len=256"]))
     with for_target(target):
-        m = plan_serve(cfg, devices_for(target), weights="bf16", kv="bf16", page_size=16)
+        m = plan_serve(cfg, devices_for(target), weights="bf16", kv=kv, page_size=16)
         compiled, refused = compile_lowered(m.lower_step(8, 0, 4096), target)  # without the persistent cache
     assert refused is None, refused
     pool_bytes = 4096 * 16 * m.kv_bytes_per_token
@@ -241,7 +243,7 @@ def test_the_tpu_step_updates_a_head_dim_64_pool_in_place(kv_heads):
     assert memory.alias_size_in_bytes >= pool_bytes  # donated: the output is the input's memory
     assert memory.temp_size_in_bytes < pool_bytes / 8, memory.temp_size_in_bytes  # no copy of it
     model = cfg.model
-    shape = f"bf16[{model.layers},4096,16,{model.n_kv_heads * 2 * model.d_head}]"
+    shape = f"{'s8' if kv == 'int8' else 'bf16'}[{model.layers},4096,16,{model.n_kv_heads * 2 * model.d_head}]"
     text = compiled.as_text()
     copies = [line for line in text.splitlines() if " copy(" in line and shape in line.split("=")[1]]
     assert not copies, copies[:2]

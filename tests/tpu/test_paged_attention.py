@@ -2,8 +2,9 @@
 against the plain-JAX path (serve/paged_attention.py) compiled by XLA on the same chip, for one ragged step:
 decodes after 300 and 511 cached positions (several 256-key blocks), a continued prompt of 40 tokens after 17, a
 fresh prompt of 33, padding tokens; pages shuffled over the pool; head widths 64, 128 and 256; a sliding window,
-a soft cap and attention sinks. float32 at 'highest' matmul precision agrees to float32 rounding; bfloat16 to its
-rounding of the softmax weights and the output."""
+a soft cap and attention sinks; a pool in the compute dtype and an int8 one (`--kv-cache int8`: the kernel reads
+the int8 pages and their scales). float32 at 'highest' matmul precision agrees to float32 rounding; bfloat16 to its
+rounding of the softmax weights and the output (the plain path rounds the dequantized keys and values to it too)."""
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,30 @@ def case(H: int, KV: int, hd: int, dtype, seed: int = 0):
     return pool, batch, q, k, v, sinks
 
 
+VARIANTS = pytest.mark.parametrize("window, softcap, sinks, page_tokens", [(0, 0.0, False, None),
+                                                                          (100, 0.0, False, 48), (0, 30.0, True, 48)],
+                                   ids=["causal", "window-100-pages-for-48", "softcap-sinks-pages-for-48"])
+
+
 @pytest.mark.parametrize("H, KV, hd", [(8, 2, 64), (32, 8, 64), (8, 4, 128), (4, 1, 256)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("window, softcap, sinks, page_tokens", [(0, 0.0, False, None), (100, 0.0, False, 48),
-                                                                 (0, 30.0, True, 48)],
-                         ids=["causal", "window-100-pages-for-48", "softcap-sinks-pages-for-48"])
+@VARIANTS
 def test_kernel_equals_the_plain_path_on_the_chip(H, KV, hd, dtype, window, softcap, sinks, page_tokens):
+    check(H, KV, hd, dtype, window, softcap, sinks, page_tokens, int8=False)
+
+
+@pytest.mark.parametrize("H, KV, hd", [(32, 8, 64), (32, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@VARIANTS
+def test_kernel_over_an_int8_pool_equals_the_plain_path_on_the_chip(H, KV, hd, dtype, window, softcap, sinks,
+                                                                    page_tokens):
+    check(H, KV, hd, dtype, window, softcap, sinks, page_tokens, int8=True)
+
+
+def check(H, KV, hd, dtype, window, softcap, sinks, page_tokens, *, int8: bool):
     pool, batch, q, k, v, sink = case(H, KV, hd, jnp.dtype(dtype))
+    if int8:
+        pool = jax.jit(pa.quantize_kv, static_argnums=1)(pool, hd)
 
     def run(kernel):
         @jax.jit

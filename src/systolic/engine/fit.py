@@ -70,11 +70,12 @@ def _host_share(device: Any) -> tuple[int, str] | None:
     return host // count, f"its share of the host's memory (os.sysconf), split over {count} CPU device(s)"
 
 
-def out_of_memory(message: str, advice: str) -> DoesNotFit:
-    """The compiler's RESOURCE_EXHAUSTED as `DoesNotFit`, with the figures read from its text."""
+def out_of_memory(message: str, advice: str, what: str = "The train step") -> DoesNotFit:
+    """The compiler's RESOURCE_EXHAUSTED for `what` (a program) as `DoesNotFit`, with the figures read from its
+    text."""
     first = message.strip().splitlines()[0] if message.strip() else "RESOURCE_EXHAUSTED"
     need, have = memory.needed_bytes(message), memory.limit_bytes(message)
     figures = (f"needs {memory.size_text(need) if need else 'more'} per device of the "
                f"{memory.size_text(have) if have else 'memory'} a device has")
-    return DoesNotFit(f"The train step {figures}: the compiler stopped with RESOURCE_EXHAUSTED ({first}); no step ran. "
+    return DoesNotFit(f"{what} {figures}: the compiler stopped with RESOURCE_EXHAUSTED ({first}); no step ran. "
                       f"Fix: {advice}", need_bytes=need or 0, have_bytes=have or 0, fix=advice)

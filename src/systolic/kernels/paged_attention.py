@@ -75,15 +75,17 @@ def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_
 
 def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_table: jax.Array, rows: jax.Array,
                     lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
-                    sinks: jax.Array | None = None, block_keys: int = BLOCK_KEYS,
+                    sinks: jax.Array | None = None, scales: jax.Array | None = None, block_keys: int = BLOCK_KEYS,
                     tokens_per_block: int = TOKENS_PER_BLOCK, interpret: bool = False) -> jax.Array:
     """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
     KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
     positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
-    sinks (H,) float32 or None. -> (n, H, hd) in q's dtype. `interpret`: run in Pallas's TPU interpreter (off a TPU,
-    for tests)."""
+    sinks (H,) float32 or None. `scales` (L, pages, page_size, KV * 2) float32: the pool is int8 (`--kv-cache int8`),
+    each row's key and value of head h scaled by scales[..., 2h] and [..., 2h + 1]. -> (n, H, hd) in q's dtype.
+    `interpret`: run in Pallas's TPU interpreter (off a TPU, for tests)."""
     n, H, hd = q.shape
     L, P, page_size, width = pool.shape
+    quantized = scales is not None
     KV = width // (2 * hd)
     G = H // KV
     Gp = padded_group(G)
@@ -103,17 +105,24 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
     meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
     kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
-                               has_sinks=sinks is not None, null_page=null_page)
+                               has_sinks=sinks is not None, null_page=null_page, quantized=quantized)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    # An int8 page is DMA'd as its own (page_size, width) slab: int8's VMEM tile is 32 rows, so 16-row pages side
+    # by side in one (B, width) buffer would start mid-tile. Its scales' rows come beside it.
+    values = (pltpu.VMEM((2, block_pages, page_size, width), pool.dtype) if quantized
+              else pltpu.VMEM((2, block_pages * page_size, width), pool.dtype))
+    scale_buffer = [pltpu.VMEM((2, block_pages * page_size, 2 * KV), jnp.float32)] if quantized else []
     block = pl.BlockSpec((TQ, KV * Gp, Lq), lambda g, *_: (g, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(n_pad // TQ,),
-            in_specs=[block, pl.BlockSpec((KV * Gp, LANES), lambda g, *_: (0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[block, pl.BlockSpec((KV * Gp, LANES), lambda g, *_: (0, 0)), hbm, *[hbm] * quantized],
             out_specs=block,
             scratch_shapes=[
-                pltpu.VMEM((2, block_pages * page_size, width), pool.dtype),  # the double buffer of pages
+                values,  # the double buffer of pages
+                *scale_buffer,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((1,), jnp.int32),  # which buffer holds the block being computed
             ]),
@@ -122,28 +131,41 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         out_shape=jax.ShapeDtypeStruct((n_pad, KV * Gp, Lq), q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=NAME,
-    )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool)
+    )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool,
+      *([scales.astype(jnp.float32)] if quantized else []))
     out = out[:n].reshape(n, KV, Gp, Lq)[:, :, :G]
     return (out if split else out[..., hd:]).reshape(n, H, hd)  # padded: [p.k | p.v]
 
 
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
-            out_ref,  # (TQ, KV * Gp, Lq)
-            buf, sems, slot_ref,  # scratch
-            *, split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
-            null_page: int):
+            *refs,  # [scales (L, P, page_size, KV * 2) in HBM,] out, buf, [scale buffer,] sems, slot (scratch)
+            split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
+            null_page: int, quantized: bool):
+    if quantized:
+        scales_ref, out_ref, buf, sbuf, sems, slot_ref = refs
+    else:
+        (out_ref, buf, sems, slot_ref), scales_ref, sbuf = refs, None, None
     TQ, _, Lq = q_ref.shape
-    _, B, _ = buf.shape  # B keys per block
     page_size = pool_ref.shape[2]
+    B = buf.shape[1] * page_size if quantized else buf.shape[1]  # keys per block
     block_pages = B // page_size
     pages_per_seq = tables_ref.shape[1]
     layer, n_real = meta_ref[0], meta_ref[1]
     KV_rows = kv_heads * rows
     base = pl.program_id(0) * TQ
+    compute = q_ref.dtype  # an int8 page's values are converted to it (exactly: |v| <= 127)
     # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
     # float32 contract precision for them); float32 ones follow it.
-    precision = lax.Precision.DEFAULT if buf.dtype == jnp.bfloat16 else None
+    precision = lax.Precision.DEFAULT if compute == jnp.bfloat16 else None
+    if quantized:
+        # Which scale each query row takes: row r belongs to key/value head r // rows, whose key's scale is column
+        # 2h of a page row's scales and value's 2h + 1. As (KV_rows, 2 KV) one-hot matrices, one matmul spreads a
+        # block's (B, 2 KV) scales over the rows of the scores, (KV_rows, B), with no transpose in VMEM.
+        head = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 0) // rows
+        column = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 1)
+        pick_k = (column == 2 * head).astype(jnp.float32)
+        pick_v = (column == 2 * head + 1).astype(jnp.float32)
 
     def copies(t, b, slot):
         """The DMAs of token t's block b of pages into buffer `slot` (pages past its keys: the null page)."""
@@ -152,8 +174,12 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             i = b * block_pages + j
             page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
                              tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
-            into = buf.at[slot, pl.ds(j * page_size, page_size)]
+            into = buf.at[slot, j] if quantized else buf.at[slot, pl.ds(j * page_size, page_size)]
             out.append(pltpu.make_async_copy(pool_ref.at[layer, page], into, sems.at[slot]))
+            if quantized:
+                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, pl.ds(j * page_size,
+                                                                                                 page_size)],
+                                                 sems.at[slot]))
         return out
 
     def start(t, b, slot):
@@ -187,7 +213,7 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
                 f = 1 if split else min(FUSED_HEADS, kv_heads - g)
                 rows_g = q[g * rows:(g + f) * rows]
-                groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(buf.dtype)))
+                groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
 
             def block(b, state):
                 # The online softmax's state is the loop's carry (KV * Gp, 128) x 2 and (KV * Gp, Lq), float32.
@@ -207,6 +233,16 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
                 keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
                 visible = (keys >= lo) & (keys < hi)  # (1, B)
                 pages = buf.at[slot]
+                k_scale = v_scale = None
+                if quantized:
+                    # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B),
+                    # not on the (B, width) values.
+                    pages = buf[slot].astype(jnp.float32).astype(compute).reshape(B, buf.shape[-1])
+                    s_rows = sbuf[slot]  # (B, 2 KV)
+                    spread = lambda pick: lax.dot_general(  # noqa: E731
+                        pick, s_rows, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)  # (KV_rows, B): a one-hot pick, exact
+                    k_scale, v_scale = spread(pick_k), jnp.where(visible, spread(pick_v), 0.0)
                 parts = []
                 for g, f, qg in groups:
                     span = slice(g * rows, (g + f) * rows)
@@ -217,8 +253,9 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
                     else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
                         kt = vt = pages[:, g * Lq:(g + f) * Lq]
                         pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
+                    scale = None if k_scale is None else (k_scale[span], v_scale[span])
                     parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
-                                              precision=precision, pick=pick))
+                                              precision=precision, pick=pick, scale=scale))
                 slot_ref[0] = 1 - slot
                 return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
 
@@ -241,21 +278,25 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     lax.fori_loop(0, TQ, token, 0)
 
 
-def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick):
+def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick, scale=None):
     """One block of keys into the online softmax of R query rows: q (R, K) against kt (B, K) -> scores (R, B), soft-
     capped and masked by `visible` (1, B); then p (R, B) times vt (B, W), reduced by `pick` to the rows' own (R, Lq)
-    (the fused heads' diagonal blocks; None: all of it). state: m, l (R, 128) lane-replicated, acc (R, Lq) ->
-    the same, updated."""
+    (the fused heads' diagonal blocks; None: all of it). `scale`: an int8 block's (key, value) scales as each row
+    takes them, (R, B) each (zero where not visible), on the scores and on the weights that meet the values.
+    state: m, l (R, 128) lane-replicated, acc (R, Lq) -> the same, updated."""
     m_prev, l_prev, acc_prev = state
     s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # (R, B)
+    if scale is not None:
+        s = s * scale[0]
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(visible, s, -jnp.inf)
     m_cur = jnp.max(s, axis=1, keepdims=True)  # (R, 1); -inf: no key of this block
     seen = m_cur > -jnp.inf
     p = jnp.exp(s - jnp.where(seen, m_cur, 0.0))  # (R, B); hidden keys exactly 0
-    pv = jnp.dot(p.astype(vt.dtype), vt, precision=precision, preferred_element_type=jnp.float32)  # (R, W)
+    weights = p if scale is None else p * scale[1]
+    pv = jnp.dot(weights.astype(vt.dtype), vt, precision=precision, preferred_element_type=jnp.float32)  # (R, W)
     if pick is not None:
         pv = pick(pv)
     m_next = jnp.maximum(m_prev, m_cur)

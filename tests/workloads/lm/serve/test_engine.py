@@ -222,6 +222,32 @@ def test_no_compilation_after_warmup_across_200_requests():
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0 and stats["kv_pages_used"] == 0
 
 
+def test_a_step_program_the_chip_cannot_hold_ends_the_warm_up_in_one_paragraph(monkeypatch):
+    """The TPU compiler refuses a program whose temporaries exceed the chip (a Llama-3-8B shape's 1,024-token step
+    over an int8 pool read through the plain path needed 16.65 GiB of a v5e's 15.75): the warm-up ends with what
+    did not fit, the compiler's figures and the flags that make it fit, not a traceback from a compile thread."""
+    engine = make_engine(tiny_model(), max_seqs=8, max_tokens_per_step=16)
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (16.65G) "
+            "exceeds available HBM (15.75G).")
+    lower = engine._lower
+
+    class Refused:
+        def __init__(self, *program):
+            self.program = program
+
+        def compile(self):
+            if self.program[0] == 16:  # the larger bucket
+                raise jax.errors.JaxRuntimeError(text)
+            return lower(*self.program).compile()
+
+    monkeypatch.setattr(engine, "_lower", Refused)
+    with pytest.raises(UserError) as refused:
+        engine.warmup()
+    message = str(refused.value)
+    assert message.startswith("The serving step of 16 tokens") and "needs 16.65 GiB per device" in message
+    assert "--max-tokens-per-step (now 16)" in message and "--max-seqs (now 8)" in message and "\n" not in message
+
+
 def test_pool_size_from_a_budget_or_the_sequences():
     cfg = tiny_model()  # 2 layers x 2 key/value heads x 8 wide x 2 (keys, values) x 4 bytes = 256 bytes a position
     pages, line = pool_pages(cfg, 16, kv_memory_gib=1 / 1024, max_seqs=4, device=jax.devices()[0], split=1)

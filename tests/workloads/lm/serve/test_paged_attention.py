@@ -141,13 +141,15 @@ def quantization_bound(q, full_k, full_v, window: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("window", [0, 6], ids=["causal", "window-6"])
-@pytest.mark.parametrize("block_keys, page_tokens", [(64, None), (8, 8)],
-                         ids=["one-block", "blocks-of-8-pages-for-the-first-8"])
-def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, block_keys, page_tokens):
+@pytest.mark.parametrize("block_keys, page_tokens, kernel", [(64, None, False), (8, 8, False), (None, None, True),
+                                                             (None, 8, True)],
+                         ids=["one-block", "blocks-of-8-pages-for-the-first-8", "kernel", "kernel-for-the-first-8"])
+def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, block_keys, page_tokens, kernel):
     """The pool holds int8 values and a float32 scale per (token, key/value head). Three checks: every stored element
     is within absmax / 255 of its row's true value; attention over what the pool stores (the step's own keys and
     values read as stored too) matches float64 to float32 rounding (2e-5); and against the exact keys and values
-    the output is within `quantization_bound` (plus 2e-5), and moved at all."""
+    the output is within `quantization_bound` (plus 2e-5), and moved at all. kernel: the Pallas kernel (in its
+    interpreter here) reads the int8 pages and their scales for the tokens that read pages."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     cached = jax.jit(pa.quantize_kv, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV * 2hd) int8, (.., KV * 2)
@@ -157,7 +159,7 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     def run(pool, q, k, v, batch):
         pool = pa.write_kv(pool, 0, k, v, batch.slots)
         return pa.ragged_paged_attention(q, k, v, pool, 0, batch, window=window, block_keys=block_keys,
-                                         page_tokens=page_tokens), pool
+                                         page_tokens=page_tokens, kernel=kernel), pool
 
     out, written = run(cached, f32(q), f32(new_k), f32(new_v), batch)
     out = np.asarray(out)
@@ -229,3 +231,19 @@ def test_kernel_split_over_heads_equals_one_device(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-6)
     reference = dense_reference(q, full_k, full_v, window=6)
     np.testing.assert_allclose(want[:reference.shape[0]], reference, atol=2e-5, rtol=2e-5)
+
+
+def test_which_pools_a_tpu_program_reads_through_the_kernel():
+    """In a program for a TPU: a pool in the compute dtype of heads 64, 128 or 256 wide, and an int8 pool of heads
+    128 or 256 wide (each head's key and value whole lane tiles); an int8 pool of heads of 64 reads through the plain
+    path (70 ms a step through the kernel's fused heads on the v5e, against 4.3 with bfloat16: uses_kernel's
+    docstring), as MLA's latent rows do. Off a TPU, never."""
+    from systolic.runtime.platform import compiling_for
+
+    floats = jnp.zeros((1, 2, PAGE, 2 * 128), jnp.bfloat16)
+    int8 = pa.quantize_kv(jnp.zeros((1, 2, PAGE, 2 * 128)), 64)
+    assert not pa.uses_kernel(floats, 64)
+    with compiling_for("tpu"):
+        assert [pa.uses_kernel(floats, hd) for hd in (64, 128, 256, 8)] == [True, True, True, False]
+        assert [pa.uses_kernel(int8, hd) for hd in (64, 128, 256)] == [False, True, True]
+        assert not pa.uses_kernel(floats, 128, value_dim=64)

@@ -37,6 +37,7 @@ from systolic.data.generation_config import eos_ids
 from systolic.data.tokenizer import Tokenizer
 from systolic.data.chat import find_chat_template
 from systolic.engine import finished
+from systolic.engine.fit import out_of_memory
 from systolic.errors import UserError
 from systolic.runtime.platform import compiling_for
 from systolic.runtime.sharding import Rules
@@ -309,8 +310,20 @@ class InferenceEngine:
         with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as workers:
             compiling = [workers.submit(self._lower(*program).compile) for program in programs]
             for i, (program, future) in enumerate(zip(programs, compiling), 1):
-                self._programs[program] = future.result()
                 size, reading, detail = program
+                try:
+                    self._programs[program] = future.result()
+                except jax.errors.JaxRuntimeError as e:
+                    if "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    for rest in compiling:
+                        rest.cancel()
+                    raise out_of_memory(str(e), (
+                        f"a smaller --max-tokens-per-step (now {self.max_tokens_per_step:,}) or fewer --max-seqs "
+                        f"(now {self.max_seqs:,}), or a smaller KV cache (--kv-memory-gib); `systolic plan "
+                        "lm --serve --target ...` compiles the step for a TPU beforehand"),
+                        what=f"The serving step of {size:,} tokens ({reading:,} of them reading pages"
+                             f"{', with log-probabilities' if detail else ''})") from None
                 self._inflight = self._launch([], tokens=size, page_tokens=reading, detail=detail)
                 self._collect()
                 if progress is not None:
