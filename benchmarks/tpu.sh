@@ -8,7 +8,7 @@
 #   serve  benchmarks/serve_engine.py, bfloat16: llama-1b at 1/16/64/256 requests in flight, gemma3-1b at 1/64, a
 #          Gemma-2B shape at 64/256 (tok/s, TTFT, TPOT, warm-up)
 #   serve-int8  benchmarks/serve_engine.py, quantized weights drawn quantized: llama-1b with --quantize w8a8 and in
-#          bfloat16 at 64/256, then a Llama-3-8B shape with int8 weights and an int8 KV cache at 1/64/256 (bf16
+#          bfloat16 at 64/256, then a Llama-3-8B shape with int8 weights and an int8 KV cache at 1/64 (bf16
 #          weights do not fit one chip)
 #   serve-steps  benchmarks/serve_engine.py with more tokens a step (--max-tokens-per-step): llama-1b in bfloat16 with
 #          1,024 (1/64/256 in flight) and 256 (64/256), w8a8 with 1,024 (64/256), gemma3-1b with 512 (1/64), then the

@@ -76,7 +76,8 @@ BF16 = ["--dtype", "bfloat16"]
 SERVE_ROWS = (
     ("llama-1b bfloat16 (head_dim 64)", ["--recipe", "llama-1b", *BF16, "--levels", "1,16,64,256", "--max-seqs", "256",
                                          "--output", "128"]),
-    # 512 tokens a step (the default for 64 sequences is 256): 7,979 tok/s at 64 (2026-12-07), 7,212 with 256 (2026-12-06).
+    # 512 tokens a step (the default for 64 sequences is 256): 8,179 tok/s at 64 (2026-12-07, third session; 7,979
+    # before a greedy step stopped building the banned-id mask), 7,212 with 256 (2026-12-06).
     ("gemma3-1b bfloat16 (head_dim 256)", ["--recipe", "gemma3-1b", *BF16, "--levels", "1,64", "--max-seqs", "64",
                                            "--output", "64", "--max-tokens-per-step", "512"]),
     # Gemma 2B's shape (18 x 2048, 8 heads of 256, one key/value head, GeGLU 16384, 256,000 ids): JetStream's row.
@@ -89,22 +90,24 @@ SERVE_DRY = (("4 x 256 llama float32", ["--levels", "1,4", "--prompt", "32", "--
                                          "--max-tokens-per-step", "64"]),)  # its default model
 # Quantized weights (issue 42), drawn quantized (serve_engine.py random_params: no float copy of the model). First
 # w8a8 (int8 x int8 dots) against bfloat16 on llama-1b, each row as serve's llama-1b row but for the weights and the
-# levels (its own bf16 row here, so that one command gives the ratio; the acceptance: w8a8 >= 1.3x at 256): 1.21x at
-# 64 and 1.11x at 256 (2026-12-07), when the weights' scales were float32 and the TPU compiler copied each layer's
-# int8 weight slices into on-chip memory before their dots (now stored in bfloat16: serve/weights.py). Then a
+# levels (its own bf16 row here, so that one command gives the ratio; the acceptance: w8a8 >= 1.3x at 256): 1.28x at
+# 64 and 1.21x at 256 (2026-12-07, third session; 1.21x and 1.11x when the weights' scales were float32 and the TPU
+# compiler copied each layer's int8 weight slices into on-chip memory before their dots). Then a
 # Llama-3-8B shape, which fits one v5e only so: 7.97 GiB of int8 weights (bf16: 14.96 GiB of the chip's 15.75), its
 # cache in int8 (67,584 bytes a token against 131,072): 256 sequences of 128 + 128 tokens take 4.13 GiB. The TPU
 # compiler's figure for that step (`systolic plan lm --serve --recipe llama-8b --target v5e-1 --weights int8 --kv
 # int8 --context 256 --batch 256 --prefill-tokens 16`, libtpu 0.0.42.1, 2026-12-06): 13.33 GiB, of it 1.21 GiB
 # temporaries. The pool is set to 4.5 GiB: the default (80% of what the weights leave, ~6.1 GiB) would bring the
-# step to ~15.3 GiB. Per row: ~15 s to open the chip, warm-ups of 73-78 s (llama-1b, 2026-12-07), llama-8b's
-# weights drawn on the host (53 s on this project's loaded 2-core CPU host) and its warm-up 74 s.
+# step to ~15.3 GiB. Per row: ~15 s to open the chip, warm-ups of 72-82 s (llama-1b, 2026-12-07), llama-8b's
+# weights drawn on the host (53 s on this project's loaded 2-core CPU host) and its warm-up 93-95 s. Its int8 pool
+# is read by the kernel (heads of 128): through the plain path its 1,024-token step needed 16.65 GiB (2026-12-07).
+# It ran 77.7 ms a token at 1 in flight and 565 tok/s at 64 (TPOT 102 ms); a level of 256 would not fit the part.
 LLAMA_1B_256 = ["--recipe", "llama-1b", *BF16, "--levels", "64,256", "--max-seqs", "256", "--output", "128"]
 SERVE_INT8_ROWS = (
     ("llama-1b w8a8", [*LLAMA_1B_256, "--quantize", "w8a8"]),
     ("llama-1b bfloat16", LLAMA_1B_256),
     ("Llama-3-8B shape int8 weights, int8 KV", ["--recipe", "llama-8b", *BF16, "--quantize", "int8", "--kv-cache",
-                                                "int8", "--kv-memory-gib", "4.5", "--levels", "1,64,256",
+                                                "int8", "--kv-memory-gib", "4.5", "--levels", "1,64",
                                                 "--max-seqs", "256", "--output", "128"]),
 )
 # One row, both int8 paths (weights drawn quantized, int8 cache), with fewer step sizes than SERVE_DRY's (16-token

@@ -135,6 +135,7 @@ def test_the_v5e_decode_step_is_priced_at_the_measured_rates():
     assert "plain path" in _unmeasured(m, chip, dataclasses.replace(step, attention_kernel=False))
     assert "int8 weights" in _unmeasured(dataclasses.replace(m, weights="int8"), chip, step)
     assert "no serving step was measured" in _unmeasured(m, targets.CHIPS["v6e"], step)
+    assert "int8 KV pool" in _unmeasured(dataclasses.replace(m, kv="int8"), chip, step)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -341,8 +341,10 @@ def _unmeasured(m: ServeModel, chip: Chip, c: Compile) -> str | None:
     if m.weights != "bf16":
         return f"{m.weights} weights were not measured on the {chip.name} (bf16 weights were)"
     if not c.attention_kernel:
-        return (f"this step's attention takes the plain path, not the Pallas kernel (an int8 KV pool or MLA's latent "
-                f"rows: lm/serve/paged_attention.py `uses_kernel`), not measured on the {chip.name}")
+        return (f"this step's attention takes the plain path, not the Pallas kernel (MLA's latent rows or an int8 "
+                f"KV pool of heads of 64: lm/serve/paged_attention.py `uses_kernel`), not measured on the {chip.name}")
+    if m.kv == "int8":
+        return f"the kernel's rate over an int8 KV pool was not measured on the {chip.name} with bf16 weights"
     return None
 
 
