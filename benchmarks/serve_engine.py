@@ -247,7 +247,6 @@ def main(argv=None) -> int:
     compile_cache.enable()
     from systolic.errors import UserError
 
-    t = time.perf_counter()
     try:
         engine, vocab = build_engine(args)
         t = time.perf_counter()

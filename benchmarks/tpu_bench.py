@@ -98,7 +98,7 @@ SERVE_DRY = (("4 x 256 llama float32", ["--levels", "1,4", "--prompt", "32", "--
 # compiler's figure for that step (`systolic plan lm --serve --recipe llama-8b --target v5e-1 --weights int8 --kv
 # int8 --context 256 --batch 256 --prefill-tokens 16`, libtpu 0.0.42.1, 2026-12-06): 13.33 GiB, of it 1.21 GiB
 # temporaries. The pool is set to 4.5 GiB: the default (80% of what the weights leave, ~6.1 GiB) would bring the
-# step to ~15.3 GiB. Per row: ~15 s to open the chip, warm-ups of 72-82 s (llama-1b, 2026-12-07), llama-8b's
+# step to ~15.3 GiB. Per row: ~15 s to open the chip, warm-ups of 72-84 s (llama-1b, 2026-12-07), llama-8b's
 # weights drawn on the host (53 s on this project's loaded 2-core CPU host) and its warm-up 93-95 s. Its int8 pool
 # is read by the kernel (heads of 128): through the plain path its 1,024-token step needed 16.65 GiB (2026-12-07).
 # It ran 77.7 ms a token at 1 in flight and 565 tok/s at 64 (TPOT 102 ms); a level of 256 would not fit the part.

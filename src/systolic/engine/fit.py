@@ -14,6 +14,8 @@ jitted function stays the train step, so the recompilation watch (debug.py) stil
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -27,12 +29,8 @@ def compile_step(train_step: Any, state: Any, batch: Any, *, advice: str) -> Pro
     it needs more than a device has (`advice`: the fix). None for a step that is not jitted (nothing to analyse)."""
     if not hasattr(train_step, "lower"):
         return None
-    try:
+    with compiler_memory(advice):
         compiled = train_step.lower(state, batch).compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise out_of_memory(str(e), advice) from None
     analysis = compiled.memory_analysis()
     if analysis is None:  # a backend without a memory analysis
         return None
@@ -68,6 +66,18 @@ def _host_share(device: Any) -> tuple[int, str] | None:
         return None
     count = sum(d.platform == "cpu" for d in jax.local_devices())
     return host // count, f"its share of the host's memory (os.sysconf), split over {count} CPU device(s)"
+
+
+@contextlib.contextmanager
+def compiler_memory(advice: str, what: str = "The train step") -> Iterator[None]:
+    """A compile inside this block that the compiler stops with RESOURCE_EXHAUSTED ends as `DoesNotFit` for `what`,
+    with its figures and `advice`; any other error passes as it is."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise out_of_memory(str(e), advice, what) from None
 
 
 def out_of_memory(message: str, advice: str, what: str = "The train step") -> DoesNotFit:

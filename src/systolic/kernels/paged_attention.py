@@ -38,8 +38,8 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   and the scales applied where they are few: the key's on the scores (R, B), the value's on the softmax weights
   before they meet the values; one-hot matmuls spread a block's scales over each head's query rows. On the v5e
   (2026-12-07) the Llama-3-8B shape's heads of 128 serve through it (its 1,024-token step no longer needs the plain
-  path's 16.65 GiB gather), while llama-1b's heads of 64 through the fused heads ran 70 ms a step at 64 sequences
-  (4.3 ms over bfloat16 pages): not profiled yet, so they stay on the plain path.
+  path's 16.65 GiB gather), while llama-1b's heads of 64 through the fused heads ran 70.9 ms a step at 64 sequences
+  (4.47 ms over bfloat16 pages; w8a8 weights both): not profiled yet, so they stay on the plain path.
 """
 
 from __future__ import annotations
@@ -240,8 +240,7 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
                     c.wait()
                 keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
                 visible = (keys >= lo) & (keys < hi)  # (1, B)
-                pages = buf.at[slot]
-                k_scale = v_scale = None
+                pages, k_scale, v_scale = buf.at[slot], None, None  # a ref: each group loads its own lanes
                 if quantized:
                     # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B),
                     # not on the (B, width) values.

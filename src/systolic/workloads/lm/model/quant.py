@@ -79,7 +79,9 @@ def _weight_only(x: jax.Array, w: qwix.QArray, dims, contract: int, dtype) -> ja
     dtype (exactly: |q| <= 127 fits bfloat16's mantissa) meet x in the dot, and the scales multiply the product's
     columns. Dequantizing the weight first (q * scale, what Qwix's dot_general does for a float x) made the TPU
     compiler compute a float32 product per weight element inside the dot's operand fusion: the Llama-3-8B shape
-    decoded one request at 51 ms a token on a v5e, where its 8 GB of int8 weights stream in 10 ms."""
+    decoded one request at 51 ms a token on a v5e, where its 8 GB of int8 weights stream in 10 ms. This form, on the
+    same chip later (2026-12-07, bfloat16 scales, 1,024-token steps, its int8 pool through the kernel): 77.7 ms, so
+    the gain is not shown; not profiled (docs/performance.md, "What is left")."""
     y = lax.dot_general(x, w.qvalue.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     scale = w.scale.reshape(w.scale.shape[contract:])  # (*out): the contracted axes' scales are size 1
     return (y * scale.astype(jnp.float32)).astype(dtype)  # scales served in bfloat16 (serve/weights.py) too

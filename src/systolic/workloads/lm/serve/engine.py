@@ -37,7 +37,7 @@ from systolic.data.generation_config import eos_ids
 from systolic.data.tokenizer import Tokenizer
 from systolic.data.chat import find_chat_template
 from systolic.engine import finished
-from systolic.engine.fit import out_of_memory
+from systolic.engine.fit import compiler_memory
 from systolic.errors import UserError
 from systolic.runtime.platform import compiling_for
 from systolic.runtime.sharding import Rules
@@ -306,24 +306,18 @@ class InferenceEngine:
         and the time so far. -> how many programs."""
         programs = [(size, reading, False) for size in self.buckets for reading in page_buckets(size)]
         programs += [(size, size, True) for size in self.buckets]  # the detail step reads every token's pages
+        advice = (f"a smaller --max-tokens-per-step (now {self.max_tokens_per_step:,}) or fewer --max-seqs (now "
+                  f"{self.max_seqs:,}), or a smaller KV cache (--kv-memory-gib); `systolic plan lm --serve --target "
+                  "...` compiles the step for a TPU beforehand")
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as workers:
+        workers = ThreadPoolExecutor(max_workers=WARMUP_THREADS)
+        try:
             compiling = [workers.submit(self._lower(*program).compile) for program in programs]
             for i, (program, future) in enumerate(zip(programs, compiling), 1):
                 size, reading, detail = program
-                try:
+                with compiler_memory(advice, what=f"The serving step of {size:,} tokens ({reading:,} of them reading "
+                                                  f"pages{', with log-probabilities' if detail else ''})"):
                     self._programs[program] = future.result()
-                except jax.errors.JaxRuntimeError as e:
-                    if "RESOURCE_EXHAUSTED" not in str(e):
-                        raise
-                    for rest in compiling:
-                        rest.cancel()
-                    raise out_of_memory(str(e), (
-                        f"a smaller --max-tokens-per-step (now {self.max_tokens_per_step:,}) or fewer --max-seqs "
-                        f"(now {self.max_seqs:,}), or a smaller KV cache (--kv-memory-gib); `systolic plan "
-                        "lm --serve --target ...` compiles the step for a TPU beforehand"),
-                        what=f"The serving step of {size:,} tokens ({reading:,} of them reading pages"
-                             f"{', with log-probabilities' if detail else ''})") from None
                 self._inflight = self._launch([], tokens=size, page_tokens=reading, detail=detail)
                 self._collect()
                 if progress is not None:
@@ -331,6 +325,8 @@ class InferenceEngine:
                             f"{reading} cached tokens read a sequence")
                     progress(f"warm-up: step program {i} of {len(programs)} compiled ({size} tokens a step, {what}); "
                              f"{time.perf_counter() - start:.1f} s")
+        finally:  # after a program that did not fit, those not yet started are dropped, not compiled
+            workers.shutdown(cancel_futures=True)
         return len(programs)
 
     def _lower(self, size: int, reading: int, detail: bool) -> Any:
