@@ -27,7 +27,10 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   llama-1b's 16 layers at 256 sequences x 256 positions, 2026-12-07): 4.81 ms against 8.70 ms one head at a time
   (446 against 247 GB/s of keys and values); heads of 256 read at 300-380 GB/s. Pairing two heads'
   tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong outputs on
-  the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms): not kept.
+  the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms): not kept. Pairs stored so in the pool
+  instead ([k_a k_b | v_a v_b], or every key then every value), each pair's queries [q_a | 0] and [0 | q_b] in one
+  tile: 4.16 against 4.82 ms, but wrong on the chip too (max difference 1.99; right in the interpreter), and the
+  kernel reading the pages with no arithmetic took 3.31 ms: the floor this layout's compute is measured against.
 - The online softmax's running max, sum and output are the block loop's carry; 8, 32 or 128 tokens a grid step,
   and the state in VMEM scratch instead, measured the same.
 - Positions are masked by [lo, hi): causal (hi = the token's position + 1), a sliding window (lo), and pages past a
@@ -38,8 +41,13 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   and the scales applied where they are few: the key's on the scores (R, B), the value's on the softmax weights
   before they meet the values; one-hot matmuls spread a block's scales over each head's query rows. On the v5e
   (2026-12-07) the Llama-3-8B shape's heads of 128 serve through it (its 1,024-token step no longer needs the plain
-  path's 16.65 GiB gather), while llama-1b's heads of 64 through the fused heads ran 70.9 ms a step at 64 sequences
-  (4.47 ms over bfloat16 pages; w8a8 weights both): not profiled yet, so they stay on the plain path.
+  path's 16.65 GiB gather). The scales cost more than their bytes: the TPU compiler stores the (L, pages, page_size,
+  2 KV) array pages-minor (2 KV-wide rows would be padded to 128 lanes) and relays out what the kernel reads; given
+  every layer's, it did so for each layer's call (llama-1b w8a8 at 64 in flight: 70.9 ms a step, 4.47 over
+  bfloat16 pages), given the layer's alone 36.5 ms. And with no relayout at all (the pool an argument, not a loop's
+  carry), llama-1b's heads of 64 took 1.93 ms over int8 pages against 1.25 over bfloat16 ones (64 sequences x 256
+  positions): the pages' conversion in VMEM costs more than half the read saves. Heads of 64 stay on the plain path;
+  a lane-dense home for the scales (and cheaper conversion) is what an int8 pool through the kernel needs next.
 """
 
 from __future__ import annotations
@@ -140,14 +148,17 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         interpret=pltpu.InterpretParams() if interpret else False,
         name=NAME,
     )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool,
-      *([scales.astype(jnp.float32)] if quantized else []))
+      # This layer's scales only: the compiler keeps the (L, pages, page_size, 2 KV) array pages-minor (a 2 KV-wide row
+      # would be padded to 128 lanes) and the kernel reads row-major, so its operand is a relaid-out copy: of every
+      # layer's scales for each layer's call, it was (llama-1b w8a8, 64 in flight, v5e: 70.9 ms a step; 36.5 so).
+      *([lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False).astype(jnp.float32)] if quantized else []))
     out = out[:n].reshape(n, KV, Gp, Lq)[:, :, :G]
     return (out if split else out[..., hd:]).reshape(n, H, hd)  # padded: [p.k | p.v]
 
 
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
-            *refs,  # [scales (L, P, page_size, KV * 2) in HBM,] out, buf, [scale buffer,] sems, slot (scratch)
+            *refs,  # [the layer's scales (P, page_size, KV * 2) in HBM,] out, buf, [scale buffer,] sems, slot
             split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
             null_page: int, quantized: bool):
     if quantized:
@@ -185,7 +196,7 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             into = buf.at[slot, j] if quantized else buf.at[slot, pl.ds(j * page_size, page_size)]
             out.append(pltpu.make_async_copy(pool_ref.at[layer, page], into, sems.at[slot]))
             if quantized:
-                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, pl.ds(j * page_size,
+                out.append(pltpu.make_async_copy(scales_ref.at[page], sbuf.at[slot, pl.ds(j * page_size,
                                                                                                  page_size)],
                                                  sems.at[slot]))
         return out

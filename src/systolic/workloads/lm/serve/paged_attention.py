@@ -202,8 +202,9 @@ def uses_kernel(pool: Pool, head_dim: int, value_dim: int = 0) -> bool:
     dtype whose [k | v] rows are whole 128-lane tiles (head_dim 64, 128, 256), or an int8 pool whose heads are
     whole tiles (head_dim 128, 256). MLA's latent rows take the plain path (the kernel does not split a latent row
     yet), as do heads split over a mesh where key/value heads are not (fewer of them than devices: the kernel reads
-    whole groups). An int8 pool of heads of 64 does too: through the kernel's fused heads it ran 70.9 ms a step on
-    the v5e (llama-1b, w8a8, 64 in flight, 2026-12-07), against 4.47 ms with a bfloat16 pool. The Llama-3-8B shape's
+    whole groups). An int8 pool of heads of 64 does too: through the kernel's fused heads it ran 36.5 ms a step on
+    the v5e (llama-1b, w8a8, 64 in flight, 2026-12-07; 70.9 before the kernel took one layer's scales), against 4.47
+    ms with a bfloat16 pool (kernels/paged_attention.py says why). The Llama-3-8B shape's
     heads of 128 serve from an int8 pool through it, where the plain path's gather of every token's pages needed
     16.65 GiB of temporaries for a 1,024-token step."""
     rules = spmd.get_logical_axis_rules()
