@@ -64,3 +64,19 @@ def test_engine_serves_drawn_int8_weights_as_generate_does():
     want = gen.generate(model_graphdef(cfg, VOCAB), params, jnp.asarray(prompt[None], jnp.int32), max_new_tokens=8,
                         vocab_limit=LIMIT)
     assert tokens == np.asarray(want)[0].tolist() and len(set(tokens)) > 1
+
+
+def test_a_level_counts_its_tokens_and_splits_its_steps_into_host_and_device():
+    """run_level's row: every request's output tokens, and each step's wall time split into the host's own (the
+    "host" column) and its waits for the device's results (engine.waited_s), so a chip row shows which bounds it."""
+    import argparse
+
+    bench = _bench()
+    cfg = tiny_model()
+    engine = InferenceEngine(cfg, random_params(cfg)[1], ByteTokenizer(), kv_pages=16, page_size=PAGE, max_seqs=2,
+                             max_tokens_per_step=8)
+    waited = engine.waited_s
+    row = bench.run_level(engine, VOCAB, 2, argparse.Namespace(prompt=5, output=4))
+    assert row["output_tokens"] == 2 * 2 * 4 and row["steps"] > 4
+    assert engine.waited_s > waited  # the engine read results it had to wait for
+    assert 0 < row["host_ms"] < row["step_ms"]

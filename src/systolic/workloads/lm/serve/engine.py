@@ -185,6 +185,9 @@ class InferenceEngine:
         self._seeds = np.random.default_rng()
         self._programs: dict[tuple[int, int, bool], Any] = {}  # warm-up's compiled steps: (tokens, reading, detail)
         self._inflight: _Launched | None = None  # the step launched last, its results not yet read
+        # Seconds the host has waited for the device's results since the start: what the host did not hide of the
+        # device's time (benchmarks/serve_engine.py's "host" column is the rest of a step's wall time).
+        self.waited_s = 0.0
         self._previous = jax.device_put(np.zeros((2, max_seqs), np.int32),  # its outputs (step.py StepOutput)
                                         home if mesh is None else NamedSharding(mesh, P()))
 
@@ -393,7 +396,9 @@ class InferenceEngine:
         launched, self._inflight = self._inflight, None
         if launched is None:
             return []
+        start = time.perf_counter()
         sampled = np.asarray(launched.out.sampled)  # (2, M): tokens, log-probabilities' bits
+        self.waited_s += time.perf_counter() - start
         tokens, logprobs = sampled[0], sampled[1].view(np.float32)
         out = launched.out
         found = StepDetail(np.asarray(out.target_logprobs), np.asarray(out.top_ids),
