@@ -5,11 +5,15 @@ engine runs it), random bfloat16 keys and values, each sequence's pages shuffled
 
     PYTHONPATH=src python benchmarks/paged_attention.py                      # on a TPU: the rows below
     PYTHONPATH=src python benchmarks/paged_attention.py --rows llama-1b:64:256 --rounds 3
+    PYTHONPATH=src python benchmarks/paged_attention.py --kv-cache int8     # an int8 pool, beside the bfloat16 kernel
 
 A row is shape:sequences:positions, or shape:sequences:positions:chunk for a continued prompt of `chunk` tokens
 per sequence (each token reads its pages). Prints ms per step for each side, the kernel's KV read rate (bytes of
 the positions it attends over / its time) and the largest difference between the sides' outputs. Off a TPU the
-kernel runs in Pallas's interpreter (for a dry run only: tiny sizes, slow).
+kernel runs in Pallas's interpreter (for a dry run only: tiny sizes, slow). With `--kv-cache int8` the pool is the
+same keys and values quantized as `--kv-cache int8` stores them (each layer on its own: the whole pool in float32 at
+once did not fit the v5e for 256 x 256), both sides read it, and a third side, the kernel over the bfloat16 pool,
+alternates with them: whether the int8 pages pay in the kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per row (default 5)")
     p.add_argument("--reps", type=int, default=10, help="steps timed per round and side (default 10)")
     p.add_argument("--page-size", type=int, default=PAGE, help=f"tokens a page (default {PAGE}, the engine's)")
+    p.add_argument("--kv-cache", choices=("auto", "int8"), default="auto",
+                   help="the pool: bfloat16 (auto), or int8 values and scales beside the bfloat16 kernel")
     return p.parse_args(argv)
 
 
@@ -85,23 +91,41 @@ def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0, 
     return (q, k, v, pool), side(False), side(True), read
 
 
+def quantized(pool, head_dim: int):
+    """The bfloat16 pool as an int8 one (`--kv-cache int8`'s values and scales), a layer at a time."""
+    import jax
+
+    from systolic.workloads.lm.serve import paged_attention as pa
+
+    return jax.jit(lambda p: jax.lax.map(lambda layer: pa.quantize_kv(layer, head_dim), p))(pool)
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     import jax
     import numpy as np
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    header = "| row | plain ms | kernel ms | speed-up | kernel GB/s | max abs diff |"
-    lines = [header, "|---|---:|---:|---:|---:|---:|"]
+    int8 = args.kv_cache == "int8"
+    header = "| row | plain ms | kernel ms | speed-up | kernel GB/s | max abs diff |" + (
+        " kernel over bfloat16 ms | int8 / bfloat16 |" if int8 else "")
+    lines = [header, "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if int8 else "")]
     for row in args.rows.split(","):
         shape, seqs, positions, *chunk = row.split(":")
         operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), int(chunk[0]) if chunk else 1,
                                                   page=args.page_size)
-        outs = [jax.block_until_ready(f(*operands)) for f in (plain, kernel)]  # compile both
+        calls = {"plain": (plain, operands), "kernel": (kernel, operands)}
+        if int8:  # both sides over the int8 pool; the kernel over the bfloat16 one beside them
+            q, k, v, pool = operands
+            int8_operands = (q, k, v, quantized(pool, SHAPES[shape][3]))
+            calls = {"plain": (plain, int8_operands), "kernel": (kernel, int8_operands), "bf16": (kernel, operands)}
+        fns = {name: (lambda f=f, ops=ops: f(*ops)) for name, (f, ops) in calls.items()}
+        outs = [jax.block_until_ready(fns[name]()) for name in ("plain", "kernel")]  # compile both (bf16's too)
         diff = float(np.max(np.abs(np.asarray(outs[0], np.float32) - np.asarray(outs[1], np.float32))))
-        medians = bench_rows.alternating_medians({"plain": plain, "kernel": kernel}, operands, args.rounds, args.reps)
+        medians = bench_rows.alternating_medians(fns, (), args.rounds, args.reps)
         p, k = medians["plain"], medians["kernel"]
-        lines.append(f"| {row} | {p * 1e3:.3f} | {k * 1e3:.3f} | {p / k:.2f}x | {read / k / 1e9:.0f} | {diff:.4f} |")
+        lines.append(f"| {row} | {p * 1e3:.3f} | {k * 1e3:.3f} | {p / k:.2f}x | {read / k / 1e9:.0f} | {diff:.4f} |"
+                     + (f" {medians['bf16'] * 1e3:.3f} | {k / medians['bf16']:.2f}x |" if int8 else ""))
         print(lines[-1], flush=True)
     print("\n".join(lines))
     return 0
