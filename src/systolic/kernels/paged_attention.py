@@ -46,7 +46,7 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   every layer's, it did so for each layer's call (llama-1b w8a8 at 64 in flight: 70.9 ms a step, 4.47 over
   bfloat16 pages), given the layer's alone 36.5 ms. And with no relayout at all (the pool an argument, not a loop's
   carry), llama-1b's heads of 64 took 1.93 ms over int8 pages against 1.25 over bfloat16 ones (64 sequences x 256
-  positions): the pages' conversion in VMEM costs more than half the read saves. Heads of 64 stay on the plain path;
+  positions; not profiled: the int8 pages' conversion in VMEM is the likely cost). Heads of 64 stay on the plain path;
   a lane-dense home for the scales (and cheaper conversion) is what an int8 pool through the kernel needs next.
 """
 
