@@ -251,7 +251,7 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     copies = [line for line in text.splitlines() if " copy(" in line and shape in line.split("=")[1]]
     assert not copies, copies[:2]
     assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention.py), not the plain gather
-    if kv == "int8":  # the kernel takes one layer's scales: every layer's, relaid out for each call, cost ~2 ms a layer
+    if kv == "int8":  # the kernel takes one layer's scales, not every layer's relaid out for each call (docstring)
         call = next(line for line in text.splitlines() if "= " in line and "systolic_paged_attention" in line
                     and "custom-call(" in line)
         constraints = call.split("operand_layout_constraints={")[1].split("}}")[0]
