@@ -12,8 +12,9 @@ per sequence (each token reads its pages). Prints ms per step for each side, the
 the positions it attends over / its time) and the largest difference between the sides' outputs. Off a TPU the
 kernel runs in Pallas's interpreter (for a dry run only: tiny sizes, slow). With `--kv-cache int8` the pool is the
 same keys and values quantized as `--kv-cache int8` stores them (each layer on its own: the whole pool in float32 at
-once did not fit the v5e for 256 x 256), both sides read it, and a third side, the kernel over the bfloat16 pool,
-alternates with them: whether the int8 pages pay in the kernel.
+once did not fit the v5e for 256 x 256) in pages of 128 (the engine's for int8 on a TPU), both sides read it, and
+a third side, the kernel over a bfloat16 pool of the same shape in the engine's pages of 16, alternates with them:
+whether the int8 pages pay in the kernel.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SHAPES = {
 ROWS = ("llama-1b:64:256", "llama-1b:256:256", "llama-1b:64:1024", "gemma3-1b:64:256", "gemma-2b:256:256",
         "llama-1b:4:384:128")
 PAGE = 16
+INT8_PAGE = 128  # kernels/paged_attention.py's INT8_PAGE (imported after the arguments: jax loads slowly)
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -40,7 +42,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help="shape:sequences:positions[:chunk], comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per row (default 5)")
     p.add_argument("--reps", type=int, default=10, help="steps timed per round and side (default 10)")
-    p.add_argument("--page-size", type=int, default=PAGE, help=f"tokens a page (default {PAGE}, the engine's)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens a page (default as the engine's on a TPU: {PAGE}, an int8 pool's {INT8_PAGE})")
     p.add_argument("--kv-cache", choices=("auto", "int8"), default="auto",
                    help="the pool: bfloat16 (auto), or int8 values and scales beside the bfloat16 kernel")
     return p.parse_args(argv)
@@ -92,12 +95,12 @@ def make_step(shape: str, seqs: int, positions: int, chunk: int, seed: int = 0, 
 
 
 def quantized(pool, head_dim: int):
-    """The bfloat16 pool as an int8 one (`--kv-cache int8`'s values and scales), a layer at a time."""
+    """The bfloat16 pool as an int8 one (`--kv-cache int8`'s words and scales), a layer at a time."""
     import jax
 
-    from systolic.workloads.lm.serve import paged_attention as pa
+    from systolic.workloads.lm.serve import int8_pool
 
-    return jax.jit(lambda p: jax.lax.map(lambda layer: pa.quantize_kv(layer, head_dim), p))(pool)
+    return jax.jit(int8_pool.quantize_pool, static_argnums=1)(pool, head_dim)
 
 
 def main(argv=None) -> int:
@@ -112,13 +115,17 @@ def main(argv=None) -> int:
     lines = [header, "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if int8 else "")]
     for row in args.rows.split(","):
         shape, seqs, positions, *chunk = row.split(":")
-        operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), int(chunk[0]) if chunk else 1,
-                                                  page=args.page_size)
+        chunk = int(chunk[0]) if chunk else 1
+        page = args.page_size or (INT8_PAGE if int8 else PAGE)
+        operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), chunk, page=page)
         calls = {"plain": (plain, operands), "kernel": (kernel, operands)}
-        if int8:  # both sides over the int8 pool; the kernel over the bfloat16 one beside them
+        if int8:  # both sides over the int8 pool; the kernel over a bfloat16 one in the engine's pages beside them
             q, k, v, pool = operands
             int8_operands = (q, k, v, quantized(pool, SHAPES[shape][3]))
-            calls = {"plain": (plain, int8_operands), "kernel": (kernel, int8_operands), "bf16": (kernel, operands)}
+            del pool, operands
+            bf16_operands, _, bf16_kernel, _ = make_step(shape, int(seqs), int(positions), chunk, page=PAGE)
+            calls = {"plain": (plain, int8_operands), "kernel": (kernel, int8_operands),
+                     "bf16": (bf16_kernel, bf16_operands)}
         fns = {name: (lambda f=f, ops=ops: f(*ops)) for name, (f, ops) in calls.items()}
         outs = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}  # each compiled before the timing
         diff = float(np.max(np.abs(np.asarray(outs["plain"], np.float32) - np.asarray(outs["kernel"], np.float32))))

@@ -57,7 +57,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-memory-gib", type=float, help="the pool's GiB, as `systolic serve --kv-memory-gib` (default: "
                    "80%% of the device's free memory after the weights), cut to 4x what the levels hold and never "
                    "less")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None, help="default: as systolic serve (16; int8 on a TPU 128)")
     p.add_argument("--max-tokens-per-step", type=int, help="as `systolic serve --max-tokens-per-step` (default: 256, "
                    "or 4 x --max-seqs when that is more)")
     p.add_argument("--json", help="also write one JSON line per level to this file")
@@ -79,6 +79,7 @@ def build_engine(args):
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
     from systolic.workloads.lm.serve.engine import InferenceEngine
+    from systolic.workloads.lm.serve.kv_pool import default_page_size
     from systolic.workloads.lm.serve.sizing import pool_pages
 
     overrides = [f"model.dtype={args.dtype}"] + ([] if args.recipe else CPU_MODEL) + args.set
@@ -91,6 +92,7 @@ def build_engine(args):
     params = random_params(model, vocab, args.quantize)
     # The pool: what `systolic serve` would take on this device beside these weights, cut to 4x what max_seqs
     # requests of prompt + output hold (the levels use no more) and never less than that.
+    args.page_size = args.page_size or default_page_size(args.kv_cache, jax.devices()[0].platform)
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
     pages, _ = pool_pages(model, args.page_size, kv_memory_gib=args.kv_memory_gib, max_seqs=args.max_seqs,
                           device=jax.devices()[0], split=1, kv_cache=args.kv_cache)

@@ -69,10 +69,11 @@ def test_kv_bytes_per_token_are_the_formula_and_the_compiled_pools():
     _, q = serve_model([*TINY_LM, "model.dtype=bfloat16"], weights="bf16", kv="int8")
     # int8 values and one float32 scale per token, layer, key or value and head, as the lowered pool holds them
     assert q.kv_bytes_per_token == 2 * L * KV * (hd + 4)
-    pool = q.lower_step(3, 0, 7).args_info[0][1]  # the pool: a QArray of values and scales
-    values, scales = pool.qvalue, pool.scale
-    assert values.dtype == jnp.int8 and scales.shape == (*values.shape[:-1], 2 * KV)  # each head's key's and value's
-    lowered = sum(math.prod(a.shape) * a.dtype.itemsize for a in (values, scales))
+    pool = q.lower_step(3, 0, 7).args_info[0][1]  # the pool: an Int8Pool of words and scales
+    words, scales = pool.words, pool.scales
+    assert words.dtype == jnp.int32 and words.shape[-1] == KV * 2 * hd // 4  # four int8 entries a word
+    assert scales.shape == (*words.shape[:2], 2 * KV, words.shape[2])  # each head's key's and value's, positions minor
+    lowered = sum(math.prod(a.shape) * a.dtype.itemsize for a in (words, scales))
     assert lowered == 7 * 16 * q.kv_bytes_per_token
 
 
@@ -215,18 +216,18 @@ def test_a_v5e_plan_finds_the_kernel_and_its_tokens_follow_the_expected_step():
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'jax[tpu]'): no TPU compiler to plan with")
-@pytest.mark.parametrize("heads, kv_heads, kv", [(8, 8, "bf16"), (8, 2, "bf16"), (4, 4, "int8")])
+@pytest.mark.parametrize("heads, kv_heads, kv", [(8, 8, "bf16"), (8, 2, "bf16"), (4, 4, "int8"), (8, 8, "int8")])
 def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_heads, kv):
     """The donated pool is aliased to the step's output and never copied, and the step's attention is the Pallas
     kernel: with heads 64 wide (llama-1b's) the former (..., 2 x KV, 64) layout made the TPU compiler store it
     pages-minor and copy it into and out of the layers' loop, 2 x 2.1 GB a step for llama-1b's 4,099 pages
     (docs/performance.md, "Serving on one v5e"); (..., KV, 128) rows were still relaid out once a step with 2 key/value
-    heads (Qwen2.5-0.5B's shape). An int8 pool of heads of 128 goes through the kernel too: the plain path's gather of
-    every token's pages took a Llama-3-8B shape's 1,024-token step to 16.65 GiB of temporaries on the v5e; the
-    kernel reads the layer's scales alone (the compiler keeps every layer's pages-minor, and relaid out them all
-    for each layer's call: 36.5 against 70.9 ms a step on the v5e, llama-1b w8a8 at 64 in flight). Compiled
-    with libtpu for a v5e chip, 2 layers x 512 (8 heads of 64 with 8 or 2 key/value heads; 4 of 128 over int8),
-    4,096 pages."""
+    heads (Qwen2.5-0.5B's shape). An int8 pool goes through the kernel too, in pages of 128 (`systolic serve`'s
+    default for it on a TPU), its scales (L, pages, 2 KV, 128) stored row-major and handed to the kernel whole: in
+    pages of 16 as (L, pages, 16, 2 KV) the compiler stored them pages-minor and relaid them out for every call
+    (llama-1b w8a8, 64 in flight, v5e: 70.9 ms a step, 36.5 with one layer's, 4.47 over bfloat16 pages); the plain
+    path's gather of every token's pages took a Llama-3-8B shape's 1,024-token step to 16.65 GiB of temporaries.
+    Compiled with libtpu for a v5e chip, 2 layers x 512 (8 heads of 64 with 8 or 2 key/value heads; 4 of 128)."""
     from systolic import config as config_lib
     from systolic.plan import targets
     from systolic.plan.planner import compile_lowered, devices_for, for_target
@@ -237,25 +238,38 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
         *TINY_LM, "model.dtype=bfloat16", "model.d_model=512", f"model.heads={heads}", f"model.kv_heads={kv_heads}",
         "model.max_seq_len=256"]))
+    # 2^20 positions (a 2-4 GB pool): a small pool's scales were put in on-chip memory, where the compiler wrote them
+    # in another layout and copied them in and out; at a pool's usual size they stay in HBM, written in place.
+    page = 128 if kv == "int8" else 16
+    pages = 2**20 // page
     with for_target(target):
-        m = plan_serve(cfg, devices_for(target), weights="bf16", kv=kv, page_size=16)
-        compiled, refused = compile_lowered(m.lower_step(8, 0, 4096), target)  # without the persistent cache
+        m = plan_serve(cfg, devices_for(target), weights="bf16", kv=kv)  # serve's default pages
+        assert m.page_size == page
+        compiled, refused = compile_lowered(m.lower_step(8, 0, pages), target)  # without the persistent cache
+        if kv == "int8":  # and a step of 1,024 tokens: their scales in scatters of SCALE_WRITES (paged_attention.py)
+            big, refused_big = compile_lowered(m.lower_step(1024, 8, pages), target)
+            scale_bytes = 2**20 * 4 * 2 * cfg.model.n_kv_heads * cfg.model.layers
+            assert refused_big is None and big.memory_analysis().temp_size_in_bytes < scale_bytes / 8
     assert refused is None, refused
-    pool_bytes = 4096 * 16 * m.kv_bytes_per_token
+    pool_bytes = pages * page * m.kv_bytes_per_token
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes >= pool_bytes  # donated: the output is the input's memory
     assert memory.temp_size_in_bytes < pool_bytes / 8, memory.temp_size_in_bytes  # no copy of it
     model = cfg.model
-    shape = f"{'s8' if kv == 'int8' else 'bf16'}[{model.layers},4096,16,{model.n_kv_heads * 2 * model.d_head}]"
+    L, KV = model.layers, model.n_kv_heads
+    shapes = [f"{'s32' if kv == 'int8' else 'bf16'}[{L},{pages},{page},{KV * 2 * model.d_head // (4 if kv == 'int8' else 1)}]"]
+    if kv == "int8":
+        shapes.append(f"f32[{L},{pages},{2 * KV},{page}]")
     text = compiled.as_text()
-    copies = [line for line in text.splitlines() if " copy(" in line and shape in line.split("=")[1]]
+    copies = [line for line in text.splitlines() if " copy(" in line and any(s in line.split("=")[1] for s in shapes)]
     assert not copies, copies[:2]
     assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention.py), not the plain gather
-    if kv == "int8":  # the kernel takes one layer's scales, not every layer's relaid out for each call (docstring)
+    if kv == "int8":  # every layer's scales, row-major: the stored array itself, no relayout (docstring)
         call = next(line for line in text.splitlines() if "= " in line and "systolic_paged_attention" in line
                     and "custom-call(" in line)
         constraints = call.split("operand_layout_constraints={")[1].split("}}")[0]
-        assert f"f32[4096,16,{2 * model.n_kv_heads}]" in constraints, constraints  # not [layers, 4096, ...]
+        assert f"{shapes[1]}{{3,2,1,0" in constraints, constraints
+        assert f"{shapes[1]}{{3,2,1,0" in text.splitlines()[0]  # the entry's layout: as the kernel reads it
 
 
 @pytest.mark.tpu_aot

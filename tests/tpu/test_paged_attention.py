@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from systolic.kernels import paged_attention as kernel_lib
+from systolic.workloads.lm.serve import int8_pool
 from systolic.workloads.lm.serve import paged_attention as pa
 from systolic.workloads.lm.serve.kv_cache import PageTable
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
@@ -22,19 +24,19 @@ CHUNKS = ((300, 1), (17, 40), (511, 1), (0, 33))  # (cached positions, this step
 T, S, PER_SEQ = 96, 6, 40
 
 
-def case(H: int, KV: int, hd: int, dtype, seed: int = 0):
-    """The pool (2 layers) with random keys and values, the step's batch as the scheduler lays it out (pages
-    shuffled), and the step's q, k, v and sinks."""
+def case(H: int, KV: int, hd: int, dtype, seed: int = 0, page: int = PAGE):
+    """The pool (2 layers) in pages of `page` tokens with random keys and values, the step's batch as the scheduler
+    lays it out (pages shuffled), and the step's q, k, v and sinks."""
     rng = np.random.default_rng(seed)
     lengths = [c + n for c, n in CHUNKS]
-    pages = 1 + sum(-(-n // PAGE) for n in lengths)
+    pages = 1 + sum(-(-n // page) for n in lengths)
     free = list(rng.permutation(np.arange(1, pages)))
     chunks = []
     for i, ((cached, n), length) in enumerate(zip(CHUNKS, lengths)):
-        table = PageTable(pages=[int(free.pop()) for _ in range(-(-length // PAGE))])
+        table = PageTable(pages=[int(free.pop()) for _ in range(-(-length // page))])
         chunks.append(Chunk(Sequence(f"s{i}", list(rng.integers(0, 50, length)), length, i, table=table), cached, n))
-    _, batch = layout(chunks, tokens=T, rows=S, page_size=PAGE, pages_per_seq=PER_SEQ)
-    pool = jnp.asarray(rng.normal(size=(2, pages, PAGE, KV * 2 * hd)), dtype)
+    _, batch = layout(chunks, tokens=T, rows=S, page_size=page, pages_per_seq=PER_SEQ)
+    pool = jnp.asarray(rng.normal(size=(2, pages, page, KV * 2 * hd)), dtype)
     q, k, v = (jnp.asarray(rng.normal(size=(T, h, hd)), dtype) for h in (H, KV, KV))
     sinks = jnp.asarray(rng.normal(size=H), jnp.float32)
     return pool, batch, q, k, v, sinks
@@ -61,9 +63,10 @@ def test_kernel_over_an_int8_pool_equals_the_plain_path_on_the_chip(H, KV, hd, d
 
 
 def check(H, KV, hd, dtype, window, softcap, sinks, page_tokens, *, int8: bool):
-    pool, batch, q, k, v, sink = case(H, KV, hd, jnp.dtype(dtype))
+    # An int8 pool in the kernel's pages of INT8_PAGE (128) tokens: the decodes after 300 and 511 read 3 and 4.
+    pool, batch, q, k, v, sink = case(H, KV, hd, jnp.dtype(dtype), page=kernel_lib.INT8_PAGE if int8 else PAGE)
     if int8:
-        pool = jax.jit(pa.quantize_kv, static_argnums=1)(pool, hd)
+        pool = jax.jit(int8_pool.quantize_pool, static_argnums=1)(pool, hd)
 
     def run(kernel):
         @jax.jit

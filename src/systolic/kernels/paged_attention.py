@@ -1,8 +1,8 @@
 """A Pallas TPU kernel for attention over the serving engine's paged KV pool: each token of a step reads its own
 sequence's keys and values from the pages, positions [lo, hi), straight into VMEM, and keeps flash attention's
 online softmax there. Its plain-JAX reference is `workloads/lm/serve/paged_attention.ragged_paged_attention` (the
-path off a TPU, and for the pools and attentions this kernel does not take: MLA's latent rows, an int8 pool of heads
-of 64: `uses_kernel` there).
+path off a TPU, and for the pools and attentions this kernel does not take: MLA's latent rows, an int8 pool in
+pages smaller than 128: `uses_kernel` there).
 
 Why our own and not JAX's `ragged_paged_attention`: JAX 0.10.2's kernel takes keys and values as interleaved heads
 (pages, page_size, 2 x KV, hd) and asserts on head_dim 64 (llama-1b's), and its rows of 64 lanes are half a TPU
@@ -36,18 +36,19 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
 - Positions are masked by [lo, hi): causal (hi = the token's position + 1), a sliding window (lo), and pages past a
   sequence's end are read from the null page, never out of bounds.
 - Logits soft-capped (Gemma 2) before the mask; attention sinks (GPT-OSS) join the denominator at the end.
-- An int8 pool (`--kv-cache int8`): each page's int8 rows are DMA'd as a slab of their own (int8's VMEM tile is 32
-  rows, a page 16) with its (page_size, 2 KV) float32 scales beside them, converted to the compute dtype exactly,
-  and the scales applied where they are few: the key's on the scores (R, B), the value's on the softmax weights
-  before they meet the values; one-hot matmuls spread a block's scales over each head's query rows. On the v5e
-  (2026-12-07) the Llama-3-8B shape's heads of 128 serve through it (its 1,024-token step no longer needs the plain
-  path's 16.65 GiB gather). The scales cost more than their bytes: the TPU compiler stores the (L, pages, page_size,
-  2 KV) array pages-minor (2 KV-wide rows would be padded to 128 lanes) and relays out what the kernel reads; given
-  every layer's, it did so for each layer's call (llama-1b w8a8 at 64 in flight: 70.9 ms a step, 4.47 over
-  bfloat16 pages), given the layer's alone 36.5 ms. And with no relayout at all (the pool an argument, not a loop's
-  carry), llama-1b's heads of 64 took 1.93 ms over int8 pages against 1.25 over bfloat16 ones (64 sequences x 256
-  positions; not profiled: the int8 pages' conversion in VMEM is the likely cost). Heads of 64 stay on the plain path;
-  a lane-dense home for the scales (and cheaper conversion) is what an int8 pool through the kernel needs next.
+- An int8 pool (`--kv-cache int8`, serve/int8_pool.py): a page's int32 words (four int8 entries each) and its
+  (2 KV, page_size) float32 scales are DMA'd beside each other; each 128-lane tile of words gives its 512 entries
+  by two shifts a byte, converted to the compute dtype exactly; the scales go where they are few: the key's on the
+  scores (R, B), the value's on the softmax weights before they meet the values, spread over each head's query rows
+  by one-hot matmuls. On the v5e (2026-12-07, benchmarks/paged_attention.py --kv-cache int8, llama-1b's heads of
+  64) it matches the kernel over bfloat16 pages, not the half its bytes would give: 4.97 against 4.81 ms (256
+  sequences x 256 positions), 1.28 against 1.25 (64 x 256), 4.42 against 4.26 (64 x 1,024); in pages of 16 with the
+  scales (.., page_size, 2 KV) it took 1.93 against 1.25, the scales relaid out for every call. Nor is the kernel
+  bound there by its matmuls or its DMAs' latency (256 x 256, the same chip): with both matmuls replaced by sums it
+  took as long (benchmarks/paged_attention_ablation.py: 4.81 / 4.46 / 4.96 ms over bfloat16 pages of 16, of 128 and
+  int8 pages), and a ring of 2 to 8 blocks of pages (1 to 7 in flight; a prototype, not kept) took as long as this
+  double buffer (4.69 / 4.37 / 4.63). bfloat16 pages of 128 (2 DMAs a block, not 16) took 7% less. What it is bound
+  by (the vector work a token and a block, the scalar work a DMA) is not profiled yet.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ TOKENS_PER_BLOCK = 32
 FUSED_HEADS = 8
 LANES = 128
 SUBLANES = 8
+# An int8 pool's pages hold a multiple of this many tokens for the kernel: a page's (2 KV, page_size) scales are
+# then whole lane tiles, DMA'd into their place in a block's (2 KV, B).
+INT8_PAGE = 128
 NAME = "systolic_paged_attention"  # the pallas_call's, in the compiled HLO (the serving plan looks for it)
 
 
@@ -91,17 +95,27 @@ def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_
 
 def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_table: jax.Array, rows: jax.Array,
                     lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
-                    sinks: jax.Array | None = None, scales: jax.Array | None = None, block_keys: int = BLOCK_KEYS,
-                    tokens_per_block: int = TOKENS_PER_BLOCK, interpret: bool = False) -> jax.Array:
+                    sinks: jax.Array | None = None, scales: jax.Array | None = None, unit: int = 0,
+                    block_keys: int = BLOCK_KEYS, tokens_per_block: int = TOKENS_PER_BLOCK,
+                    interpret: bool = False) -> jax.Array:
     """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
     KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
     positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
-    sinks (H,) float32 or None. `scales` (L, pages, page_size, KV * 2) float32: the pool is int8 (`--kv-cache int8`),
-    each row's key and value of head h scaled by scales[..., 2h] and [..., 2h + 1]. -> (n, H, hd) in q's dtype.
+    sinks (H,) float32 or None. `scales` (L, pages, KV * 2, page_size) float32: the pool is int8 (`--kv-cache int8`,
+    serve/int8_pool.py), (L, pages, page_size, KV * 2hd / 4) int32 words packing each `unit` entries of a row (512 on
+    a TPU) four to a word, position p's key and value of head h scaled by scales[.., 2h, p] and [.., 2h + 1, p];
+    page_size a multiple of INT8_PAGE. -> (n, H, hd) in q's dtype.
     `interpret`: run in Pallas's TPU interpreter (off a TPU, for tests)."""
     n, H, hd = q.shape
     L, P, page_size, width = pool.shape
     quantized = scales is not None
+    if quantized:
+        width *= 4  # entries a row, four a word
+        if (page_size % INT8_PAGE or unit % (4 * LANES)) and not interpret:
+            raise ValueError(f"An int8 pool in pages of {page_size} packed in units of {unit}: the kernel reads pages "
+                             f"of a multiple of {INT8_PAGE} tokens (its scales whole lane tiles) packed in units of "
+                             f"{4 * LANES} (a lane tile of words). Fix: --page-size {INT8_PAGE}, key/value heads x "
+                             f"2 x head_dim a multiple of {4 * LANES} on each device.")
     KV = width // (2 * hd)
     G = H // KV
     Gp = padded_group(G)
@@ -121,13 +135,12 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
     meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
     kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
-                               has_sinks=sinks is not None, null_page=null_page, quantized=quantized)
+                               has_sinks=sinks is not None, null_page=null_page, unit=unit if quantized else 0)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    # An int8 page is DMA'd as its own (page_size, width) slab: int8's VMEM tile is 32 rows, so 16-row pages side
-    # by side in one (B, width) buffer would start mid-tile. Its scales' rows come beside it.
-    values = (pltpu.VMEM((2, block_pages, page_size, width), pool.dtype) if quantized
-              else pltpu.VMEM((2, block_pages * page_size, width), pool.dtype))
-    scale_buffer = [pltpu.VMEM((2, block_pages * page_size, 2 * KV), jnp.float32)] if quantized else []
+    # A block's pages one after another, (B, width); an int8 pool's scales beside them as (2 KV, B), each page's
+    # (2 KV, page_size) whole lane tiles of it.
+    values = pltpu.VMEM((2, block_pages * page_size, pool.shape[-1]), pool.dtype)
+    scale_buffer = [pltpu.VMEM((2, 2 * KV, block_pages * page_size), jnp.float32)] if quantized else []
     block = pl.BlockSpec((TQ, KV * Gp, Lq), lambda g, *_: (g, 0, 0))
     out = pl.pallas_call(
         kernel,
@@ -148,39 +161,37 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         interpret=pltpu.InterpretParams() if interpret else False,
         name=NAME,
     )(meta, page_table.astype(jnp.int32), pad(rows), pad(lo), pad(hi), qp, sink_rows, pool,
-      # This layer's scales only: the compiler keeps the (L, pages, page_size, 2 KV) array pages-minor (a 2 KV-wide row
-      # would be padded to 128 lanes) and the kernel reads row-major, so its operand is a relaid-out copy: of every
-      # layer's scales for each layer's call, it was (llama-1b w8a8, 64 in flight, v5e: 70.9 ms a step; 36.5 so).
-      *([lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False).astype(jnp.float32)] if quantized else []))
+      *([scales] if quantized else []))
     out = out[:n].reshape(n, KV, Gp, Lq)[:, :, :G]
     return (out if split else out[..., hd:]).reshape(n, H, hd)  # padded: [p.k | p.v]
 
 
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
-            *refs,  # [the layer's scales (P, page_size, KV * 2) in HBM,] out, buf, [scale buffer,] sems, slot
+            *refs,  # [the scales (L, P, KV * 2, page_size) in HBM,] out, buf, [scale buffer,] sems, slot
             split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
-            null_page: int, quantized: bool):
+            null_page: int, unit: int):
+    quantized = unit > 0
     if quantized:
         scales_ref, out_ref, buf, sbuf, sems, slot_ref = refs
     else:
         (out_ref, buf, sems, slot_ref), scales_ref, sbuf = refs, None, None
     TQ, _, Lq = q_ref.shape
     page_size = pool_ref.shape[2]
-    B = buf.shape[1] * page_size if quantized else buf.shape[1]  # keys per block
+    B = buf.shape[1]  # keys per block
     block_pages = B // page_size
     pages_per_seq = tables_ref.shape[1]
     layer, n_real = meta_ref[0], meta_ref[1]
     KV_rows = kv_heads * rows
     base = pl.program_id(0) * TQ
-    compute = q_ref.dtype  # an int8 page's values are converted to it (exactly: |v| <= 127)
+    compute = q_ref.dtype  # an int8 page's entries are converted to it (exactly: |v| <= 127)
     # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
     # float32 contract precision for them); float32 ones follow it.
     precision = lax.Precision.DEFAULT if compute == jnp.bfloat16 else None
     if quantized:
-        # Which scale each query row takes: row r belongs to key/value head r // rows, whose key's scale is column
-        # 2h of a page row's scales and value's 2h + 1. As (KV_rows, 2 KV) one-hot matrices, one matmul spreads a
-        # block's (B, 2 KV) scales over the rows of the scores, (KV_rows, B), with no transpose in VMEM.
+        # Which scale each query row takes: row r belongs to key/value head r // rows, whose key's scales are row
+        # 2h of a block's (2 KV, B) and value's 2h + 1. As (KV_rows, 2 KV) one-hot matrices, one matmul spreads
+        # them over the rows of the scores, (KV_rows, B).
         head = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 0) // rows
         column = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 1)
         pick_k = (column == 2 * head).astype(jnp.float32)
@@ -193,12 +204,10 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
             i = b * block_pages + j
             page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
                              tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
-            into = buf.at[slot, j] if quantized else buf.at[slot, pl.ds(j * page_size, page_size)]
-            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], into, sems.at[slot]))
+            into = pl.ds(j * page_size, page_size)
+            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], buf.at[slot, into], sems.at[slot]))
             if quantized:
-                out.append(pltpu.make_async_copy(scales_ref.at[page], sbuf.at[slot, pl.ds(j * page_size,
-                                                                                                 page_size)],
-                                                 sems.at[slot]))
+                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, :, into], sems.at[slot]))
         return out
 
     def start(t, b, slot):
@@ -255,11 +264,10 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
                 if quantized:
                     # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B),
                     # not on the (B, width) values.
-                    pages = buf[slot].astype(jnp.float32).astype(compute).reshape(B, buf.shape[-1])
-                    s_rows = sbuf[slot]  # (B, 2 KV)
-                    spread = lambda pick: lax.dot_general(  # noqa: E731
-                        pick, s_rows, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)  # (KV_rows, B): a one-hot pick, exact
+                    pages = _unpacked(buf[slot], unit).astype(jnp.float32).astype(compute)  # (B, row)
+                    s_cols = sbuf[slot]  # (2 KV, B)
+                    spread = lambda pick: jnp.dot(pick, s_cols, precision=lax.Precision.HIGHEST,  # noqa: E731
+                                                  preferred_element_type=jnp.float32)  # (KV_rows, B): one-hot, exact
                     k_scale, v_scale = spread(pick_k), jnp.where(visible, spread(pick_v), 0.0)
                 parts = []
                 for g, f, qg in groups:
@@ -324,6 +332,17 @@ def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick, 
     Lq = acc_prev.shape[1]
     return (m_next, alpha * l_prev + beta * jnp.sum(p, axis=1, keepdims=True),
             _lanes(alpha, Lq) * acc_prev + _lanes(beta, Lq) * pv)
+
+
+def _unpacked(words: jax.Array, unit: int) -> jax.Array:
+    """(B, row / 4) int32 words -> their entries (B, row) int32 (serve/int8_pool.py's packing): each unit's unit / 4
+    words give its four quarters, byte k of each word by two shifts (the second arithmetic: the byte's sign)."""
+    n = unit // 4
+    quarters = []
+    for u in range(0, words.shape[1], n):
+        w = words[:, u:u + n]
+        quarters += [lax.shift_right_arithmetic(lax.shift_left(w, 24 - 8 * k) if k < 3 else w, 24) for k in range(4)]
+    return jnp.concatenate(quarters, axis=1)
 
 
 def _block_diagonal(q: jax.Array, heads: int, rows: int) -> jax.Array:

@@ -222,7 +222,7 @@ def _serve(args: argparse.Namespace, workload) -> int:
     with for_target(target):
         devices = devices_for(target)[:tensor]
         report = serve_plan.plan_serve(
-            lambda w, k: plan_fn(cfg, devices, weights=w, kv=k, page_size=PAGE_SIZE), target, formats=formats,
+            lambda w, k: plan_fn(cfg, devices, weights=w, kv=k), target, formats=formats,
             context=context, prefill_tokens=prefill, tensor=tensor, batch=batch, search=args.search,
             price_per_chip_hour=args.price_per_chip_hour, say=say)
     if args.json:
@@ -234,7 +234,6 @@ def _serve(args: argparse.Namespace, workload) -> int:
 
 DEFAULT_CONTEXT = 2048
 DEFAULT_PREFILL_TOKENS = 256  # `systolic serve`'s --max-tokens-per-step
-PAGE_SIZE = 16  # `systolic serve`'s --page-size
 
 
 def _positive(flag: str, value: int) -> int:

@@ -179,7 +179,8 @@ _SERVE = Command(
               "finish before cancelling them (default 20)"),
           arg("--kv-memory-gib", type=float, help="memory for the KV cache's pages (default: a fraction of the "
               "device's free memory)"),
-          arg("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)"),
+          arg("--page-size", type=int, default=None,
+              help="tokens per KV-cache page (default 16; 128 for --kv-cache int8 on a TPU, as its kernel reads them)"),
           arg("--max-seqs", type=int, default=16, help="requests generating together (default 16)"),
           arg("--max-tokens-per-step", type=int, help="prompt and decode tokens in one step (default: 256, or 4 x "
               "--max-seqs when that is more); longer prompts are prefilled in chunks"),

@@ -291,13 +291,14 @@ def test_int8_tokens_do_not_depend_on_chunks_sharing_or_preemption(prefix_cachin
 
 @pytest.mark.parametrize("variant", ["gqa", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_int8_tensor_parallel_matches_one_device(variant):
-    """gqa: 2 key/value heads do not split 4 ways, so the pool is replicated; gpt2: 4 do, and the values and
-    scales are split by key/value heads."""
+    """gqa: 2 key/value heads do not split 4 ways, so the pool is replicated; gpt2: 4 do, and the words (packed per
+    device: int8_pool.py) and scales are split by key/value heads."""
     cfg = tiny_model(*VARIANTS[variant])
     mesh, rules = tensor_layout(cfg, 4)
     engine = make_engine(cfg, kv_pages=10, mesh=mesh, rules=rules, kv_cache="int8")
     split = "tensor" if variant == "gpt2" else None
-    assert engine.pool.qvalue.sharding.spec[3] == split and engine.pool.scale.sharding.spec[3] == split
+    assert engine.pool.words.sharding.spec[3] == split and engine.pool.scales.sharding.spec[2] == split
+    assert engine.pool.unit == (engine.pool.shape[3] // 4 if split else engine.pool.shape[3])
     events = drive(engine, greedy_arrivals())
     one = drive(make_engine(cfg, kv_pages=10, kv_cache="int8"), greedy_arrivals())
     for i in range(len(PROMPTS)):

@@ -23,12 +23,18 @@ KL_TOLERANCE = 1e-4  # nats, at every position; measured <= 2e-5
 
 
 def test_int8_pool_layout_and_bytes():
-    """int8 values in the float pool's layout and a float32 scale per head's key and value; per cached token 2 x layers x kv_heads x
-    (hd + 4) bytes, against 2 x layers x kv_heads x hd x 4 in float32 and x 2 in bfloat16."""
+    """The float pool's rows as int8 entries four to an int32 word and a float32 scale per head's key and value,
+    positions minor-most (int8_pool.py); per cached token 2 x layers x kv_heads x (hd + 4) bytes, against 2 x layers
+    x kv_heads x hd x 4 in float32 and x 2 in bfloat16. Rows split over devices pack per device."""
     cfg = ModelConfig(d_model=32, layers=3, heads=4, kv_heads=2, dtype="float32")  # head_dim 8
     pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "int8"))
-    assert pool.qvalue.shape == (3, 5, PAGE, 2 * 16) and pool.qvalue.dtype == jnp.int8 and not np.any(pool.qvalue)
-    assert pool.scale.shape == (3, 5, PAGE, 2 * 2) and pool.scale.dtype == jnp.float32
+    assert pool.words.shape == (3, 5, PAGE, 2 * 16 // 4) and pool.words.dtype == jnp.int32 and not np.any(pool.words)
+    assert pool.scales.shape == (3, 5, 2 * 2, PAGE) and pool.scales.dtype == jnp.float32
+    assert pool.shape == (3, 5, PAGE, 2 * 16) and pool.unit == 32
+    assert kv_pool.pool_shape(cfg, 5, PAGE, "int8", split=2).unit == 16
+    odd = ModelConfig(d_model=12, layers=1, heads=4, kv_heads=1, dtype="float32")  # head_dim 3: rows of 6
+    with pytest.raises(UserError, match="row of 6 entries .* not a multiple of 4. Fix: --kv-cache auto"):
+        kv_pool.pool_shape(odd, 5, PAGE, "int8")
     assert kv_pool.token_bytes(cfg, "auto") == 2 * 3 * 2 * 8 * 4
     assert kv_pool.token_bytes(cfg, "int8") == 2 * 3 * 2 * (8 + 4)
     llama_1b = ModelConfig(d_model=2048, layers=16, heads=32, kv_heads=8, dtype="bfloat16")
@@ -79,3 +85,12 @@ def test_int8_logits_within_tolerance_of_float():
                       for x in (exact, int8))
         assert np.all((np.exp(logp) * (logp - logq)).sum(-1) <= KL_TOLERANCE)
 
+
+
+def test_pages_default_to_16_and_an_int8_pool_on_a_tpu_to_the_kernels_128():
+    """`systolic serve` without --page-size: 16 tokens a page, but 128 for an int8 pool on a TPU, where the Pallas
+    kernel reads an int8 page's scales as whole lane tiles (smaller pages take the plain path there)."""
+    from systolic.kernels.paged_attention import INT8_PAGE
+
+    assert [kv_pool.default_page_size(kv, "cpu") for kv in ("auto", "int8")] == [16, 16]
+    assert [kv_pool.default_page_size(kv, "tpu") for kv in ("auto", "int8")] == [16, INT8_PAGE] == [16, 128]

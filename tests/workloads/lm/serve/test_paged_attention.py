@@ -10,6 +10,7 @@ import pytest
 
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.serve import kv_pool
+from systolic.workloads.lm.serve import int8_pool
 from systolic.workloads.lm.serve import paged_attention as pa
 from systolic.workloads.lm.serve.kv_cache import PageTable
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout, pages_first
@@ -123,8 +124,9 @@ def test_pool_layout_and_empty_step():
 
 def stored(pool: pa.Pool) -> np.ndarray:
     """An int8 pool's keys and values as it gives them back, in float64: each row's key and value by its own scale."""
-    width = pool.qvalue.shape[-1] // pool.scale.shape[-1]
-    return np.asarray(pool.qvalue, np.float64) * np.asarray(pool.scale, np.float64).repeat(width, axis=-1)
+    entries = np.asarray(int8_pool.unpack(pool.words, pool.unit), np.float64)  # (.., page_size, row)
+    scales = np.swapaxes(np.asarray(pool.scales, np.float64), -1, -2)  # (.., page_size, KV * 2): a row's
+    return entries * scales.repeat(entries.shape[-1] // scales.shape[-1], axis=-1)
 
 
 def quantization_bound(q, full_k, full_v, window: int) -> np.ndarray:
@@ -152,8 +154,9 @@ def test_int8_pool_matches_dense_float64_within_its_quantization_bound(window, b
     interpreter here) reads the int8 pages and their scales for the tokens that read pages."""
     pool, batch, q, new_k, new_v, full_k, full_v = make_case()
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    cached = jax.jit(pa.quantize_kv, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV * 2hd) int8, (.., KV * 2)
-    assert cached.qvalue.dtype == jnp.int8 and cached.scale.shape == (1, PAGES, PAGE, KV * 2)
+    cached = jax.jit(int8_pool.quantize_pool, static_argnums=1)(f32(pool), HD)  # (1, PAGES, PAGE, KV * 2hd / 4) words, scales
+    assert cached.words.dtype == jnp.int32 and cached.words.shape == (1, PAGES, PAGE, KV * 2 * HD // 4)
+    assert cached.scales.shape == (1, PAGES, KV * 2, PAGE) and cached.unit == KV * 2 * HD
 
     @jax.jit
     def run(pool, q, k, v, batch):
@@ -234,16 +237,20 @@ def test_kernel_split_over_heads_equals_one_device(monkeypatch):
 
 
 def test_which_pools_a_tpu_program_reads_through_the_kernel():
-    """In a program for a TPU: a pool in the compute dtype of heads 64, 128 or 256 wide, and an int8 pool of heads
-    128 or 256 wide (each head's key and value whole lane tiles); an int8 pool of heads of 64 reads through the plain
-    path (36.5 ms a step through the kernel's fused heads on the v5e, against 4.47 with bfloat16: uses_kernel's
-    docstring), as MLA's latent rows do. Off a TPU, never."""
+    """In a program for a TPU: a pool of heads 64, 128 or 256 wide in the compute dtype, or in int8 in pages of 128
+    tokens (INT8_PAGE: the scales whole lane tiles) of rows packed in units of 512 entries (a lane tile of words); an
+    int8 pool in smaller pages or narrower rows reads through the plain path, as MLA's latent rows do. Off a TPU,
+    never."""
+    from systolic.kernels.paged_attention import INT8_PAGE
     from systolic.runtime.platform import compiling_for
 
     floats = jnp.zeros((1, 2, PAGE, 2 * 128), jnp.bfloat16)
-    int8 = pa.quantize_kv(jnp.zeros((1, 2, PAGE, 2 * 128)), 64)
-    assert not pa.uses_kernel(floats, 64)
+    int8 = int8_pool.quantize_pool(jnp.zeros((1, 2, INT8_PAGE, 512)), 64)  # rows of 512: one unit of 128 words
+    small = int8_pool.quantize_pool(jnp.zeros((1, 2, INT8_PAGE // 2, 512)), 64)
+    narrow = int8_pool.quantize_pool(jnp.zeros((1, 2, INT8_PAGE, 256)), 64)  # 64 words a row: no lane tile
+    assert not pa.uses_kernel(floats, 64) and not pa.uses_kernel(int8, 64)
     with compiling_for("tpu"):
         assert [pa.uses_kernel(floats, hd) for hd in (64, 128, 256, 8)] == [True, True, True, False]
-        assert [pa.uses_kernel(int8, hd) for hd in (64, 128, 256)] == [False, True, True]
+        assert [pa.uses_kernel(int8, hd) for hd in (64, 128, 256)] == [True, True, True]
+        assert not any(pa.uses_kernel(pool, hd) for hd in (64, 128) for pool in (small, narrow))
         assert not pa.uses_kernel(floats, 128, value_dim=64)

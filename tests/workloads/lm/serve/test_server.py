@@ -430,9 +430,10 @@ def test_command_line_options_reach_serve(monkeypatch, tmp_path):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert main(["serve", str(tmp_path), "--port", "0", "--max-seqs", "2", "--no-prefix-caching"]) == 0
     assert seen == {"run_dir": tmp_path, "host": "127.0.0.1", "port": 0, "api_key": "from-env", "kv_memory_gib": None,
-                    "page_size": 16, "max_seqs": 2, "max_tokens_per_step": None, "max_queue": 64,
+                    "page_size": None, "max_seqs": 2, "max_tokens_per_step": None, "max_queue": 64,
                     "prefix_caching": False, "mesh_tensor": 1, "kv_cache": "auto", "grace_s": 20.0, "quantize": None}
     assert main(["serve", str(tmp_path), "--kv-cache", "int8"]) == 0 and seen["kv_cache"] == "int8"
+    assert main(["serve", str(tmp_path), "--page-size", "32"]) == 0 and seen["page_size"] == 32
     assert main(["serve", str(tmp_path), "--quantize", "w8a8"]) == 0 and seen["quantize"] == "w8a8"
 
 

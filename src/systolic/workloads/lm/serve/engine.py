@@ -50,7 +50,8 @@ from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.rope import longrope_context
 from systolic.workloads.lm.serve.detokenize import TextStream
 from systolic.workloads.lm.serve.kv_cache import PageCache
-from systolic.workloads.lm.serve.kv_pool import make_pool, pool_shape, pool_shardings
+from systolic.workloads.lm.serve.kv_pool import (default_page_size, heads_split, make_pool, pool_shape,
+                                                pool_shardings)
 from systolic.workloads.lm.serve.logprobs import PromptLogprobs, StepDetail, TokenLogprob, targets
 from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
                                                     pages_first, token_buckets)
@@ -136,20 +137,30 @@ def prng_key_data(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
+def _platform_of(params: Any) -> str:
+    """The platform the parameters live on (where jax.device_put puts host arrays: the default device's)."""
+    leaf = jax.tree.leaves(params)[0]
+    return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.devices()[0].platform
+
+
 class InferenceEngine:
     """Continuous batching over a paged KV cache of `kv_pages` pages (page 0 reserved) of `page_size` tokens, its
     keys and values in the compute dtype or int8 (`kv_cache`: kv_pool.py)."""
 
-    def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int, page_size: int = 16,
+    def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int,
+                 page_size: int | None = None,
                  max_seqs: int = 16, max_tokens_per_step: int | None = None, prefix_caching: bool = True,
                  mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None, model_name: str = "model",
                  chat_template: Any = None, kv_cache: str = "auto"):
         """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given.
-        `max_tokens_per_step` None: `tokens_per_step(max_seqs)`."""
+        `max_tokens_per_step` None: `tokens_per_step(max_seqs)`. `page_size` None: kv_pool.default_page_size for
+        `kv_cache` on the parameters' platform."""
         from systolic.workloads.lm.train import model_graphdef, param_shardings
 
         if max_tokens_per_step is None:
             max_tokens_per_step = tokens_per_step(max_seqs)
+        if page_size is None:
+            page_size = default_page_size(kv_cache, _platform_of(params))
         check_sizes(kv_pages, page_size, max_seqs, max_tokens_per_step)
         self.max_tokens_per_step = max_tokens_per_step
         self.model_cfg = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))
@@ -169,8 +180,10 @@ class InferenceEngine:
         self._layout = jax.tree.map(lambda x: x.sharding, self.params)  # what set_params puts new weights on
         # The step is traced for its devices' platform (the Pallas attention kernel on a TPU), not this process's
         # default one: an engine on the host's CPU beside a TPU (tests/tpu/test_serve.py) takes the plain path.
-        self._platform = next(iter(jax.tree.leaves(self.params)[0].devices())).platform
-        shape, home = pool_shape(model, kv_pages, page_size, kv_cache), pool_layout(self.params, mesh, rules)
+        self._platform = _platform_of(self.params)
+        home = pool_layout(self.params, mesh, rules)
+        row = pool_shape(model, 1, 1, "auto").shape[3]  # a token's row, packed per device in an int8 pool
+        shape = pool_shape(model, kv_pages, page_size, kv_cache, split=heads_split(home, row))
         self.pool = make_pool(shape, home)
         graphdef = model_graphdef(self.model_cfg, self.vocab)
         self._step, self._detail_step = (make_step(graphdef, mesh=mesh, rules=rules, param_shardings=shardings,
@@ -192,7 +205,7 @@ class InferenceEngine:
                                         home if mesh is None else NamedSharding(mesh, P()))
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int = 16,
+    def from_run(cls, run_dir: str | Path, *, kv_memory_gib: float | None = None, page_size: int | None = None,
                  max_seqs: int = 16, max_tokens_per_step: int | None = None, prefix_caching: bool = True,
                  mesh_tensor: int = 1, kv_cache: str = "auto", quantize: str | None = None,
                  say: Callable[[str], None] = print) -> InferenceEngine:
@@ -202,8 +215,10 @@ class InferenceEngine:
         which reports none: room for max_seqs sequences of the full context), its keys and values stored as `kv_cache`
         says (kv_pool.py: "auto" or "int8"); `say` prints its size. `quantize`: the weights quantized after
         loading, as lm/model/quant.py's scheme of that name (a run written by `systolic quantize` comes quantized
-        without it). `max_tokens_per_step` None: `tokens_per_step(max_seqs)`."""
+        without it). `max_tokens_per_step` None: `tokens_per_step(max_seqs)`; `page_size` None: 16, or 128 for an
+        int8 pool on a TPU (kv_pool.default_page_size)."""
         run_dir = Path(run_dir)
+        page_size = page_size or default_page_size(kv_cache, jax.devices()[0].platform)
         max_tokens_per_step = tokens_per_step(max_seqs) if max_tokens_per_step is None else max_tokens_per_step
         command = "systolic serve"
         model = base_config(finished.read_config(run_dir, LMConfig, command).model)

@@ -2,9 +2,9 @@
 sequence a contiguous chunk (a prefill chunk of its prompt, or the one token of a decode).
 
 The pool is one array for all layers, (L, pages, page_size, KV * 2 * hd) in the compute dtype: a token's row holds
-each key/value head's key and value side by side ([k | v]), head after head; or that array in int8 with a float32
-scale per key and per value (`--kv-cache int8`, kv_pool.py: a `qwix.QArray`, quantized here as it is written,
-dequantized as pages are read). A TPU tiles an array's two minor axes by (8 or 16) x 128: a page is then a dense
+each key/value head's key and value side by side ([k | v]), head after head; or that row in int8 with a float32
+scale per key and per value (`--kv-cache int8`, int8_pool.py: its entries packed four to a word, quantized here as
+they are written, dequantized as pages are read). A TPU tiles an array's two minor axes by (8 or 16) x 128: a page is then a dense
 (page_size, KV * 2hd) block for every head count and width our families use (64, 128, 256), one DMA for the Pallas
 kernel. Layouts measured on the v5e: the interleaved (..., 2 * KV, 64) was stored with its pages minor-most and the
 compiled step copied the whole donated pool twice a step (2 x 2.1 GB for llama-1b's 4,099 pages); (..., KV, 2hd)
@@ -21,7 +21,7 @@ over every position up to their own, this step's included (written to the pages 
 tokens after them through the dense chunk attention below: on the v5e 3.6x faster than the plain path for 256
 decoding sequences x 256 positions of llama-1b (benchmarks/paged_attention.py). The plain path is the reference
 (tests compare the two, in Pallas's interpreter here and compiled on the chip: tests/tpu/test_paged_attention.py)
-and serves MLA, int8 pools of heads of 64 and every other platform.
+and serves MLA, int8 pools in pages smaller than 128 and every other platform.
 
 `ragged_paged_attention` is the plain-JAX formulation that runs on every platform, one online softmax (flash
 attention's running max and sum) over two sets of keys:
@@ -46,12 +46,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import qwix
 from flax.core import spmd
 
 from systolic.kernels import paged_attention as kernel_lib
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
+from systolic.workloads.lm.serve import int8_pool
+from systolic.workloads.lm.serve.int8_pool import Int8Pool
 from systolic.workloads.lm.serve.kv_cache import NULL_PAGE
 
 
@@ -60,6 +61,12 @@ def keys_per_block() -> int:
     stays in cache is worth more iterations: 16 keys ran 16 decodes over 600 positions 2-3x faster than 64 or 128
     (heads of a 256-wide model); an accelerator prefers fewer, larger blocks."""
     return 16 if compile_platform() == "cpu" else 256
+
+
+# Tokens whose scales one scatter writes into an int8 pool: the TPU compiler wrote 1,024 tokens' columns by copying
+# the whole (L, pages, 2 KV, page_size) array into another layout and updating it a layer at a time (llama-1b w8a8
+# on the v5e: 270 ms a 1,024-token step, where 768 or fewer a scatter, and 512 twice, were written in place).
+SCALE_WRITES = 512
 
 
 class RaggedBatch(NamedTuple):
@@ -80,25 +87,10 @@ class RaggedBatch(NamedTuple):
     seq_lens: jax.Array
 
 
-# The pool: (L, pages, page_size, KV * 2 * hd) in the compute dtype, or a QArray of int8 values of that shape and
-# float32 scales (L, pages, page_size, KV * 2), one for each head's key and one for its value (MLA: (L, pages,
-# page_size, C) and scales (..., 1)).
-Pool = jax.Array | qwix.QArray
-
-
-def quantize_kv(x: jax.Array, width: int | None = None) -> qwix.QArray:
-    """x (..., W) -> int8 values (..., W) and one float32 scale per `width` entries (default W) of each row, (...,
-    W / width): symmetric absmax over each head's vector (Qwix's), each element within scale / 2 = absmax / 255 of
-    its value. A pool row [k | v] takes width=hd: a scale for the key and one for the value. In float32 whatever x's
-    dtype: bfloat16's 8-bit mantissa would round x / scale once more before the rounding to an integer."""
-    width = width or x.shape[-1]
-    return qwix.quantize(x.astype(jnp.float32), jnp.int8, channelwise_axes=tuple(range(x.ndim - 1)),
-                         tiled_axes={x.ndim - 1: width})
-
-
-def as_stored(x: jax.Array) -> jax.Array:
-    """x (..., hd) as an int8 pool gives it back (quantized and dequantized), in x's dtype."""
-    return qwix.dequantize(quantize_kv(x)).astype(x.dtype)
+# The pool: (L, pages, page_size, KV * 2 * hd) in the compute dtype, or an Int8Pool of those rows' int8 entries
+# packed in int32 words and float32 scales (L, pages, KV * 2, page_size), one for each head's key and one for its
+# value (MLA: rows (L, pages, page_size, C), scales (L, pages, 1, page_size)): int8_pool.py.
+Pool = jax.Array | Int8Pool
 
 
 class PagedKV(NamedTuple):
@@ -136,10 +128,15 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | No
     page_size = pool.shape[2]
     kv = k if v is None else jnp.concatenate([k, v], axis=-1)  # (T, KV, 2hd): [k | v] per head
     kv = kv.reshape(T, -1)  # (T, KV * 2hd): a token's row
-    where = (layer, slots // page_size, slots % page_size)
-    if isinstance(pool, qwix.QArray):  # values (T, KV * 2hd) int8 and scales (T, KV * 2) into their two arrays
-        return jax.tree.map(lambda stored, new: stored.at[where].set(new), pool, quantize_kv(kv, hd))
-    return pool.at[where].set(kv.astype(pool.dtype))
+    page, offset = slots // page_size, slots % page_size
+    if isinstance(pool, Int8Pool):  # words (T, KV * 2hd / 4) and scales (T, KV * 2) into their two arrays
+        words, new = int8_pool.quantize(kv, hd, pool.unit)
+        scales = pool.scales  # (.., KV * 2, ps): each token's a column, SCALE_WRITES tokens a scatter
+        for i in range(0, T, SCALE_WRITES):
+            part = slice(i, i + SCALE_WRITES)
+            scales = scales.at[layer, page[part], :, offset[part]].set(new[part])
+        return Int8Pool(pool.words.at[layer, page, offset].set(words), scales, pool.unit)
+    return pool.at[layer, page, offset].set(kv.astype(pool.dtype))
 
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool: Pool, layer: jax.Array | int,
@@ -166,8 +163,8 @@ def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool
     if kernel:
         return _kernel_attention(q, k, v, pool, layer, batch, window=window, softcap=softcap, sinks=sinks,
                                  page_tokens=page_tokens, scale=scale)
-    if isinstance(pool, qwix.QArray):
-        k, v = as_stored(k), None if v is None else as_stored(v)
+    if isinstance(pool, Int8Pool):
+        k, v = int8_pool.as_stored(k), None if v is None else int8_pool.as_stored(v)
     if value_dim:
         v = k[..., :value_dim]  # (T, 1, value_dim): after the int8 round trip, as the pages give them back
     T, H, hd = q.shape
@@ -198,19 +195,20 @@ def _first_keys(pos: jax.Array, window: int | jax.Array) -> jax.Array:
 
 
 def uses_kernel(pool: Pool, head_dim: int, value_dim: int = 0) -> bool:
-    """Whether attention over `pool` takes the Pallas kernel: in a program for a TPU, over a pool in the compute
-    dtype whose [k | v] rows are whole 128-lane tiles (head_dim 64, 128, 256), or an int8 pool whose heads are
-    whole tiles (head_dim 128, 256). MLA's latent rows take the plain path (the kernel does not split a latent row
-    yet), as do heads split over a mesh where key/value heads are not (fewer of them than devices: the kernel reads
-    whole groups). An int8 pool of heads of 64 does too: through the kernel's fused heads it ran 36.5 ms a step on
-    the v5e (llama-1b, w8a8, 64 in flight, 2026-12-07; 70.9 before the kernel took one layer's scales), against 4.47
-    ms with a bfloat16 pool (kernels/paged_attention.py says why). The Llama-3-8B shape's
-    heads of 128 serve from an int8 pool through it, where the plain path's gather of every token's pages needed
-    16.65 GiB of temporaries for a 1,024-token step."""
+    """Whether attention over `pool` takes the Pallas kernel: in a program for a TPU, over a pool whose [k | v] rows
+    are whole 128-lane tiles (head_dim 64, 128, 256), in the compute dtype or int8 (int8_pool.py) in pages of a
+    multiple of 128 tokens packed in units of 512 entries (kernels/paged_attention.py: INT8_PAGE, the scales whole
+    lane tiles, a unit a lane tile of words; kv_pool's default_page_size on a TPU). MLA's latent rows take the plain
+    path (the kernel does not split a latent row yet), as do heads split over a mesh where key/value heads are not
+    (fewer of them than devices: the kernel reads whole groups), and int8 pools in smaller pages: in pages of 16
+    their scales were relaid out for every call of the kernel (llama-1b, w8a8, 64 in flight on the v5e: 36.5 ms a
+    step, against 4.47 over bfloat16 pages)."""
     rules = spmd.get_logical_axis_rules()
     split_alike = not rules or logical_to_spec(("heads",), rules) == logical_to_spec(("kv_heads",), rules)
-    tiles = kernel_lib.splits_kv(head_dim) if isinstance(pool, qwix.QArray) else (2 * head_dim) % kernel_lib.LANES == 0
-    return compile_platform() == "tpu" and not value_dim and tiles and split_alike
+    pages = not isinstance(pool, Int8Pool) or (pool.shape[2] % kernel_lib.INT8_PAGE == 0
+                                               and pool.unit == int8_pool.UNIT)
+    tiles = (2 * head_dim) % kernel_lib.LANES == 0
+    return compile_platform() == "tpu" and not value_dim and tiles and pages and split_alike
 
 
 def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softcap, sinks, page_tokens, scale):
@@ -221,8 +219,8 @@ def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softc
     KV = k.shape[1]
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     qs = (q * scale).astype(q.dtype)
-    if isinstance(pool, qwix.QArray):  # the fresh prompts' own keys and values as the pages would give them back
-        k, v = as_stored(k), as_stored(v)
+    if isinstance(pool, Int8Pool):  # the fresh prompts' own keys and values as the pages would give them back
+        k, v = int8_pool.as_stored(k), int8_pool.as_stored(v)
     pos, first = batch.positions, _first_keys(batch.positions, window)
     n = T if page_tokens is None else page_tokens
     paged = _kernel_call(qs[:n], pool, layer, batch.page_table, batch.rows[:n], first[:n], pos[:n] + 1,
@@ -241,10 +239,11 @@ def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softc
 def _kernel_call(q, pool, layer, page_table, rows, lo, hi, num_tokens, softcap, sinks):
     """The kernel on q (n, H, hd), in its interpreter off a TPU; under a mesh, per device in a shard_map over the
     heads (a Pallas kernel is opaque to XLA's partitioner), each device's pool rows holding its whole heads."""
+    int8 = isinstance(pool, Int8Pool)
     local = lambda q, pool, layer, table, rows, lo, hi, num, sinks, scales: kernel_lib.paged_attention(  # noqa: E731
         q, pool, layer, table, rows, lo, hi, num, null_page=NULL_PAGE, softcap=softcap, sinks=sinks, scales=scales,
-        interpret=device_platform() != "tpu")
-    values, scales = (pool.qvalue, pool.scale) if isinstance(pool, qwix.QArray) else (pool, None)
+        unit=pool_unit, interpret=device_platform() != "tpu")
+    values, scales, pool_unit = (pool.words, pool.scales, pool.unit) if int8 else (pool, None, 0)
     operands = (q, values, jnp.asarray(layer, jnp.int32), page_table, rows, lo, hi, num_tokens, sinks, scales)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -253,7 +252,7 @@ def _kernel_call(q, pool, layer, page_table, rows, lo, hi, num_tokens, softcap, 
     heads = logical_to_spec(("heads",), rules)[0]
     P = jax.sharding.PartitionSpec
     in_specs = (P(None, heads, None), P(None, None, None, heads), P(), P(), P(), P(), P(), P(),
-                None if sinks is None else P(heads), None if scales is None else P(None, None, None, heads))
+                None if sinks is None else P(heads), None if scales is None else P(None, None, heads, None))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, heads, None),
                          check_vma=False)(*operands)
 
@@ -297,7 +296,7 @@ def _page_attention(qg, pool, layer, tables, first, end, real, carry, block_keys
     # Pages of all layers as rows of one axis: a gather of whole rows by `take` is a copy per page, where indexing
     # the 5-D pool by (layer, page) was ten times slower on XLA:CPU. Only unsharded axes merge (the head axis may
     # be split over the mesh).
-    pages = jax.tree.map(lambda a: a.reshape(L * P, page_size, a.shape[-1]), pool)  # int8: and scales
+    pages = jax.tree.map(lambda a: a.reshape(L * P, *a.shape[2:]), pool)  # int8: and scales
     null = layer * P + NULL_PAGE  # this layer's null page
     tables = tables + layer * P  # (T, pages_per_seq)
     blocks = -(-tables.shape[1] // block_pages)
@@ -340,6 +339,7 @@ def _gather(pages: Pool, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Pages (N, page_size, KV * 2hd) by ids (T, bp) -> (T, bp, page_size, KV * 2hd); an int8 pool's pages with their
     scales, dequantized into `dtype` (the compute dtype: the score and value matmuls run in it, as for a float
     pool)."""
-    if isinstance(pages, qwix.QArray):
-        return qwix.dequantize(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), pages)).astype(dtype)
+    if isinstance(pages, Int8Pool):  # scales (N, KV * 2, page_size): each position's as its row's, (.., KV * 2)
+        scales = jnp.swapaxes(jnp.take(pages.scales, ids, axis=0), -1, -2)
+        return int8_pool.dequantize(jnp.take(pages.words, ids, axis=0), scales, pages.unit).astype(dtype)
     return jnp.take(pages, ids, axis=0)

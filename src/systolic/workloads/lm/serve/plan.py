@@ -32,7 +32,7 @@ from systolic.workloads.lm.model.flops import matmul_params
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.serve.sizing import pool_layout, tensor_layout
-from systolic.workloads.lm.serve.kv_pool import pool_shape, pool_shardings, token_bytes
+from systolic.workloads.lm.serve.kv_pool import default_page_size, heads_split, pool_shape, pool_shardings, token_bytes
 from systolic.workloads.lm.serve.paged_attention import RaggedBatch
 from systolic.workloads.lm.serve.scheduler import page_bucket
 from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, jit_step
@@ -44,8 +44,9 @@ KV_TYPES = ("bf16", "int8")
 _KV_CACHE = {"bf16": "auto", "int8": "int8"}  # --kv's names -> the engine's (kv_pool.py)
 
 
-def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int) -> ServeModel:
-    """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel)."""
+def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int | None = None) -> ServeModel:
+    """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel),
+    in pages of `page_size` tokens (None: `systolic serve`'s default on the devices' platform)."""
     model = base_config(cfg.model)  # as the engine serves a LoRA run: merged
     model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, capacity_factor=0.0))  # dropless, as served
     if weights not in WEIGHTS or kv not in KV_TYPES:
@@ -65,17 +66,18 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
     pool_sharding = pool_layout(params, mesh, rules)
+    page_size = page_size or default_page_size(_KV_CACHE[kv], devices[0].platform)
     row = pool_shape(model, 1, page_size, "auto").shape[3]  # a token's row: kv_heads x [k | v], MLA's latent row
-    split = row // pool_sharding.shard_shape((1, 1, 1, row))[3]  # devices the key/value heads split over
+    split = heads_split(pool_sharding, row)  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
     step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
-                    pool_sharding=pool_shardings(pool_shape(model, 1, page_size, kv_cache), pool_sharding))
+                    pool_sharding=pool_shardings(pool_shape(model, 1, page_size, kv_cache, split), pool_sharding))
     table = -(-model.max_seq_len // page_size)  # page-table entries per row, as the engine lays them out
     replicated = NamedSharding(mesh, P())
 
     def lower(tokens: int, rows: int, reading: int, pages: int):
         """The step of `tokens` token slots and `rows` rows, `reading` of the tokens reading pages."""
-        shape = pool_shape(model, pages, page_size, kv_cache)
+        shape = pool_shape(model, pages, page_size, kv_cache, split)
         pool = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), shape,
                             pool_shardings(shape, pool_sharding))
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731

@@ -435,7 +435,7 @@ class _CountResponses:
 
 
 def serve(run_dir: Path, *, host: str = DEFAULT_HOST, port: int = 8000, api_key: str | None = None,
-          kv_memory_gib: float | None = None, page_size: int = 16, max_seqs: int = 16,
+          kv_memory_gib: float | None = None, page_size: int | None = None, max_seqs: int = 16,
           max_tokens_per_step: int | None = None, max_queue: int = 64, prefix_caching: bool = True,
           mesh_tensor: int = 1, kv_cache: str = "auto", grace_s: float = 20.0, quantize: str | None = None) -> None:
     """Serves the lm run `run_dir` until SIGTERM or Ctrl-C. Binds `host` (loopback by default; any other address
