@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     for row in args.rows.split(","):
         shape, seqs, positions, *chunk = row.split(":")
         chunk = int(chunk[0]) if chunk else 1
-        page = args.page_size or (INT8_PAGE if int8 else PAGE)
+        page = args.page_size if args.page_size is not None else (INT8_PAGE if int8 else PAGE)
         operands, plain, kernel, read = make_step(shape, int(seqs), int(positions), chunk, page=page)
         calls = {"plain": (plain, operands), "kernel": (kernel, operands)}
         if int8:  # both sides over the int8 pool; the kernel over a bfloat16 one in the engine's pages beside them

@@ -92,7 +92,8 @@ def build_engine(args):
     params = random_params(model, vocab, args.quantize)
     # The pool: what `systolic serve` would take on this device beside these weights, cut to 4x what max_seqs
     # requests of prompt + output hold (the levels use no more) and never less than that.
-    args.page_size = args.page_size or default_page_size(args.kv_cache, jax.devices()[0].platform)
+    if args.page_size is None:
+        args.page_size = default_page_size(args.kv_cache, jax.devices()[0].platform)
     need = args.max_seqs * -(-(args.prompt + args.output) // args.page_size) + 1
     pages, _ = pool_pages(model, args.page_size, kv_memory_gib=args.kv_memory_gib, max_seqs=args.max_seqs,
                           device=jax.devices()[0], split=1, kv_cache=args.kv_cache)

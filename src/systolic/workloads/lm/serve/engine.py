@@ -218,7 +218,8 @@ class InferenceEngine:
         without it). `max_tokens_per_step` None: `tokens_per_step(max_seqs)`; `page_size` None: 16, or 128 for an
         int8 pool on a TPU (kv_pool.default_page_size)."""
         run_dir = Path(run_dir)
-        page_size = page_size or default_page_size(kv_cache, jax.devices()[0].platform)
+        if page_size is None:
+            page_size = default_page_size(kv_cache, jax.devices()[0].platform)
         max_tokens_per_step = tokens_per_step(max_seqs) if max_tokens_per_step is None else max_tokens_per_step
         command = "systolic serve"
         model = base_config(finished.read_config(run_dir, LMConfig, command).model)

@@ -66,7 +66,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     params = with_shardings(params, shardings)
     dtype = resolve_dtype(model.dtype)
     pool_sharding = pool_layout(params, mesh, rules)
-    page_size = page_size or default_page_size(_KV_CACHE[kv], devices[0].platform)
+    if page_size is None:
+        page_size = default_page_size(_KV_CACHE[kv], devices[0].platform)
     row = pool_shape(model, 1, page_size, "auto").shape[3]  # a token's row: kv_heads x [k | v], MLA's latent row
     split = heads_split(pool_sharding, row)  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
