@@ -65,7 +65,8 @@ def keys_per_block() -> int:
 
 # Tokens whose scales one scatter writes into an int8 pool: the TPU compiler wrote 1,024 tokens' columns by copying
 # the whole (L, pages, 2 KV, page_size) array into another layout and updating it a layer at a time (llama-1b w8a8
-# on the v5e: 270 ms a 1,024-token step, where 768 or fewer a scatter, and 512 twice, were written in place).
+# on the v5e: 270 ms a 1,024-token step). Compiled for a v5e here, a scatter of 768 or fewer was written in place,
+# and llama-1b's 1,024-token step with 512 a scatter has no copy (tests/plan/test_serve.py checks such a step).
 SCALE_WRITES = 512
 
 
@@ -239,11 +240,10 @@ def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softc
 def _kernel_call(q, pool, layer, page_table, rows, lo, hi, num_tokens, softcap, sinks):
     """The kernel on q (n, H, hd), in its interpreter off a TPU; under a mesh, per device in a shard_map over the
     heads (a Pallas kernel is opaque to XLA's partitioner), each device's pool rows holding its whole heads."""
-    int8 = isinstance(pool, Int8Pool)
+    values, scales, unit = (pool.words, pool.scales, pool.unit) if isinstance(pool, Int8Pool) else (pool, None, 0)
     local = lambda q, pool, layer, table, rows, lo, hi, num, sinks, scales: kernel_lib.paged_attention(  # noqa: E731
         q, pool, layer, table, rows, lo, hi, num, null_page=NULL_PAGE, softcap=softcap, sinks=sinks, scales=scales,
-        unit=pool_unit, interpret=device_platform() != "tpu")
-    values, scales, pool_unit = (pool.words, pool.scales, pool.unit) if int8 else (pool, None, 0)
+        unit=unit, interpret=device_platform() != "tpu")
     operands = (q, values, jnp.asarray(layer, jnp.int32), page_table, rows, lo, hi, num_tokens, sinks, scales)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
