@@ -16,14 +16,17 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   pages at a time, one DMA per page (its id from the page table in SMEM), double-buffered: while the kernel computes
   on one block of pages, the next (this token's next block, or the next token's first, across grid steps too: the
   grid runs in order on the one TensorCore) is in flight.
-- Per key/value head h, the G query heads of its group are one (Gp, hd) matrix, G padded to a multiple of 8 rows
-  (a float32 tile). With head_dim a multiple of 128 the head's k and v are whole lane tiles of the row: one matmul
-  for the scores, one for the values. With head_dim 64 each query is [q | 0] as wide as the head's 128-lane [k | v]
-  tile, so the scores are one matmul against the whole tile (the zeros meet the values) and the value product one
-  that yields [p.k | p.v]: each key and value passes the MXU twice. And a decode's few query rows per head keep
-  the MXU waiting on its weight loads, so heads of 64 go FUSED_HEADS at a time: their queries block-diagonal,
-  (8 Gp, 8 x 128), against the 8 heads' [k | v] tiles side by side in one matmul for the scores, one for the
-  values, each head's rows then taking their own 128 lanes. Measured on the v5e (benchmarks/paged_attention_ab.py,
+- Per key/value head h, the G query heads of its group are one (Gp, hd) matrix (`padded_group`): G padded to a
+  multiple of 8 rows (a float32 tile) when the head is a matmul of its own. With head_dim a multiple of 128 the
+  head's k and v are whole lane tiles of the row: one matmul for the scores, one for the values. With head_dim 64
+  each query is [q | 0] as wide as the head's 128-lane [k | v] tile, so the scores are one matmul against the whole
+  tile (the zeros meet the values) and the value product one that yields [p.k | p.v]: each key and value passes the
+  MXU twice. And a decode's few query rows per head keep the MXU waiting on its weight loads, so heads of 64 go
+  FUSED_HEADS at a time: their queries block-diagonal, (8 Gp, 8 x 128), against the 8 heads' [k | v] tiles side by
+  side in one matmul for the scores, one for the values, each head's rows then taking their own 128 lanes (selects
+  over whole tiles), and Gp is then only what makes 8 Gp whole tiles: llama-1b's 4 rows a head, not 8 (the rows
+  stream through the MXU on the block's critical path: 64 fewer cycles a matmul).
+  Measured on the v5e (benchmarks/paged_attention_ab.py,
   llama-1b's 16 layers at 256 sequences x 256 positions, 2026-12-07): 4.81 ms against 8.70 ms one head at a time
   (446 against 247 GB/s of keys and values); heads of 256 read at 300-380 GB/s. Pairing two heads'
   tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong outputs on
@@ -39,16 +42,22 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
 - An int8 pool (`--kv-cache int8`, serve/int8_pool.py): a page's int32 words (four int8 entries each) and its
   (2 KV, page_size) float32 scales are DMA'd beside each other; each 128-lane tile of words gives its 512 entries
   by two shifts a byte, converted to the compute dtype exactly; the scales go where they are few: the key's on the
-  scores (R, B), the value's on the softmax weights before they meet the values, spread over each head's query rows
-  by one-hot matmuls. On the v5e (2026-12-07, benchmarks/paged_attention.py --kv-cache int8, llama-1b's heads of
-  64) it matches the kernel over bfloat16 pages, not the half its bytes would give: 4.97 against 4.81 ms (256
-  sequences x 256 positions), 1.28 against 1.25 (64 x 256), 4.42 against 4.26 (64 x 1,024); in pages of 16 with the
-  scales (.., page_size, 2 KV) it took 1.93 against 1.25, the scales relaid out for every call. Nor is the kernel
-  bound there by its matmuls or its DMAs' latency (256 x 256, the same chip): with both matmuls replaced by sums it
-  took as long (benchmarks/paged_attention_ablation.py: 4.81 / 4.46 / 4.96 ms over bfloat16 pages of 16, of 128 and
-  int8 pages), and a ring of 2 to 8 blocks of pages (1 to 7 in flight; a prototype, not kept) took as long as this
-  double buffer (4.69 / 4.37 / 4.63). bfloat16 pages of 128 (2 DMAs a block, not 16) took 7% less. What it is bound
-  by (the vector work a token and a block, the scalar work a DMA) is not profiled yet.
+  scores (R, B), the value's on the softmax weights before they meet the values, each head's row broadcast over its
+  query rows (a one-hot matmul at HIGHEST precision did it in six MXU passes and their pops).
+- Where the time goes, from the TPU compiler's own schedule (benchmarks/kernel_bundles.py compiles the kernel for a
+  v5e here with the LLO dump on): a block of 256 keys is one basic block whose critical path was 937 cycles for int8
+  pages (the DMA's wait, the unpacking, the score matmul's weight pushes, 8 cycles a vreg, and 16 matmul passes of
+  16 cycles, ~130 cycles for the MXU's first result, ~115 for the row max across lanes, the exp, 16 more passes,
+  ~130 again); its loop was 1,291 bundles (int8) and 866 (bfloat16 pages of 128) with 213 spill loads. Rows of 4 a
+  head, the scales broadcast and the DMAs' bounds checks off (their page ids are clamped or the null page) made it
+  743 and 659 bundles (critical path 714 and 704). On the v5e (2026-12-07, benchmarks/
+  paged_attention_lockstep.py, llama-1b, 256 sequences x 256 positions, 16 layers): the kernel over int8 pages
+  **3.56 ms** (was 4.97), over bfloat16 pages of 16 4.23 (was 4.81), of 128 4.17; 64 x 1,024: 3.09 / 3.85 / 3.71.
+  The 256 weight pushes a block (each entry twice) are the floor left: 512 cycles over the 4 MXUs.
+- Tokens in lockstep (`tokens_at_once`): K tokens' blocks in one loop body, so the scheduler can overlap their
+  chains. The compiler's bundles a block fall (int8: 615 at 4 tokens against 743 at 1), the chip's time did not
+  move (3.554 against 3.562 ms; the same for 1 to 8 tokens before the rows of 4), and 4 tokens of bfloat16 pages of
+  16 (64 DMAs a loop body) compiled so slowly that llama-1b's warm-up passed 150 s: the default is 1.
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ from jax.experimental.pallas import tpu as pltpu
 # step (8 and 128 measured the same as 32 on the v5e: llama-1b, 256 sequences x 256 positions).
 BLOCK_KEYS = 256
 TOKENS_PER_BLOCK = 32
+# Tokens whose blocks go through the kernel at once, in lockstep (each its own pages, scores and softmax), so the
+# scheduler may overlap their chains of dependent steps; 1: measured no faster on the v5e at 4, and slower to compile
+# (the module's docstring). Fewer when their page buffers would pass LOCKSTEP_BYTES of VMEM.
+TOKENS_AT_ONCE = 1
+LOCKSTEP_BYTES = 8 << 20
 # Heads of 64 whose [k | v] tiles meet the MXU in one matmul (the block-diagonal queries): 8 measured 1.8x faster than
 # one head at a time on the v5e; the matmuls' wasted zeros grow with the group's square, so larger groups are split.
 FUSED_HEADS = 8
@@ -76,9 +90,17 @@ INT8_PAGE = 128
 NAME = "systolic_paged_attention"  # the pallas_call's, in the compiled HLO (the serving plan looks for it)
 
 
-def padded_group(group: int) -> int:
-    """Query heads per key/value head, rounded up to whole float32 tiles (8 rows)."""
-    return -(-group // SUBLANES) * SUBLANES
+def padded_group(group: int, kv_heads: int = 1, split: bool = True) -> int:
+    """Query rows a key/value head takes: its G query heads, rounded up so that each matmul's rows are whole float32
+    tiles (8 rows): a head's own (split), or FUSED_HEADS heads' together (heads of 64), where llama-1b's 4 a head
+    stay 4 (every row a matmul streams costs MXU time on the step's critical path)."""
+    if split:
+        return -(-group // SUBLANES) * SUBLANES
+    sizes = {min(FUSED_HEADS, kv_heads), kv_heads % FUSED_HEADS or FUSED_HEADS}
+    rows = group
+    while any(f * rows % SUBLANES for f in sizes):
+        rows += 1
+    return rows
 
 
 def splits_kv(head_dim: int) -> bool:
@@ -97,7 +119,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
                     lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
                     sinks: jax.Array | None = None, scales: jax.Array | None = None, unit: int = 0,
                     block_keys: int = BLOCK_KEYS, tokens_per_block: int = TOKENS_PER_BLOCK,
-                    interpret: bool = False) -> jax.Array:
+                    tokens_at_once: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
     KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
     positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
@@ -105,6 +127,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     serve/int8_pool.py), (L, pages, page_size, KV * 2hd / 4) int32 words packing each `unit` entries of a row (512 on
     a TPU) four to a word, position p's key and value of head h scaled by scales[.., 2h, p] and [.., 2h + 1, p];
     page_size a multiple of INT8_PAGE. -> (n, H, hd) in q's dtype.
+    `tokens_at_once`: tokens in lockstep (default TOKENS_AT_ONCE, fewer where their buffers pass LOCKSTEP_BYTES).
     `interpret`: run in Pallas's TPU interpreter (off a TPU, for tests)."""
     n, H, hd = q.shape
     L, P, page_size, width = pool.shape
@@ -118,12 +141,15 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
                              f"2 x head_dim a multiple of {4 * LANES} on each device.")
     KV = width // (2 * hd)
     G = H // KV
-    Gp = padded_group(G)
     split = splits_kv(hd)
+    Gp = padded_group(G, KV, split)
     Lq = hd if split else 2 * hd  # lanes of a query and of an output row
     pages_per_seq = page_table.shape[1]
     block_pages = pages_per_block(page_size, pages_per_seq, block_keys)
-    TQ = min(tokens_per_block, n)
+    block_bytes = block_pages * page_size * pool.shape[-1] * pool.dtype.itemsize + quantized * 2 * KV * \
+        block_pages * page_size * 4
+    K = max(1, min(tokens_at_once or TOKENS_AT_ONCE, LOCKSTEP_BYTES // (2 * block_bytes), n))
+    TQ = -(-min(tokens_per_block, n) // K) * K  # whole groups of K
     n_pad = -(-n // TQ) * TQ
     # (n, KV * Gp, Lq): each head's G query rows padded to Gp; pad rows are zero and never read back.
     qp = jnp.zeros((n_pad, KV, Gp, Lq), q.dtype).at[:n, :, :G, :hd].set(q.reshape(n, KV, G, hd))
@@ -134,13 +160,13 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         sink_rows = sink_rows.at[:, :G].set(sinks.astype(jnp.float32).reshape(KV, G))
     sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
     meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
-    kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
+    kernel = functools.partial(_kernel, lockstep=K, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
                                has_sinks=sinks is not None, null_page=null_page, unit=unit if quantized else 0)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # A block's pages one after another, (B, width); an int8 pool's scales beside them as (2 KV, B), each page's
     # (2 KV, page_size) whole lane tiles of it.
-    values = pltpu.VMEM((2, block_pages * page_size, pool.shape[-1]), pool.dtype)
-    scale_buffer = [pltpu.VMEM((2, 2 * KV, block_pages * page_size), jnp.float32)] if quantized else []
+    values = pltpu.VMEM((2, K, block_pages * page_size, pool.shape[-1]), pool.dtype)
+    scale_buffer = [pltpu.VMEM((2, K, 2 * KV, block_pages * page_size), jnp.float32)] if quantized else []
     block = pl.BlockSpec((TQ, KV * Gp, Lq), lambda g, *_: (g, 0, 0))
     out = pl.pallas_call(
         kernel,
@@ -150,13 +176,13 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
             in_specs=[block, pl.BlockSpec((KV * Gp, LANES), lambda g, *_: (0, 0)), hbm, *[hbm] * quantized],
             out_specs=block,
             scratch_shapes=[
-                values,  # the double buffer of pages
+                values,  # the double buffer of pages, K tokens' blocks a slot
                 *scale_buffer,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((1,), jnp.int32),  # which buffer holds the block being computed
             ]),
         # The grid runs in order: a step prefetches the next one's first pages.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), disable_bounds_checks=True),
         out_shape=jax.ShapeDtypeStruct((n_pad, KV * Gp, Lq), q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=NAME,
@@ -169,16 +195,17 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
             *refs,  # [the scales (L, P, KV * 2, page_size) in HBM,] out, buf, [scale buffer,] sems, slot
-            split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
+            lockstep: int, split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
             null_page: int, unit: int):
     quantized = unit > 0
     if quantized:
         scales_ref, out_ref, buf, sbuf, sems, slot_ref = refs
     else:
         (out_ref, buf, sems, slot_ref), scales_ref, sbuf = refs, None, None
+    K = lockstep
     TQ, _, Lq = q_ref.shape
     page_size = pool_ref.shape[2]
-    B = buf.shape[1]  # keys per block
+    B = buf.shape[2]  # keys per block
     block_pages = B // page_size
     pages_per_seq = tables_ref.shape[1]
     layer, n_real = meta_ref[0], meta_ref[1]
@@ -188,32 +215,6 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
     # float32 contract precision for them); float32 ones follow it.
     precision = lax.Precision.DEFAULT if compute == jnp.bfloat16 else None
-    if quantized:
-        # Which scale each query row takes: row r belongs to key/value head r // rows, whose key's scales are row
-        # 2h of a block's (2 KV, B) and value's 2h + 1. As (KV_rows, 2 KV) one-hot matrices, one matmul spreads
-        # them over the rows of the scores, (KV_rows, B).
-        head = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 0) // rows
-        column = lax.broadcasted_iota(jnp.int32, (KV_rows, 2 * kv_heads), 1)
-        pick_k = (column == 2 * head).astype(jnp.float32)
-        pick_v = (column == 2 * head + 1).astype(jnp.float32)
-
-    def copies(t, b, slot):
-        """The DMAs of token t's block b of pages into buffer `slot` (pages past its keys: the null page)."""
-        out = []
-        for j in range(block_pages):
-            i = b * block_pages + j
-            page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
-                             tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
-            into = pl.ds(j * page_size, page_size)
-            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], buf.at[slot, into], sems.at[slot]))
-            if quantized:
-                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, :, into], sems.at[slot]))
-        return out
-
-    def start(t, b, slot):
-        for c in copies(t, b, slot):
-            c.start()
-
     # lax.div truncates (positions are >= 0): `//` lowers through sign, which asks the local device's TPU kind
     # and so cannot be compiled for a TPU from a CPU host.
     def first(t):
@@ -222,86 +223,135 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     def end(t):
         return lax.div(hi_ref[t] + B - 1, B)
 
+    def active(t, b):
+        """Whether token t reads a b-th block (counted from its first): a real token with keys there. The group's
+        other blocks are neither read nor waited for; their stale buffer is masked out."""
+        return (t < n_real) & (first(t) + b < end(t))
+
+    def copies(t, b, slot, k):
+        """The DMAs of token t's block first(t) + b of pages into buffer `slot`'s place k (pages past its keys: the
+        null page)."""
+        out = []
+        for j in range(block_pages):
+            i = (first(t) + b) * block_pages + j
+            page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
+                             tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
+            into = pl.ds(j * page_size, page_size)
+            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], buf.at[slot, k, into], sems.at[slot]))
+            if quantized:
+                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, k, :, into],
+                                                 sems.at[slot]))
+        return out
+
+    def dmas(t0, b, slot, act):
+        """act(copy) for every DMA of the b-th blocks of the group of tokens from t0 (`start` or `wait`)."""
+        for k in range(K):
+            @pl.when(active(t0 + k, b))
+            def _():
+                for c in copies(t0 + k, b, slot, k):
+                    act(c)
+
+    def start(t0, b, slot):
+        dmas(t0, b, slot, lambda c: c.start())
+
+    def wait(t0, b, slot):
+        dmas(t0, b, slot, lambda c: c.wait())
+
     @pl.when((pl.program_id(0) == 0) & (n_real > 0))
     def _():
+        # A token with no b-th block computes on its place's stale buffer, masked: never uninitialized memory, whose
+        # NaNs would pass the mask's zero weights.
+        buf[...] = jnp.zeros(buf.shape, buf.dtype)
+        if quantized:
+            sbuf[...] = jnp.zeros(sbuf.shape, sbuf.dtype)
         slot_ref[0] = 0
-        start(0, first(0), 0)
+        start(0, 0, 0)
 
-    def token(i, carry):
-        t = base + i
+    def queries(i):
+        """Token i's (first head, heads, what meets the MXU as their queries): each head's rows (split), or for
+        FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0]."""
+        # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
+        q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
+        groups = []
+        for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
+            f = 1 if split else min(FUSED_HEADS, kv_heads - g)
+            rows_g = q[g * rows:(g + f) * rows]
+            groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
+        return groups
 
-        @pl.when(t < n_real)
-        def _():
-            # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
-            q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
-            lo, hi = lo_ref[t], hi_ref[t]
-            # (first head, heads, what meets the MXU as their queries), built once a token: each head's rows
-            # (split), or for FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0].
-            groups = []
-            for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
-                f = 1 if split else min(FUSED_HEADS, kv_heads - g)
-                rows_g = q[g * rows:(g + f) * rows]
-                groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
+    def token_block(t, k, b, slot, groups, state):
+        """Token t's b-th block (from buffer `slot`'s place k) into its online softmax state."""
+        keys = (first(t) + b) * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
+        # (1, B); none where the token has no such block, nor for a token past the real ones (the batch's padding
+        # tokens carry positions, and their place's buffer is another token's)
+        visible = (keys >= lo_ref[t]) & (keys < hi_ref[t]) & (t < n_real)
+        pages, k_scale, v_scale = buf.at[slot, k], None, None  # a ref: each group loads its own lanes
+        if quantized:
+            # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B), not on
+            # the (B, width) values.
+            pages = _unpacked(buf[slot, k], unit).astype(jnp.float32).astype(compute)  # (B, row)
+            s_cols = sbuf[slot, k]  # (2 KV, B)
+            # Each head's key and value scales broadcast over its query rows, (KV_rows, B): a sublane broadcast
+            # each (a one-hot matmul at HIGHEST precision took six MXU passes and their pops).
+            spread = lambda c: jnp.concatenate([jnp.broadcast_to(s_cols[2 * h + c:2 * h + c + 1], (rows, B))  # noqa: E731
+                                                for h in range(kv_heads)], axis=0)
+            k_scale, v_scale = spread(0), jnp.where(visible, spread(1), 0.0)
+        parts = []
+        for g, f, qg in groups:
+            span = slice(g * rows, (g + f) * rows)
+            if split:
+                kt, vt = pages[:, 2 * g * head_dim:(2 * g + 1) * head_dim], \
+                    pages[:, (2 * g + 1) * head_dim:(2 * g + 2) * head_dim]  # (B, hd) each
+                pick = None
+            else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
+                kt = vt = pages[:, g * Lq:(g + f) * Lq]
+                pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
+            scale = None if k_scale is None else (k_scale[span], v_scale[span])
+            parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
+                                      precision=precision, pick=pick, scale=scale))
+        return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
 
-            def block(b, state):
-                # The online softmax's state is the loop's carry (KV * Gp, 128) x 2 and (KV * Gp, Lq), float32.
-                slot = slot_ref[0]
-                last = b + 1 >= end(t)
+    def group(j, carry):
+        i0 = j * K
+        t0 = base + i0
+        # Blocks the group takes: its longest token's (at least one while any token is real, whose iteration starts
+        # the next group's first blocks).
+        blocks = functools.reduce(jnp.maximum, [jnp.where(t0 + k < n_real, end(t0 + k) - first(t0 + k), 0)
+                                                for k in range(K)])
+        blocks = jnp.maximum(blocks, (t0 < n_real).astype(jnp.int32))
+        queries_k = [queries(i0 + k) for k in range(K)]
 
-                @pl.when(~last)
-                def _():
-                    start(t, b + 1, 1 - slot)
+        def block(b, states):
+            # Each token's online softmax state is the loop's carry, (KV * Gp, 128) x 2 and (KV * Gp, Lq) float32.
+            slot = slot_ref[0]
+            last = b + 1 >= blocks
 
-                @pl.when(last & (t + 1 < n_real))
-                def _():
-                    start(t + 1, first(t + 1), 1 - slot)
+            @pl.when(~last)
+            def _():
+                start(t0, b + 1, 1 - slot)
 
-                for c in copies(t, b, slot):
-                    c.wait()
-                keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
-                visible = (keys >= lo) & (keys < hi)  # (1, B)
-                pages, k_scale, v_scale = buf.at[slot], None, None  # a ref: each group loads its own lanes
-                if quantized:
-                    # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B),
-                    # not on the (B, width) values.
-                    pages = _unpacked(buf[slot], unit).astype(jnp.float32).astype(compute)  # (B, row)
-                    s_cols = sbuf[slot]  # (2 KV, B)
-                    spread = lambda pick: jnp.dot(pick, s_cols, precision=lax.Precision.HIGHEST,  # noqa: E731
-                                                  preferred_element_type=jnp.float32)  # (KV_rows, B): one-hot, exact
-                    k_scale, v_scale = spread(pick_k), jnp.where(visible, spread(pick_v), 0.0)
-                parts = []
-                for g, f, qg in groups:
-                    span = slice(g * rows, (g + f) * rows)
-                    if split:
-                        kt, vt = pages[:, 2 * g * head_dim:(2 * g + 1) * head_dim], \
-                            pages[:, (2 * g + 1) * head_dim:(2 * g + 2) * head_dim]  # (B, hd) each
-                        pick = None
-                    else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
-                        kt = vt = pages[:, g * Lq:(g + f) * Lq]
-                        pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
-                    scale = None if k_scale is None else (k_scale[span], v_scale[span])
-                    parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
-                                              precision=precision, pick=pick, scale=scale))
-                slot_ref[0] = 1 - slot
-                return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
+            @pl.when(last & (t0 + K < n_real))
+            def _():
+                start(t0 + K, 0, 1 - slot)
 
-            init = (jnp.full((KV_rows, LANES), -jnp.inf, jnp.float32), jnp.zeros((KV_rows, LANES), jnp.float32),
-                    jnp.zeros((KV_rows, Lq), jnp.float32))
-            m, l, acc = lax.fori_loop(first(t), end(t), block, init)
+            wait(t0, b, slot)
+            out = tuple(token_block(t0 + k, k, b, slot, queries_k[k], states[k]) for k in range(K))
+            slot_ref[0] = 1 - slot
+            return out
+
+        init = (jnp.full((KV_rows, LANES), -jnp.inf, jnp.float32), jnp.zeros((KV_rows, LANES), jnp.float32),
+                jnp.zeros((KV_rows, Lq), jnp.float32))
+        states = lax.fori_loop(0, blocks, block, (init,) * K)
+        for k, (m, l, acc) in enumerate(states):  # a token past the real ones: nothing seen, zeros
             if has_sinks:  # one more key per head, logit sinks[h], value zero
                 sink = sinks_ref[...]
                 m_fin = jnp.maximum(m, sink)
                 scale = jnp.exp(m - m_fin)
                 l, acc = l * scale + jnp.exp(sink - m_fin), acc * _lanes(scale, Lq)
-            out_ref[i] = (acc / _lanes(jnp.where(l > 0, l, 1.0), Lq)).astype(out_ref.dtype)
-
-        @pl.when(t >= n_real)
-        def _():
-            out_ref[i] = jnp.zeros(out_ref.shape[1:], out_ref.dtype)
-
+            out_ref[i0 + k] = (acc / _lanes(jnp.where(l > 0, l, 1.0), Lq)).astype(out_ref.dtype)
         return carry
 
-    lax.fori_loop(0, TQ, token, 0)
+    lax.fori_loop(0, TQ // K, group, 0)
 
 
 def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick, scale=None):
@@ -355,8 +405,13 @@ def _block_diagonal(q: jax.Array, heads: int, rows: int) -> jax.Array:
 
 
 def _diagonal(o: jax.Array, *, heads: int, rows: int, width: int) -> jax.Array:
-    """(heads * rows, heads * width) -> (heads * rows, width): each head's rows from its own lanes."""
-    return jnp.concatenate([o[h * rows:(h + 1) * rows, h * width:(h + 1) * width] for h in range(heads)], axis=0)
+    """(heads * rows, heads * width) -> (heads * rows, width): each head's rows from its own lanes (selects over
+    whole tiles: a head's rows need not be whole sublane tiles)."""
+    row_head = lax.broadcasted_iota(jnp.int32, (o.shape[0], width), 0) // rows
+    out = o[:, :width]
+    for h in range(1, heads):
+        out = jnp.where(row_head == h, o[:, h * width:(h + 1) * width], out)
+    return out
 
 
 def _lanes(x: jax.Array, width: int) -> jax.Array:

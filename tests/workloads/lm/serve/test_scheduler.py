@@ -169,6 +169,8 @@ def test_token_buckets():
 
 def test_page_buckets_and_the_rows_that_read_pages_first():
     assert page_buckets(256) == (16, 64, 256) and page_buckets(8) == (8,) and page_buckets(96) == (24, 96)
+    # 256 decodes beside a continued prompt in a 1,024-token step: half its slots read pages, not all of them
+    assert page_buckets(1024) == (64, 256, 512, 1024) and page_bucket(1024, 256 + 122) == 512
     assert [page_bucket(256, n) for n in (0, 16, 17, 64, 65, 256)] == [16, 16, 64, 64, 256, 256]
     a, b, c = (Sequence(name, list(range(8)), 4, i) for i, name in enumerate("abc"))
     order = pages_first([Chunk(a, 0, 4), Chunk(b, 5, 1), Chunk(c, 2, 3)])
