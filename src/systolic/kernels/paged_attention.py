@@ -48,12 +48,14 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   v5e here with the LLO dump on): a block of 256 keys is one basic block whose critical path was 937 cycles for int8
   pages (the DMA's wait, the unpacking, the score matmul's weight pushes, 8 cycles a vreg, and 16 matmul passes of
   16 cycles, ~130 cycles for the MXU's first result, ~115 for the row max across lanes, the exp, 16 more passes,
-  ~130 again); its loop was 1,291 bundles (int8) and 866 (bfloat16 pages of 128) with 213 spill loads. Rows of 4 a
+  ~130 again); its loop was 1,291 bundles (int8) and 866 (bfloat16 pages of 128; 213 of its loads were spills). Rows of 4 a
   head, the scales broadcast and the DMAs' bounds checks off (their page ids are clamped or the null page) made it
   743 and 659 bundles (critical path 714 and 704). On the v5e (2026-12-07, benchmarks/
   paged_attention_lockstep.py, llama-1b, 256 sequences x 256 positions, 16 layers): the kernel over int8 pages
-  **3.56 ms** (was 4.97), over bfloat16 pages of 16 4.23 (was 4.81), of 128 4.17; 64 x 1,024: 3.09 / 3.85 / 3.71.
-  The 256 weight pushes a block (each entry twice) are the floor left: 512 cycles over the 4 MXUs.
+  **3.56 ms** (5.18 before, the same command), over bfloat16 pages of 16 4.23 (4.73), of 128 4.17 (4.51); 64 x
+  1,024: 3.09 / 3.85 / 3.71. The int8 figure is ~1,300 cycles a block (4,096 blocks, ~1.5 GHz): stalls the static schedule
+  does not show. Its 256 weight pushes a block (each entry twice) are the floor of this layout: 512 cycles on the
+  4 MXUs.
 - Tokens in lockstep (`tokens_at_once`): K tokens' blocks in one loop body, so the scheduler can overlap their
   chains. The compiler's bundles a block fall (int8: 615 at 4 tokens against 743 at 1), the chip's time did not
   move (3.554 against 3.562 ms; the same for 1 to 8 tokens before the rows of 4), and 4 tokens of bfloat16 pages of
