@@ -45,21 +45,21 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   scores (R, B), the value's on the softmax weights before they meet the values, each head's row broadcast over its
   query rows (a one-hot matmul at HIGHEST precision did it in six MXU passes and their pops).
 - Where the time goes, from the TPU compiler's own schedule (benchmarks/kernel_bundles.py compiles the kernel for a
-  v5e here with the LLO dump on): a block of 256 keys is one basic block whose critical path was 937 cycles for int8
-  pages (the DMA's wait, the unpacking, the score matmul's weight pushes, 8 cycles a vreg, and 16 matmul passes of
-  16 cycles, ~130 cycles for the MXU's first result, ~115 for the row max across lanes, the exp, 16 more passes,
-  ~130 again); its loop was 1,291 bundles (int8) and 866 (bfloat16 pages of 128; 213 of its loads were spills). Rows of 4 a
-  head, the scales broadcast and the DMAs' bounds checks off (their page ids are clamped or the null page) made it
-  743 and 659 bundles (critical path 714 and 704). On the v5e (2026-12-07, benchmarks/
-  paged_attention_lockstep.py, llama-1b, 256 sequences x 256 positions, 16 layers): the kernel over int8 pages
-  **3.56 ms** (5.18 before, the same command), over bfloat16 pages of 16 4.23 (4.73), of 128 4.17 (4.51); 64 x
-  1,024: 3.09 / 3.85 / 3.71. The int8 figure is ~1,300 cycles a block (4,096 blocks, ~1.5 GHz): stalls the static schedule
-  does not show. Its 256 weight pushes a block (each entry twice) are the floor of this layout: 512 cycles on the
-  4 MXUs.
-- Tokens in lockstep (`tokens_at_once`): K tokens' blocks in one loop body, so the scheduler can overlap their
-  chains. The compiler's bundles a block fall (int8: 615 at 4 tokens against 743 at 1), the chip's time did not
-  move (3.554 against 3.562 ms; the same for 1 to 8 tokens before the rows of 4), and 4 tokens of bfloat16 pages of
-  16 (64 DMAs a loop body) compiled so slowly that llama-1b's warm-up passed 150 s: the default is 1.
+  v5e here with the LLO dump on): a block of 256 keys is one basic block, one chain of dependent steps (the DMA's
+  wait, the unpacking, the score matmul's weight pushes, 8 cycles a vreg, and 16 matmul passes of 16 cycles, ~130
+  cycles for the MXU's first result, ~115 for the row max across lanes, the exp, 16 more passes, ~130 again). At
+  commit 33b2f1d its loop was 1,209 bundles over int8 pages and 801 over bfloat16 pages of 128 (critical paths
+  1,259 and 927 cycles). Rows of 4 a head, the scales broadcast and the DMAs' bounds checks off (their page ids
+  are clamped or the null page) made it 671 and 603 bundles (critical path 714 and 704). On the v5e (2026-12-07,
+  llama-1b, 256 sequences x 256 positions, 16 layers; timed in the form of commit b8fe858, whose loop had tokens in lockstep at 1 and 743 / 659
+  bundles): the kernel over int8 pages **3.56 ms** (5.18 before, the same command), over bfloat16 pages of 16 4.23
+  (4.73), of 128 4.17 (4.51); 64 x 1,024: 3.09 / 3.85 / 3.71. The int8 figure is ~1,300 cycles a block (4,096
+  blocks, ~1.5 GHz): stalls the static schedule does not show. Its 256 weight pushes a block (each entry twice) are
+  the floor of this layout: 512 cycles on the 4 MXUs.
+- Several tokens' blocks in one loop body (lockstep, so the scheduler could overlap their chains; b8fe858) cut the
+  compiler's bundles a block (int8: 615 at 4 tokens against 743 at 1) but not the chip's time (3.554 against
+  3.562 ms; the same for 1 to 8 tokens before the rows of 4), and 4 tokens over bfloat16 pages of 16 (64 DMAs a
+  loop body) compiled so slowly that llama-1b's warm-up passed 150 s: not kept.
 """
 
 from __future__ import annotations
@@ -76,11 +76,6 @@ from jax.experimental.pallas import tpu as pltpu
 # step (8 and 128 measured the same as 32 on the v5e: llama-1b, 256 sequences x 256 positions).
 BLOCK_KEYS = 256
 TOKENS_PER_BLOCK = 32
-# Tokens whose blocks go through the kernel at once, in lockstep (each its own pages, scores and softmax), so the
-# scheduler may overlap their chains of dependent steps; 1: measured no faster on the v5e at 4, and slower to compile
-# (the module's docstring). Fewer when their page buffers would pass LOCKSTEP_BYTES of VMEM.
-TOKENS_AT_ONCE = 1
-LOCKSTEP_BYTES = 8 << 20
 # Heads of 64 whose [k | v] tiles meet the MXU in one matmul (the block-diagonal queries): 8 measured 1.8x faster than
 # one head at a time on the v5e; the matmuls' wasted zeros grow with the group's square, so larger groups are split.
 FUSED_HEADS = 8
@@ -121,7 +116,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
                     lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
                     sinks: jax.Array | None = None, scales: jax.Array | None = None, unit: int = 0,
                     block_keys: int = BLOCK_KEYS, tokens_per_block: int = TOKENS_PER_BLOCK,
-                    tokens_at_once: int | None = None, interpret: bool = False) -> jax.Array:
+                    interpret: bool = False) -> jax.Array:
     """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
     KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
     positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
@@ -129,7 +124,6 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     serve/int8_pool.py), (L, pages, page_size, KV * 2hd / 4) int32 words packing each `unit` entries of a row (512 on
     a TPU) four to a word, position p's key and value of head h scaled by scales[.., 2h, p] and [.., 2h + 1, p];
     page_size a multiple of INT8_PAGE. -> (n, H, hd) in q's dtype.
-    `tokens_at_once`: tokens in lockstep (default TOKENS_AT_ONCE, fewer where their buffers pass LOCKSTEP_BYTES).
     `interpret`: run in Pallas's TPU interpreter (off a TPU, for tests)."""
     n, H, hd = q.shape
     L, P, page_size, width = pool.shape
@@ -148,10 +142,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     Lq = hd if split else 2 * hd  # lanes of a query and of an output row
     pages_per_seq = page_table.shape[1]
     block_pages = pages_per_block(page_size, pages_per_seq, block_keys)
-    block_bytes = block_pages * page_size * pool.shape[-1] * pool.dtype.itemsize + quantized * 2 * KV * \
-        block_pages * page_size * 4
-    K = max(1, min(tokens_at_once or TOKENS_AT_ONCE, LOCKSTEP_BYTES // (2 * block_bytes), n))
-    TQ = -(-min(tokens_per_block, n) // K) * K  # whole groups of K
+    TQ = min(tokens_per_block, n)
     n_pad = -(-n // TQ) * TQ
     # (n, KV * Gp, Lq): each head's G query rows padded to Gp; pad rows are zero and never read back.
     qp = jnp.zeros((n_pad, KV, Gp, Lq), q.dtype).at[:n, :, :G, :hd].set(q.reshape(n, KV, G, hd))
@@ -162,13 +153,13 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         sink_rows = sink_rows.at[:, :G].set(sinks.astype(jnp.float32).reshape(KV, G))
     sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
     meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
-    kernel = functools.partial(_kernel, lockstep=K, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
+    kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
                                has_sinks=sinks is not None, null_page=null_page, unit=unit if quantized else 0)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # A block's pages one after another, (B, width); an int8 pool's scales beside them as (2 KV, B), each page's
     # (2 KV, page_size) whole lane tiles of it.
-    values = pltpu.VMEM((2, K, block_pages * page_size, pool.shape[-1]), pool.dtype)
-    scale_buffer = [pltpu.VMEM((2, K, 2 * KV, block_pages * page_size), jnp.float32)] if quantized else []
+    values = pltpu.VMEM((2, block_pages * page_size, pool.shape[-1]), pool.dtype)
+    scale_buffer = [pltpu.VMEM((2, 2 * KV, block_pages * page_size), jnp.float32)] if quantized else []
     block = pl.BlockSpec((TQ, KV * Gp, Lq), lambda g, *_: (g, 0, 0))
     out = pl.pallas_call(
         kernel,
@@ -178,7 +169,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
             in_specs=[block, pl.BlockSpec((KV * Gp, LANES), lambda g, *_: (0, 0)), hbm, *[hbm] * quantized],
             out_specs=block,
             scratch_shapes=[
-                values,  # the double buffer of pages, K tokens' blocks a slot
+                values,  # the double buffer of pages
                 *scale_buffer,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((1,), jnp.int32),  # which buffer holds the block being computed
@@ -197,17 +188,16 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
             *refs,  # [the scales (L, P, KV * 2, page_size) in HBM,] out, buf, [scale buffer,] sems, slot
-            lockstep: int, split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
+            split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
             null_page: int, unit: int):
     quantized = unit > 0
     if quantized:
         scales_ref, out_ref, buf, sbuf, sems, slot_ref = refs
     else:
         (out_ref, buf, sems, slot_ref), scales_ref, sbuf = refs, None, None
-    K = lockstep
     TQ, _, Lq = q_ref.shape
     page_size = pool_ref.shape[2]
-    B = buf.shape[2]  # keys per block
+    B = buf.shape[1]  # keys per block
     block_pages = B // page_size
     pages_per_seq = tables_ref.shape[1]
     layer, n_real = meta_ref[0], meta_ref[1]
@@ -217,6 +207,24 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     # bfloat16 operands take the MXU's one pass whatever jax.default_matmul_precision says (Mosaic refuses a
     # float32 contract precision for them); float32 ones follow it.
     precision = lax.Precision.DEFAULT if compute == jnp.bfloat16 else None
+
+    def copies(t, b, slot):
+        """The DMAs of token t's block b of pages into buffer `slot` (pages past its keys: the null page)."""
+        out = []
+        for j in range(block_pages):
+            i = b * block_pages + j
+            page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
+                             tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
+            into = pl.ds(j * page_size, page_size)
+            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], buf.at[slot, into], sems.at[slot]))
+            if quantized:
+                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, :, into], sems.at[slot]))
+        return out
+
+    def start(t, b, slot):
+        for c in copies(t, b, slot):
+            c.start()
+
     # lax.div truncates (positions are >= 0): `//` lowers through sign, which asks the local device's TPU kind
     # and so cannot be compiled for a TPU from a CPU host.
     def first(t):
@@ -225,135 +233,89 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
     def end(t):
         return lax.div(hi_ref[t] + B - 1, B)
 
-    def active(t, b):
-        """Whether token t reads a b-th block (counted from its first): a real token with keys there. The group's
-        other blocks are neither read nor waited for; their stale buffer is masked out."""
-        return (t < n_real) & (first(t) + b < end(t))
-
-    def copies(t, b, slot, k):
-        """The DMAs of token t's block first(t) + b of pages into buffer `slot`'s place k (pages past its keys: the
-        null page)."""
-        out = []
-        for j in range(block_pages):
-            i = (first(t) + b) * block_pages + j
-            page = jnp.where((i < pages_per_seq) & (i * page_size < hi_ref[t]),
-                             tables_ref[rows_ref[t], jnp.minimum(i, pages_per_seq - 1)], null_page)
-            into = pl.ds(j * page_size, page_size)
-            out.append(pltpu.make_async_copy(pool_ref.at[layer, page], buf.at[slot, k, into], sems.at[slot]))
-            if quantized:
-                out.append(pltpu.make_async_copy(scales_ref.at[layer, page], sbuf.at[slot, k, :, into],
-                                                 sems.at[slot]))
-        return out
-
-    def dmas(t0, b, slot, act):
-        """act(copy) for every DMA of the b-th blocks of the group of tokens from t0 (`start` or `wait`)."""
-        for k in range(K):
-            @pl.when(active(t0 + k, b))
-            def _():
-                for c in copies(t0 + k, b, slot, k):
-                    act(c)
-
-    def start(t0, b, slot):
-        dmas(t0, b, slot, lambda c: c.start())
-
-    def wait(t0, b, slot):
-        dmas(t0, b, slot, lambda c: c.wait())
-
     @pl.when((pl.program_id(0) == 0) & (n_real > 0))
     def _():
-        # A token with no b-th block computes on its place's stale buffer, masked: never uninitialized memory, whose
-        # NaNs would pass the mask's zero weights.
-        buf[...] = jnp.zeros(buf.shape, buf.dtype)
-        if quantized:
-            sbuf[...] = jnp.zeros(sbuf.shape, sbuf.dtype)
         slot_ref[0] = 0
-        start(0, 0, 0)
+        start(0, first(0), 0)
 
-    def queries(i):
-        """Token i's (first head, heads, what meets the MXU as their queries): each head's rows (split), or for
-        FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0]."""
-        # float32: each head's Gp (a multiple of 8) rows are whole float32 tiles, where bfloat16's are 16 rows.
-        q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
-        groups = []
-        for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
-            f = 1 if split else min(FUSED_HEADS, kv_heads - g)
-            rows_g = q[g * rows:(g + f) * rows]
-            groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
-        return groups
+    def token(i, carry):
+        t = base + i
 
-    def token_block(t, k, b, slot, groups, state):
-        """Token t's b-th block (from buffer `slot`'s place k) into its online softmax state."""
-        keys = (first(t) + b) * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
-        # (1, B); none where the token has no such block, nor for a token past the real ones (the batch's padding
-        # tokens carry positions, and their place's buffer is another token's)
-        visible = (keys >= lo_ref[t]) & (keys < hi_ref[t]) & (t < n_real)
-        pages, k_scale, v_scale = buf.at[slot, k], None, None  # a ref: each group loads its own lanes
-        if quantized:
-            # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B), not on
-            # the (B, width) values.
-            pages = _unpacked(buf[slot, k], unit).astype(jnp.float32).astype(compute)  # (B, row)
-            s_cols = sbuf[slot, k]  # (2 KV, B)
-            # Each head's key and value scales broadcast over its query rows, (KV_rows, B): a sublane broadcast
-            # each (a one-hot matmul at HIGHEST precision took six MXU passes and their pops).
-            spread = lambda c: jnp.concatenate([jnp.broadcast_to(s_cols[2 * h + c:2 * h + c + 1], (rows, B))  # noqa: E731
-                                                for h in range(kv_heads)], axis=0)
-            k_scale, v_scale = spread(0), jnp.where(visible, spread(1), 0.0)
-        parts = []
-        for g, f, qg in groups:
-            span = slice(g * rows, (g + f) * rows)
-            if split:
-                kt, vt = pages[:, 2 * g * head_dim:(2 * g + 1) * head_dim], \
-                    pages[:, (2 * g + 1) * head_dim:(2 * g + 2) * head_dim]  # (B, hd) each
-                pick = None
-            else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
-                kt = vt = pages[:, g * Lq:(g + f) * Lq]
-                pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
-            scale = None if k_scale is None else (k_scale[span], v_scale[span])
-            parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
-                                      precision=precision, pick=pick, scale=scale))
-        return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
+        @pl.when(t < n_real)
+        def _():
+            # float32: the rows of each matmul (a head's Gp, or FUSED_HEADS heads' F * Gp) are whole float32
+            # tiles, where bfloat16's are 16 rows.
+            q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
+            lo, hi = lo_ref[t], hi_ref[t]
+            # (first head, heads, what meets the MXU as their queries), built once a token: each head's rows
+            # (split), or for FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0].
+            groups = []
+            for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
+                f = 1 if split else min(FUSED_HEADS, kv_heads - g)
+                rows_g = q[g * rows:(g + f) * rows]
+                groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
 
-    def group(j, carry):
-        i0 = j * K
-        t0 = base + i0
-        # Blocks the group takes: its longest token's (at least one while any token is real, whose iteration starts
-        # the next group's first blocks).
-        blocks = functools.reduce(jnp.maximum, [jnp.where(t0 + k < n_real, end(t0 + k) - first(t0 + k), 0)
-                                                for k in range(K)])
-        blocks = jnp.maximum(blocks, (t0 < n_real).astype(jnp.int32))
-        queries_k = [queries(i0 + k) for k in range(K)]
+            def block(b, state):
+                # The online softmax's state is the loop's carry (KV * Gp, 128) x 2 and (KV * Gp, Lq), float32.
+                slot = slot_ref[0]
+                last = b + 1 >= end(t)
 
-        def block(b, states):
-            # Each token's online softmax state is the loop's carry, (KV * Gp, 128) x 2 and (KV * Gp, Lq) float32.
-            slot = slot_ref[0]
-            last = b + 1 >= blocks
+                @pl.when(~last)
+                def _():
+                    start(t, b + 1, 1 - slot)
 
-            @pl.when(~last)
-            def _():
-                start(t0, b + 1, 1 - slot)
+                @pl.when(last & (t + 1 < n_real))
+                def _():
+                    start(t + 1, first(t + 1), 1 - slot)
 
-            @pl.when(last & (t0 + K < n_real))
-            def _():
-                start(t0 + K, 0, 1 - slot)
+                for c in copies(t, b, slot):
+                    c.wait()
+                keys = b * B + lax.broadcasted_iota(jnp.int32, (1, B), 1)
+                visible = (keys >= lo) & (keys < hi)  # (1, B)
+                pages, k_scale, v_scale = buf.at[slot], None, None  # a ref: each group loads its own lanes
+                if quantized:
+                    # (B, width) in the compute dtype; the scales go on the scores and the softmax weights, (R, B),
+                    # not on the (B, width) values.
+                    pages = _unpacked(buf[slot], unit).astype(jnp.float32).astype(compute)  # (B, row)
+                    s_cols = sbuf[slot]  # (2 KV, B)
+                    # Each head's key and value scales broadcast over its query rows, (KV_rows, B): a sublane
+                    # broadcast each (a one-hot matmul at HIGHEST precision took six MXU passes and their pops).
+                    spread = lambda c: jnp.concatenate(  # noqa: E731
+                        [jnp.broadcast_to(s_cols[2 * h + c:2 * h + c + 1], (rows, B)) for h in range(kv_heads)])
+                    k_scale, v_scale = spread(0), jnp.where(visible, spread(1), 0.0)
+                parts = []
+                for g, f, qg in groups:
+                    span = slice(g * rows, (g + f) * rows)
+                    if split:
+                        kt, vt = pages[:, 2 * g * head_dim:(2 * g + 1) * head_dim], \
+                            pages[:, (2 * g + 1) * head_dim:(2 * g + 2) * head_dim]  # (B, hd) each
+                        pick = None
+                    else:  # the group's [k | v] tiles side by side, (B, f * 128), for both products
+                        kt = vt = pages[:, g * Lq:(g + f) * Lq]
+                        pick = functools.partial(_diagonal, heads=f, rows=rows, width=Lq)
+                    scale = None if k_scale is None else (k_scale[span], v_scale[span])
+                    parts.append(_online_step(qg, kt, vt, visible, tuple(x[span] for x in state), softcap=softcap,
+                                              precision=precision, pick=pick, scale=scale))
+                slot_ref[0] = 1 - slot
+                return tuple(jnp.concatenate(x, axis=0) if len(x) > 1 else x[0] for x in zip(*parts))
 
-            wait(t0, b, slot)
-            out = tuple(token_block(t0 + k, k, b, slot, queries_k[k], states[k]) for k in range(K))
-            slot_ref[0] = 1 - slot
-            return out
-
-        init = (jnp.full((KV_rows, LANES), -jnp.inf, jnp.float32), jnp.zeros((KV_rows, LANES), jnp.float32),
-                jnp.zeros((KV_rows, Lq), jnp.float32))
-        states = lax.fori_loop(0, blocks, block, (init,) * K)
-        for k, (m, l, acc) in enumerate(states):  # a token past the real ones: nothing seen, zeros
+            init = (jnp.full((KV_rows, LANES), -jnp.inf, jnp.float32), jnp.zeros((KV_rows, LANES), jnp.float32),
+                    jnp.zeros((KV_rows, Lq), jnp.float32))
+            m, l, acc = lax.fori_loop(first(t), end(t), block, init)
             if has_sinks:  # one more key per head, logit sinks[h], value zero
                 sink = sinks_ref[...]
                 m_fin = jnp.maximum(m, sink)
                 scale = jnp.exp(m - m_fin)
                 l, acc = l * scale + jnp.exp(sink - m_fin), acc * _lanes(scale, Lq)
-            out_ref[i0 + k] = (acc / _lanes(jnp.where(l > 0, l, 1.0), Lq)).astype(out_ref.dtype)
+            out_ref[i] = (acc / _lanes(jnp.where(l > 0, l, 1.0), Lq)).astype(out_ref.dtype)
+
+        @pl.when(t >= n_real)
+        def _():
+            out_ref[i] = jnp.zeros(out_ref.shape[1:], out_ref.dtype)
+
         return carry
 
-    lax.fori_loop(0, TQ // K, group, 0)
+    lax.fori_loop(0, TQ, token, 0)
 
 
 def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick, scale=None):

@@ -112,31 +112,6 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
     np.testing.assert_array_equal(written[0, untouched], pool[0, untouched])
 
 
-@pytest.mark.parametrize("at_once", [2, 3])
-def test_kernel_tokens_in_lockstep_equal_one_at_a_time(monkeypatch, at_once):
-    """The kernel's tokens in lockstep groups (TOKENS_AT_ONCE; a group's shorter tokens idle on their place's stale
-    buffer, masked; 3 splits the step's tokens into uneven groups) give what one token at a time gives, and the
-    dense reference; padding tokens give zeros."""
-    pool, batch, q, new_k, new_v, full_k, full_v = make_case()
-    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-
-    def run(k_at_once):
-        monkeypatch.setattr(pa.kernel_lib, "TOKENS_AT_ONCE", k_at_once)
-
-        @jax.jit
-        def f(pool, q, k, v, batch):
-            pool = pa.write_kv(pool, 0, k, v, batch.slots)
-            return pa.ragged_paged_attention(q, k, v, pool, 0, batch, kernel=True)
-
-        return np.asarray(f(f32(pool), f32(q), f32(new_k), f32(new_v), batch))
-
-    one, group = run(1), run(at_once)
-    n = int(batch.num_tokens)
-    np.testing.assert_allclose(group, one, atol=1e-6, rtol=1e-6)
-    np.testing.assert_allclose(group[:n], dense_reference(q, full_k, full_v, 0), atol=2e-5, rtol=2e-5)
-    assert np.all(group[n:] == 0)
-
-
 def test_pool_layout_and_empty_step():
     cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
     pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "auto"))
