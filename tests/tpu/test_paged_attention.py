@@ -84,3 +84,30 @@ def check(H, KV, hd, dtype, window, softcap, sinks, page_tokens, *, int8: bool):
     tol = 2e-5 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(kernel[:real], plain[:real], atol=tol, rtol=tol)
     assert np.all(kernel[real:] == 0)  # padding tokens
+
+
+def test_int8_writes_by_dma_equal_the_scatters_on_the_chip():
+    """kernels/kv_write.py compiled by Mosaic (the step's int8 writes on a TPU) against XLA's scatters on the same
+    chip, for the step above (decodes, a continued and a fresh prompt, padding) and for 300 decodes, each in a page
+    of its own (three groups of runs): the pool equal to the last bit."""
+    from systolic.kernels import kv_write
+
+    assert jax.devices()[0].platform == "tpu"
+    rng = np.random.default_rng(1)
+    page = kernel_lib.INT8_PAGE
+    pool, batch, _, k, v, _ = case(32, 8, 64, jnp.bfloat16, page=page)
+    pool = jax.jit(int8_pool.quantize_pool, static_argnums=1)(pool, 64)
+    big = (jnp.asarray(rng.integers(-2**31, 2**31 - 1, (2, 301, page, 256)), jnp.int32),
+           jnp.asarray(rng.random((2, 301, 16, page)), jnp.float32))
+    decodes = jnp.asarray((rng.permutation(300) + 1) * page + rng.integers(0, page, 300), jnp.int32)
+    for (words_pool, scales_pool), slots, real in (((pool.words, pool.scales), batch.slots, batch.num_tokens),
+                                                   (big, decodes, 300)):
+        n = slots.shape[0]
+        kv = jnp.concatenate([jnp.resize(k, (n, *k.shape[1:])), jnp.resize(v, (n, *v.shape[1:]))], -1).reshape(n, -1)
+        words, scales = int8_pool.quantize(kv, 64, pool.unit)
+        table = kv_write.runs(slots, real, page)
+        got = jax.jit(kv_write.write)(words_pool, scales_pool, 1, table, words, scales)
+        at = (slots[:real] // page, slots[:real] % page)
+        want = (words_pool.at[1, at[0], at[1]].set(words[:real]), scales_pool.at[1, at[0], :, at[1]].set(scales[:real]))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

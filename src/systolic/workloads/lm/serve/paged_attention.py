@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import spmd
 
+from systolic.kernels import kv_write
 from systolic.kernels import paged_attention as kernel_lib
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
@@ -106,7 +107,7 @@ class PagedKV(NamedTuple):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | jax.Array,
                softcap: float = 0.0, sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKV]:
         """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
-        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots)
+        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots, self.batch.num_tokens)
         out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window, softcap=softcap,
                                      sinks=sinks, page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
@@ -122,9 +123,11 @@ class PagedKV(NamedTuple):
         return out, self._replace(pool=pool)
 
 
-def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array) -> Pool:
+def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array,
+             num_tokens: jax.Array | None = None) -> Pool:
     """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized); v None:
-    MLA's latent rows k (T, 1, C) alone."""
+    MLA's latent rows k (T, 1, C) alone. `num_tokens`: only the first this many are real (the rest write the null
+    page, or nothing where the int8 pool is written by DMA); None: all."""
     T, _, hd = k.shape
     page_size = pool.shape[2]
     kv = k if v is None else jnp.concatenate([k, v], axis=-1)  # (T, KV, 2hd): [k | v] per head
@@ -132,12 +135,36 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | No
     page, offset = slots // page_size, slots % page_size
     if isinstance(pool, Int8Pool):  # words (T, KV * 2hd / 4) and scales (T, KV * 2) into their two arrays
         words, new = int8_pool.quantize(kv, hd, pool.unit)
+        if v is not None and uses_kernel(pool, hd):  # by DMA (kernels/kv_write.py): XLA's scatters cost ~100 ns a token
+            return _kernel_write(pool, layer, words, new, slots, num_tokens)
         scales = pool.scales  # (.., KV * 2, ps): each token's a column, SCALE_WRITES tokens a scatter
         for i in range(0, T, SCALE_WRITES):
             part = slice(i, i + SCALE_WRITES)
             scales = scales.at[layer, page[part], :, offset[part]].set(new[part])
         return Int8Pool(pool.words.at[layer, page, offset].set(words), scales, pool.unit)
     return pool.at[layer, page, offset].set(kv.astype(pool.dtype))
+
+
+def _kernel_write(pool: Int8Pool, layer, words: jax.Array, scales: jax.Array, slots: jax.Array,
+                  num_tokens: jax.Array | None) -> Int8Pool:
+    """`write_kv` into an int8 pool through kernels/kv_write.py, the first num_tokens tokens (None: all); under a
+    mesh, per device in a shard_map over the heads."""
+    table = kv_write.runs(slots, slots.shape[0] if num_tokens is None else num_tokens, pool.shape[2])
+    local = lambda words_pool, scales_pool, layer, table, words, scales: kv_write.write(  # noqa: E731
+        words_pool, scales_pool, layer, table, words, scales, interpret=device_platform() != "tpu")
+    operands = (pool.words, pool.scales, jnp.asarray(layer, jnp.int32), table, words, scales)
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        out = local(*operands)
+    else:
+        heads = logical_to_spec(("heads",), rules)[0]
+        P = jax.sharding.PartitionSpec
+        out = jax.shard_map(local, mesh=mesh, in_specs=(P(None, None, None, heads), P(None, None, heads, None), P(),
+                                                        P(), P(None, heads), P(None, heads)),
+                            out_specs=(P(None, None, None, heads), P(None, None, heads, None)),
+                            check_vma=False)(*operands)
+    return Int8Pool(*out, pool.unit)
 
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool: Pool, layer: jax.Array | int,
