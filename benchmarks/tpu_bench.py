@@ -92,7 +92,8 @@ SERVE_DRY = (("4 x 256 llama float32", ["--levels", "1,4", "--prompt", "32", "--
 # w8a8 (int8 x int8 dots) against bfloat16 on llama-1b, each row as serve's llama-1b row but for the weights and the
 # levels (its own bf16 row here, so that one command gives the ratio; the acceptance: w8a8 >= 1.3x at 256): 1.28x at
 # 64 and 1.21x at 256 (2026-12-07, third session; 1.21x and 1.11x when the weights' scales were float32 and the TPU
-# compiler copied each layer's int8 weight slices into on-chip memory before their dots). Then a
+# compiler copied each layer's int8 weight slices into on-chip memory before their dots); with the int8 KV pool read
+# by the kernel and written by DMA (kernels/kv_write.py), 1.33x at 256 (2026-12-07, seventh session). Then a
 # Llama-3-8B shape, which fits one v5e only so: 7.97 GiB of int8 weights (bf16: 14.96 GiB of the chip's 15.75), its
 # cache in int8 (67,584 bytes a token against 131,072): 256 sequences of 128 + 128 tokens take 4.13 GiB. The TPU
 # compiler's figure for that step (`systolic plan lm --serve --recipe llama-8b --target v5e-1 --weights int8 --kv
@@ -104,7 +105,7 @@ SERVE_DRY = (("4 x 256 llama float32", ["--levels", "1,4", "--prompt", "32", "--
 # It ran 77.7 ms a token at 1 in flight and 565 tok/s at 64 (TPOT 102 ms); a level of 256 would not fit the part.
 LLAMA_1B_256 = ["--recipe", "llama-1b", *BF16, "--levels", "64,256", "--max-seqs", "256", "--output", "128"]
 SERVE_INT8_ROWS = (
-    ("llama-1b w8a8", [*LLAMA_1B_256, "--quantize", "w8a8"]),
+    ("llama-1b w8a8, int8 KV", [*LLAMA_1B_256, "--quantize", "w8a8", "--kv-cache", "int8"]),
     ("llama-1b bfloat16", LLAMA_1B_256),
     ("Llama-3-8B shape int8 weights, int8 KV", ["--recipe", "llama-8b", *BF16, "--quantize", "int8", "--kv-cache",
                                                 "int8", "--kv-memory-gib", "4.5", "--levels", "1,64",
@@ -127,8 +128,8 @@ LLAMA_1B_BF16 = ["--recipe", "llama-1b", *BF16, "--max-seqs", "256", "--output",
 SERVE_STEPS_ROWS = (
     ("llama-1b bfloat16 1024 tokens a step", [*LLAMA_1B_BF16, "--levels", "1,64,256", "--max-tokens-per-step", "1024"]),
     ("llama-1b bfloat16 256 tokens a step", [*LLAMA_1B_BF16, "--levels", "64,256", "--max-tokens-per-step", "256"]),
-    ("llama-1b w8a8 1024 tokens a step", [*LLAMA_1B_BF16, "--quantize", "w8a8", "--levels", "64,256",
-                                          "--max-tokens-per-step", "1024"]),
+    ("llama-1b w8a8, int8 KV, 1024 tokens a step", [*LLAMA_1B_BF16, "--quantize", "w8a8", "--kv-cache", "int8",
+                                                    "--levels", "64,256", "--max-tokens-per-step", "1024"]),
     ("gemma3-1b bfloat16 512 tokens a step", ["--recipe", "gemma3-1b", *BF16, "--levels", "1,64", "--max-seqs", "64",
                                               "--output", "64", "--max-tokens-per-step", "512"]),
     ("Llama-3-8B shape int8 weights, int8 KV", ["--recipe", "llama-8b", *BF16, "--quantize", "int8", "--kv-cache",
