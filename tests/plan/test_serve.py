@@ -246,7 +246,7 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
         m = plan_serve(cfg, devices_for(target), weights="bf16", kv=kv)  # serve's default pages
         assert m.page_size == page
         compiled, refused = compile_lowered(m.lower_step(8, 0, pages), target)  # without the persistent cache
-        if kv == "int8":  # and a step of 1,024 tokens: their scales in scatters of SCALE_WRITES (paged_attention.py)
+        if kv == "int8":  # and a step of 1,024 tokens (their scales once cost a copy of every layer's: SCALE_WRITES)
             big, refused_big = compile_lowered(m.lower_step(1024, 8, pages), target)
             scale_bytes = 2**20 * 4 * 2 * cfg.model.n_kv_heads * cfg.model.layers
             assert refused_big is None and big.memory_analysis().temp_size_in_bytes < scale_bytes / 8
@@ -264,6 +264,7 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     copies = [line for line in text.splitlines() if " copy(" in line and any(s in line.split("=")[1] for s in shapes)]
     assert not copies, copies[:2]
     assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention.py), not the plain gather
+    assert ("systolic_kv_write" in text) == (kv == "int8")  # an int8 pool written by DMA (kernels/kv_write.py)
     if kv == "int8":  # every layer's scales, row-major: the stored array itself, no relayout (docstring)
         call = next(line for line in text.splitlines() if "= " in line and "systolic_paged_attention" in line
                     and "custom-call(" in line)

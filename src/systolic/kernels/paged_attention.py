@@ -54,7 +54,8 @@ The design (tpu-inference's and JAX's ragged paged attention kernels work the sa
   llama-1b, 256 sequences x 256 positions, 16 layers; timed in the form of commit b8fe858, whose loop had tokens in lockstep at 1 and 743 / 659
   bundles): the kernel over int8 pages **3.56 ms** (5.18 before, the same command), over bfloat16 pages of 16 4.23
   (4.73), of 128 4.17 (4.51); 64 x 1,024: 3.09 / 3.85 / 3.71. The int8 figure is ~1,300 cycles a block (4,096
-  blocks, ~1.5 GHz): stalls the static schedule does not show. Its 256 weight pushes a block (each entry twice) are
+  blocks, ~1.5 GHz): stalls the static schedule does not show; this form (671 / 603 bundles) timed 3.50 / 4.22 ms
+  there, 1-2% less (2026-12-07, seventh session). Its 256 weight pushes a block (each entry twice) are
   the floor of this layout: 512 cycles on the 4 MXUs.
 - Several tokens' blocks in one loop body (lockstep, so the scheduler could overlap their chains; b8fe858) cut the
   compiler's bundles a block (int8: 615 at 4 tokens against 743 at 1) but not the chip's time (3.554 against

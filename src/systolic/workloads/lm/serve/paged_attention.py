@@ -64,10 +64,12 @@ def keys_per_block() -> int:
     return 16 if compile_platform() == "cpu" else 256
 
 
-# Tokens whose scales one scatter writes into an int8 pool: the TPU compiler wrote 1,024 tokens' columns by copying
+# Tokens whose scales one scatter writes into an int8 pool (where XLA writes it: off a TPU, or in pages the kernels
+# do not take; on a TPU kernels/kv_write.py writes it by DMA): the TPU compiler wrote 1,024 tokens' columns by copying
 # the whole (L, pages, 2 KV, page_size) array into another layout and updating it a layer at a time (llama-1b w8a8
 # on the v5e: 270 ms a 1,024-token step). Compiled for a v5e here, a scatter of 768 or fewer was written in place,
-# and llama-1b's 1,024-token step with 512 a scatter has no copy (tests/plan/test_serve.py checks such a step).
+# and llama-1b's 1,024-token step with 512 a scatter had no copy (tests/plan/test_serve.py checked it until the
+# step's writes went by DMA; it now checks that step with the kernel's writes).
 SCALE_WRITES = 512
 
 
