@@ -109,25 +109,16 @@ def _kernel(meta, table,  # scalar prefetch: (layer, runs), (4, T) each run's fi
         return pltpu.make_async_copy(new_words.at[pl.ds(t, 1)], words.at[layer, table[4, t], pl.ds(table[5, t], 1)],
                                      sems.at[2])
 
-    def start_row(t, c):
-        row_copy(t).start()
-        return c
-
-    def wait_row(t, c):
-        row_copy(t).wait()
-        return c
+    def each(copy, action: str):
+        """A loop body that starts or waits for copy(i)."""
+        def body(i, c):
+            getattr(copy(i), action)()
+            return c
+        return body
 
     def group(g, carry):
         base = g * G
         n = jnp.minimum(G, count - base)
-
-        def start(j, c):
-            tile_copy(base + j, j, False).start()
-            return c
-
-        def wait_in(j, c):
-            tile_copy(base + j, j, False).wait()
-            return c
 
         def merge(j, c):
             r = base + j
@@ -141,18 +132,13 @@ def _kernel(meta, table,  # scalar prefetch: (layer, runs), (4, T) each run's fi
             tiles[j] = jnp.where((lanes >= offset) & (lanes < offset + length), placed, tiles[j])
             return c
 
-        def start_out(j, c):
-            tile_copy(base + j, j, True).start()
-            return c
-
-        def wait_out(j, c):
-            tile_copy(base + j, j, True).wait()
-            return c
-
-        for body in (start, wait_in, merge, start_out, wait_out):
+        tile_in = lambda j: tile_copy(base + j, j, False)  # noqa: E731
+        tile_out = lambda j: tile_copy(base + j, j, True)  # noqa: E731
+        for body in (each(tile_in, "start"), each(tile_in, "wait"), merge, each(tile_out, "start"),
+                     each(tile_out, "wait")):
             lax.fori_loop(0, n, body, 0)
         return carry
 
-    lax.fori_loop(0, tokens, start_row, 0)  # the rows' DMAs in flight while the scales are merged
+    lax.fori_loop(0, tokens, each(row_copy, "start"), 0)  # the rows' DMAs in flight while the scales are merged
     lax.fori_loop(0, lax.div(count + G - 1, G), group, 0)
-    lax.fori_loop(0, tokens, wait_row, 0)
+    lax.fori_loop(0, tokens, each(row_copy, "wait"), 0)
