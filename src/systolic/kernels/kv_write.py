@@ -44,14 +44,13 @@ def runs(slots: jax.Array, num_tokens: jax.Array, page_size: int) -> jax.Array:
     # Run starts first, in token order: one sort of the tokens keyed by (not a start, index).
     key = jnp.where(fresh, i, T + i)
     key, run_page, run_offset = lax.sort((key, page, offset), num_keys=1)
-    count = jnp.sum(fresh.astype(jnp.int32))
-    starts = jnp.where(i < count, key, 0)
-    following = jnp.where(i + 1 < count, jnp.roll(key, -1), jnp.asarray(num_tokens, jnp.int32))
-    lengths = jnp.where(i < count, following - starts, 0)
+    count, num_tokens = jnp.sum(fresh.astype(jnp.int32)), jnp.asarray(num_tokens, jnp.int32)
     live = i < count
-    counts = jnp.zeros_like(i).at[0].set(count).at[1].set(jnp.asarray(num_tokens, jnp.int32))
-    return jnp.stack([starts, lengths, jnp.where(live, run_page, 0), jnp.where(live, run_offset, 0), counts,
-                      page, offset])
+    starts = jnp.where(live, key, 0)
+    following = jnp.where(i + 1 < count, jnp.roll(key, -1), num_tokens)
+    counts = jnp.zeros_like(i).at[0].set(count).at[1].set(num_tokens)
+    return jnp.stack([starts, jnp.where(live, following - starts, 0), jnp.where(live, run_page, 0),
+                      jnp.where(live, run_offset, 0), counts, page, offset])
 
 
 def write(words: jax.Array, scales: jax.Array, layer: jax.Array | int, run_table: jax.Array, new_words: jax.Array,
@@ -60,7 +59,7 @@ def write(words: jax.Array, scales: jax.Array, layer: jax.Array | int, run_table
     `layer`'s slots written: token t's row new_words[t] (T, W) and its scales new_scales[t] (T, 2 KV), along
     `run_table` (`runs`). Both pool arrays are updated in place (donate them). `interpret`: Pallas's TPU interpreter
     (off a TPU, for tests)."""
-    T, W = new_words.shape
+    T = new_words.shape[0]
     page_size = words.shape[2]
     S = scales.shape[2]
     if page_size % LANES:
@@ -71,7 +70,7 @@ def write(words: jax.Array, scales: jax.Array, layer: jax.Array | int, run_table
     window = page_size + LANES
     cols = jnp.zeros((S, -(-T // LANES) * LANES + window), jnp.float32).at[:, :T].set(
         new_scales.astype(jnp.float32).T)
-    meta = jnp.stack([jnp.asarray(layer, jnp.int32), run_table[4, 0], run_table[4, 1]])
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     groups = min(RUN_GROUP, T)
     return pl.pallas_call(
@@ -87,14 +86,14 @@ def write(words: jax.Array, scales: jax.Array, layer: jax.Array | int, run_table
         compiler_params=pltpu.CompilerParams(has_side_effects=True, disable_bounds_checks=True),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=NAME,
-    )(meta, jnp.concatenate([run_table[:4], run_table[5:]]), new_words.astype(jnp.int32), cols, words, scales)
+    )(layer, run_table, new_words, cols, words, scales)
 
 
-def _kernel(meta, table,  # scalar prefetch: (layer, runs), (4, T) each run's first token, length, page, offset
+def _kernel(layer_ref, table,  # scalar prefetch: (1,) the layer; (7, T) the run table (`runs`)
             new_words, cols,  # (T, W) int32 in HBM; (2 KV, T') float32 in VMEM
             words_in, scales_in, words, scales,  # the pool (aliased: the outputs are the inputs)
             tiles, sems):  # (G, 2 KV, page_size) float32; DMA semaphores: tiles in, tiles out, rows
-    layer, count, tokens = meta[0], meta[1], meta[2]
+    layer, count, tokens = layer_ref[0], table[4, 0], table[4, 1]
     G, S, page_size = tiles.shape
     window = page_size + LANES
     lanes = lax.broadcasted_iota(jnp.int32, (S, page_size), 1)
@@ -106,7 +105,7 @@ def _kernel(meta, table,  # scalar prefetch: (layer, runs), (4, T) each run's fi
 
     def row_copy(t):
         """Token t's row: one DMA (a DMA of several rows must start at a multiple of 8 in both arrays)."""
-        return pltpu.make_async_copy(new_words.at[pl.ds(t, 1)], words.at[layer, table[4, t], pl.ds(table[5, t], 1)],
+        return pltpu.make_async_copy(new_words.at[pl.ds(t, 1)], words.at[layer, table[5, t], pl.ds(table[6, t], 1)],
                                      sems.at[2])
 
     def each(copy, action: str):

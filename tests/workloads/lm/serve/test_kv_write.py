@@ -107,3 +107,22 @@ def test_int8_writes_split_over_heads_equal_one_device(monkeypatch):
     assert got.words.sharding.spec[3] == "tensor"  # split as it came
     np.testing.assert_array_equal(got.words, want.words)
     np.testing.assert_array_equal(got.scales, want.scales)
+
+
+def test_the_run_table_is_made_once_a_step_for_pools_written_by_dma(monkeypatch):
+    """A step's PagedKV carries the run table where kernels/kv_write.py writes its pool (an int8 key/value pool in a
+    TPU program), so the layers (a scan on the chip) do not each sort the slots again; none for other pools."""
+    from types import SimpleNamespace
+
+    from systolic.workloads.lm.serve import int8_pool
+    from systolic.workloads.lm.serve import paged_attention as pa
+
+    monkeypatch.setattr(pa, "compile_platform", lambda: "tpu")
+    rng = np.random.default_rng(0)
+    batch = SimpleNamespace(slots=jnp.asarray(slots_of(rng, 9, 3, [(120, 12)]), jnp.int32), num_tokens=jnp.int32(13))
+    pool = int8_pool.quantize_pool(jnp.zeros((2, 9, PAGE, 8 * 2 * 64), jnp.float32), 64)
+    got = pa.PagedKV(pool, 0, batch).with_write_runs().write_runs
+    np.testing.assert_array_equal(got, kv_write.runs(batch.slots, 13, PAGE))
+    assert pa.PagedKV(jnp.zeros((2, 9, 16, 1024), jnp.bfloat16), 0, batch).with_write_runs().write_runs is None
+    latent = int8_pool.Int8Pool(jnp.zeros((2, 9, PAGE, 128), jnp.int32), jnp.zeros((2, 9, 1, PAGE)), 512)  # MLA's
+    assert pa.PagedKV(latent, 0, batch).with_write_runs().write_runs is None

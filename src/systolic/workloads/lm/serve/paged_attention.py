@@ -105,11 +105,26 @@ class PagedKV(NamedTuple):
     layer: jax.Array | int  # this layer's index into the pool
     batch: RaggedBatch
     page_tokens: int | None = None  # static: only the first this many tokens read pages (None: all)
+    # (7, T): kernels/kv_write.py's run table, where it writes an int8 pool (`with_write_runs`; None: computed by
+    # write_kv, or no DMA writes)
+    write_runs: jax.Array | None = None
+
+    def with_write_runs(self) -> PagedKV:
+        """This PagedKV with the run table kernels/kv_write.py writes its int8 pool along, where it does: every
+        layer writes the same slots, so it is computed once a step here, not in each layer (a scanned model's step,
+        compiled for a v5e, sorted the slots inside the layers' loop)."""
+        pool = self.pool
+        # MLA's latent pool has one scale a row (its rows are written by XLA); a key/value pool two a head
+        if not isinstance(pool, Int8Pool) or pool.scales.shape[-2] % 2:
+            return self
+        if not uses_kernel(pool, pool.shape[-1] // pool.scales.shape[-2]):
+            return self
+        return self._replace(write_runs=kv_write.runs(self.batch.slots, self.batch.num_tokens, pool.shape[2]))
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | jax.Array,
                softcap: float = 0.0, sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKV]:
         """q (T, H, hd), this step's k and v (T, KV, hd) -> (out (T, H, hd), the PagedKV with k and v written)."""
-        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots, self.batch.num_tokens)
+        pool = write_kv(self.pool, self.layer, k, v, self.batch.slots, self.batch.num_tokens, self.write_runs)
         out = ragged_paged_attention(q, k, v, pool, self.layer, self.batch, window=window, softcap=softcap,
                                      sinks=sinks, page_tokens=self.page_tokens)
         return out, self._replace(pool=pool)
@@ -126,10 +141,11 @@ class PagedKV(NamedTuple):
 
 
 def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | None, slots: jax.Array,
-             num_tokens: jax.Array | None = None) -> Pool:
+             num_tokens: jax.Array | None = None, runs: jax.Array | None = None) -> Pool:
     """The pool with k and v (T, KV, hd) written at layer `layer`, slots (T,) (an int8 pool: quantized); v None:
     MLA's latent rows k (T, 1, C) alone. `num_tokens`: only the first this many are real (the rest write the null
-    page, or nothing where the int8 pool is written by DMA); None: all."""
+    page, or nothing where the int8 pool is written by DMA); None: all. `runs`: kernels/kv_write.py's run table of
+    these slots, where it writes the pool (None: computed here)."""
     T, _, hd = k.shape
     page_size = pool.shape[2]
     kv = k if v is None else jnp.concatenate([k, v], axis=-1)  # (T, KV, 2hd): [k | v] per head
@@ -138,7 +154,9 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | No
     if isinstance(pool, Int8Pool):  # words (T, KV * 2hd / 4) and scales (T, KV * 2) into their two arrays
         words, new = int8_pool.quantize(kv, hd, pool.unit)
         if v is not None and uses_kernel(pool, hd):  # by DMA (kernels/kv_write.py): XLA's scatters cost ~100 ns a token
-            return _kernel_write(pool, layer, words, new, slots, num_tokens)
+            if runs is None:
+                runs = kv_write.runs(slots, T if num_tokens is None else num_tokens, page_size)
+            return _kernel_write(pool, layer, words, new, runs)
         scales = pool.scales  # (.., KV * 2, ps): each token's a column, SCALE_WRITES tokens a scatter
         for i in range(0, T, SCALE_WRITES):
             part = slice(i, i + SCALE_WRITES)
@@ -147,26 +165,27 @@ def write_kv(pool: Pool, layer: jax.Array | int, k: jax.Array, v: jax.Array | No
     return pool.at[layer, page, offset].set(kv.astype(pool.dtype))
 
 
-def _kernel_write(pool: Int8Pool, layer, words: jax.Array, scales: jax.Array, slots: jax.Array,
-                  num_tokens: jax.Array | None) -> Int8Pool:
-    """`write_kv` into an int8 pool through kernels/kv_write.py, the first num_tokens tokens (None: all); under a
-    mesh, per device in a shard_map over the heads."""
-    table = kv_write.runs(slots, slots.shape[0] if num_tokens is None else num_tokens, pool.shape[2])
-    local = lambda words_pool, scales_pool, layer, table, words, scales: kv_write.write(  # noqa: E731
-        words_pool, scales_pool, layer, table, words, scales, interpret=device_platform() != "tpu")
-    operands = (pool.words, pool.scales, jnp.asarray(layer, jnp.int32), table, words, scales)
+def _kernel_write(pool: Int8Pool, layer, words: jax.Array, scales: jax.Array, runs: jax.Array) -> Int8Pool:
+    """`write_kv` into an int8 pool through kernels/kv_write.py along `runs`, in its interpreter off a TPU."""
+    local = lambda words_pool, scales_pool, layer, runs, words, scales: kv_write.write(  # noqa: E731
+        words_pool, scales_pool, layer, runs, words, scales, interpret=device_platform() != "tpu")
+    operands = (pool.words, pool.scales, jnp.asarray(layer, jnp.int32), runs, words, scales)
+    P = jax.sharding.PartitionSpec
+    pools = lambda heads: (P(None, None, None, heads), P(None, None, heads, None))  # noqa: E731
+    return Int8Pool(*_over_heads(local, operands, lambda heads: (*pools(heads), P(), P(), P(None, heads),
+                                                                 P(None, heads)), pools), pool.unit)
+
+
+def _over_heads(local, operands: tuple, in_specs, out_specs):
+    """local(*operands); under a mesh, per device in a shard_map over the heads (a Pallas kernel is opaque to XLA's
+    partitioner): in_specs and out_specs give the PartitionSpecs from the heads' mesh axis."""
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
-        out = local(*operands)
-    else:
-        heads = logical_to_spec(("heads",), rules)[0]
-        P = jax.sharding.PartitionSpec
-        out = jax.shard_map(local, mesh=mesh, in_specs=(P(None, None, None, heads), P(None, None, heads, None), P(),
-                                                        P(), P(None, heads), P(None, heads)),
-                            out_specs=(P(None, None, None, heads), P(None, None, heads, None)),
-                            check_vma=False)(*operands)
-    return Int8Pool(*out, pool.unit)
+        return local(*operands)
+    heads = logical_to_spec(("heads",), rules)[0]
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs(heads), out_specs=out_specs(heads),
+                         check_vma=False)(*operands)
 
 
 def ragged_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, pool: Pool, layer: jax.Array | int,
@@ -267,23 +286,20 @@ def _kernel_attention(q, k, v, pool, layer, batch: RaggedBatch, *, window, softc
 
 
 def _kernel_call(q, pool, layer, page_table, rows, lo, hi, num_tokens, softcap, sinks):
-    """The kernel on q (n, H, hd), in its interpreter off a TPU; under a mesh, per device in a shard_map over the
-    heads (a Pallas kernel is opaque to XLA's partitioner), each device's pool rows holding its whole heads."""
+    """The kernel on q (n, H, hd), in its interpreter off a TPU; under a mesh per device (`_over_heads`), each
+    device's pool rows holding its whole heads."""
     values, scales, unit = (pool.words, pool.scales, pool.unit) if isinstance(pool, Int8Pool) else (pool, None, 0)
     local = lambda q, pool, layer, table, rows, lo, hi, num, sinks, scales: kernel_lib.paged_attention(  # noqa: E731
         q, pool, layer, table, rows, lo, hi, num, null_page=NULL_PAGE, softcap=softcap, sinks=sinks, scales=scales,
         unit=unit, interpret=device_platform() != "tpu")
     operands = (q, values, jnp.asarray(layer, jnp.int32), page_table, rows, lo, hi, num_tokens, sinks, scales)
-    rules = spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return local(*operands)
-    heads = logical_to_spec(("heads",), rules)[0]
     P = jax.sharding.PartitionSpec
-    in_specs = (P(None, heads, None), P(None, None, None, heads), P(), P(), P(), P(), P(), P(),
+
+    def in_specs(heads):
+        return (P(None, heads, None), P(None, None, None, heads), P(), P(), P(), P(), P(), P(),
                 None if sinks is None else P(heads), None if scales is None else P(None, None, heads, None))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, heads, None),
-                         check_vma=False)(*operands)
+
+    return _over_heads(local, operands, in_specs, lambda heads: P(None, heads, None))
 
 
 def _with_sinks(sinks: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -69,7 +69,8 @@ def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Arr
     model = nnx.merge(graphdef, params)
     tokens = jnp.where(tokens >= 0, tokens, previous[0, jnp.maximum(-tokens - 1, 0)])  # (T,)
     every = targets is not None
-    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens), every_token=every)
+    logits, pool = model.decode_paged(tokens, PagedKV(pool, 0, batch, page_tokens).with_write_runs(),
+                                      every_token=every)
     token_logits, logits = (logits, logits[batch.last]) if every else (None, logits)  # (T, V), (S, V) float32
     keys = jax.vmap(jax.random.fold_in)(sampling.key, sampling.draw)  # (S, 2)
 
