@@ -7,7 +7,7 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # JAX on the CPU, also on a machine with an accelerator, unless SYSTOLIC_TEST_PLATFORMS names others: on the lent TPU
-# `benchmarks/tpu.sh test` sets it to `tpu,cpu`, so that the chip is JAX's default backend (the `tpu` tests run
+# `benchmarks/harness/tpu.sh test` sets it to `tpu,cpu`, so that the chip is JAX's default backend (the `tpu` tests run
 # there; `pytest -m tpu` alone there would skip them all) and the 8 fake CPU devices stay for the CPU side of a test.
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("SYSTOLIC_TEST_PLATFORMS", "cpu"))
 ON_CHIP = os.environ["JAX_PLATFORMS"] != "cpu"
@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if "tpu" in item.keywords and platform != "tpu" and not TPU_ON_CPU:
             item.add_marker(pytest.mark.skip(reason="needs a TPU (on one: SYSTOLIC_TEST_PLATFORMS=tpu,cpu, as "
-                                                    "benchmarks/tpu.sh test sets)"))
+                                                    "benchmarks/harness/tpu.sh test sets)"))
 
 
 # SHARED LM HELPERS --------------------------------------------------------------------------------------------

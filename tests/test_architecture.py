@@ -5,11 +5,15 @@ circle from Python's import machinery, not from a reader). Modules belong to uni
 workload such as `workloads.rl`, a top-level module such as `config`), and units to layers, lowest first. A module
 may import its own unit and the units of lower layers, never a higher layer nor a sibling unit of its own layer: so
 one workload never imports another, and engine, runtime, data, observe and optim never import a workload or the CLI.
-A new top-level module or package fails the test until it is given a place in LAYERS.
+Inside the lm workload its rooms (its subpackages and top-level modules) keep layers of their own, LM_LAYERS: the
+model builds itself below the config, training and serving, and never imports them. A new top-level module or
+package, or a new room inside lm, fails the test until it is given a place.
 """
 
 import ast
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "systolic"
@@ -18,9 +22,10 @@ PACKAGE = "systolic"
 # with its longest matching prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("", "errors"),
-    ("safe_json", "safe_yaml", "safe_npy", "outfile", "command"),  # command: a command as declared data (no imports above errors)
+    ("safe_json", "safe_yaml", "safe_npy", "outfile", "commandline"),  # commandline: commands as declared data
     ("config",),
-    ("runtime", "kernels"),  # kernels: Pallas kernels, jax only (serving's attention; the planner reads their names)
+    ("runtime",),
+    ("kernels",),  # kernel families with their references: below the models and servers that call them
     ("data", "observe"),
     ("optim",),
     ("engine",),
@@ -29,10 +34,29 @@ LAYERS: list[tuple[str, ...]] = [
     ("workloads.lm", "workloads.gan", "workloads.rl", "workloads.sim"),
     ("cli",),
 ]
-# Modules that sit in another unit than their package's: the commands that the CLI runs over the workloads.
-UNIT_OF = {"__main__": "cli", "commands": "cli", "plan.command": "cli"}
+# Modules that sit in another unit than their package's: `python -m systolic` is the CLI.
+UNIT_OF = {"__main__": "cli"}
 # Known upward imports, each to be removed, not added to: none left.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
+
+# The lm workload's rooms, lowest first: how its layers run over the mesh (parallel), the model, which builds itself
+# (model/build.py), the run's config, what a training run is made of, training and opening a finished run, what
+# reads a finished run (Hugging Face, eval, export, quantize), serving, `systolic generate` (on the serving engine),
+# post-training (on the trainer and the engine), and the entry points the CLI calls.
+LM = "workloads.lm"
+LM_LAYERS: list[tuple[str, ...]] = [
+    ("parallel",),
+    ("model",),
+    ("config",),
+    ("corpus", "optimizer", "init_from", "preflight"),
+    ("train", "loaded_run"),
+    ("hf", "evaluate", "export", "quantize"),
+    ("serve",),
+    ("generate",),
+    ("post",),
+    ("entry", "commands", "resolve"),
+]
+LM_KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def modules() -> dict[str, Path]:
@@ -138,15 +162,66 @@ def test_no_import_circles():
         " <-> ".join(c) for c in found)
 
 
-def test_no_import_runs_back_up_the_layers():
-    graph = import_graph()
-    upward = sorted((a, b) for a, targets in graph.items() for b in targets
-                    if unit(a) != unit(b) and rank(unit(b)) >= rank(unit(a)))
-    unexpected = [f"{a} -> {b} ({unit(a) or PACKAGE}, layer {rank(unit(a))}, imports {unit(b) or PACKAGE}, layer "
-                  f"{rank(unit(b))})" for a, b in upward if (a, b) not in KNOWN_UPWARD]
+def upward(graph: dict[str, set[str]], unit_of, rank_of) -> list[tuple[str, str]]:
+    """The imports a -> b between two units where b's layer is not below a's, sorted."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if unit_of(a) != unit_of(b) and rank_of(unit_of(b)) >= rank_of(unit_of(a)))
+
+
+def lm_room(module: str) -> str | None:
+    """The lm room of a module inside workloads.lm (its subpackage or top-level module), None outside it or for the
+    package itself."""
+    prefix = f"{PACKAGE}.{LM}."
+    return module.removeprefix(prefix).split(".")[0] if module.startswith(prefix) else None
+
+
+def lm_rank(room: str) -> int:
+    return next(i for i, layer in enumerate(LM_LAYERS) if room in layer)
+
+
+def lm_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between modules of the lm's rooms."""
+    return {a: {b for b in targets if lm_room(b)} for a, targets in graph.items() if lm_room(a)}
+
+
+def check_upward(found: list[tuple[str, str]], known: set[tuple[str, str]], describe) -> None:
+    unexpected = [describe(a, b) for a, b in found if (a, b) not in known]
     assert not unexpected, "imports that run up or across the layers:\n" + "\n".join(unexpected)
-    gone = KNOWN_UPWARD - set(upward)
-    assert not gone, f"known upward imports that no longer exist (drop them from KNOWN_UPWARD): {sorted(gone)}"
+    gone = known - set(found)
+    assert not gone, f"known upward imports that no longer exist (drop them from the known set): {sorted(gone)}"
+
+
+def test_no_import_runs_back_up_the_layers():
+    check_upward(upward(import_graph(), unit, rank), KNOWN_UPWARD,
+                 lambda a, b: f"{a} -> {b} ({unit(a) or PACKAGE}, layer {rank(unit(a))}, imports {unit(b) or PACKAGE}, "
+                              f"layer {rank(unit(b))})")
+
+
+def test_every_lm_module_has_a_room():
+    placed = {room for layer in LM_LAYERS for room in layer}
+    unplaced = sorted(m for m in modules() if lm_room(m) and lm_room(m) not in placed)
+    assert not unplaced, f"lm modules outside every room of LM_LAYERS (give their room a place): {unplaced}"
+
+
+def test_no_import_runs_back_up_the_rooms_inside_lm():
+    """The model imports neither the config, training, serving nor post-training; the server neither training nor
+    post-training; and so on up LM_LAYERS."""
+    check_upward(upward(lm_graph(import_graph()), lm_room, lm_rank), LM_KNOWN_UPWARD,
+                 lambda a, b: f"{a} -> {b} (room {lm_room(a)}, layer {lm_rank(lm_room(a))}, imports room "
+                              f"{lm_room(b)}, layer {lm_rank(lm_room(b))})")
+
+
+def test_the_lm_fence_fails_on_an_upward_import():
+    """A model module that imported the server, or the trainer, is caught; the same import the other way is not."""
+    graph = lm_graph(import_graph())
+    model, server = f"{PACKAGE}.{LM}.model.transformer", f"{PACKAGE}.{LM}.serve.engine"
+    assert model in graph and server in graph
+    for bad in (server, f"{PACKAGE}.{LM}.train"):
+        found = upward({**graph, model: graph[model] | {bad}}, lm_room, lm_rank)
+        assert (model, bad) in found
+        with pytest.raises(AssertionError, match="imports that run up or across the layers"):
+            check_upward(found, LM_KNOWN_UPWARD, lambda a, b: f"{a} -> {b}")
+    assert (server, model) not in upward(graph, lm_room, lm_rank)
 
 
 def test_the_checks_see_function_level_imports_and_circles(tmp_path):

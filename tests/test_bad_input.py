@@ -42,7 +42,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def call(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
-    # `plan` sets XLA_FLAGS and JAX_PLATFORMS for the process it starts in (plan/command.py); here that is a test
+    # `plan` sets XLA_FLAGS and JAX_PLATFORMS for the process it starts in (cli/plan.py); here that is a test
     # worker, whose later subprocesses (test_cli.py's) then saw one CPU device instead of eight: put them back.
     environ = dict(os.environ)
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

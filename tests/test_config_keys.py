@@ -138,7 +138,8 @@ def test_every_lm_key_acts(record_reads, tmp_path, monkeypatch):
     assert model.blocks[0].attn.wo_lora.scale == 4.0 and model.blocks[0].attn.wv_lora is None
     # MoE's settings are read when its layers are built and its loss is traced (tests/workloads/lm/test_moe.py
     # trains MoE models).
-    from systolic.workloads.lm.train import init_params, make_loss_fn, model_graphdef
+    from systolic.workloads.lm.model.build import init_params, model_graphdef
+    from systolic.workloads.lm.train import make_loss_fn
 
     moe = ["model.moe.shared_experts=1", "model.moe.shared_gate=true", "model.moe.first=1", "model.moe.every=1",
            "model.moe.capacity_factor=1", "model.moe.norm_topk_prob=false"]
@@ -175,11 +176,12 @@ def test_every_lm_key_acts(record_reads, tmp_path, monkeypatch):
         assert logits.shape == (1, 8, 64) and bool(jax.numpy.isfinite(logits).all())
     # Muon's settings are read when its optimizer is built, muP's base width when a muP model is (their training:
     # tests/workloads/lm/test_muon.py, test_mup.py).
+    from systolic.optim.adamw import make_schedule
     from systolic.workloads.lm.optimizer import make_lm_optimizer
 
     overrides = [*TINY_LM, "optim.name=muon", "model.parametrization=mup", "model.mup_base_width=16"]
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
-    make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    make_lm_optimizer(cfg.optim, cfg.model, make_schedule(cfg.optim, cfg.train.steps))
     assert nnx.eval_shape(lambda: Transformer(cfg.model, 64, rngs=nnx.Rngs(0))).logit_scale == 0.5
     # DPO's settings are read when its loss is traced (its runs: tests/workloads/lm/post/test_dpo*.py).
     from systolic.workloads.lm.post import dpo_task
@@ -193,7 +195,7 @@ def test_every_lm_key_acts(record_reads, tmp_path, monkeypatch):
     loss, metrics = jax.eval_shape(dpo_task.make_dpo_loss_fn(cfg, 64), params, batch, None, frozen=params)
     assert "rewards/margins" in metrics
     # GRPO's reward settings are read when its rewards are built (tests/workloads/lm/post/test_rewards.py).
-    from systolic.workloads.lm.post.config import RewardConfig
+    from systolic.workloads.lm.config import RewardConfig
     from systolic.workloads.lm.post.rewards import Rewards
 
     (tmp_path / "keys_reward.py").write_text("def score(prompt, completion, fields):\n    return 2.0\n")

@@ -68,7 +68,7 @@ def test_the_cli_refuses_to_overwrite_with_tokenizer_train(tmp_path, capsys):
 
 
 def test_environment_errors_are_one_paragraph_and_bugs_say_so(tmp_path, monkeypatch, capsys):
-    from systolic import commands
+    from systolic.cli import commands
 
     def disk_full(args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
@@ -83,7 +83,8 @@ def test_environment_errors_are_one_paragraph_and_bugs_say_so(tmp_path, monkeypa
     assert "Traceback" in capsys.readouterr().err  # what a bug report needs, on request
 
     # A bug: the real console command prints a line that says so, then the traceback; exit 1.
-    code = ("import dataclasses, sys; from systolic import cli, commands; commands.TOOLS = tuple(dataclasses.replace("
+    code = ("import dataclasses, sys; from systolic import cli; from systolic.cli import commands; "
+            "commands.TOOLS = tuple(dataclasses.replace("
             "c, run=lambda args: [][1]) if c.name == 'info' else c for c in commands.TOOLS); sys.argv = ['systolic', "
             "'info']; cli.entry()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -14,6 +14,7 @@ from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
 from systolic.runtime import memory
 from systolic.workloads.gan import train as gan_train
+from systolic.workloads.lm import preflight
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.serve import sizing
 
@@ -31,7 +32,7 @@ def test_a_huge_lora_rank_is_refused_for_its_activations():
     # keeps x A, (tokens, rank) per adapted projection, for B's gradient.
     assert sizes.activation_floats(cfg.model) >= cfg.model.layers * 2 * 1_000_000
     with memory.budget(BUDGET, "23 GiB of test budget"), pytest.raises(UserError) as raised:
-        sizes.check_training_fits(cfg, 258, jax.devices())
+        preflight.check_training_fits(cfg, 258, jax.devices())
     message = str(raised.value)
     assert "needs at least" in message and "model.lora.rank" in message and "model.remat=full" in message
     rematted = load("lm", ["model.lora.rank=8", "init.from=runs/base", "model.remat=full"])

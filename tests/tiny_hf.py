@@ -18,11 +18,11 @@ from systolic.config import MeshConfig
 from systolic.data.tokenizer import ByteTokenizer
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import rules_for
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
-from systolic.workloads.lm.train import model_graphdef, param_shardings
+from systolic.workloads.lm.model.build import model_graphdef, param_shardings
 
 VOCAB = 320  # >= the byte tokenizer's 258 ids, so a fine-tune on bytes fits
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 12))  # 8 rows: the batch splits over a mesh's 8 devices

@@ -13,7 +13,7 @@ from flax import nnx
 from tiny import MOE, TINY_LM
 
 from systolic import config as config_lib
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import make_model

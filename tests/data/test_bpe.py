@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from systolic.data.bpe import BPETokenizer, train_bpe
 from systolic.data.corpus import Document, read_documents, stdlib_dir

@@ -5,7 +5,8 @@ import sys
 from tiny import LM_CLI_QUIET, TINY_LM
 
 # `systolic` with the packages that only other workloads or options need hidden, as on the GPU machine, whose image
-# has neither gymnax (rl) nor tensorboardX (observe.tensorboard) (benchmarks/gpu.sh): the lm bench must not need them.
+# has neither gymnax (rl) nor tensorboardX (observe.tensorboard) (benchmarks/harness/gpu.sh): the lm bench must not
+# need them.
 CLI_WITHOUT_OPTIONAL = """
 import sys
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 
 from systolic.cli import main
 from tiny import TINY_GAN, TINY_RL, TINY_SIM

@@ -1,6 +1,6 @@
 """A plan that does not fit is a plan: with --json, `fits: false`, the bytes needed and available per chip, and the
 fix, exit 0; the human form keeps the one paragraph and exit 2. Here the lm's arithmetic lower bound refuses the
-config before tracing (model/sizes.py), so nothing compiles and each case takes a second."""
+config before tracing (lm/preflight.py), so nothing compiles and each case takes a second."""
 
 import importlib.util
 import json

@@ -10,7 +10,7 @@ import pytest
 from systolic import config as config_lib
 from systolic import workloads
 from systolic.plan import targets
-from systolic.plan.serve import Compile, decode_roofline
+from systolic.plan.serving import Compile, decode_roofline
 from systolic.workloads.lm.model import attention, flops, sizes
 from tiny import TINY_LM
 
@@ -38,11 +38,11 @@ def test_the_recipe_is_gpt_oss_20b_shaped():
 
 def test_serving_keys_per_layer_count_the_windows():
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.serve.plan import plan_serve
+    from systolic.workloads.lm.serve.planned_step import serve_model
 
     overrides = [*TINY_LM, "model.attn_sinks=true", "model.sliding_window=4", "model.layer_types=[sliding,full]"]
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
-    m = plan_serve(cfg, jax.devices()[:1], weights="bf16", kv="bf16", page_size=16)
+    m = serve_model(cfg, jax.devices()[:1], weights="bf16", kv="bf16", page_size=16)
     assert (m.window, m.window_share) == (4, 0.5)
     chip = targets.resolve("v5e-4", mesh_devices=0).chip
     c = Compile(sequences=8, prefill_tokens=0, pool_pages=64, fits=True, peak_bytes=0, pool_bytes=0, temp_bytes=None,

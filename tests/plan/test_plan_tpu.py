@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from systolic.plan import targets
 
 pytestmark = [
     pytest.mark.tpu_aot,

@@ -29,7 +29,7 @@ def test_search_bisects_each_policy_from_what_the_one_before_fitted(monkeypatch)
 
     monkeypatch.setattr(plan_search, "plan_step", fake_plan_step)
     tried = plan_search.search("lm", None, None, None, mesh="fsdp=4", data_parallel=4, grad_accum=1,
-                               configure=lambda cfg, remat, batch: (remat, batch))
+                               remats=("none", "dots", "full"), configure=lambda cfg, remat, batch: (remat, batch))
     assert len(compiled) == len(set(compiled)), "a candidate was compiled twice"
     assert [(c.remat, c.per_chip) for c in tried] == [
         ("none", 8), ("none", 2), ("none", 4),  # bisection over 1..64: 8 no, 2 yes, 4 yes

@@ -23,10 +23,10 @@ SERVE = ["plan", "lm", "--serve", *TINY_LM]
 def serve_model(overrides: list[str], *, weights: str, kv: str, devices: int = 2):
     from systolic import config as config_lib
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.serve.plan import plan_serve
+    from systolic.workloads.lm.serve.planned_step import serve_model
 
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, overrides))
-    return cfg, plan_serve(cfg, jax.devices()[:devices], weights=weights, kv=kv, page_size=16)
+    return cfg, serve_model(cfg, jax.devices()[:devices], weights=weights, kv=kv, page_size=16)
 
 
 def test_the_step_bans_ids_without_copying_the_logits():
@@ -107,13 +107,13 @@ LLAMA_1B = ["model.family=llama", "model.d_model=2048", "model.layers=16", "mode
 
 
 def test_the_v5e_decode_step_is_priced_at_the_measured_rates():
-    """llama-1b as `benchmarks/tpu.sh serve` ran it (vocabulary 32,768) decoding 64 sequences of 192 tokens on a
+    """llama-1b as `benchmarks/harness/tpu.sh serve` ran it (vocabulary 32,768) decoding 64 sequences of 192 tokens on a
     v5e: 2.08 GB of weights at 812 GB/s and 16 layers at 29.5 us, then one 256-key block of keys and values a
     sequence and layer at the kernel's 440 GB/s (heads of 64), then 64 tokens' matmuls at 181 TFLOP/s: 4.99 ms,
     where the chip took 5.14 ms a token (TPOT p50, 2026-12-07) and the roofline says 3.03 ms. Only what was measured is priced:
     not an int8 pool's plain attention path, int8 weights or another chip."""
     from systolic.plan import targets
-    from systolic.plan.serve import Compile, _unmeasured, decode_roofline, expected_decode
+    from systolic.plan.serving import Compile, _unmeasured, decode_roofline, expected_decode
 
     _, m = serve_model([*LLAMA_1B, "model.dtype=bfloat16"], weights="bf16", kv="bf16", devices=1)
     chip = targets.CHIPS["v5e"]
@@ -232,7 +232,7 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     from systolic.plan import targets
     from systolic.plan.planner import compile_lowered, devices_for, for_target
     from systolic.workloads.lm.config import LMConfig
-    from systolic.workloads.lm.serve.plan import plan_serve
+    from systolic.workloads.lm.serve.planned_step import serve_model
 
     target = targets.resolve("v5e-1", mesh_devices=1)
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
@@ -243,7 +243,7 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     page = 128 if kv == "int8" else 16
     pages = 2**20 // page
     with for_target(target):
-        m = plan_serve(cfg, devices_for(target), weights="bf16", kv=kv)  # serve's default pages
+        m = serve_model(cfg, devices_for(target), weights="bf16", kv=kv)  # serve's default pages
         assert m.page_size == page
         compiled, refused = compile_lowered(m.lower_step(8, 0, pages), target)  # without the persistent cache
         if kv == "int8":  # and a step of 1,024 tokens (their scales once cost a copy of every layer's: SCALE_WRITES)
@@ -263,8 +263,9 @@ def test_the_tpu_step_updates_its_pool_in_place_through_the_kernel(heads, kv_hea
     text = compiled.as_text()
     copies = [line for line in text.splitlines() if " copy(" in line and any(s in line.split("=")[1] for s in shapes)]
     assert not copies, copies[:2]
-    assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention.py), not the plain gather
-    assert ("systolic_kv_write" in text) == (kv == "int8")  # an int8 pool written by DMA (kernels/kv_write.py)
+    assert "systolic_paged_attention" in text  # the kernel (kernels/paged_attention/kernel.py), not the plain gather
+    # an int8 pool written by DMA (kernels/paged_attention/kv_write.py)
+    assert ("systolic_kv_write" in text) == (kv == "int8")
     if kv == "int8":  # every layer's scales, row-major: the stored array itself, no relayout (docstring)
         call = next(line for line in text.splitlines() if "= " in line and "systolic_paged_attention" in line
                     and "custom-call(" in line)
@@ -288,7 +289,7 @@ def test_the_tpu_step_reads_int8_weights_without_copying_their_slices(weights, m
     from systolic.plan.planner import compile_lowered, devices_for, for_target
     from systolic.workloads.lm.config import LMConfig
     from systolic.workloads.lm.model import quant
-    from systolic.workloads.lm.serve import plan as serve_plan, weights as weights_lib
+    from systolic.workloads.lm.serve import planned_step, weights as weights_lib
 
     target = targets.resolve("v5e-1", mesh_devices=1)
     cfg = config_lib.from_dict(LMConfig, config_lib.apply_overrides({}, [
@@ -297,7 +298,7 @@ def test_the_tpu_step_reads_int8_weights_without_copying_their_slices(weights, m
 
     def weight_copies() -> int:
         with for_target(target):
-            m = serve_plan.plan_serve(cfg, devices_for(target), weights=weights, kv="bf16", page_size=16)
+            m = planned_step.serve_model(cfg, devices_for(target), weights=weights, kv="bf16", page_size=16)
             compiled, refused = compile_lowered(m.lower_step(64, 0, 1024), target)
         assert refused is None, refused
         return len(re.findall(r"dynamic-slice\S* = s8\[", compiled.as_text()))  # a layer's slice, on its own

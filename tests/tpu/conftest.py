@@ -1,5 +1,5 @@
 """The `tpu` tests: the chip (JAX's default device when tests/conftest.py lets JAX see it: SYSTOLIC_TEST_PLATFORMS=
-tpu,cpu, as `benchmarks/tpu.sh test` sets) against the host's CPU in the same process. Under
+tpu,cpu, as `benchmarks/harness/tpu.sh test` sets) against the host's CPU in the same process. Under
 SYSTOLIC_TEST_TPU_ON_CPU=1 the first CPU device stands in for the chip: a check of the tests themselves, where
 every comparison holds trivially or nearly so."""
 

@@ -1,5 +1,5 @@
-"""The Pallas paged attention kernel (src/systolic/kernels/paged_attention.py) compiled by Mosaic on the chip
-against the plain-JAX path (serve/paged_attention.py) compiled by XLA on the same chip, for one ragged step:
+"""The Pallas paged attention kernel (kernels/paged_attention/kernel.py) compiled by Mosaic on the chip
+against the plain-JAX path (reference.py) compiled by XLA on the same chip, for one ragged step:
 decodes after 300 and 511 cached positions (several 256-key blocks), a continued prompt of 40 tokens after 17, a
 fresh prompt of 33, padding tokens; pages shuffled over the pool; head widths 64, 128 and 256; a sliding window,
 a soft cap and attention sinks; a pool in the compute dtype and an int8 one (`--kv-cache int8`: the kernel reads
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from systolic.kernels import paged_attention as kernel_lib
-from systolic.workloads.lm.serve import int8_pool
-from systolic.workloads.lm.serve import paged_attention as pa
-from systolic.workloads.lm.serve.kv_cache import PageTable
+from systolic.kernels.paged_attention import kernel as kernel_lib
+from systolic.kernels.paged_attention import int8_pool
+from systolic.kernels.paged_attention import paged_kv as pa
+from systolic.workloads.lm.serve.page_allocator import PageTable
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
 
 pytestmark = pytest.mark.tpu
@@ -90,7 +90,7 @@ def test_int8_writes_by_dma_equal_the_scatters_on_the_chip():
     """kernels/kv_write.py compiled by Mosaic (the step's int8 writes on a TPU) against XLA's scatters on the same
     chip, for the step above (decodes, a continued and a fresh prompt, padding) and for 300 decodes, each in a page
     of its own (three groups of runs): the pool equal to the last bit."""
-    from systolic.kernels import kv_write
+    from systolic.kernels.paged_attention import kv_write
 
     assert jax.devices()[0].platform == "tpu"
     rng = np.random.default_rng(1)

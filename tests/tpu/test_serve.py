@@ -1,10 +1,10 @@
-"""The inference engine on the chip against the same engine on the host's CPU: the greedy tokens of four prompts,
-two arriving late, with llama-1b's head_dim of 64 (the pool's [k | v] rows are 128 lanes, serve/paged_attention.py),
-prompts that cross a 256-key block and one longer than a step (chunked), steps launched before the last one's
-tokens are read (serve/engine.py). In float32 at 'highest' matmul precision the two agree on every token; in
-bfloat16 (weights stored bf16, serve/weights.py) they agree until the first near-tie of two logits, where the
-chip's and the CPU's roundings may choose differently: each prompt's agreeing prefix is recorded (the
-`agreeing_tokens_*` properties in the junit XML)."""
+"""The inference engine on the chip against the same engine on the host's CPU: the greedy tokens of four prompts, two
+arriving late, with llama-1b's head_dim of 64 (the pool's [k | v] rows are 128 lanes,
+kernels/paged_attention/pool.py), prompts that cross a 256-key block and one longer than a step (chunked), steps
+launched before the last one's tokens are read (serve/engine.py). In float32 at 'highest' matmul precision the two
+agree on every token; in bfloat16 (weights stored bf16, serve/weights.py) they agree until the first near-tie of two
+logits, where the chip's and the CPU's roundings may choose differently: each prompt's agreeing prefix is recorded
+(the `agreeing_tokens_*` properties in the junit XML)."""
 
 import jax
 import numpy as np
@@ -55,10 +55,10 @@ def test_greedy_tokens_on_the_chip_are_the_cpus(chip, host, record_property):
 
 def test_greedy_tokens_over_an_int8_pool_on_the_chip_are_the_cpus(chip, host, record_property):
     """The same over an int8 pool (`--kv-cache int8`) in pages of 128: on the chip the kernel reads it and
-    kernels/kv_write.py writes it by DMA (4 key/value heads of 64: a row of 512 entries, the kernels' packing unit),
-    on the CPU XLA's gathers and scatters. float32 keys and values quantized on two machines may round an entry
-    apart and move a logit by its step, so agreement is counted: broken writes would part the tokens at the second
-    (the first comes from the prompt's own keys, not the pool)."""
+    kernels/paged_attention/kv_write.py writes it by DMA (4 key/value heads of 64: a row of 512 entries, the kernels'
+    packing unit), on the CPU XLA's gathers and scatters. float32 keys and values quantized on two machines may round
+    an entry apart and move a logit by its step, so agreement is counted: broken writes would part the tokens at the
+    second (the first comes from the prompt's own keys, not the pool)."""
     model = ("model.d_model=512", "model.heads=8", "model.kv_heads=4", "model.max_seq_len=512")
     with jax.default_matmul_precision("highest"):
         on_chip, on_host = (greedy("float32", d, model, kv_cache="int8", page_size=128) for d in (chip, host))

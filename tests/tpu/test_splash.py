@@ -6,7 +6,7 @@ XLA's formulation on the CPU in float32 at 'highest' matmul precision, fed the s
 bfloat16 2e-2 forward and 5e-2 for the gradients (a few bf16 roundings of 2^-8 each: the probabilities are rounded to
 bf16 before the value product); float32 2e-3 and 5e-3, which holds also if the kernel's float32 products took bf16
 passes (the chip's MXU multiplies bf16; 'highest' asks for six passes). Each error is recorded as a property in
-pytest's junit XML (`benchmarks/tpu.sh test` writes it to $OUT/pytest.xml)."""
+pytest's junit XML (`benchmarks/harness/tpu.sh test` writes it to $OUT/pytest.xml)."""
 
 import jax
 import jax.numpy as jnp

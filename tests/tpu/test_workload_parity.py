@@ -2,7 +2,7 @@
 side builds its task on a one-device mesh of its own device, from the same seed. Matmuls run at 'highest'
 precision on both sides (the chip's default float32 product is one bfloat16 pass, about three digits), so what
 remains is floating-point order and the platforms' own transcendental functions and FFTs: ~1e-6 relative per
-operation. The largest differences go into the junit XML as properties (`benchmarks/tpu.sh test`)."""
+operation. The largest differences go into the junit XML as properties (`benchmarks/harness/tpu.sh test`)."""
 
 import jax
 import jax.numpy as jnp
@@ -87,10 +87,10 @@ def test_gan_losses_on_the_chip_follow_the_cpu(chip, host, one_device_mesh, reco
     np.testing.assert_allclose(on_chip, on_host, rtol=1e-3)
 
 
-# SIM: THE INTEGRATING FACTORS' EXPONENTIAL ----------------------------------------------------------------------
-# The chip's own float32 exp is biased low on a viscous factor's arguments (-26 ulps on average on a v5e,
-# benchmarks/tpu_numerics.py), which drained the turbulence run below by 1.4e-4 in 50 steps. The solvers' exp
-# (time_stepping.exp: multiplies and adds only) must be as unbiased on the chip as on the CPU.
+# SIM: THE INTEGRATING FACTORS' EXPONENTIAL ---------------------------------------------------------------------- The
+# chip's own float32 exp is biased low on a viscous factor's arguments (-26 ulps on average on a v5e,
+# docs/benchmarks.md, sim on the TPU v5e), which drained the turbulence run below by 1.4e-4 in 50 steps. The solvers'
+# exp (time_stepping.exp: multiplies and adds only) must be as unbiased on the chip as on the CPU.
 def test_the_solvers_exp_is_unbiased_on_the_chip(chip, record_property):
     from systolic.workloads.sim.time_stepping import exp
 
@@ -110,7 +110,7 @@ def test_the_solvers_exp_is_unbiased_on_the_chip(chip, record_property):
 # and enstrophy are sums over the grid of squared spectral coefficients; over 50 steps of a flow far from chaos's
 # exponential growth at t = 0.5 the FFTs' unbiased ~1e-7 errors leave them within 4.3e-7 of the CPU's (v5e,
 # 2026-12-07). 5e-6 allows for that and still fails a biased factor: with the chip's own jnp.exp in the factors the
-# run drifted to 1.4e-4 (benchmarks/tpu_numerics.py).
+# run drifted to 1.4e-4 (docs/benchmarks.md, sim on the TPU v5e).
 SIM = ["grid.n=64", "sim.dtype=float32", "sim.dt=0.01", "sim.t_end=0.5", "output.frames=5"]
 
 

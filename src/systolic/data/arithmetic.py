@@ -4,24 +4,13 @@ second, and a third, held out from both, measures accuracy.
 
     systolic data arithmetic --out data/arith --digits 2 --ops +,- --train 5000 --prompts 1000 --test 500
 
-writes three .jsonl files to the folder, one problem a line:
-- sft.jsonl: `{"prompt": "What is 37+45?\\n", "completion": "82"}`, for `systolic train lm data.format=chat`
-  (prompt/completion text: the completion is learnt, then the end-of-text id, so a sampler stops after it);
-- prompts.jsonl: `{"prompt": "What is 37+45?\\n", "answer": "82"}`, GRPO's prompts (reward number_match reads
-  `answer`);
-- test.jsonl: the same form, held out from both.
-
-Operands are uniform in [0, 10**digits); a subtraction puts the larger operand first, so no answer is negative.
-No problem appears twice, within a file or across them. The files depend only on the seed and the settings; the
-test problems are drawn first and the GRPO prompts next, so asking for more or fewer SFT problems leaves those two
-files as they were (as long as all three ask for at most half of the problems there are: beyond that, every problem
-is listed and shuffled instead).
-
-`--teacher-slips P` makes the SFT demonstrations those of an imperfect teacher: of the SFT problems whose working
-needs a carry (+) or a borrow (-), a fraction P (drawn by the seed) get the answer of a teacher who forgets it,
-each column computed on its own modulo 10 (37+45 -> 72, 97+50 -> 47, 80-29 -> 61). GRPO's prompts and the test
-keep the true answers, which the verifier checks: a model that learnt the teacher's habit can be corrected by the
-reward (the task of `--recipe arith-grpo`). The problems drawn are those of P = 0.
+writes three .jsonl files to the folder, one problem a line: sft.jsonl (prompt/completion text for
+`systolic train lm data.format=chat`), prompts.jsonl (GRPO's prompts with their `answer`) and test.jsonl (the same
+form, held out from both). No problem appears twice, within a file or across them, and the files depend only on
+the seed and the settings. `--teacher-slips P` gives a fraction P of the SFT problems that need a carry or a borrow
+the answer of a teacher who forgets it; GRPO's prompts and the test keep the true answers, so the reward can correct
+a model that learnt the habit (`--recipe arith-grpo`). The records, the draw order and the slips' rule, with
+examples: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
 """Chat templates: a conversation -> the prompt text and token ids a chat model was trained on, as transformers'
 `apply_chat_template` makes them, and the assistant mask that supervised fine-tuning trains on.
 
-A Hugging Face model ships its template as chat_template.jinja (transformers 5) or as the `chat_template` entry of
-tokenizer_config.json (earlier versions), beside tokenizer.json; tokenizer_config.json (or an old folder's
-special_tokens_map.json) names the special tokens the template reads (`bos_token`, `eos_token`, ...). A run keeps
-these files beside its own tokenizer.json (`systolic.data.tokenizer.COMPANION_FILES`).
+A model's template comes as chat_template.jinja (transformers 5) or tokenizer_config.json's `chat_template` entry
+(earlier versions), and the special tokens it reads are named in tokenizer_config.json (or an old folder's
+special_tokens_map.json); a run keeps these files beside its own tokenizer.json
+(`systolic.data.tokenizer.COMPANION_FILES`). Rendering follows transformers, in Jinja2's immutable sandbox under a
+budget of time, memory, output and recursion (data/template_sandbox.py), since templates from the Hub are untrusted
+code; a template that breaks the budget is refused. The text is tokenized with special tokens matched and none
+added, so the ids equal `apply_chat_template(..., tokenize=True)` (tests/data/test_chat.py checks both).
 
-Rendering follows transformers: Jinja2's immutable sandbox (templates from the Hub are untrusted code),
-trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception`, `strftime_now`, a `tojson` that does
-not escape HTML, and the variables messages, tools=None, documents=None, add_generation_prompt and the special
-tokens. It runs under a budget of time, memory, output and recursion (data/template_sandbox.py); a template that
-breaks it is refused when a run takes it (`find_chat_template`) and on any conversation after that. The text is
-tokenized with special tokens matched and none added (add_special_tokens=False), so the ids equal
-`apply_chat_template(..., tokenize=True)`; tests/data/test_chat.py checks both against transformers.
-
-The assistant mask marks what the model should learn to write: each assistant message from just after its
-header (the generation prompt, e.g. `<|im_start|>assistant\\n`) through the end-of-turn token the template writes
-after it (`<|im_end|>`, `<|eot_id|>`), without the whitespace that follows (layout that no one generates, such as
-ChatML's newline after `<|im_end|>`). A token counts when it overlaps such a span (transformers' rule for its
-assistant_masks). The spans come from rendering incrementally: the conversation before each assistant message
-with add_generation_prompt=True, and through that message; a template whose renderings are not prefixes of one
-another (one that rewrites earlier turns) is an error. A template with `{% generation %}` blocks marks its own
-spans instead, as for transformers' `return_assistant_tokens_mask` and TRL's assistant-only loss.
+The assistant mask marks each assistant message from just after its header through the end-of-turn token the
+template writes after it. The spans come from rendering the conversation incrementally (so a template that rewrites
+earlier turns is an error), or from the template's own `{% generation %}` blocks. The rendering options and the
+mask's exact rules: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class ShardedTokens:
     Reads are `os.pread`s of each run of consecutive indices (a window is one run, or two across a shard's end), not
     a memory map: a mapped file's touched pages count as the process's resident memory, and the kernel maps ~64 KB
     around each one, so a long run over a large corpus would grow its RSS towards the corpus size
-    (benchmarks/data_startup.py measured +190 MB after 103 batches of 32 windows on 3 GB).
+    (benchmarks/studies/data_startup.py measured +190 MB after 103 batches of 32 windows on 3 GB).
     """
 
     def __init__(self, files: list[Path], sizes: list[int], shard_tokens: int, dtype: np.dtype, digest: str):

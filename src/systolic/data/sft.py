@@ -2,20 +2,16 @@
 
 `data.path` is a .jsonl file (or .jsonl.gz), or a folder of them read in name order; each line is one record:
 
-- `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}`, rendered
-  with the chat template kept beside the run's tokenizer.json (a model imported by `systolic convert from-hf`
-  brings its own) by `ChatTemplate.encode_with_mask`: the tokens to learn are the assistant messages', each
-  through the end-of-turn token after it. A conversation without an assistant message teaches nothing: it is
-  skipped and counted.
-- `{"prompt": "...", "completion": "..."}`, plain text that the chat template never touches (TRL's rule for
-  prompt-completion strings; write conversations as `messages`): the prompt's ids, with what the tokenizer's
-  post-processor adds (Llama's <|begin_of_text|>), then the completion's ids tokenized on their own (the ids the
-  model writes after that prompt when it generates) and the end-of-document id. The tokens to learn are the
-  completion's and the end-of-document id.
+- `{"messages": [...]}`, rendered with the chat template kept beside the run's tokenizer.json by
+  `ChatTemplate.encode_with_mask`: the tokens to learn are the assistant messages', each through the end-of-turn
+  token after it; a conversation without an assistant message is skipped and counted.
+- `{"prompt": "...", "completion": "..."}`, plain text that the chat template never touches (TRL's rule): the
+  prompt's ids, then the completion's tokenized on their own and the end-of-document id, the tokens to learn.
 
-Each example is named `file:line` (as .jsonl documents are) and held out for validation by the stable hash of its
-name (`corpus.held_out`). An example longer than a row (data.seq_len + 1 tokens) is cut to a row's length, losing
-what follows, and counted (TRL truncates too); the examples are then packed whole into rows (data/packed.py).
+Each example is named `file:line` and held out for validation by the stable hash of its name (`corpus.held_out`).
+An example longer than a row (data.seq_len + 1 tokens) is cut to a row's length and counted (TRL truncates too); the
+examples are then packed whole into rows (data/packed.py). The records in full: docs/design-notes.md, this module's
+section.
 """
 
 from __future__ import annotations

@@ -2,17 +2,14 @@
 deadline.
 
 A chat template is a program that comes with a model's folder (and a served model renders it for every request).
-Jinja's sandbox bounds what a template may touch, not what it may cost: `range(10**20)` raises OverflowError, a macro
-that calls itself RecursionError, two nested loops over range(100000) run for hours, `'x' * 10**10` or
-`s.replace('', s)` allocate gigabytes in one C call, and a huge result kills the process in the tokenizer (a Rust
-panic). Hooks inside the sandbox (counting calls, loop iterations and output) could stop the loops but not one C call
-that runs for minutes or allocates gigabytes, and every filter or str method is another way around them. A separate
-process stops all of these, whatever operation does it, and its failure never takes the caller (a server, a data
-pipeline) down: it runs under an address-space limit (`WORKER_MEMORY_BYTES`), the caller waits `TIME_BUDGET_S` for
-its answer and kills it after that, and the caller refuses an answer over `max_chars` before tokenizing it. The cost
-is one pipe round trip per request (a conversation's renders go in one request) and the worker's start, about 0.1 s,
-once per process. The worker imports only the standard library and jinja2: run as a script (`python -I this_file`)
-it starts without systolic's imports.
+Jinja's sandbox bounds what a template may touch, not what it may cost, and hooks inside it could stop loops but not
+one C call that runs for minutes or allocates gigabytes. A separate process stops all of these, whatever operation
+does it, and its failure never takes the caller (a server, a data pipeline) down: it runs under an address-space
+limit (`WORKER_MEMORY_BYTES`), the caller waits `TIME_BUDGET_S` for its answer and kills it after that, and the
+caller refuses an answer over `max_chars` before tokenizing it. The cost is one pipe round trip per request and the
+worker's start, once per process (the templates that motivated it, and the cost measured: docs/design-notes.md,
+this module's section). The worker imports only the standard library and jinja2: run as a script
+(`python -I this_file`) it starts without systolic's imports.
 
 Rendering follows transformers: trim_blocks and lstrip_blocks, the loop-control extension, `raise_exception`,
 `strftime_now`, a `tojson` that does not escape HTML, transformers' `{% generation %}` tag, and `namespace`/`dict`

@@ -2,22 +2,16 @@
 
 Layout of `<run_dir>/checkpoints/<step>/`: `params`, `opt_state`, `train` (step, rng, extra) as array trees,
 `data` and `meta` as JSON, and `systolic-manifest.json`. Params are their own item so `generate` can restore
-them alone, without the optimizer state (3x the parameters' memory under Adam). The state's `frozen` parameters
-(a LoRA run's base weights) are not saved: a restored state carries `abstract.frozen` in their place, and the loop
-rebuilds them (engine/loop.py).
+them alone, without the optimizer state. The state's `frozen` parameters (a LoRA run's base weights) are not
+saved: the loop rebuilds them (engine/loop.py).
 
-Guarantees (tests in tests/engine/test_checkpoint.py and tests/engine/test_reliability.py):
-- Orbax writes a step into a temporary directory and renames it when complete, so a half-written step is never
-  listed; Orbax deletes old steps (beyond `keep`) only after a newer one is complete.
-- Orbax does not notice flipped bytes, so once a write has finished we record the SHA-256 of every file in a
-  manifest; restoring verifies it and falls back to the previous step when a file differs, is missing or
-  cannot be read.
-- A failed write (disk full, permissions) stops the run with `CheckpointWriteError`; earlier steps are untouched.
-- A step without a manifest (killed between the write and the seal, or the manifest deleted) cannot be checked
-  against checksums: its arrays must at least load and be finite, else it is damaged (`CheckpointDamaged`) and a
-  resume sets it aside as it does a step that fails its checksums.
-- An intact step whose arrays do not fit the abstract target (the config changed: another model size or optimizer)
-  is a mismatch, not damage: restoring raises `CheckpointMismatch`, naming what differs, and moves nothing.
+Guarantees (tests/engine/test_checkpoint.py, tests/engine/test_reliability.py): a half-written step is never listed,
+and old steps are deleted only after a newer one is complete (Orbax); a finished write is sealed by a manifest of
+every file's SHA-256, and a restore that finds a file differing, missing or unreadable falls back to the previous
+step; a failed write stops the run with `CheckpointWriteError`, earlier steps untouched; a step without a manifest
+must at least load and be finite, else it is `CheckpointDamaged` and a resume sets it aside; an intact step that
+does not fit the abstract target (another model size or optimizer) raises `CheckpointMismatch` and moves nothing.
+Each guarantee's mechanism: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

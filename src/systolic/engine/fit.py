@@ -1,7 +1,7 @@
 """Will the train step fit? The step is compiled ahead of time for the first call's arguments and its memory analysis
 is checked against one device's memory before any step runs.
 
-The arithmetic lower bounds (runtime/memory.py `check_fits`, an lm's model/sizes.py) refuse a config that cannot
+The arithmetic lower bounds (runtime/memory.py `check_fits`, an lm's preflight.py) refuse a config that cannot
 fit before anything is traced; this is the exact figure, for a step close to the limit: a lent TPU v5e ended
 `systolic bench` of an 8-layer llama-1b in a RESOURCE_EXHAUSTED traceback (temporaries 16.57G of 15.75G HBM). Here
 both a program that the analysis says is too large and a compiler that stops with RESOURCE_EXHAUSTED (the TPU

@@ -8,15 +8,11 @@ Reliability contract (docs/reliability.md): a run killed at any point resumes fr
 checkpoint and continues bit for bit; SIGTERM or a first Ctrl-C finishes the current step, checkpoints and
 exits cleanly; a non-finite update is discarded and either halts the run or is skipped, by config (guard.py).
 
-`train` is made of small pieces, in the order a step meets them: `_restore_or_init` and `_begin` (a fresh run's
-step 0), `_Stepper` (one step with --debug's checks, the recompilation warning and the profiler), the task's hooks,
-`_MetricsWindow` (rows, throughput, the guard's verdicts), `agree_across_processes` (stop and timed checkpoints),
-`_evaluate` and `_Saving`.
-
 Hooks, as Levanter's `trainer.add_hook(fn, every=N)`: `task.add_hook(fn, every=N)` runs `fn(step, state)` after
-every step that is a multiple of N (e.g. a simulation's snapshots), and on the initial state of a fresh run as
-step 0. The loop's own concerns (evaluation every `eval_every` steps, `initial_metrics` as the step-0 row,
-`step_metrics` in every train row) stay `Task` fields: they make rows and results the loop writes and returns.
+every step that is a multiple of N, and on the initial state of a fresh run as step 0. The loop's own concerns
+(evaluation, the step-0 row, `step_metrics`) stay `Task` fields. `train` is made of small pieces, in the order a
+step meets them: `_restore_or_init`, `_begin`, `_Stepper`, the hooks, `_MetricsWindow`, `agree_across_processes`,
+`_evaluate` and `_Saving` (what each does: docs/design-notes.md, this module's section).
 """
 
 from __future__ import annotations
@@ -252,7 +248,7 @@ def _run_steps(task: Task, settings: LoopSettings, state: TrainState, start: int
         if save_now:
             saving.save(state)
             # Nor is writing a checkpoint: on the chip (2026-12-07) rl-cartpole's CLI rate, its 7 saves counted,
-            # was 0.97M env steps/s where its compiled chunks alone ran 2.04M (benchmarks/rl_profile.py).
+            # was 0.97M env steps/s where its compiled chunks alone ran 2.04M (benchmarks/peers/rl_profile.py).
             window.restart_clock(step)
     if preempted:
         progress.log(f"stopped at step {step} on {signals.received or 'a signal on another process'}; "

@@ -97,8 +97,11 @@ def adamw(cfg: OptimConfig, learning_rate: optax.ScalarOrSchedule, *, moment_dty
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, *, moment_dtype: Any = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule, *, moment_dtype: Any = None
+                   ) -> optax.GradientTransformation:
+    """Clipping of the global gradient norm, then AdamW at the rate lr(t) = `schedule(t)` (`make_schedule`: the one
+    the train step also logs, built once by the caller)."""
     return standard_promotion(optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        adamw(cfg, make_schedule(cfg, total_steps), moment_dtype=moment_dtype),
+        adamw(cfg, schedule, moment_dtype=moment_dtype),
     ))

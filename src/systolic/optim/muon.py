@@ -1,20 +1,17 @@
 """Muon (Keller Jordan, 2024): momentum orthogonalised by a Newton-Schulz iteration, for weight matrices.
 
 The update of a matrix W (fan_in, fan_out) is the Nesterov momentum's "orthogonal part": for M = U S V^T, about
-U V^T (the polar factor), reached without an SVD by five steps of the quintic X <- a X + (b A + c A^2) X, A = X X^T,
-from X = M / ||M||_F, with Keller Jordan's coefficients (a, b, c) = (3.4445, -4.7750, 2.0315) (modded-nanogpt).
-They are tuned for speed, not convergence: the result has M's singular vectors but singular values spread over
-about [0.6, 1.2] instead of 1 (tests/engine/test_muon.py measures both against an SVD).
+U V^T (the polar factor), reached without an SVD by five steps of Keller Jordan's quintic iteration with
+modded-nanogpt's coefficients, tuned for speed: the singular values land near 1, not on it.
 
-Why not `optax.contrib.muon` (optax 0.2.8, installed): it is correct (same iteration, same coefficients; it
-bias-corrects its Nesterov momentum, Keller Jordan's does not), but it runs the iteration on the momentum as the
-parameter is sharded, and GSPMD then all-gathers the whole matrix (and all-reduces its products) in each of the
-five steps. Here each matrix is gathered once and the iteration runs whole on every device (`_orthogonalize_whole`):
-one all-gather of the hidden matrices per step, no all-reduce, and the iteration's FLOPs repeated on every device
-(docs/optimizers.md, "Muon on a mesh", has the HLO counts and the costs).
+Why not `optax.contrib.muon`: it runs the iteration on the momentum as the parameter is sharded, and GSPMD then
+all-gathers the whole matrix (and all-reduces its products) in each of the five steps. Here each matrix is gathered
+once and the iteration runs whole on every device (`_orthogonalize_whole`): one all-gather of the hidden matrices
+per step, no all-reduce, and the iteration's FLOPs repeated on every device (docs/optimizers.md, "Muon on a mesh").
 
 Weights with more than two axes are read as matrices by `Dims` (which axes are fan-in, which fan-out, counted from
-the end; any axis before them, such as scan_layers' `layers`, is a batch of separate matrices).
+the end; any axis before them, such as scan_layers' `layers`, is a batch of separate matrices). The iteration, its
+coefficients and their spread, and the comparison with optax: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

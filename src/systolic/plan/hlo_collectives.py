@@ -1,20 +1,14 @@
 """The collectives of a compiled program, read from its optimised HLO text (`compiled.as_text()`).
 
 Counted per step: each collective instruction once per execution, so one inside a loop counts once per trip, a
-loop's trips read from the HLO itself (plan/hlo_text.py: the layer scan, a micro-batch scan, and the loops the
-TPU compiler makes for collective matmuls, whose collective-permutes run once per trip). The fusions a
-collective sits in are computations called from their loop body, so they inherit its count.
+loop's trips read from the HLO itself (plan/hlo_text.py); the fusions a collective sits in inherit its loop's count.
+Bytes are those of the whole array a collective works on, per device; `wire_bytes` is what a ring moves per device:
+(n-1)/n of that for gather, scatter and all-to-all, twice that for all-reduce, all of it for a permute.
 
-Bytes are those of the whole array a collective works on, per device: an all-gather's gathered result, a
-reduce-scatter's full input, an all-reduce's array. `wire_bytes` is what a ring moves per device: (n-1)/n of
-that for gather, scatter and all-to-all, twice that for all-reduce, all of it for a permute.
-
-With several slices (`slice_of`: each partition's slice), the TPU compiler keeps the collectives inside a slice and
-hands what crosses slices to the multi-slice runtime (Megascale) as a host-transfer `send` with
-`_xla_megascale_transfer_type="ALL_REDUCE"` (or another kind) and the partial array as its operand: counted as that
-kind, its wire bytes those of a ring over the slices and all of them `dcn_wire_bytes`. A plain collective whose
-groups span slices (another compiler's way) counts as DCN traffic too, all of its wire bytes (the part a
-hierarchical algorithm would keep inside each slice is not split off: an upper estimate).
+With several slices (`slice_of`), traffic that crosses slices is `dcn_wire_bytes`: the TPU compiler's host-transfer
+`send`s to the multi-slice runtime (Megascale), counted as the collective they stand for over a ring of the slices,
+and any plain collective whose groups span slices, all of its wire bytes (an upper estimate). Which loops are
+counted and how each kind is recognised in the HLO: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """`systolic plan`: will it fit, how fast will it run, and what will it cost, before renting the chips?
 
 A workload lowers its real train step from abstract inputs (`jax.ShapeDtypeStruct`, nothing allocated) on a mesh
-of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads:
-- memory per chip from the compiler's memory analysis; a compile-time out-of-memory (RESOURCE_EXHAUSTED) is a
-  result, "DOES NOT FIT", with the bytes the compiler asked for; so is a config that the workload's arithmetic
-  lower bound refuses before tracing (`DoesNotFit`: `precheck`, nothing compiled), and either carries the fix;
-- FLOPs and HBM bytes from its cost analysis, which counts a loop body once: each loop of the compiled program (a
-  layer scan, a micro-batch scan, the TPU compiler's own collective-matmul loops) is weighted by its trip count,
-  read from the HLO (plan/hlo_text.py); work inside a custom kernel (a Pallas kernel such as splash attention)
-  is invisible to XLA, so the workload adds its formula's FLOPs for it; the result is set beside the workload's
-  FLOP formula;
-- the collectives of the compiled HLO (plan/hlo_collectives.py), counted per step;
-- a roofline: step time = max(FLOPs at peak, HBM bytes at HBM bandwidth, collective bytes at ICI bandwidth, and
-  with several slices the bytes of collectives that span slices at DCN bandwidth), as if they overlapped perfectly,
-  so it is a lower bound on the step time.
+of the target's devices and hands the planner a `StepProgram`; the planner compiles it once and reads memory per
+chip from the compiler's memory analysis (a compile-time out-of-memory, or a config the workload's `precheck`
+refuses before tracing, is a result, "DOES NOT FIT", carrying the fix), FLOPs and HBM bytes from its cost analysis
+with each loop weighted by its trip count (plan/hlo_text.py) and custom kernels' FLOPs added from the workload's
+formula, and the collectives per step (plan/hlo_collectives.py). The step time is a roofline, the max of FLOPs at
+peak, HBM bytes at HBM bandwidth and collective bytes at ICI bandwidth (DCN for traffic across slices), as if they
+overlapped perfectly: a lower bound.
 
 For TPU targets the compiler is libtpu's, on compile-only devices of the named topology (no TPU needed). GPU
-targets compile with XLA:CPU on fake devices: the output says so.
+targets compile with XLA:CPU on fake devices: the output says so. Each reading in detail: docs/design-notes.md,
+this module's section.
 """
 
 from __future__ import annotations

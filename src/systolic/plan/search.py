@@ -1,11 +1,11 @@
 """`systolic plan --search`: the largest per-chip batch that fits, and with which rematerialisation, as MaxText's
 estimator searches it: compile candidates, never the same one twice, and keep what the compiler said of each.
 
-Per policy (`model.remat` none, dots, full: each saves less of the forward pass than the one before, so fits at
-least the batch the one before fits), a bisection over per-chip batches that are powers of two (times
-`train.grad_accum`), from what the previous policy fitted up to MAX_PER_CHIP: a batch that fits means every smaller
-one fits. At most ceil(log2(MAX_PER_CHIP) + 1) compiles for the first policy and fewer for the next; a
-compile-time out-of-memory is fast, a program that fits takes the full compile time.
+Per policy (the workload's `PlanSearch.remats`, e.g. the lm's `model.remat` none, dots, full: each saves less of the
+forward pass than the one before, so fits at least the batch the one before fits), a bisection over per-chip batches
+that are powers of two (times `train.grad_accum`), from what the previous policy fitted up to MAX_PER_CHIP: a batch
+that fits means every smaller one fits. At most ceil(log2(MAX_PER_CHIP) + 1) compiles for the first policy and fewer
+for the next; a compile-time out-of-memory is fast, a program that fits takes the full compile time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from systolic.plan.planner import Plan, ms_text, plan_step
 from systolic.plan.targets import Target
 from systolic.runtime.memory import size_text
 
-REMATS = ("none", "dots", "full")
 MAX_PER_CHIP = 64  # sequences (lm) per data-parallel device: 2**0 ... 2**6
 
 
@@ -31,7 +30,7 @@ class Candidate:
 
 
 def search(workload: str, plan_fn: Callable[[Any, list[Any]], Any], cfg: Any, target: Target, *, mesh: str,
-           data_parallel: int, grad_accum: int, configure: Callable[[Any, str, int], Any],
+           data_parallel: int, grad_accum: int, remats: tuple[str, ...], configure: Callable[[Any, str, int], Any],
            train_items: float | None = None, price_per_chip_hour: float | None = None,
            say: Callable[[str], None] = lambda _: None,
            progress: Callable[[str], None] = lambda _: None) -> list[Candidate]:
@@ -40,7 +39,7 @@ def search(workload: str, plan_fn: Callable[[Any, list[Any]], Any], cfg: Any, ta
     tried: list[Candidate] = []
     steps = MAX_PER_CHIP.bit_length()  # exponents 0 .. log2(MAX_PER_CHIP)
     fits_below = -1  # the largest exponent known to fit (for the policy before: a lower bound for this one)
-    for remat in REMATS:
+    for remat in remats:
         lo, hi = fits_below, steps
         while lo + 1 < hi:
             mid = (lo + hi) // 2

@@ -44,7 +44,7 @@ class Calibration:
     """How a real chip's step time relates to the roofline (plan/planner.py `_calibrated`): the program XLA compiles
     takes `compute` x its compute roofline (its FLOPs at the data sheet's peak; the factor covers the matrix unit's
     achieved rate, the elementwise passes, the optimizer's update) or `hbm` x its HBM roofline, whichever is longer,
-    and a custom kernel (splash attention) takes its own measured rate (lm/model/splash_blocks.py)."""
+    and a custom kernel (splash attention) takes its own measured rate (kernels/splash/tuned_block_sizes.py)."""
 
     compute: float
     hbm: float
@@ -55,7 +55,8 @@ GiB = 2**30
 # By chip name. Chips without a row plan at the roofline alone (and say so).
 CALIBRATIONS: dict[str, Calibration] = {
     "TPU v5 lite": Calibration(compute=1.50, hbm=1.00, source=(
-        "compute: llama-1b/8 layers at 4 x 2048, 243.5 ms measured by `benchmarks/tpu.sh train` on the lent v5e, "
+        "compute: llama-1b/8 layers at 4 x 2048, 243.5 ms measured by `benchmarks/harness/tpu.sh train` on the "
+        "lent v5e, "
         "2026-12-06, less its splash time at the kernel's measured rate, over XLA's 122.1 ms; HBM: no row measured "
         "HBM-bound, XLA's bytes as they are (an upper estimate). Every training row within 14% of the chip: "
         "docs/planning.md, 'The planner against the chip'")),
@@ -64,10 +65,11 @@ CALIBRATIONS: dict[str, Calibration] = {
 
 @dataclasses.dataclass(frozen=True)
 class ServeCalibration:
-    """What one decode step of the serving engine takes on a chip (plan/serve.py `expected_decode`): its parts one
+    """What one decode step of the serving engine takes on a chip (plan/serving.py `expected_decode`): its parts one
     after another, as measured (no overlap): every weight read at `weights_bytes_per_s` and a fixed `layer_s` per
-    layer, each sequence's keys and values read by the Pallas paged-attention kernel (kernels/paged_attention.py) at
-    its rate for the head width, and the step's matmuls at `matmul_flops_per_s`."""
+    layer, each sequence's keys and values read by the Pallas paged-attention kernel
+    (kernels/paged_attention/kernel.py) at its rate for the head width, and the step's matmuls at
+    `matmul_flops_per_s`."""
 
     weights_bytes_per_s: float
     layer_s: float  # what a layer costs besides its weights at one token: launches, the layer loop, small ops
@@ -79,18 +81,19 @@ class ServeCalibration:
 
 # By chip name. Chips without a row plan serving at the roofline alone (and say so). v5e: measured on the lent chip
 # on 2026-12-06 (jax 0.10.2, bfloat16):
-# - weights and layers: the two rows of 1 sequence in flight of `benchmarks/tpu.sh serve` (benchmarks/
+# - weights and layers: the two rows of 1 sequence in flight of `benchmarks/harness/tpu.sh serve` (benchmarks/studies/
 #   serve_engine.py), llama-1b (16 layers, 2.08 GB of weights) 3.08 ms a token (TPOT p50) and gemma3-1b (26 layers,
 #   2.00 GB) 3.26 ms, each less its KV read and matmuls at the rates below, solved for both: 812 GB/s (the data
 #   sheet's 819) and 29.5 us a layer;
-# - KV: `benchmarks/paged_attention.py` (every layer's attention of a decode batch, 256 positions a sequence):
+# - KV: `benchmarks/kernels/paged_attention.py` (every layer's attention of a decode batch, 256 positions a sequence):
 #   302 and 317 GB/s for gemma3-1b's and Gemma 2B's heads of 256; for llama-1b's heads of 64, 430 and 446 GB/s at
 #   64 and 256 sequences with 8 heads a matmul (2026-12-07; 242 and 247 one head at a time);
 # - matmuls: an 8192^3 bfloat16 matmul at 181 TFLOP/s (observe/peak_flops.py; the data sheet's 197).
 SERVE_CALIBRATIONS: dict[str, ServeCalibration] = {
     "TPU v5 lite": ServeCalibration(weights_bytes_per_s=812e9, layer_s=29.5e-6, kv_bytes_per_s=310e9,
                                     kv_bytes_per_s_narrow=440e9, matmul_flops_per_s=181e12, source=(
-        "benchmarks/tpu.sh serve and benchmarks/paged_attention.py on the lent v5e, 2026-12-06 (heads of 64: "
+        "benchmarks/harness/tpu.sh serve and benchmarks/kernels/paged_attention.py on the lent v5e, 2026-12-06 "
+        "(heads of 64: "
         "2026-12-07); every decode step measured there within 25%: docs/planning.md, 'The serving plan against the "
         "chip'")),
 }

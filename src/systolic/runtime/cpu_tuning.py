@@ -1,21 +1,18 @@
 """The CPU tuning applied at start: the one call that applies every CPU-only choice (runtime/cpu_settings.py says
 which are on), and XLA:CPU's optimisation level for run-once code.
 
-- XLA flags: matmuls through XNNPACK instead of XLA's in-graph kernels (`XNN_DOT_FLAGS`), for the workloads
-  that measure faster with them (`XNN_DOT_WORKLOADS`). On the 2026-12-05 host none did (rl 0.68x, lm 0.91-0.93x on
-  three model sizes, gan and sim level), so the set is empty; lm had it while an earlier host measured +8-15%. They are
-  experimental XLA flags and an unknown flag aborts XLA at start-up, so they are added only for jaxlib versions
-  where they were checked (`VERIFIED_JAXLIB`), only when XLA_FLAGS does not already mention them (a user's
-  XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off. They configure only the CPU compiler; GPU/TPU
-  programs are unaffected, so the choice is per workload and needs no platform check.
+- XLA flags: matmuls through XNNPACK (`XNN_DOT_FLAGS`) for the workloads that measure faster with them
+  (`XNN_DOT_WORKLOADS`, empty on the current host). They are experimental and an unknown flag aborts XLA at
+  start-up, so they are added only for jaxlib versions where they were checked (`VERIFIED_JAXLIB`), only when
+  XLA_FLAGS does not already mention them (a user's XLA_FLAGS win), and never when SYSTOLIC_XLA_CPU_FLAGS=off.
 - The host allocator setting (runtime/host_memory.py), for processes that run many steps of the workloads it
-  measured faster for (`MALLOC_WORKLOADS`; the rl workload's PPO ran at 0.56-0.65x with it).
+  measured faster for (`MALLOC_WORKLOADS`).
 - `cpu_compiler_options` / `compile_once`: a lower XLA:CPU optimisation level for run-once or many-kernel code,
   where LLVM's optimisation costs more compile time than it saves.
 
 Nothing happens at import: a library user's XLA_FLAGS stay theirs. The CLI calls `apply_at_start` before JAX
 starts; a Python program that wants the CLI's speed calls it first thing. Why each choice, and its measured
-effect: docs/benchmarks.md, "CPU tuning choices".
+effect: docs/benchmarks.md, "CPU tuning choices", and docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from systolic.runtime import cpu_settings, host_memory
 VERIFIED_JAXLIB = ("0.10.",)
 XNN_DOT_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimental_xnn_fusion_type=dot")
 # The workloads whose steps run faster with XNN_DOT_FLAGS on this project's CPU, each measured with and without them
-# (benchmarks/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
+# (benchmarks/studies/xla_flags_per_workload.py; figures in docs/benchmarks.md, "CPU tuning choices").
 XNN_DOT_WORKLOADS: frozenset[str] = frozenset()  # re-measure on a new host: the benchmark, docs/benchmarks.md
 # The workloads whose steps run faster with the host allocator setting (same benchmark, `--setting malloc`).
 MALLOC_WORKLOADS = frozenset({"lm"})

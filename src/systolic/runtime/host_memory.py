@@ -1,15 +1,12 @@
 """Host allocator settings for training on the CPU: keep XLA's per-step buffers mapped between steps.
 
-XLA:CPU allocates each execution's temporaries as one block (hundreds of MB for a small GPT) and frees it at the
-end of the step. glibc serves a block that size with a fresh `mmap` and returns it with `munmap`, so every step
-page-faults the whole block in again, and the kernel spends its time zeroing pages.
-
-`apply` tells glibc (through `mallopt`, so no environment variable has to be set before the process starts) to
-serve large blocks from the heap and keep freed memory there: one arena, no `mmap` for large blocks, no
-trimming. The faults stop after the first steps and steps get faster. Two costs: the process keeps its peak
-host memory, and compilation is slower, because XLA's compiler threads then contend for the one arena. So it is
-for processes that run many steps (`cpu_tuning.apply_at_start(stepping=True)`). Figures: docs/benchmarks.md,
-"CPU tuning choices".
+XLA:CPU allocates each execution's temporaries as one block and frees it at the end of the step; glibc serves a
+block that size with a fresh `mmap` and returns it with `munmap`, so every step page-faults the whole block in
+again. `apply` tells glibc (through `mallopt`, so no environment variable has to be set before the process starts)
+to serve large blocks from the heap and keep freed memory there: one arena, no `mmap` for large blocks, no
+trimming. Two costs: the process keeps its peak host memory, and compilation is slower (XLA's compiler threads
+contend for the one arena), so it is for processes that run many steps (`cpu_tuning.apply_at_start(stepping=True)`).
+Figures: docs/benchmarks.md, "CPU tuning choices"; the mechanism: docs/design-notes.md, this module's section.
 
 It applies only where the CPU is the compute platform (JAX_PLATFORMS says cpu, or no GPU/TPU plugin is
 installed), only on glibc, and only when the tuning's `malloc` is on. It must run before JAX starts its thread

@@ -5,18 +5,12 @@ stops after the current step with a checkpoint), a signal raises `Interrupted` i
 tracing and compiling unwind through the CLI's rollback and exit 130 (SIGINT) or 143 (SIGTERM). Python's default
 SIGTERM kills the process with no message and no rollback.
 
-Until `arm()`, a signal is only recorded: raised inside the import of a compiled extension (jaxlib, tensorstore),
-an exception leaves that module half-initialised and the process died with SIGSEGV (measured: 1 of the first 4
-moments of `tests/engine/test_rundir.py`'s SIGINT test). The CLI imports those modules first, then arms; `arm()`
-raises the recorded signal at once. A second SIGINT always raises (the user insists).
-
-A signal can land while the main thread runs a garbage-collection callback or a `__del__` (jax registers one):
-Python prints what those raise as "Exception ignored in ..." and carries on. `_unraisable` hides that print for
-`Interrupted` and delivers the signal again a moment later, to be raised where it counts.
-
-A signal can also land while the main thread runs a Python callback that XLA called (`jax.debug.callback`, an
-I/O callback): XLA catches what the callback raises and may carry on, and the interrupt would be lost. So every
-signal is also recorded here; the train loop reads the record when it starts and stops after its first step.
+Three places where raising at once would lose or corrupt something: the import of a compiled extension (so until
+`arm()`, which the CLI calls after importing them, a signal is only recorded, and `arm()` raises it), a
+garbage-collection callback or `__del__` (`_unraisable` delivers the signal again a moment later), and a Python
+callback that XLA called (every signal is also recorded; the train loop reads the record when it starts and stops
+after its first step). A second SIGINT always raises (the user insists). Why each, with the crash measured:
+docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

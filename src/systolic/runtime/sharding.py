@@ -4,26 +4,16 @@ Layers name the axes of their parameters and activations logically (`embed`, `ml
 maps each name to the mesh axes `data`, `stage`, `fsdp`, `expert`, `context` and `tensor`; change the table, not
 the layers, to change the parallelism layout. A name mapped to None is replicated.
 
-What the tables cover: the lm and gan workloads' parameters, activations and batches (`RULE_SETS`, chosen by
-`sharding.rules`) and the 3-D sim grid's pencils (`GRID_RULES`). What they do not: the rl workload splits its seed
-or environment axis over `data` x `fsdp` itself (workloads/rl/train.py; its networks are too small to split, and its
-config refuses the other axes), and the 2-D sim solvers split their grids in their own modules, the spectral slabs
-over every mesh axis flattened (workloads/sim/solver.py) and the finite-difference blocks over
-`finite_difference.BLOCK_AXES`: each is the one layout its algorithm's collectives are written for, with no layer
-to annotate.
+The tables cover the lm and gan workloads' parameters, activations and batches (`RULE_SETS`, chosen by
+`sharding.rules`) and the 3-D sim grid's pencils (`GRID_RULES`). The rl workload and the 2-D sim solvers split
+their arrays in their own modules: each is the one layout its algorithm's collectives are written for, with no
+layer to annotate.
 
-Default layout (2-D/3-D combinations follow from the mesh shape alone):
-- `batch` over (data, stage, fsdp, expert): every device holds different examples (data parallel; FSDP is data parallel
-  too, and so is the expert axis outside the MoE layers).
-- `experts` (MoE expert weights' leading axis) over expert: each expert rank holds E / n experts, and the MoE
-  layer sends tokens to them with an all-to-all (workloads/lm/model/moe.py). Every rule set has expert parallelism.
-- `seq` (activations' sequence axis) over context: each device holds part of every row it has (context
-  parallelism); attention passes keys/values round the context ring (workloads/lm/parallel/context.py). Every rule set has it.
-- parameters' `embed` axis over fsdp: ZeRO-3 style, each fsdp rank stores a slice and XLA all-gathers it
-  before use and reduce-scatters the gradient.
-- `mlp`, `heads`, `kv_heads`, `vocab` over tensor: Megatron-style column/row split of MLP and attention.
-- `layers` (the stacked blocks' leading axis, model.scan_layers) over stage: each pipeline stage holds its own
-  layers (workloads/lm/parallel/pipeline.py). Every rule set has pipeline parallelism.
+Default layout: `batch` over (data, stage, fsdp, expert), so every device holds different examples; `experts` over
+expert (workloads/lm/model/moe.py); `seq` over context (workloads/lm/parallel/context.py); parameters' `embed` over
+fsdp (ZeRO-3); `mlp`, `heads`, `kv_heads`, `vocab` over tensor (Megatron-style); `layers` over stage
+(workloads/lm/parallel/pipeline.py). Every rule set has expert, context and pipeline parallelism. What each rule
+means, and where rl and the 2-D solvers split: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

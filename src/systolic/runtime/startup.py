@@ -4,7 +4,6 @@ joining a multi-process run from the `distributed.*` overrides."""
 
 from __future__ import annotations
 
-import os
 
 from systolic.runtime import interrupts
 

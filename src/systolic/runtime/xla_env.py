@@ -77,13 +77,6 @@ def tpu_device_files() -> list[str]:
     return glob.glob("/dev/accel*") or [p for p in glob.glob("/dev/vfio/*") if not p.endswith("/vfio")]
 
 
-def gpu_device_files() -> list[str]:
-    """An NVIDIA (/dev/nvidia0, ...) or AMD (/dev/kfd) GPU's device files."""
-    import glob
-
-    return glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")
-
-
 def backend_failure(error: BaseException) -> str | None:
     """The paragraph for jax's failure to start the platform JAX_PLATFORMS names (a TPU platform on a host without
     a TPU), or None for any other error."""

@@ -2,28 +2,17 @@
 
 A workload is a declared record, `Workload`, in its light `commands.py`: its config class, its default recipe,
 the functions it offers by command name, and the commands only it has. The CLI builds its parser from these
-records and dispatches; it never probes a module for what it might have. Function signatures, by command name:
+records and dispatches; it never probes a module for what it might have. The functions are `command.Lazy`
+references, so `systolic info` and `systolic -h` import no model code. Signatures, by command name:
+`train`, `simulate`, `fit`: `(cfg, run_dir, quiet) -> engine.loop.RunResult`; `eval`: `(run_dir, **options) -> str`;
+`sample`: `(run_dir, *, count, out, seed) -> Path`; `generate`:
+`(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, *, chat, system) -> str`;
+`bench`: `(cfg) -> context manager yielding the engine Task`; `plan`: `(cfg, devices) -> plan.planner.StepProgram`
+(every workload offers one); `plan_serve`: `(cfg, devices, *, weights, kv, page_size) -> plan.serving.ServeModel`.
 
-- `train`, `simulate`, `fit`: `(cfg, run_dir, quiet) -> engine.loop.RunResult`; they run the engine's loop.
-- `eval`: `(run_dir, **options) -> str`, the report to print; `options` are the ones the workload declares in
-  `options["eval"]` (rl: episodes, gymnasium, gif, seed; lm: data, choices, batch_size).
-- `sample`: `(run_dir, *, count, out, seed) -> Path`, the picture written.
-- `generate`: `(run_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, *, chat, system) -> str`;
-  with `chat`, `prompt` is the user's message and the result the assistant's reply.
-- `bench`: `(cfg) -> context manager yielding the engine Task`, timed by `systolic bench`.
-- `plan`: `(cfg, devices) -> plan.planner.StepProgram`: the real step lowered on a mesh of `devices` (the plan
-  target's), with the workload's FLOP formula (or None) and the FLOPs of custom kernels XLA cannot count;
-  plan/planner.py compiles it and weights its loops by their trip counts. Every workload offers one.
-- `plan_serve`: `(cfg, devices, *, weights, kv, page_size) -> plan.serve.ServeModel`: the inference step lowered for
-  `systolic plan WORKLOAD --serve` (lm).
-
-`options` (optional) maps a command to its own options (`command.Arg`): the CLI parses them per workload, so an
-option of another workload's command (`systolic eval lm --episodes`) is an error, not ignored. `own_commands` are
-the commands only this workload has (lm: generate, export, convert, tokenizer; sim: simulate; gan: sample),
-declared whole: arguments, help and what runs them. `resolve_config(cfg, overrides, run_dir) -> cfg` (optional)
-completes a config from elsewhere before a run (lm's `init.from=RUN_DIR`). A finished run is opened through
-`engine.finished` (config, workload check, newest intact checkpoint). The functions are `command.Lazy`
-references, so `systolic info` and `systolic -h` import no model code.
+`options` maps a command to its own options, parsed per workload, so another workload's option is an error, not
+ignored. A finished run is opened through `engine.finished`. What each function returns and each optional field
+(`own_commands`, `plan_search`, `resolve_config`) does: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from systolic.command import Arg, Command
+from systolic.commandline import Arg, Command
 from systolic.errors import UserError
 
 WORKLOADS = {"lm": "systolic.workloads.lm.commands", "sim": "systolic.workloads.sim.commands",
@@ -48,6 +37,15 @@ USAGE = {"train": "systolic train {w} --recipe RECIPE", "fit": "systolic fit {w}
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSearch:
+    """What `systolic plan --search` varies for a workload, besides the batch: its rematerialisation policies, most
+    memory first (each saves less than the one before, so fits at least its batch), and how a config takes one."""
+
+    remats: tuple[str, ...]
+    configure: Callable[[Any, str, int], Any]  # (cfg, remat, global batch) -> the config to plan
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     name: str
     config: type  # the frozen dataclass schema of its recipes
@@ -56,6 +54,7 @@ class Workload:
     resolve_config: Callable[[Any, list[str], Any], Any] | None = None
     options: Mapping[str, tuple[Arg, ...]] = dataclasses.field(default_factory=dict)  # command -> its own options
     own_commands: tuple[Command, ...] = ()
+    plan_search: PlanSearch | None = None  # None: `systolic plan --search` does not apply
 
     def command(self, name: str) -> Callable[..., Any]:
         """The function for `name`, or a UserError naming the workloads that offer it."""

@@ -13,7 +13,7 @@ from systolic.engine.checkpoint import Checkpointer
 from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.train import init_params
+from systolic.workloads.lm.model.build import init_params
 
 
 def test_an_unscanned_stack_is_traced_a_layer_at_a_time():

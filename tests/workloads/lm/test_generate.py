@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from systolic.errors import UserError
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.transformer import make_model
 
@@ -141,7 +141,7 @@ def test_the_sample_after_training_is_prompted_with_the_opening_of_held_out_text
     """No sample.prompt: the first line of the first held-out document, cut at a space (a model of prose is not
     asked to continue `def `)."""
     from systolic.data.tokenizer import ByteTokenizer
-    from systolic.workloads.lm.sample import opening
+    from systolic.workloads.lm.generate import opening
 
     tok = ByteTokenizer()
     docs = ["\n  The blackbird starts before the light, and by the time the kettle boils\nsecond line", "other"]

@@ -23,7 +23,7 @@ from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import ConfigError, UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, rules_for
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm import init_from
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import config as hf_config
@@ -32,8 +32,9 @@ from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.sections import MoeConfig
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.sample import generate_from_run
-from systolic.workloads.lm.train import build_task, model_graphdef, param_shardings
+from systolic.workloads.lm.generate import generate_from_run
+from systolic.workloads.lm.train import build_task
+from systolic.workloads.lm.model.build import model_graphdef, param_shardings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -208,11 +209,11 @@ def test_init_from_takes_the_source_model_and_params(imported, corpus_dir, tmp_p
     source = imported["llama"]
     overrides = [*finetune_overrides(source, corpus_dir), "model.dtype=float32"]
     recipe = config_lib.load(LMConfig, None, overrides, "lm-tiny")[0]
-    cfg = init_from.resolve_config(recipe, overrides, tmp_path / "new")
+    cfg = init_from.with_source_model(recipe, overrides, tmp_path / "new")
     want = load_run(source, "test")
     assert cfg.model == dataclasses.replace(want.cfg.model, dtype="float32")  # the recipe's d_model=192 is gone
     with pytest.raises(ConfigError, match="model.d_model=32"):
-        init_from.resolve_config(recipe, [*overrides, "model.d_model=32"], tmp_path / "new")
+        init_from.with_source_model(recipe, [*overrides, "model.d_model=32"], tmp_path / "new")
 
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     prepared = build_task(cfg, mesh, make_tokenizer(cfg.data.tokenizer))

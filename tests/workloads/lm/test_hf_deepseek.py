@@ -30,8 +30,9 @@ from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.rope import inverse_frequencies
 from systolic.workloads.lm.model.transformer import make_model
-from systolic.workloads.lm.serve.kv_pool import token_bytes
-from systolic.workloads.lm.serve.plan import plan_serve
+from systolic.kernels.paged_attention.pool import token_bytes
+from systolic.workloads.lm.serve.sizing import pool_row
+from systolic.workloads.lm.serve.planned_step import serve_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -102,8 +103,8 @@ def test_decode_cache_holds_the_compressed_latent(converted):
     cfg = dataclasses.replace(load_run(run_dir, "test").cfg.model, dtype="float32")
     cache = nnx.eval_shape(lambda: make_model(cfg, VOCAB, 0).init_cache(2, 40))
     assert cache.k.shape == (3, 2, 40, 16 + 8) and cache.v is None
-    assert token_bytes(cfg, "auto") == 3 * (16 + 8) * 4  # float32 pool rows
-    assert token_bytes(cfg, "int8") == 3 * ((16 + 8) + 4)  # int8 values and a float32 scale per row
+    assert token_bytes(pool_row(cfg), "auto") == 3 * (16 + 8) * 4  # float32 pool rows
+    assert token_bytes(pool_row(cfg), "int8") == 3 * ((16 + 8) + 4)  # int8 values and a float32 scale per row
 
 
 def test_plan_serve_reports_the_latent_kv_size(converted):
@@ -113,7 +114,7 @@ def test_plan_serve_reports_the_latent_kv_size(converted):
     cfg = load_run(run_dir, "test").cfg
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
     for kv, per_token in (("bf16", 3 * 24 * 2), ("int8", 3 * (24 + 4))):
-        planned = plan_serve(cfg, jax.devices()[:2], weights="bf16", kv=kv, page_size=4)
+        planned = serve_model(cfg, jax.devices()[:2], weights="bf16", kv=kv, page_size=4)
         assert (planned.kv_bytes_per_token, planned.kv_split) == (per_token, 1)
         assert "(16 latent + 8 RoPE key)" in planned.kv_formula and "3 layers" in planned.kv_formula
         planned.lower_step(2, 3, 8)  # the engine's step lowers against the latent pool

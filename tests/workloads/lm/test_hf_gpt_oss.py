@@ -27,7 +27,7 @@ from systolic.workloads.lm.hf import config as hf_config
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.hf import mxfp4
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.train import model_graphdef
+from systolic.workloads.lm.model.build import model_graphdef
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,6 @@ bad settings are one-paragraph errors with exit code 2."""
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -35,8 +34,9 @@ from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.sample import generate_from_run
-from systolic.workloads.lm.train import build_task, init_params, model_graphdef, param_shardings
+from systolic.workloads.lm.generate import generate_from_run
+from systolic.workloads.lm.train import build_task
+from systolic.workloads.lm.model.build import init_params, model_graphdef, param_shardings
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))  # for the imported model
 SMALL = TOKENS % 96  # for the models built here, of 96 embedding rows
@@ -160,7 +160,7 @@ def lora_run(imported, corpus_dir, tmp_path_factory):
 def finetune_cfg(source: Path, corpus: Path, run: Path) -> LMConfig:
     overrides = [*finetune_overrides(source, corpus), *LORA]
     recipe = config_lib.load(LMConfig, None, overrides, "lm-tiny")[0]
-    return init_from.resolve_config(recipe, overrides, run)
+    return init_from.with_source_model(recipe, overrides, run)
 
 
 def test_only_the_adapters_train_and_the_loss_falls(imported, corpus_dir, tmp_path):
@@ -334,4 +334,4 @@ def test_init_from_fixes_the_shapes_but_not_the_adapters(imported, corpus_dir, t
     overrides = [*finetune_overrides(imported, corpus_dir), *LORA]
     recipe = config_lib.load(LMConfig, None, overrides, "lm-tiny")[0]
     with pytest.raises(ConfigError, match=r"model.d_model=32 .*model.lora.\* may differ"):
-        init_from.resolve_config(recipe, [*overrides, "model.d_model=32"], tmp_path / "new")
+        init_from.with_source_model(recipe, [*overrides, "model.d_model=32"], tmp_path / "new")

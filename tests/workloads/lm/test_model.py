@@ -187,3 +187,18 @@ def test_sharded_creation_and_forward():
     assert len(sharded_logits.sharding.device_set) == 8
     host_params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), nnx.to_pure_dict(params))
     np.testing.assert_allclose(sharded_logits, forward(graphdef, host_params, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_the_remat_vocabulary_is_written_once():
+    """model.remat's names come from one table: the config accepts exactly them, each has a policy (the MLP-keeping
+    ones save by jax's own rule, the rest by remat.KEEPS), and `plan --search` tries a subset in the same order."""
+    import typing
+
+    from systolic.workloads.lm.commands import WORKLOAD
+    from systolic.workloads.lm.model import remat
+    from systolic.workloads.lm.model.config import REMAT_POLICIES, REMATS
+
+    assert typing.get_args(typing.get_type_hints(ModelConfig)["remat"]) == REMATS == tuple(REMAT_POLICIES)
+    assert set(remat.KEEPS) | {"none", "dots"} == set(REMATS)
+    searched = WORKLOAD.plan_search.remats
+    assert set(searched) <= set(REMATS) and list(searched) == sorted(searched, key=REMATS.index)

@@ -16,6 +16,7 @@ from systolic.errors import ConfigError
 from systolic.optim import muon
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate
+from systolic.workloads.lm import preflight
 from systolic.workloads.lm.model import sizes
 from systolic.workloads.lm.train import build_step, build_task
 
@@ -100,14 +101,14 @@ def test_bfloat16_moments_round_trip_and_convert_to_the_configs_dtype(tiny_lm, t
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_memory_estimate_and_plan_count_the_moments_at_their_dtype(tiny_lm, name):
-    """sizes.training_bytes drops by exactly the moments' halving (2 bytes a parameter per moment: AdamW two,
+    """preflight.training_bytes drops by exactly the moments' halving (2 bytes a parameter per moment: AdamW two,
     Muon's lower bound one), a lower bound on the real state's drop; the optimizer bytes that `systolic plan`
     reports (the abstract state's per device) halve."""
     cfg32, cfg16 = tiny_lm.make_cfg(f"optim.name={name}"), tiny_lm.make_cfg(f"optim.name={name}", BF16)
     vocab = make_tokenizer(cfg32.data.tokenizer).vocab_size
     estimated_params = sizes.param_count(cfg32.model, vocab)
     per_moment = 2 if name == "adamw" else 1
-    drop = sizes.training_bytes(cfg32, vocab) - sizes.training_bytes(cfg16, vocab)
+    drop = preflight.training_bytes(cfg32, vocab) - preflight.training_bytes(cfg16, vocab)
     assert drop == 2 * per_moment * estimated_params
     mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
     steps = {d: build_step(c, mesh, make_tokenizer(c.data.tokenizer)) for d, c in (("f32", cfg32), ("bf16", cfg16))}

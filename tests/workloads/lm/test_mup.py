@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from systolic.optim.adamw import make_schedule
 from systolic.workloads.lm.config import LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.layer_kind import LayerKind
@@ -54,7 +55,7 @@ def coordinates(mcfg: ModelConfig, ocfg: LMOptimConfig, width: int) -> dict[str,
     model = Transformer(mcfg, VOCAB, rngs=nnx.Rngs(params=1))
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
-    tx = make_lm_optimizer(ocfg, mcfg, total_steps=STEPS)
+    tx = make_lm_optimizer(ocfg, mcfg, make_schedule(ocfg, STEPS))
     loss_fn = make_loss_fn(graphdef, mcfg.moe, 0.0)
 
     @jax.jit

@@ -268,7 +268,7 @@ def test_tpu_serving_step_multiplies_int8_operands_with_w8a8():
     from systolic.plan import targets
     from systolic.plan.planner import devices_for
     from systolic.runtime.platform import compiling_for
-    from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+    from systolic.kernels.paged_attention.metadata import RaggedBatch
     from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, engine_step
 
     one = jax.sharding.SingleDeviceSharding(devices_for(targets.resolve("v5e-1", mesh_devices=0))[0])

@@ -4,7 +4,6 @@ data.tokenizer=FILE that keeps its own copy, `systolic generate` and resume from
 import contextlib
 import io
 import os
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,7 @@ from tiny import TINY_LM
 
 from systolic.cli import main
 from systolic.data.tokenizer import ByteTokenizer, make_tokenizer
-from systolic.workloads.lm.sample import continuation_text
+from systolic.workloads.lm.generate import continuation_text
 
 # The model and step of tests/test_bad_input.py's run, with a BPE of <= 320 ids (the byte tokenizer's padded
 # vocabulary): the same programs, so a whole test session compiles them once.

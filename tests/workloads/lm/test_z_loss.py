@@ -5,9 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from systolic.config import MeshConfig
 from systolic.data.tokenizer import make_tokenizer
-from systolic.runtime import mesh as mesh_lib
 from systolic.workloads.lm.train import build_task, cross_entropy_and_log_z, objective
 from tiny import run_steps
 

@@ -1,6 +1,6 @@
 """The rl programs gather as little as they can: on the TPU a gather's cost is per row, not per byte (PPO's shuffle,
 six leaves gathered apart, took 63% of a 2,048-environment update there, and the action's log-probability, a
-one-element gather, 17% in the loss and 4% in the rollout; benchmarks/rl_profile.py, 2026-12-07). So the shuffle
+one-element gather, 17% in the loss and 4% in the rollout; benchmarks/peers/rl_profile.py, 2026-12-07). So the shuffle
 moves narrow examples inside the sort that makes its order (no gather; 4x faster than one packed gather there),
 gathers wide ones in one pass, and the chosen action's value is a select, exactly as before."""
 

@@ -1,5 +1,5 @@
-"""benchmarks/sim_vs_numpy.py and sim3d_vs_numpy.py compare like with like: their NumPy solvers and systolic's agree
-to round-off."""
+"""benchmarks/peers/sim_vs_numpy.py and sim3d_vs_numpy.py compare like with like: their NumPy solvers and systolic's
+agree to round-off."""
 
 import importlib.util
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("x64")
 
-BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "sim_vs_numpy.py"
+BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "peers" / "sim_vs_numpy.py"
 
 
 def test_numpy_reference_matches_systolic_step_for_step():

@@ -1,11 +1,11 @@
-"""benchmarks/dns3d_fft_share.py measures what it says: its FFT program does exactly the 3-D solver's transforms
+"""benchmarks/studies/dns3d_fft_share.py measures what it says: its FFT program does exactly the 3-D solver's transforms
 (the script stops otherwise), 36 single-field real transforms a step, and its roofline bytes are those transforms'
 inputs and outputs."""
 
 import importlib.util
 from pathlib import Path
 
-BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "dns3d_fft_share.py"
+BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "studies" / "dns3d_fft_share.py"
 
 
 def test_fft_program_does_the_steps_transforms():

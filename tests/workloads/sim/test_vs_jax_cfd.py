@@ -1,5 +1,5 @@
-"""systolic's 2-D spectral solver against a third-party one: jax-cfd's own NavierStokes2D (benchmarks/sim_vs_jax_cfd.py
-runs both, from the same vorticity, at the same viscosity and dt).
+"""systolic's 2-D spectral solver against a third-party one: jax-cfd's own NavierStokes2D
+(benchmarks/peers/sim_vs_jax_cfd.py runs both, from the same vorticity, at the same viscosity and dt).
 
 The tolerance comes from what separates the two solvers. Their integrators differ (jax-cfd: Crank-Nicolson RK4, 5
 stages; systolic: Lawson RK4, 4), but at this dt their difference is below float32 round-off: energy and enstrophy
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("jax_cfd", reason="jax-cfd is in the dev extra: pip install -e '.[dev]'")
 
-BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "sim_vs_jax_cfd.py"
+BENCHMARK = Path(__file__).parents[3] / "benchmarks" / "peers" / "sim_vs_jax_cfd.py"
 N, STEPS, PEAK = 64, 10, 4
 
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from systolic import workloads
-from systolic.command import Command, Lazy, arg
+from systolic.commandline import Command, Lazy, arg
 from systolic.workloads import Workload
 from systolic.workloads.gan.config import GANConfig
 

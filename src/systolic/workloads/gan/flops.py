@@ -1,21 +1,18 @@
 """Model FLOPs of one gan train step (the MFU numerator), counted from the networks' layer shapes.
 
-A layer's forward pass counts 2 FLOPs per multiply-add with a real input value: a dense layer's weights once per
-image, a convolution's kernel taps that fall on the image (taps on the SAME padding multiply zeros, and a stride-2
-transposed convolution's taps on the zeros between dilated input pixels are no work either: as lm counts only the
-unmasked half of causal attention). Its backward pass costs the forward again per gradient it needs: one for the
-weights, one for the input. What train.py's step computes, with B = train.batch_size:
+A layer's forward pass counts 2 FLOPs per multiply-add with a real input value (a convolution's taps on SAME
+padding or on a transposed convolution's dilation zeros are no work, as lm counts only the unmasked half of causal
+attention); its backward pass costs the forward again per gradient it needs, weights and input. What train.py's
+step computes, with B = train.batch_size:
 
     gan.d_steps x (G forward on B noise rows
                    + D on the 2B real and fake rows: forward, weight gradients, input gradients but the stem's)
     + G forward + D forward on B rows + D's input gradients (D's weights are held fixed in G's update)
     + G's weight gradients and input gradients but the projection's (noise needs no gradient)
 
-Not counted: BatchNorm, activations, losses, optimizers and the EMA (element-wise), the spectral norm's power
-iteration (matrix-vector products: 0.03% of a gan-dcgan-64 step) and a conditional discriminator's projection
-(one dot product per image). XLA counts them, so its figure is a few percent above this one
-(tests/workloads/gan/test_flops.py). The chip's matrix unit does multiply the padding's zeros: hardware work, not
-model work, like rematerialisation.
+Not counted: element-wise work (BatchNorm, activations, losses, optimizers, the EMA), the spectral norm's power
+iteration and a conditional discriminator's projection; XLA counts them, so its figure is a few percent above this
+one (tests/workloads/gan/test_flops.py). What each exclusion costs: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

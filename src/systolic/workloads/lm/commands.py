@@ -4,13 +4,17 @@ train, convert from-hf / to-hf) with their arguments. Light: each command import
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
-from systolic.command import Command, Lazy, arg
+from systolic.commandline import Command, Lazy, arg
 from systolic.errors import UserError
-from systolic.workloads import Workload
+from systolic.kernels.paged_attention import KV_CACHES
+from systolic.workloads import PlanSearch, Workload
 from systolic.workloads.lm.config import LMConfig, SampleConfig
+from systolic.workloads.lm.model.config import SEARCHED_REMATS
 from systolic.workloads.lm.hf import architectures
+from systolic.workloads.lm.serve.command import API_KEY_ENV
 
 ENTRY = "systolic.workloads.lm.entry"
 
@@ -81,7 +85,6 @@ QUANTIZE_SCHEMES = ("int8", "w8a8", "fp8")
 _SCHEMES_HELP = ("int8: int8 weights (per output channel); w8a8: int8 weights and activations; fp8: float8_e4m3fn "
                  "weights and activations (GPU/TPU)")
 _QUANTIZE = arg("--quantize", choices=QUANTIZE_SCHEMES, help=f"quantize the weights after loading ({_SCHEMES_HELP})")
-KV_CACHES = ("auto", "int8")  # how the KV cache stores keys and values (serve/kv_pool.py): generate's and serve's
 _KV_CACHE = dict(choices=KV_CACHES, default="auto", help="how the KV cache stores keys and values: auto (the "
                  "model's compute dtype, default) or int8 (a float32 scale per token and head: about half of "
                  "bfloat16's memory, so about twice the tokens fit)")
@@ -159,7 +162,6 @@ _CONVERT = Command(
                       arg("--max-shard-size", default="5GB", help="split safetensors files above this size "
                           "(default 5GB)")))))
 
-API_KEY_ENV = "SYSTOLIC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
 
 _SERVE = Command(
     "serve", help="serve an lm run over HTTP with the OpenAI API (continuous batching, paged KV cache)",
@@ -167,7 +169,7 @@ _SERVE = Command(
     description="Serve a run's latest checkpoint with the OpenAI API (/v1/completions, /v1/chat/completions, "
                 "/v1/models, /health, /metrics), e.g. `systolic serve runs/lm-tiny --port 8000`, then "
                 "`curl localhost:8000/v1/completions -d '{\"model\": \"lm-tiny\", \"prompt\": \"def \"}'`. "
-                "See README, \"Serve a model\".",
+                "See docs/serving.md.",
     args=(arg("run_dir", type=Path, help="an lm run directory (trained, fine-tuned, LoRA or imported)"),
           arg("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; any "
               "other needs --api-key)"),
@@ -200,12 +202,19 @@ _EVAL_OPTIONS = (
         "train.grad_accum), rounded up to a multiple of the data-parallel devices"),
     _QUANTIZE)
 
+def _configure_search(cfg: LMConfig, remat: str, batch: int) -> LMConfig:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat),
+                               train=dataclasses.replace(cfg.train, batch_size=batch))
+
+
 WORKLOAD = Workload(
     name="lm", config=LMConfig, default_recipe="lm-tiny",
     commands={"train": Lazy(f"{ENTRY}:train"), "generate": Lazy(f"{ENTRY}:generate"),
               "eval": Lazy(f"{ENTRY}:evaluate"), "bench": Lazy(f"{ENTRY}:build_bench_task"),
-              "plan": Lazy(f"{ENTRY}:plan"), "plan_serve": Lazy("systolic.workloads.lm.serve.plan:plan_serve")},
+              "plan": Lazy(f"{ENTRY}:plan"), "plan_serve": Lazy(
+                  "systolic.workloads.lm.serve.planned_step:serve_model")},
     options={"eval": _EVAL_OPTIONS},
     # With init.from: the source's model and tokenizer.
     resolve_config=Lazy("systolic.workloads.lm.resolve:resolve_config"),
-    own_commands=(_GENERATE, _SERVE, _QUANTIZE_CMD, _EXPORT, _TOKENIZER, _CONVERT))
+    own_commands=(_GENERATE, _SERVE, _QUANTIZE_CMD, _EXPORT, _TOKENIZER, _CONVERT),
+    plan_search=PlanSearch(SEARCHED_REMATS, _configure_search))

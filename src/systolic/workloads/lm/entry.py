@@ -20,12 +20,11 @@ from systolic.errors import UserError
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.platform import compile_platform
 from systolic.runtime.sharding import activate
-from systolic.workloads.lm import init_from, sample
+from systolic.workloads.lm import generate as generate_lib, init_from, preflight
 from systolic.workloads.lm.parallel import context
-from systolic.workloads.lm.parallel import pipeline
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import remat as remat_lib, sizes, splash_blocks
-from systolic.workloads.lm.model.config import ModelConfig
+from systolic.kernels.splash import tuned_block_sizes as splash_blocks
+from systolic.workloads.lm.model.config import REMAT_POLICIES, ModelConfig
 from systolic.workloads.lm.corpus import baseline_nats_per_byte
 from systolic.workloads.lm.post import dpo_task
 from systolic.workloads.lm.train import BuiltLMTask, build_task, model_params
@@ -89,7 +88,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
         # A chat fine-tune answers the prompt as a user message, in its template; other runs continue the prompt.
         params = dpo_task.policy_params(cfg, result.state) if dpo else model_params(result.state)
-        sample.say_sample(say, tokenizer, prepared.graphdef, params, cfg.sample, chat=chat or dpo,
+        generate_lib.say_sample(say, tokenizer, prepared.graphdef, params, cfg.sample, chat=chat or dpo,
                           held_out=None if chat or dpo else data.val_tokens)
     return result
 
@@ -165,7 +164,7 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
     # The kernel's time at its measured rate; remat=full runs its forward (a third of the work) again.
     kernel_s = (attention_flops * (4 / 3 if m.remat == "full" else 1.0) / len(devices) / (tiles.tflops * 1e12)
                 if impl == "splash" and tiles.tflops else None)
-    remat = remat_lib.DESCRIPTIONS[m.remat]
+    remat = REMAT_POLICIES[m.remat]
     trainable = param_count(step.abstract.params)
     return StepProgram(
         lowered=lowered, argument_bytes=mesh_lib.bytes_per_device(inputs),
@@ -175,12 +174,12 @@ def plan(cfg: LMConfig, devices: list) -> StepProgram:
         model_flops_per_step=tokens * train_flops_per_token(m, step.vocab, cfg.data.seq_len)
         * (dpo_task.flops_factor(cfg) if cfg.objective == "dpo" else 1.0),
         dtype=str(dtype),
-        kernel_flops=attention_flops if impl == "splash" else 0.0, kernel_s=kernel_s, memory_fix=sizes.MEMORY_FIX,
+        kernel_flops=attention_flops if impl == "splash" else 0.0, kernel_s=kernel_s, memory_fix=preflight.MEMORY_FIX,
         kernel_note=("splash attention's FLOPs from the formula (a Pallas kernel: XLA counts it as 0; the kernel "
                      "also computes the diagonal blocks' masked half and recomputes scores in the backward pass)"),
         notes=(f"the formula (workloads/lm/model/flops.py) counts each matmul once and half of causal attention's T x T "
                f"scores; attention runs as {impl}" + _attention_memory(impl, split, cfg.data.seq_len) + f"; {remat}",
-               *_moe_notes(cfg, mesh), *pipeline.notes(cfg, mesh), *_quant_notes(m, str(dtype))),
+               *_moe_notes(cfg, mesh), *preflight.pipeline_notes(cfg, mesh), *_quant_notes(m, str(dtype))),
     )
 
 
@@ -234,7 +233,8 @@ def _moe_notes(cfg: LMConfig, mesh) -> tuple[str, ...]:
 def generate(run_dir: Path, prompt: str | None, max_new_tokens: int | None, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int | None, *, chat: bool = False,
              system: str | None = None, quantize: str | None = None, kv_cache: str = "auto") -> str:
-    return sample.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+    return generate_lib.generate_from_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens,
+                                          temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system, quantize=quantize,
                                     kv_cache=kv_cache)
 

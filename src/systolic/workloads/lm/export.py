@@ -12,11 +12,9 @@ decode:   (params, tokens int32 (B, T), cache) -> (logits float32 (B, T, V), cac
           {"k": (L, B, S, KV, hd), "v": (L, B, S, KV, hd), "length": int32 ()}; B, T and S symbolic,
           T <= S <= max_seq_len. T = prompt length for prefill, 1 for a step; `length` counts filled positions.
 
-Why the parameters are an argument and not baked-in constants: a 1B model's 4 GB of weights inside the
-StableHLO module would exceed protobuf's 2 GB limit and be held in memory twice at load time; as an argument
-they load with `np.load` (or memory-mapped), can be sharded by the caller and swapped without re-exporting.
-
-The loader (docs/debugging.md, `examples/run_exported.py`) needs only jax and numpy.
+The parameters are an argument, not baked-in constants, so a large model's module stays under protobuf's size limit
+and the caller loads, shards and swaps them (docs/design-notes.md, this module's section). The loader
+(docs/debugging.md, `examples/run_exported.py`) needs only jax and numpy.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from flax import nnx
 from systolic import outfile
 from systolic.errors import UserError
 from systolic.workloads.lm.model.layers import resolve_dtype
-from systolic.workloads.lm.model.sublayers import KVCache
+from systolic.workloads.lm.model.kv_cache import KVCache
 from systolic.workloads.lm.loaded_run import LoadedRun, load_run
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

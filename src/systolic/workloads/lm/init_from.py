@@ -41,7 +41,7 @@ COMPUTE_ONLY = ("dtype", "remat", "attention", "quant")
 OWN = (*COMPUTE_ONLY, "lora")  # model settings of this run, not the source's: the adapters sit beside its weights
 
 
-def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:
+def with_source_model(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:
     """`cfg` with the model section and tokenizer of the run it starts from (unchanged without init.from).
     `overrides` are the command line's; a `model.*` one that contradicts the source is a ConfigError."""
     if not cfg.init.from_:

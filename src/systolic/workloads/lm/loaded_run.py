@@ -57,7 +57,7 @@ def load_run(run_dir: Path, command: str, *, sharded: bool = False,
     comes back quantized as it was saved, without `quantize`."""
     from systolic.workloads.lm.init_from import run_params
     from systolic.workloads.lm.model.lora import base_config
-    from systolic.workloads.lm.train import model_graphdef, param_shardings
+    from systolic.workloads.lm.model.build import model_graphdef, param_shardings
 
     with finished.open_run(run_dir, LMConfig, command) as run:
         cfg: LMConfig = run.cfg
@@ -128,7 +128,7 @@ def sharded_layout(cfg: LMConfig, vocab: int, devices: list[jax.Device]) -> tupl
     divide, do not; nor does a mesh that splits sequences over mesh.context, as scored texts and choices have any
     length); otherwise every device data-parallel with the parameters replicated, which fits any count.
     Returns (mesh, rules, a description for reports)."""
-    from systolic.workloads.lm.train import param_shardings
+    from systolic.workloads.lm.model.build import param_shardings
 
     if cfg.mesh.context != 1:  # scoring rows and choices of any length: the sequence stays whole
         mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices)

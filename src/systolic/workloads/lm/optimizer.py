@@ -14,20 +14,22 @@ import jax.numpy as jnp
 import optax
 
 from systolic.optim import muon
-from systolic.optim.adamw import adamw, make_optimizer, make_schedule, standard_promotion
+from systolic.optim.adamw import adamw, make_optimizer, standard_promotion
 from systolic.workloads.lm.config import LMOptimConfig
 from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.parametrization import adam_lr_multiplier, muon_dims, roles
 
 
-def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) -> optax.GradientTransformation:
+def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, schedule: optax.Schedule, *,
+                      muon_transform: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
     """Clipping of the global gradient norm, then the optimizer that `cfg.name` names, for `model`'s
-    parametrization."""
+    parametrization, at the rate lr(t) = `schedule(t)` (optim/adamw.py `make_schedule`, built once by the caller: the
+    train step logs the same). `muon_transform`: what orthogonalises the hidden matrices' updates under Muon (default
+    optim/muon.py's; benchmarks/studies/muon_collectives.py passes Optax's to compare their collectives)."""
     mup = model.parametrization == "mup"
     moment_dtype = jnp.dtype(cfg.moment_dtype)
     if cfg.name == "adamw" and not mup:
-        return make_optimizer(cfg, total_steps, moment_dtype=moment_dtype)  # the engine's, as sim uses it
-    schedule = make_schedule(cfg, total_steps)
+        return make_optimizer(cfg, schedule, moment_dtype=moment_dtype)  # the engine's, as sim uses it
     adam = adamw(cfg, schedule, moment_dtype=moment_dtype)
     if cfg.name == "adamw":
         # muP: lr / m for the hidden weights. The whole update (decay included, as the mup package's MuAdamW
@@ -35,8 +37,8 @@ def make_lm_optimizer(cfg: LMOptimConfig, model: ModelConfig, total_steps: int) 
         return standard_promotion(optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adam,
                                               scale_per_parameter(lambda path: adam_lr_multiplier(path, model))))
     muon_step = optax.chain(
-        muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum, rule="spectral" if mup else "keller",
-                           moment_dtype=moment_dtype),
+        muon_transform or muon.scale_by_muon(muon_dims, momentum=cfg.muon_momentum,
+                                             rule="spectral" if mup else "keller", moment_dtype=moment_dtype),
         optax.scale(cfg.muon_lr / cfg.lr),  # then the decay, then both times -lr(t): see the module docstring
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule),

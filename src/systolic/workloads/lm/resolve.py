@@ -22,7 +22,7 @@ from systolic.workloads.lm.config import LMConfig
 
 def resolve_config(cfg: LMConfig, overrides: list[str], run_dir: Path) -> LMConfig:
     """`cfg` completed from init.from, the prepared data's tokenizer and the chat data's size (module docstring)."""
-    cfg = init_from.resolve_config(cfg, overrides, run_dir)
+    cfg = init_from.with_source_model(cfg, overrides, run_dir)
     cfg = prepared_tokenizer(cfg, overrides)
     return fit_chat_batch(cfg, overrides)
 

@@ -15,65 +15,31 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from systolic.data import packed, sft, text
+from systolic.data.preference import PreferenceData
 from systolic.data.stream import DeviceStream, place
 from systolic.data.tokenizer import Tokenizer
 from systolic.engine.loop import Task
-from systolic.optim.adamw import make_schedule
 from systolic.engine.state import TrainState, make_sharded_state, optimizer_shardings, param_count
 from systolic.engine.step import CHECKED, jit_step, make_train_step
 from systolic.observe.peak_flops import peak_flops
+from systolic.optim.adamw import make_schedule
 from systolic.runtime import mesh as mesh_lib
-from systolic.runtime.sharding import Rules, activate, check_divisible, logical_to_spec, rules_for
-from systolic.workloads.lm import corpus
-from systolic.workloads.lm.parallel import context
+from systolic.runtime.sharding import Rules, activate, logical_to_spec, rules_for
+from systolic.workloads.lm import corpus, preflight
+from systolic.workloads.lm.config import LMConfig
+from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.model import moe as moe_lib
-from systolic.workloads.lm.parallel import pipeline
-from systolic.workloads.lm.model import sizes
-from systolic.workloads.lm.config import LMConfig, PipelineConfig
-from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.model.sections import MoeConfig
+from systolic.workloads.lm.model.build import init_params, model_graphdef, param_shardings, trainable_split
+from systolic.workloads.lm.model.config import PipelineConfig
 from systolic.workloads.lm.model.flops import train_flops_per_token
-from systolic.workloads.lm.init_from import make_init_state
 from systolic.workloads.lm.model.layers import resolve_dtype
+from systolic.workloads.lm.model.sections import MoeConfig
 from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.optimizer import make_lm_optimizer
-from systolic.workloads.lm.post.preference import PreferenceData
+from systolic.workloads.lm.parallel import context
 
-
-# MODEL AND STATE ----------------------------------------------------------------------------------------------
-
-
-def model_graphdef(mcfg: ModelConfig, vocab: int) -> nnx.GraphDef:
-    """The model's structure without weights (no allocation): what `nnx.merge` needs inside jitted code."""
-    abstract = nnx.eval_shape(lambda: Transformer(mcfg, vocab, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract, nnx.Param)
-    return graphdef
-
-
-def param_shardings(mcfg: ModelConfig, vocab: int, mesh: Mesh, rules: Rules) -> Any:
-    """NamedShardings of the parameters (pure dict), from the logical names the layers declare. Raises a
-    ConfigError naming the parameter when a sharded dimension does not divide over its mesh axes."""
-    with activate(mesh, rules):
-        abstract = nnx.eval_shape(lambda: Transformer(mcfg, vocab, rngs=nnx.Rngs(0)))
-        params = nnx.state(abstract, nnx.Param)
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    flat_specs = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]}
-    flat_shapes = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
-    check_divisible({f"params{k}": v for k, v in flat_shapes.items()}, {f"params{k}": v for k, v in flat_specs.items()}, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
-
-
-def init_params(mcfg: ModelConfig, vocab: int, key: jax.Array) -> dict[str, Any]:
-    """Freshly initialised parameters (pure dict), adapters included."""
-    return nnx.to_pure_dict(nnx.state(Transformer(mcfg, vocab, rngs=nnx.Rngs(params=key)), nnx.Param))
-
-
-def trainable_split(mcfg: ModelConfig, tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(trained, frozen) parts of a parameters' pure dict (or of a tree of its shardings): with model.lora the
-    adapters and the base weights, otherwise everything and nothing."""
-    return lora.split(tree) if mcfg.lora.rank else (tree, {})
+# STATE ----------------------------------------------------------------------------------------------
 
 
 def make_state_fns(cfg: LMConfig, vocab: int, mesh: Mesh, rules: Rules, tx: optax.GradientTransformation):
@@ -285,22 +251,24 @@ def check_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> tuple[Rules, 
     `model.padded_vocab`)."""
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
-    pipeline.check(cfg, mesh)
+    preflight.check_pipeline(cfg, mesh)
     with activate(mesh, rules):
         context.check_seq_len(cfg.data.seq_len, context.current_split())
     vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
-    sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
+    preflight.check_training_fits(cfg, vocab, list(mesh.devices.flat))  # before eval_shape traces every layer
     return rules, vocab
 
 
-def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> Step:
-    """The next-token step (`check_step` first)."""
+def build_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer, *, tx: optax.GradientTransformation | None = None
+               ) -> Step:
+    """The next-token step (`check_step` first), with `tx` as its optimizer (default: `make_lm_optimizer`'s for
+    `cfg`; benchmarks/studies/muon_collectives.py passes one with Optax's Muon inside)."""
     rules, vocab = check_step(cfg, mesh, tokenizer)
-    tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    schedule = make_schedule(cfg.optim, cfg.train.steps)  # lr(t): the optimizer's and the logged metric's
+    tx = make_lm_optimizer(cfg.optim, cfg.model, schedule) if tx is None else tx
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
-    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss, cfg.pipeline), tx,
-                              make_schedule(cfg.optim, cfg.train.steps),
+    step_fn = make_train_step(make_loss_fn(graphdef, cfg.model.moe, cfg.optim.z_loss, cfg.pipeline), tx, schedule,
                               cfg.train.grad_accum, loss_terms=loss_terms if cfg.data.format == "chat" else None)
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
@@ -357,10 +325,10 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> BuiltLMTask:
         flops_per_step=tokens_per_step * train_flops_per_token(cfg.model, vocab, cfg.data.seq_len),
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": vocab},
-        memory_advice=sizes.MEMORY_FIX,
+        memory_advice=preflight.MEMORY_FIX,
         step_metrics=(corpus.mixture_metrics(data, cfg.train.batch_size, cfg.data.seq_len)
                       if isinstance(data, corpus.Corpus) and data.mixture else None),
-        notes=pipeline.notes(cfg, mesh),
+        notes=preflight.pipeline_notes(cfg, mesh),
     )
     trainable = param_count(abstract.params)
     return BuiltLMTask(task=task, mesh=mesh, rules=rules, corpus=data, vocab=vocab, graphdef=graphdef,

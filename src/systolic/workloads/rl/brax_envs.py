@@ -2,10 +2,9 @@
 
 Brax (an optional dependency: `pip install 'systolic[control]'`) simulates MuJoCo models in jax, so its environments
 run on device, vmapped and jitted with the policy, as gymnax's do. Physics: Brax's `generalized` pipeline, its default
-(Featherstone dynamics on MuJoCo's model files, which ship inside the `mujoco` package: nothing is downloaded). The
-other pipelines were measured on the 2-core dev VM for inverted_pendulum, 8 x 64 environments under random actions:
-generalized 7.0k-11.9k steps/s, positional 4.9k-13.8k, mjx 4.6k-10.6k (two rounds under changing load); generalized's
-state is also the plainest to checkpoint (34 float32 arrays; mjx's has 113, 46 of them empty).
+(Featherstone dynamics on MuJoCo's model files, which ship inside the `mujoco` package: nothing is downloaded),
+about as fast as the other pipelines where we measured them and the plainest state to checkpoint
+(docs/design-notes.md, this module's section).
 
 Episodes follow Brax's own time-limit wrapper (`EpisodeWrapper`, as Brax's trainers use it): it sets `done` when an
 episode terminates or reaches `env.max_episode_steps` steps (0: Brax's default of 1000), and `info["truncation"]`
@@ -13,8 +12,8 @@ when the time limit, not a terminal state, ended it. So `terminated = done and n
 at the time limit counts as terminated, exactly as the gymnax adapter counts it. Actions are in [-1, 1] (Brax scales
 them by each actuator's gear); Brax's transitions are deterministic, so `step` ignores its key.
 
-The state is Brax's `State` pytree (physics state, observation, reward, done, metrics, info) flattened into a dict of
-strongly typed arrays named by their path, for the same checkpointing reason as the gymnax adapter's (envs.py).
+The state is Brax's `State` pytree flattened into a dict of strongly typed arrays named by their path, for the same
+checkpointing reason as the gymnax adapter's (envs.py).
 """
 
 from __future__ import annotations

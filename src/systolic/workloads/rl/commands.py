@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from systolic.command import Lazy, arg
+from systolic.commandline import Lazy, arg
 from systolic.workloads import Workload
 from systolic.workloads.rl.config import RLConfig
 

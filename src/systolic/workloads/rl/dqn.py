@@ -7,13 +7,10 @@ r + gamma * (1 - terminated) * max_a' Q_target(s', a'). The target network is a 
 every `dqn.target_update_every` environment steps. The buffer, the target network and the exploration clock are
 part of the seed's state, so they are checkpointed and a resumed run continues bit for bit.
 
-Bootstrapping: a stored transition keeps the observation its step really led to (`EnvStep.final_obs`, before any
-reset) and whether the episode *terminated*; a time-limit truncation is not a termination, so its target
-bootstraps from Q_target of that observation. purejaxrl stored gymnax's merged `done`, which treats a time limit as
-a terminal state.
-
-Differences from purejaxrl's defaults, chosen for this code base: the Q-network is qnetwork.py's (LayerNorm after
-every hidden layer, as PQN's) rather than a plain 120-84 MLP, and the gradient norm is clipped (`dqn.max_grad_norm`).
+A stored transition keeps the observation its step really led to (`EnvStep.final_obs`, before any reset) and whether
+the episode *terminated*, so a time-limit truncation bootstraps from Q_target of that observation. The Q-network is
+qnetwork.py's (LayerNorm after every hidden layer, as PQN's) and the gradient norm is clipped (`dqn.max_grad_norm`).
+Where this departs from purejaxrl: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

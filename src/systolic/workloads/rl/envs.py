@@ -4,20 +4,12 @@ Names that start with `brax/` are Brax environments (brax_envs.py, an optional d
 gymnax one. Both adapters have the interface that `env_api.Env` declares, so the algorithms never know which
 simulator runs.
 
-gymnax 1.0.1's API (pinned in pyproject.toml): `reset(key, params) -> (obs, state)` and
-`step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. Its `step` is
-`step_env` (the transition), `is_truncated` (the time limit), then an automatic `reset_env` whose first
-observation replaces the one the episode ended on (that one is kept in `info["final_observation"]`).
-
-The adapter does the same with two changes. The pre-reset observation, which a truncated episode must bootstrap
-from, is returned explicitly as `EnvStep.final_obs`. And the reset target is an argument: the caller draws fresh
-reset states in bulk, outside its step loop, because on CPU every threefry call inside a loop is itself a small
-loop (jax rolls threefry's rounds there to save compile time), and gymnax's own `step` makes two per environment
-step; drawn in bulk they cost one batched call per rollout.
-
-Environment states leave the adapter as plain dicts of strongly typed arrays: gymnax's state classes are flax
-struct dataclasses whose `time` field starts as a weakly typed Python int, and a weak type that turns strong after
-a checkpoint round trip would make the jitted step compile a second time.
+The gymnax adapter steps as gymnax 1.0.1 does (pinned in pyproject.toml: transition, time limit, automatic reset)
+with two changes: the pre-reset observation, which a truncated episode must bootstrap from, is returned explicitly
+as `EnvStep.final_obs`, and the reset target is an argument, drawn in bulk by the caller outside its step loop,
+because on CPU every threefry call inside a loop is itself a small loop. Environment states leave the adapter as
+plain dicts of strongly typed arrays, so a checkpoint round trip never turns a weak type strong and recompiles the
+jitted step. Each change against gymnax's API: docs/design-notes.md, this module's section.
 
 `env.hide_obs` makes any environment partially observed: `make_env` wraps the adapter in `HiddenObs`, which zeroes
 those flat components of every observation it returns (`obs` and `final_obs`), so every algorithm and every

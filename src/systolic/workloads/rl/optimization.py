@@ -54,9 +54,9 @@ def shuffled_epochs(step: Callable[[Any, Any], tuple[Any, Any]], carry: Any, dat
 
 # On the TPU a sort moving a few 32-bit columns beats a gather of rows: at 8 x 262,144 PPO examples of 9 columns, one
 # sort carrying them took 12.5 ms, a permutation and one gather of the packed rows 6.4 + 47.6 ms (the gather's cost is
-# per row, ~23 ns; a sort's grows with its operands; benchmarks/gather_variants.py on a v5e, 2026-12-07). Wider
-# examples (image observations, a recurrent policy's whole environments) are gathered as rows. The bound is an
-# estimate from that one width (the 11-operand sort at ~1.1 ms an operand reaches the gather's 48 ms near 40
+# per row, ~23 ns; a sort's grows with its operands; v5e, 2026-12-07: docs/benchmarks-history.md, the rl shuffle as a
+# sort). Wider examples (image observations, a recurrent policy's whole environments) are gathered as rows. The bound
+# is an estimate from that one width (the 11-operand sort at ~1.1 ms an operand reaches the gather's 48 ms near 40
 # operands), not measured at others.
 SORT_CARRY_COLUMNS = 32
 
@@ -91,7 +91,7 @@ def take_examples(data: Any, leaf_axes: Any, order: jax.Array) -> Any:
     """Every leaf of `data` with its examples (along its axis in `leaf_axes`) in `order`, (n,) int. The leaves are
     gathered together: their bits side by side in one (n, columns) uint32 array, one gather of whole rows, split
     again (exact). On the TPU a gather's cost is per row, not per byte: PPO's six leaves gathered apart took 63% of
-    a 2,048-environment update there (benchmarks/rl_profile.py, 2026-12-07)."""
+    a 2,048-environment update there (benchmarks/peers/rl_profile.py, 2026-12-07)."""
     columns, unpack = _as_columns(data, leaf_axes)
     return unpack(columns[order])
 

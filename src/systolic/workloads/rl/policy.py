@@ -21,8 +21,8 @@ _LOG_2PI = math.log(2 * math.pi)
 
 def pick(values: jax.Array, action: jax.Array) -> jax.Array:
     """values[..., action] for each row: (..., A), (...) int -> (...). A select and a sum over the few actions, not a
-    gather: on the TPU a gather of one element a row ran at ~2 GB/s (benchmarks/rl_profile.py, 2026-12-07), and its
-    gradient is a scatter (PPO's log-probabilities that way: 21% of a 2,048-environment update there); the select
+    gather: on the TPU a gather of one element a row ran at ~2 GB/s (benchmarks/peers/rl_profile.py, 2026-12-07), and
+    its gradient is a scatter (PPO's log-probabilities that way: 21% of a 2,048-environment update there); the select
     fuses with its neighbours. Exact: one value plus zeros."""
     hit = action[..., None].astype(jnp.int32) == jnp.arange(values.shape[-1], dtype=jnp.int32)  # (..., A)
     return jnp.where(hit, values, 0).sum(axis=-1)

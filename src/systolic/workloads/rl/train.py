@@ -2,14 +2,12 @@
 for the loop.
 
 One engine loop step = one chunk of `rl.updates_per_chunk` updates of the algorithm (`algo`: PPO, PQN or DQN,
-algorithm.py) for every seed. Layout of the `TrainState` (S seeds, N environments per seed):
-- `params`, `opt_state`: each leaf with a leading seed axis (S, ...).
-- `extra["envs"]`: environment states, current observations, running episode returns/lengths (and a recurrent
-  policy's hidden states), (S, N, ...).
-- `extra["seeds"]`: the rest of each seed's state (PPO: observation statistics; all: the latest episode
-  return/length; PQN and DQN: the update count; DQN: its target network and replay buffer), (S, ...).
-- `rng`: the run's key; each chunk splits off a chunk key and folds in the seed index, so seed i's stream does
-  not depend on how many seeds run beside it.
+algorithm.py) for every seed. Layout of the `TrainState` (S seeds, N environments per seed): `params` and
+`opt_state` with a leading seed axis (S, ...); `extra["envs"]`, the environments' states, observations and running
+episode statistics (and a recurrent policy's hidden states), (S, N, ...); `extra["seeds"]`, the rest of each seed's
+state, (S, ...); `rng`, the run's key, from which each chunk splits a key and folds in the seed index, so seed i's
+stream does not depend on how many seeds run beside it. What `extra["seeds"]` holds per algorithm:
+docs/design-notes.md, this module's section.
 
 Sharding: the seed axis is split over the mesh's data-parallel axes when the seed count divides evenly (every
 device trains whole seeds, nothing is communicated); otherwise the environment axis is, and XLA averages the

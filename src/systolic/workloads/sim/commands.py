@@ -3,7 +3,7 @@ whose workload is implied. Light: the functions are imported when a command runs
 
 from __future__ import annotations
 
-from systolic.command import Command, Lazy, run_arguments
+from systolic.commandline import Command, Lazy, run_arguments
 from systolic.workloads import Workload
 from systolic.workloads.sim.config import SimConfig
 
@@ -13,7 +13,7 @@ _SIMULATE = Command(
     "simulate", help="run a simulation (sim workload; default recipe sim-turbulence)",
     description="Run a PDE simulation from a recipe plus key=value overrides; pictures at the end.",
     args=run_arguments("grid.n=512 sim.t_end=2.0 mesh.data=8", "runs/<recipe>"),
-    run=Lazy("systolic.commands:run_recipe"), stepping=True)
+    run=Lazy("systolic.cli.commands:run_recipe"), stepping=True)
 
 WORKLOAD = Workload(name="sim", config=SimConfig, default_recipe="sim-turbulence",
                     commands={"simulate": Lazy(f"{ENTRY}:simulate"), "fit": Lazy(f"{ENTRY}:fit"),

@@ -137,7 +137,8 @@ def build_task(cfg: SimConfig, mesh: Mesh) -> tuple[Task, InverseProblem]:
     """The engine Task of the fit: params {"log_viscosity"}, loss = misfit(exp(log_viscosity))."""
     problem = make_problem(cfg, mesh)
     dtype = real_dtype(cfg)
-    tx = make_optimizer(cfg.optim, cfg.fit.steps)
+    schedule = make_schedule(cfg.optim, cfg.fit.steps)  # lr(t): the optimizer's and the logged metric's
+    tx = make_optimizer(cfg.optim, schedule)
     true_nu = problem.true_viscosity
 
     def loss_fn(params, batch, key):
@@ -153,7 +154,7 @@ def build_task(cfg: SimConfig, mesh: Mesh) -> tuple[Task, InverseProblem]:
 
     replicated = NamedSharding(mesh, P())
     state = make_sharded_state(init_state, (), lambda shapes: jax.tree.map(lambda _: replicated, shapes))
-    step = make_train_step(loss_fn, tx, make_schedule(cfg.optim, cfg.fit.steps))
+    step = make_train_step(loss_fn, tx, schedule)
     steps_per_trajectory = cfg.output.frames * fixed_steps(cfg, cfg.sim.dt)[0]
     task = Task(
         workload="sim",

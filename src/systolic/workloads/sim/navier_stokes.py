@@ -3,21 +3,16 @@
     w_t + u . grad(w) = nu lap(w) - alpha w + f,   u = (psi_y, -psi_x),   lap(psi) = -w
 
 The state is the vorticity's Fourier transform `w_hat` in the slab's spectral layout (kx full, ky split; see
-`slab.py`). The stiff linear part L = -nu k^2 - alpha is integrated exactly by an integrating factor; the
-nonlinear term and forcing by classical RK4 on the transformed variable (Lawson's IFRK4, fourth order;
-`time_stepping.py`). The
-nonlinear term is evaluated in physical space and dealiased by the 2/3 rule: with every |k| >= n/3 zeroed,
-the aliases of a quadratic product land only on zeroed modes, so the scheme is the exact Galerkin truncation
-and conserves energy and enstrophy when nu = alpha = 0 (up to the RK4 error).
+`slab.py`). The stiff linear part L = -nu k^2 - alpha is integrated exactly by an integrating factor, the nonlinear
+term and forcing by classical RK4 (Lawson's IFRK4, `time_stepping.py`). The nonlinear term is evaluated in physical
+space and dealiased by the 2/3 rule, so the scheme is the exact Galerkin truncation and conserves energy and
+enstrophy when nu = alpha = 0, up to the RK4 error (why: docs/design-notes.md, this module's section).
 
 Every function here works on one device's block and is meant to run inside `shard_map` (or directly when the
 slab has one part); the only collectives are the slab's transposes and the reductions for the diagnostics
-and the CFL step.
-
-Dtypes: the spectra are complex (complex64 or complex128), the wavenumber arrays, decay factors and steps real
-of the same precision. Every product of the two casts the real factor to the field's complex dtype explicitly
-(`.astype(w_hat.dtype)`), after any real arithmetic on it, which is where implicit promotion would have cast it:
-the code runs under strict dtype promotion and computes bit for bit what standard promotion did.
+and the CFL step. Spectra are complex (complex64 or complex128), wavenumbers, decay factors and steps real of the
+same precision, cast to the field's complex dtype explicitly where they multiply it: the code runs under strict
+dtype promotion and computes bit for bit what standard promotion did.
 """
 
 from __future__ import annotations

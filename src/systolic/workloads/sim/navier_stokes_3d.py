@@ -3,13 +3,11 @@
     u_t = P(u x w) + nu lap(u),   w = curl(u),   div(u) = 0
 
 The state is the velocity's Fourier transform `u_hat`, (3, n, n/P1, n/(2 P2)) in the pencil's spectral layout
-(`pencil.py`). The nonlinear term is taken in rotational form, u x w = u . grad u - grad(|u|^2 / 2), so the
-gradient and the pressure both vanish under the projection P = I - k k^T / |k|^2 onto divergence-free fields:
-no pressure solve. u x w is formed in physical space (one batched inverse transform of u and w, six fields; one
-forward transform of three) and dealiased by the 2/3 rule: with every |k_i| >= n/3 zeroed, the aliases of a
-quadratic product land only on zeroed modes, so the scheme is the exact Galerkin truncation and conserves
-energy when nu = 0 (up to the RK4 error). The viscous term is integrated exactly by the integrating factor
-exp(-nu k^2 t), the rest by RK4 (Lawson's IFRK4, `time_stepping.py`), as the 2-D solver does.
+(`pencil.py`). The nonlinear term is taken in rotational form, so its gradient part and the pressure both vanish
+under the projection P = I - k k^T / |k|^2 onto divergence-free fields: no pressure solve. u x w is formed in
+physical space and dealiased by the 2/3 rule; the viscous term is integrated exactly by its integrating factor, the
+rest by RK4 (Lawson's IFRK4, `time_stepping.py`), as the 2-D solver does. The derivation and the transforms per
+stage: docs/design-notes.md, this module's section.
 
 Every function here works on one device's block and runs inside `shard_map` (or directly on one device); the
 only collectives are the pencil transposes and the reductions for diagnostics and the CFL step.

@@ -4,24 +4,15 @@ Physical layout: rows (x) split over the devices, each holding (n/P, n). Spectra
 every device, the n/2 kept ky values split, each holding (n, n/(2P)). Forward: a local real FFT along the
 unsplit y axis, one `all_to_all` transpose, a local FFT along x. Inverse: the same backwards. This is the
 communication pattern of slab-decomposed spectral codes on clusters: each device sends 1/P of its slab to
-every other device once per transform, and no device ever holds the whole grid.
+every other device once per transform, and no device ever holds the whole grid. The Nyquist ky = n/2 is dropped so
+n/2 splits evenly over P devices; dealiased fields lose nothing (the 2/3 rule zeroes every |k| >= n/3 anyway).
+With P = 1 both directions are one `rfft2`/`irfft2` call and no collective.
 
-The real FFT along y gives n/2 + 1 values; the last (Nyquist, ky = n/2) is dropped so n/2 splits evenly over
-P devices. Nothing is lost for dealiased fields: the 2/3 rule zeroes every |k| >= n/3 anyway.
-
-With P = 1 both directions are one `rfft2`/`irfft2` call and no collective, which XLA:CPU runs about 1.5x
-faster than the two 1-D passes.
-
-`pair_real_transforms` (on for TPUs, `make_slab`): XLA's TPU FFT is a chain of matrix products, and its real
-transforms along y cost as much as complex ones of the full length (the TPU compiler's cost analysis, libtpu
-0.0.42.1: an `irfft` of 4 x 1024 x 512 half spectra 3.53 GFLOP, a complex `ifft` of 4 x 1024 x 1024 3.50). So
-the inverse's y pass takes two real fields as the real and imaginary parts of one complex transform (Hermitian
-symmetry gives each field's negative wavenumbers), and the forward's y pass takes a real row of n as a complex row
-of n/2 (even samples real, odd imaginary) with one twiddle step, the textbook real-FFT identities. A 2-D solver
-stage (four fields back, one forward) drops from 6.57 to ~4.4 GFLOP at 1024^2; the results agree with the plain
-transforms to round-off (`python benchmarks/fft_cost.py` prints the counts). On XLA:CPU (pocketfft, whose real
-transforms are real) a paired stage is 1.8x slower (benchmarks/fft_variants.py, 1024^2: 59.6 against 32.5 ms), so
-it stays off there.
+`pair_real_transforms` (on for TPUs, `make_slab`): the TPU's real FFTs cost as much as complex ones of the full
+length, so the inverse's y pass takes two real fields as one complex transform and the forward's y pass a real row
+of n as a complex row of n/2, the textbook real-FFT identities; a 2-D solver stage then costs about two thirds of
+the FLOPs, with results equal to round-off. On XLA:CPU, whose real transforms are real, it is slower, so it stays
+off there. The cost counts and timings: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ _EXP_MIN, _EXP_MAX = -87.33654, 88.72283  # exp(x) below the first is under floa
 def exp(x: jax.Array) -> jax.Array:
     """exp(x), unbiased in float32 on every platform: the integrating factors' exponential.
 
-    The TPU's own float32 `jnp.exp` is biased low: on a v5e, for x in [-1e-3, 0] (a viscous factor's range) by 26
-    ulps on average, 59 at most (benchmarks/tpu_numerics.py, 2026-12-07). Every step multiplies the spectrum by
-    such a factor, so the bias drains energy steadily: the 64^2 turbulence run of tests/tpu/ lost 1.4e-4 of its
-    energy against the CPU's in 50 steps, 0.6% more dissipation than the viscosity's. This polynomial uses only
-    multiplies and adds, which round to nearest on every platform: within 0.97 ulp of float64 NumPy on this CPU,
-    mean error -0.009 ulp (tests/workloads/sim/test_time_stepping.py); on the v5e +0.000, max 0.80
+    The TPU's own float32 `jnp.exp` is biased low: on a v5e, for x in [-1e-3, 0] (a viscous factor's range) by 26 ulps
+    on average, 59 at most (2026-12-07; docs/benchmarks.md, sim on the TPU v5e). Every step multiplies the spectrum by
+    such a factor, so the bias drains energy steadily: the 64^2 turbulence run of tests/tpu/ lost 1.4e-4 of its energy
+    against the CPU's in 50 steps, 0.6% more dissipation than the viscosity's. This polynomial uses only multiplies
+    and adds, which round to nearest on every platform: within 0.97 ulp of float64 NumPy on this CPU, mean error
+    -0.009 ulp (tests/workloads/sim/test_time_stepping.py); on the v5e +0.000, max 0.80
     (tests/tpu/test_workload_parity.py). float64 (and narrower) inputs take `jnp.exp`.
     """
     if x.dtype != jnp.float32:

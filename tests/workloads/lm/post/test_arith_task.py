@@ -19,7 +19,7 @@ import pytest
 from systolic.cli import main
 from systolic.data.arithmetic import make_splits
 
-BENCHMARK = Path(__file__).parents[4] / "benchmarks" / "arithmetic_accuracy.py"
+BENCHMARK = Path(__file__).parents[4] / "benchmarks" / "studies" / "arithmetic_accuracy.py"
 ONE_DIGIT = ["--digits", "1", "--ops", "+"]  # 100 problems; the 45 whose sum is 10 or more need a carry
 QUIET = ["observe.progress=off", "observe.tensorboard=false", "observe.plot=false", "sample.max_new_tokens=0",
          "checkpoint.async_save=false", "-q"]

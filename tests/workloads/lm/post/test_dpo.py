@@ -21,8 +21,9 @@ from systolic.data.tokenizer import make_tokenizer
 from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.hf import tensors as hf_tensors
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.post import dpo, dpo_task, preference
-from systolic.workloads.lm.post.config import DPOConfig
+from systolic.data import preference
+from systolic.workloads.lm.post import dpo, dpo_task
+from systolic.workloads.lm.config import DPOConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -226,13 +227,14 @@ def run_config(runs, *extra: str) -> LMConfig:
 
     cfg, _ = config_lib.load(LMConfig, "dpo", [f"init.from={runs['policy'][1]}", "data.path=unused",
                                                f"data.seq_len={SEQ_LEN}", "train.batch_size=4", *extra], "lm-dpo", "lm")
-    return init_from.resolve_config(cfg, list(extra), runs["policy"][1].parent / "no-run")
+    return init_from.with_source_model(cfg, list(extra), runs["policy"][1].parent / "no-run")
 
 
 @pytest.mark.slow  # three plans and two compiled forward passes
 def test_lora_reference_is_the_base_without_adapters_and_no_second_copy(runs, tmp_path):
     from systolic.runtime import mesh as mesh_lib
-    from systolic.workloads.lm import entry, train
+    from systolic.workloads.lm import entry
+    from systolic.workloads.lm.model import build
     from systolic.workloads.lm.model import lora
 
     cfg = run_config(runs, "model.lora.rank=4", "dpo.reference=live")
@@ -252,7 +254,7 @@ def test_lora_reference_is_the_base_without_adapters_and_no_second_copy(runs, tm
 
     # With adapters that change the model, the reference is still the base model's log-probabilities.
     base_params = load_run(runs["policy"][1], "test").params
-    shapes = jax.eval_shape(lambda: train.init_params(cfg.model, VOCAB, jax.random.PRNGKey(0)))
+    shapes = jax.eval_shape(lambda: build.init_params(cfg.model, VOCAB, jax.random.PRNGKey(0)))
     rng = np.random.default_rng(0)
     adapters_tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.2, s.shape), s.dtype), lora.split(shapes)[0])
     batch = jax.tree.map(jnp.asarray, our_batch(write_jsonl(tmp_path / "p.jsonl", text_pairs()), runs["tokenizer"]))

@@ -23,7 +23,7 @@ from systolic.workloads.lm.config import LMConfig
 from systolic.workloads.lm.post import grpo, rollout
 from systolic.workloads.lm.post.prompts import Prompt, load_prompts
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
-from systolic.workloads.lm.train import param_shardings
+from systolic.workloads.lm.model.build import param_shardings
 
 SEQ_LEN = 24  # rows of 25 tokens: a prompt of up to 14 and a completion of up to 10
 MAX_NEW = 10

@@ -11,7 +11,7 @@ import pytest
 
 from systolic import config as config_lib
 from systolic.errors import ConfigError, UserError
-from systolic.workloads.lm.post.config import RewardConfig
+from systolic.workloads.lm.config import RewardConfig
 from systolic.workloads.lm.post.rewards import Rewards, exact_match, format_match, number_match
 
 

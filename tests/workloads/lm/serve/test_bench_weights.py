@@ -1,4 +1,4 @@
-"""benchmarks/serve_engine.py's random weights, drawn as served: with `--quantize` the tree is exactly what
+"""benchmarks/studies/serve_engine.py's random weights, drawn as served: with `--quantize` the tree is exactly what
 `systolic serve --quantize` serves (quant.quantize_params of float32 weights, the rest in the compute dtype), each
 quantized weight has the float weights' spread, and the engine serves them: greedy tokens equal `generate`'s."""
 
@@ -14,13 +14,13 @@ import pytest
 from tiny_serve import LIMIT, PAGE, VOCAB, random_params, tiny_model
 
 from systolic.data.tokenizer import ByteTokenizer
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
 from systolic.workloads.lm.serve.weights import serving_params
-from systolic.workloads.lm.train import model_graphdef
+from systolic.workloads.lm.model.build import model_graphdef
 
-BENCHMARK = Path(__file__).parents[4] / "benchmarks" / "serve_engine.py"
+BENCHMARK = Path(__file__).parents[4] / "benchmarks" / "studies" / "serve_engine.py"
 
 
 def _bench():

@@ -4,7 +4,7 @@ text, and a byte-level BPE whose streamed text equals decoding the whole continu
 import numpy as np
 
 from systolic.data.tokenizer import ByteTokenizer
-from systolic.workloads.lm.sample import continuation_text
+from systolic.workloads.lm.generate import continuation_text
 from systolic.workloads.lm.serve.detokenize import TextStream
 
 

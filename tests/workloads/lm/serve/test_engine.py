@@ -17,8 +17,8 @@ from tiny_serve import LIMIT, PAGE, VARIANTS, drive, random_params, reference, t
 
 from systolic.data.tokenizer import ByteTokenizer
 from systolic.errors import UserError
-from systolic.workloads.lm import generate as gen
-from systolic.workloads.lm.sample import continuation_text
+from systolic.workloads.lm.model import decode as gen
+from systolic.workloads.lm.generate import continuation_text
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams, prng_key_data
 from systolic.workloads.lm.serve.sizing import pool_pages, tensor_layout
 

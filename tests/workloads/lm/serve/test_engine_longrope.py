@@ -13,11 +13,11 @@ import pytest
 
 from tiny_serve import drive, token_ids
 
-from systolic.workloads.lm import generate as gen
+from systolic.workloads.lm.model import decode as gen
 from systolic.workloads.lm.hf import convert as hf
 from systolic.workloads.lm.loaded_run import load_run
 from systolic.workloads.lm.serve.engine import InferenceEngine, SamplingParams
-from systolic.workloads.lm.train import model_graphdef
+from systolic.workloads.lm.model.build import model_graphdef
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -3,7 +3,8 @@ choices (decodes before prefill chunks, first come first served, the newest pree
 
 import numpy as np
 
-from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable, page_hashes
+from systolic.kernels.paged_attention.pool import NULL_PAGE
+from systolic.workloads.lm.serve.page_allocator import PageCache, PageTable, page_hashes
 from systolic.workloads.lm.serve.scheduler import (LONG_ROPE_ROOT, Chunk, Scheduler, Sequence, layout, page_bucket,
                                                     page_buckets, pages_first, token_buckets)
 

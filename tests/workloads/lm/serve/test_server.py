@@ -423,7 +423,7 @@ def test_other_hosts_need_an_api_key(tmp_path):
 
 
 def test_command_line_options_reach_serve(monkeypatch, tmp_path):
-    from systolic.workloads.lm.commands import API_KEY_ENV
+    from systolic.workloads.lm.serve.command import API_KEY_ENV
 
     seen = {}
     monkeypatch.setattr(server, "serve", lambda run_dir, **kwargs: seen.update(run_dir=run_dir, **kwargs))

@@ -3,31 +3,13 @@ SmolLM's small, tied variants), Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma
 SmolLM3, Granite, GPT-OSS, the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (model.moe), DeepSeek-V3
 (multi-head latent attention: lm/hf/deepseek.py), and GPT-2.
 
-The four Llama-like architectures are one systolic family, `llama`, with switches: Qwen2 adds q/k/v biases
-(`model.qkv_bias`), Qwen3 a per-head RMSNorm of q and k (`model.qk_norm`), Mistral a sliding window
-(`model.sliding_window`, on the layers that `layer_types` marks sliding: `model.layer_types`); RoPE scaling
-(`model.rope_scaling`) comes from `rope_parameters` (transformers 5) or `rope_scaling` (4.x). The Gemmas are the
-same block with Gemma's switches (and Phi-3, OLMo 2, SmolLM3 and Granite with theirs: lm/hf/families.py): GeGLU (`model.mlp_activation=gelu_tanh`), embeddings times sqrt(d_model)
-(`model.embed_multiplier`) and an RMSNorm by (1 + w) (our scale is 1 + w: lm/hf/tensors.py); Gemma 2 adds the
-sandwich norms (`model.norm_placement`), 1/sqrt(query_pre_attn_scalar) (`model.attn_logit_scale`), the attention and
-final logit soft-caps and alternating sliding and full layers; Gemma 3 replaces the attention cap by q/k norms
-and gives its sliding layers their own RoPE base (`model.rope_local_theta`). GPT-OSS is the llama block with
-attention sinks (`model.attn_sinks`), biases on q/k/v and the output projection (`model.qkv_bias`,
-`model.attn_out_bias`), alternating sliding and full layers, YaRN RoPE and a mixture of experts in every layer with
-a router bias, expert biases and its clamped SwiGLU (model.moe's router_bias, expert_bias, swiglu_limit and
-swiglu_alpha); its MXFP4 experts (`quantization_config.quant_method: mxfp4`) are dequantized on import
-(lm/hf/mxfp4.py) and export as float32. Only what the systolic model computes
-is accepted: a setting that would change the math (dynamic RoPE, partial rotary embeddings outside Phi-3, an
-output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that names it rather than a
-silently different model after import.
-Export writes the architecture the switches call for: OLMo 2's post-norms, Phi-3's longrope or partial RoPE,
-SmolLM3's NoPE layers, Granite's multipliers -> that family (lm/hf/families.py); Gemma's embedding scale, GeGLU or sandwich norms -> Gemma 3
-with qk_norm, Gemma 2 with sandwich norms, else Gemma; qk_norm -> Qwen3, qkv_bias -> Qwen2 (both also with
-sliding layers among full ones), a sliding window on every layer -> Mistral, else Llama; with model.moe: qk_norm ->
-Qwen3-MoE, a gated shared expert with qkv_bias -> Qwen2-MoE, else Mixtral. The MoE families' routing: Mixtral
-renormalises the top-k probabilities (norm_topk_prob true), Qwen-MoE says so in `norm_topk_prob`; their
-load-balancing loss counts each expert's share of tokens (summing to top_k), ours its share of assignments (summing
-to 1), so router_aux_loss_coef = model.moe.aux_loss_weight / top_k.
+The Llama-like architectures are one systolic family, `llama`, with switches (`model.qkv_bias`, `model.qk_norm`,
+`model.sliding_window`, `model.rope_scaling`, Gemma's and the other families' own: lm/hf/families.py): import maps
+an architecture's settings onto switches, and export writes the architecture the switches call for. Only what the
+systolic model computes is accepted: a setting that would change the math (dynamic RoPE, partial rotary embeddings
+outside Phi-3, an output-projection bias, an exact-erf GELU in GPT-2, bidirectional attention) is an error that
+names it rather than a silently different model after import. The switches each architecture sets, the export
+rules, and the MoE families' routing and load-balancing coefficient: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.hf.tensors import KeyPath, Pair, group_by, hf_shape, join, pairs, part_shape, to_hf, to_ours
 from systolic.workloads.lm.model.transformer import Transformer
 from systolic.workloads.lm.loaded_run import load_run
-from systolic.workloads.lm.train import param_shardings
+from systolic.workloads.lm.model.build import param_shardings
 
 
 def abstract_params(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
@@ -193,7 +193,7 @@ class Folder:
 
 def load_params(src: Path, cfg: ModelConfig, shardings: Any) -> dict[str, Any]:
     """Our parameters (pure dict, float32) from the HF folder `src`, each placed directly on its NamedSharding in
-    `shardings` (as `lm.train.param_shardings` gives them). Only one parameter (one HF tensor per layer when
+    `shardings` (as `lm.model.build.param_shardings` gives them). Only one parameter (one HF tensor per layer when
     stacked) is on the host at a time, and each device receives only its own slice."""
     folder = Folder(src)
     vocab = cfg.padded_vocab(0)

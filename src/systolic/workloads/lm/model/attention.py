@@ -7,32 +7,13 @@
               (xla where cuDNN cannot: float32, head size not a multiple of 8 or over 128)
     cpu       cpu: `lm/model/cpu.py`'s formulation (xla when SYSTOLIC_CPU_TWEAKS turns it off)   yes
 
-Packed documents (`segment_ids`, lm's `data.packing=documents`) are masked to causal AND same segment by every
-implementation: splash takes the ids (`SegmentIds`), the cpu formulation folds them into its additive bias, and
-xla and cudnn take a (B, 1, T, T) boolean mask, which jax hands cuDNN as an additive bias (cuDNN's training kernel
-with a bias needs an even sequence length: auto falls back to xla for an odd one).
-
-A sliding window W (`model.sliding_window`, Mistral's) also limits each query to itself and the W - 1 keys
-before it, in every implementation: splash's `LocalMask` (whose blocks outside the window are skipped), the cpu
-formulation's bias, and `jax.nn.dot_product_attention`'s `local_window_size=(W - 1, 0)`, which cuDNN runs as its
-sliding window of W.
-
-Logit soft-capping (`model.attn_logit_softcap`, Gemma 2's s -> cap * tanh(s / cap) of the scaled logits) is
-splash's `attn_logits_soft_cap`; `jax.nn.dot_product_attention` has none, so with a cap xla is `masked_attention`,
-the plain formulation written here (also what decoding with a KV cache runs), auto picks it over cuDNN and the cpu
-formulation, and a forced cudnn is refused by the config.
-
-Attention sinks (`model.attn_sinks`, GPT-OSS's learned logit per query head that joins the softmax's denominator,
-so a query may give its keys less than all of its attention) are only in `masked_attention`: auto picks xla for
-them on every platform (the (T, T) scores in memory), and the config refuses a forced splash or cudnn.
-
-`model.attention=splash|cudnn|xla` forces one: `xla` is `jax.nn.dot_product_attention`'s plain formulation on any
-platform; `splash` off a TPU runs the kernel in Pallas's interpreter (slow; for checking numerics); `cudnn` is an
-error off an NVIDIA GPU. `jax.nn.dot_product_attention` must be asked for cuDNN by name: its default
-(`implementation=None`) is the XLA formulation in jax 0.10 and 0.11.
-
-The platform is the traced program's (`runtime.platform.compile_platform`), not only this machine's: compiling under
-a mesh of TPU devices, compile-only ones from `jax.experimental.topologies` on a CPU host included, picks splash.
+Every implementation masks packed documents (`segment_ids`) to causal AND same segment and takes a sliding window
+(`model.sliding_window`); logit soft-capping (Gemma 2) is splash's own or `masked_attention`'s, the plain
+formulation written here (also what decoding with a KV cache runs), and attention sinks (GPT-OSS) are only in
+`masked_attention`: auto picks it where a kernel cannot, and the config refuses a forced kernel that cannot.
+`model.attention=splash|cudnn|xla` forces one (`splash` off a TPU runs in Pallas's interpreter). The platform is the
+traced program's (`runtime.platform.compile_platform`): compiling for compile-only TPU devices on a CPU host picks
+splash. How each implementation takes each feature: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -48,7 +29,8 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from systolic.errors import ConfigError
 from systolic.runtime.platform import compile_platform, device_platform
 from systolic.runtime.sharding import logical_to_spec
-from systolic.workloads.lm.model import cpu, remat, splash_blocks
+from systolic.kernels.splash import tuned_block_sizes as splash_blocks
+from systolic.workloads.lm.model import cpu, remat
 
 SETTINGS = ("auto", "splash", "cudnn", "xla")  # the values of model.attention
 IMPLEMENTATIONS = ("splash", "cudnn", "xla", "cpu")  # what `choose` returns
@@ -182,15 +164,18 @@ def splash_block(seq_len: int) -> int:
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                     window: int = 0, softcap: float = 0.0) -> jax.Array:
-    """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU.
+                     window: int = 0, softcap: float = 0.0,
+                     tiles: splash_blocks.SplashTiles | None = None) -> jax.Array:
+    """`causal_attention` with the splash kernel, run by Pallas's interpreter off a TPU, in `tiles` (default: the
+    chip's, `splash_blocks.tiles_for`; benchmarks/kernels/splash_blocks.py times candidates through this argument).
 
     Under a mesh the kernel runs per device in a shard_map over the batch and head axes of the current sharding
     rules: a Pallas kernel is opaque to XLA's SPMD partitioner, which would otherwise gather every operand onto
-    each device. The sequence stays whole (a split one takes lm/parallel/context.py's attention); the grouping is unchanged by
-    the head split because the rules split `heads` and `kv_heads` over the same mesh axes, so each device holds whole
-    groups."""
-    local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window, softcap=softcap)
+    each device. The sequence stays whole (a split one takes lm/parallel/context.py's attention); the grouping is
+    unchanged by the head split because the rules split `heads` and `kv_heads` over the same mesh axes, so each
+    device holds whole groups."""
+    local = functools.partial(_splash_local, interpret=device_platform() != "tpu", window=window, softcap=softcap,
+                              tiles=tiles)
     operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
@@ -207,11 +192,12 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                  interpret: bool, window: int, softcap: float) -> jax.Array:
+                  interpret: bool, window: int, softcap: float,
+                  tiles: splash_blocks.SplashTiles | None = None) -> jax.Array:
     """The kernel on one device's shard: q (B, T, H, hd), k and v (B, T, KV, hd), segment_ids (B, T) or None
     -> (B, T, H, hd)."""
     B, T, H, hd = q.shape
-    kernel = _splash_kernel(H, T, hd, interpret, window, softcap)
+    kernel = _splash_kernel(H, T, hd, interpret, window, softcap, tiles)
     # The kernel does not scale the logits: pre-scale the queries.
     q = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3)  # (B, H, T, hd)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, KV, T, hd)
@@ -226,10 +212,11 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out.transpose(0, 2, 1, 3)  # (B, T, H, hd)
 
 
-def splash_block_sizes(seq_len: int, head_dim: int) -> splash.BlockSizes:
-    """The splash kernel's blocks for sequences of seq_len: the chip's tuned tiles (lm/model/splash_blocks.py), each
-    cut to one that divides seq_len."""
-    tiles = splash_blocks.tiles_for(head_dim, seq_len)
+def splash_block_sizes(seq_len: int, head_dim: int,
+                       tiles: splash_blocks.SplashTiles | None = None) -> splash.BlockSizes:
+    """The splash kernel's blocks for sequences of seq_len: `tiles`, or by default the chip's tuned tiles
+    (kernels/splash/tuned_block_sizes.py), each cut to one that divides seq_len."""
+    tiles = tiles or splash_blocks.tiles_for(head_dim, seq_len)
 
     def fit(tile: int, within: int) -> int:
         tile = min(tile, within)
@@ -244,7 +231,8 @@ def splash_block_sizes(seq_len: int, head_dim: int) -> splash.BlockSizes:
                              use_fused_bwd_kernel=tiles.fused_backward, **backward)
 
 
-def _splash_kernel(heads: int, seq_len: int, head_dim: int, interpret: bool, window: int, softcap: float):
+def _splash_kernel(heads: int, seq_len: int, head_dim: int, interpret: bool, window: int, softcap: float,
+                   tiles: splash_blocks.SplashTiles | None = None):
     """A causal splash kernel for (heads, seq_len, hd) queries, within `window` positions when > 0, its logits
     soft-capped when `softcap` > 0 (the kernel caps the scaled logits, as Gemma 2 does). Made on each
     trace: its block tables become constants of that trace (the kernel's own cache keeps the NumPy mask
@@ -255,6 +243,6 @@ def _splash_kernel(heads: int, seq_len: int, head_dim: int, interpret: bool, win
     else:
         one_head = splash.CausalMask((seq_len, seq_len))
     mask = splash.MultiHeadMask([one_head] * heads)
-    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len, head_dim), head_shards=1, q_seq_shards=1,
-                                  interpret=interpret, attn_logits_soft_cap=softcap or None,
+    return splash.make_splash_mha(mask, block_sizes=splash_block_sizes(seq_len, head_dim, tiles), head_shards=1,
+                                  q_seq_shards=1, interpret=interpret, attn_logits_soft_cap=softcap or None,
                                   residual_checkpoint_name=remat.ATTN_STATS)

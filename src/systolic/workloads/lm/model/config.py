@@ -1,6 +1,7 @@
-"""The lm model's config section: a decoder-only transformer (ModelConfig), with its sub-sections (RoPE scaling,
-LoRA adapters, mixture-of-experts MLPs, latent attention) in sections.py. What the layers (this package) and the
-Hugging Face conversion read."""
+"""The lm model's config sections: a decoder-only transformer (ModelConfig), with its sub-sections (RoPE scaling,
+LoRA adapters, mixture-of-experts MLPs, latent attention) in sections.py, and how its layers run over pipeline
+stages (PipelineConfig, the run's `pipeline` section). What the layers (this package) and the Hugging Face
+conversion read."""
 
 from __future__ import annotations
 
@@ -12,6 +13,20 @@ from systolic.errors import ConfigError
 from systolic.workloads.lm.model.sections import LoraConfig, MlaConfig, MoeConfig, RopeScalingConfig
 
 MAX_LAYERS = 1024  # far above any published decoder (Llama 3.1 405B: 126); keeps a typo from tracing for an hour
+
+# `model.remat`, written once: what a layer keeps for the backward pass (lm/model/remat.py), most memory first, and
+# what each recomputes (for a plan's notes). remat.py's policies and model/sizes.py's counts read these names.
+REMAT_POLICIES = {
+    "none": "no rematerialisation",
+    "dots": "remat=dots recomputes the layers' non-matmul work",
+    "except_mlp": "remat=except_mlp recomputes the MLP's up and gate projections and the non-matmul work",
+    "attn": "remat=attn recomputes all but the attention's q, k, v and output",
+    "context": "remat=context recomputes all but the attention's output (the kernel's forward does not run again)",
+    "full": "remat=full recomputes each layer's forward",
+}
+REMATS = tuple(REMAT_POLICIES)
+# What `systolic plan --search` tries, in this order: each saves less than the one before, so fits at least its batch.
+SEARCHED_REMATS = ("none", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +85,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; parameters stay float32
-    # What a layer keeps for the backward pass (lm/model/remat.py): none keeps everything; dots, except_mlp, attn,
-    # context and full keep less and recompute more, in that order
-    remat: Literal["none", "dots", "except_mlp", "attn", "context", "full"] = "none"
+    # What a layer keeps for the backward pass (REMAT_POLICIES, lm/model/remat.py): none keeps everything; the
+    # others keep less and recompute more, in their order
+    remat: Literal[REMATS] = "none"
     # The projections' operands (lm/model/quant.py, through Qwix): int8 / fp8 quantize activations and weights
     # (per row, per output channel) into an int8 x int8 (fp8) dot; in training the backward pass goes straight
     # through to the float32 weights (quantization-aware training); float32 master weights and optimizer state.
@@ -371,3 +386,22 @@ class ModelConfig:
                 "but this model's MLPs are mixtures of experts, which have no LoRA adapters. Fix: adapt the attention "
                 "only, e.g. model.lora.targets=q,k,v,o."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The `pipeline` section: how the layers run over the `mesh.stage` axis (lm/parallel/pipeline.py). It acts only with
+    mesh.stage > 1; checked against the mesh in `preflight.check_pipeline`."""
+
+    # The batch (each grad_accum micro-step's) is cut into this many microbatches that follow each other through the
+    # stages; the idle share of a step (the bubble) is (stages - 1) / (repeats * microbatches + stages - 1).
+    microbatches: int = 1
+    # 1: GPipe, each stage holds one group of consecutive layers. r > 1: the circular (interleaved) schedule, each
+    # stage holds r groups (stage s the groups s, s + stages, ...) and every microbatch goes round the stages r times.
+    repeats: int = 1
+
+    def validate(self) -> None:
+        if self.microbatches < 1 or self.repeats < 1:
+            raise ConfigError(
+                f"pipeline.microbatches={self.microbatches} and pipeline.repeats={self.repeats}: both count things "
+                "and must be at least 1. Fix: e.g. pipeline.microbatches=8 pipeline.repeats=1 (GPipe).")

@@ -1,18 +1,12 @@
 """CPU-only formulations of the transformer's hot spots, each measured against PyTorch on the same CPU.
 
-On GPU/TPU every function here is the plain formulation (`cpu_tweak` is False there). On XLA:CPU three
-rewrites train faster (attempts and figures: docs/benchmarks.md, `benchmarks/lm_vs_pytorch.py`):
-
-- `project`: matmuls on activations flattened to (B*T, D). With x (B, T, D) @ W the weight gradient contracts
-  over two axes, which XLA:CPU lowers with a physical transpose fused into slow elementwise loops. (Not when
-  context parallelism splits T: see `project`.)
-- `causal_attention`: heads in front and query groups stacked so both dots are plain batched matmuls, pre-scaled
-  queries, an additive causal bias instead of `where(mask, s, -inf)`, and a hand-written backward.
-- `gradient_barrier`: an identity on the residual stream whose backward XLA cannot see through, so its fusion
-  pass stops copying the residual gradient's elementwise chain into every consumer (work growing with depth^2).
-- `tile_layout` (MoE experts): XLA:CPU has no grouped matmul; it computes `jax.lax.ragged_dot` as one matmul
-  per group over all rows, G times the work. Here each group's rows are padded to whole tiles, so every tile
-  belongs to one group, and the tiles multiply their group's matrix in one batched matmul (`tiled_matmul`).
+On GPU/TPU every function here is the plain formulation (`cpu_tweak` is False there). On XLA:CPU four rewrites
+train faster (attempts and figures: docs/benchmarks.md, `benchmarks/peers/lm_vs_pytorch.py`): `project` (matmuls on
+activations flattened to (B*T, D), so the weight gradient contracts over one axis), `causal_attention` (both dots as
+plain batched matmuls, an additive causal bias, a hand-written backward), `gradient_barrier` (an identity on the
+residual stream whose backward XLA's fusion pass cannot see through) and `tile_layout` (MoE groups padded to whole
+tiles, since XLA:CPU computes `jax.lax.ragged_dot` over all rows for every group). Why each is faster:
+docs/design-notes.md, this module's section.
 
 `SYSTOLIC_CPU_TWEAKS` (comma-separated names, `all` or `none`; default `all`) switches them for ablations,
 read once into `runtime/cpu_settings.settings()`.
@@ -170,5 +164,5 @@ def from_tiles(y: jax.Array, tiles: Tiles) -> jax.Array:
 def tiled_matmul(x: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
     """x (tiles, t, K) @ its tiles' groups' matrices of w (G, K, N) -> (tiles, t, N): one batched matmul. The
     gathered matrices are materialised (an optimisation barrier): fused into the dot, the gather made XLA:CPU run
-    it as a slow loop (about 1.7x the time of the whole SwiGLU, measured with benchmarks/moe.py's sizes)."""
+    it as a slow loop (about 1.7x the time of the whole SwiGLU, measured with benchmarks/studies/moe.py's sizes)."""
     return jnp.einsum("ntk,nkm->ntm", x, jax.lax.optimization_barrier(w[tiles.group]))

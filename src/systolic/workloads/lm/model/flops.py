@@ -3,19 +3,13 @@
 Per token of training, with N the number of matmul weights (attention projections, MLP, LM head; not the
 embedding lookup, norms or biases):
     6 * N                         forward (2N) + backward (4N)
-  + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV): 2 matmuls x 2 FLOPs x T x heads x hd per
-                                  (MLA: (qk_head_dim + v_head_dim) / 2 for hd)
-                                  token, halved because causal attention needs only the lower triangle, x 3 for
-                                  forward + backward. With a sliding window W < T a query of a sliding layer
-                                  (every layer unless model.layer_types says) sees at most W keys:
-                                  the T/2 keys of an average query become W - W^2 / (2T).
-With model.moe, N counts a MoE layer's active weights, those one token is multiplied by: the router (D x E), its
-top_k experts and the shared experts, not the other E - top_k experts (MFU is of the work the model needs; a
-capacity dispatch's empty slots and one-hot einsums, or XLA:CPU's ragged_dot computing every expert over every row,
-are hardware work, as rematerialisation is).
-With model.lora the frozen weights get no weight gradients: 4 * N for them (forward, and the gradient of their
-input), plus 6 * N_lora for the adapters' A and B.
-Rematerialisation is not counted: it is hardware work, not model work.
+  + 6 * layers * T * heads * hd   attention scores (QK^T) and mix (AV), causal: half of the T x T pairs
+                                  (MLA: (qk_head_dim + v_head_dim) / 2 for hd; a sliding layer's window W < T
+                                  makes an average query's T/2 keys W - W^2 / (2T))
+With model.moe, N counts a MoE layer's active weights (the router, its top_k experts and the shared experts); with
+model.lora the frozen weights count 4 * N (no weight gradients) and the adapters 6 * N_lora. Rematerialisation,
+a capacity dispatch's empty slots and XLA:CPU's ragged_dot over every expert are hardware work, not model work,
+and are not counted. Each term derived: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -7,21 +7,13 @@ Per token, x (D) becomes
     RoPE key  k_rope = RoPE(x wkv_a[:, r:])                              (rope,), shared by all heads
     keys      k = [c wkv_b[:, h, :nope], k_rope]                         (H, nope + rope)
     values    v = c wkv_b[:, h, nope:]                                   (H, v_head_dim)
-with RoPE on the query's and key's rope parts only, logits scaled by 1/sqrt(nope + rope) or model.attn_logit_scale
-(DeepSeek's YaRN mscale^2 folded in on import).
+with RoPE on the query's and key's rope parts only, logits scaled by 1/sqrt(nope + rope) or model.attn_logit_scale.
 
 Training (no cache) expands the latent into per-head keys and values and runs `model.attention`'s implementation,
-as for grouped-query attention: v is zero-padded to the query's width (and q, k the other way when v is wider)
-so that every kernel, the context-parallel ring included, takes it; the padding adds zeros to the logits and
-columns that are cut off.
-
-Decoding (generate's KVCache, the serving engine's paged pool) caches only [c, k_rope]: kv_lora_rank +
-qk_rope_head_dim values per token and layer, against 2 x heads x head size for grouped-query attention without
-sharing. Attention then absorbs wkv_b into the query and the output (the standard MLA decode) instead of expanding
-the cache each step: q_nope . (c wkv_b_k) = (q_nope wkv_b_k^T) . c, so a head's query becomes
-[q_nope wkv_b_k^T, q_rope] (r + rope values) against the cached rows [c, k_rope] as one shared key head, whose
-values are the rows' first r entries (c); each head's output c-mix is then multiplied by its wkv_b_v. That is
-multi-query attention over the latent: per cached token r + rope reads, not H x (nope + rope + v).
+padding v and q, k to one width so that every kernel, the context-parallel ring included, takes it. Decoding caches
+only [c, k_rope] per token and layer and absorbs wkv_b into the query and the output (the standard MLA decode):
+multi-query attention over the latent, r + rope reads per cached token instead of H x (nope + rope + v). The
+padding and the absorption, derived: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -40,7 +32,7 @@ from systolic.workloads.lm.model.config import ModelConfig
 from systolic.workloads.lm.model.layers import Norm, param, resolve_dtype
 from systolic.workloads.lm.model.rope import apply_rope
 from systolic.workloads.lm.parallel import context
-from systolic.workloads.lm.serve.paged_attention import PagedKV
+from systolic.kernels.paged_attention.paged_kv import PagedKV
 
 # transformers' DeepseekV3RMSNorm of q_a and of the latent keeps its default eps whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6

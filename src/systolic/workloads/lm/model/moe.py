@@ -1,32 +1,19 @@
 """Mixture-of-experts MLP math (model.moe): the float32 router, its auxiliary losses, and the two dispatches,
 each also expert-parallel over the `expert` mesh axis.
 
-Routing (Mixtral, Qwen-MoE): softmax over the router's float32 logits, the top k experts per token, their
-probabilities renormalised to sum to 1 when `norm_topk_prob` (softmax over the top-k logits, as Mixtral does).
-The token's output is the weighted sum of its k experts' SwiGLU outputs. GPT-OSS adds a bias to the router's
-logits (`route`'s bias), biases to the experts' projections and a clamped SwiGLU (`SwigluClamp`); the down
-projection's bias is added after the dispatch, as the routing weights' sum of the chosen experts' biases
-(`down_bias`), so the dispatches and their partial sums over `tensor` never see it.
+Routing (Mixtral, Qwen-MoE, GPT-OSS): softmax over the router's float32 logits, the top k experts per token, their
+probabilities renormalised when `norm_topk_prob`; the token's output is the weighted sum of its k experts' SwiGLU
+outputs. Two dispatches: dropless (default) sorts the token-expert assignments by expert into one grouped matmul
+(`jax.lax.ragged_dot`; tiles on CPU, lm/model/cpu.py) and drops nothing; capacity (`capacity_factor` > 0,
+GShard/Switch) gives each expert C slots per sequence, filled first-choice first, moved by one-hot einsums. Rows
+change order only by `move_rows`, a gather in both passes, because a scatter of whole rows made the TPU compiler's
+backend take minutes per layer (docs/planning.md, "Compile time of MoE models").
 
-- Dropless (default): the N*k (token, expert) assignments sorted by expert, each expert's rows one group of a
-  grouped matmul (`jax.lax.ragged_dot`); nothing is dropped. XLA:CPU has no grouped matmul (it computes every
-  group over all rows, E times the work), so on CPU the groups are padded to tiles instead (lm/model/cpu.py,
-  `grouped_matmul`; figures in docs/benchmarks.md, benchmarks/moe.py). Rows change order only by `move_rows`, a
-  gather in both passes: a scatter of whole rows (what `.at[].set` is, and what a `take`'s gradient is) made the
-  TPU compiler's backend take minutes per layer (docs/planning.md, "Compile time of MoE models").
-- Capacity (`capacity_factor` > 0, GShard/Switch): each sequence gives each expert at most
-  C = ceil(capacity_factor * T * k / E) slots, filled first-choice first in token order; assignments past C are
-  dropped (the token keeps its other experts and the residual). One-hot einsums move tokens into (E, C) slots and
-  back: dense matmuls, no sort.
-
-Expert parallelism (`experts_forward`): the dispatch runs inside `shard_map` over the mesh, each device on its own
-rows of the batch (split over data, fsdp and expert: outside the MoE layers the expert axis is one more data axis,
-as in MaxText) with the experts split over `expert`. Dropless sends each device's rows to the devices holding
-their experts with one `all_to_all` in fixed slots (XLA:CPU has no ragged all-to-all), sized for the worst case so
-that nothing is dropped: N * min(k, E / n) rows per destination. Capacity sends its (E, C) slots, E split over
-the devices. A second all-to-all brings the results back. Expert weights enter gathered over fsdp (ZeRO-3: each
-device gathers only its own experts) and stay split over `tensor` along their hidden axis (partial sums added
-with a psum).
+Expert parallelism (`experts_forward`): the dispatch runs inside `shard_map`, each device on its own rows of the
+batch with the experts split over `expert`; one `all_to_all` in fixed worst-case slots sends rows to their experts'
+devices and a second brings the results back. Expert weights enter gathered over fsdp (each device gathers only its
+own experts) and stay split over `tensor`. GPT-OSS's biases and clamp, the capacity formula and the slot sizes:
+docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """What each lm parameter is to the optimizer (its role, how Muon reads it as a matrix), and muP's multipliers.
 
 Roles, as the muP papers (Yang et al., Tensor Programs V) sort weights by which of their dimensions grow with the
-model's width:
-- `hidden`: the blocks' projections, both dimensions growing (width x width): attention's wq, wk, wv, wo, the MLP's
-  w_gate, w_up, w_down (llama) or w_fc, w_proj (gpt2). The only weights Muon moves.
-- `input`: embeddings (vocab or positions x width): embed, pos_embed.
-- `output`: the unembedding (width x vocab): lm_head.
-- `vector`: everything else: norm scales, biases, and LoRA's adapters (one dimension is the rank, which does not
-  grow; muP treats such weights as vectors).
+model's width: `hidden` (the blocks' projections, width x width; the only weights Muon moves), `input` (embeddings),
+`output` (the unembedding, lm_head) and `vector` (everything else: norm scales, biases, LoRA's adapters).
 
 Our attention weights are 3-D; Muon orthogonalises each as one matrix of its fan-in axes by its fan-out axes
-(`MUON_AXES`): wq, wk, wv (D, H, hd) as (D, H*hd), wo (H, hd, D) as (H*hd, D), one matrix per projection as
-modded-nanogpt does, not one per head. Axes count from the end, so scan_layers' leading `layers` axis is a batch of
-separate matrices, one per layer.
+(`MUON_AXES`), one matrix per projection as modded-nanogpt does, not one per head. Axes count from the end, so
+scan_layers' leading `layers` axis is a batch of separate matrices, one per layer.
 
-muP (`model.parametrization=mup`), relative to a base width B (`model.mup_base_width`) with the width multiplier
-m = d_model / B, so that the model at d_model = B is the standard one and a learning rate tuned there transfers.
-Tensor Programs V, Table 3 (muP for Adam), and the `mup` package's MuReadout/MuAdam, in our terms:
-- hidden weights: init variance proportional to 1/fan_in (our std / sqrt(m); wo's and w_down's depth factor
-  1/sqrt(2 layers) kept), AdamW learning rate lr / m;
-- input weights (embeddings) and all biases and norms: init and learning rate unchanged;
-- output layer: logits multiplied by 1/m (MuReadout's 1 / width_mult; tied embeddings too), its init and
-  learning rate unchanged;
-- attention logits scaled by 1/d_head instead of 1/sqrt(d_head), times sqrt(d_head at the base width), so the
-  scale is the standard one at the base. The base's head size is taken as d_head / m: width grows at a fixed
-  number of heads, each head wider (as in the papers' sweeps and ours).
-With Muon the hidden weights' steps need no width factor: Muon's step scaled by sqrt(fan_out / fan_in) (the
-spectral condition, optim/muon.py `shape_scale`) already moves every layer's output by O(lr) at any width;
-under muP Muon uses that factor instead of Keller Jordan's sqrt(max(1, fan_out / fan_in)).
+muP (`model.parametrization=mup`) scales init, learning rates, output logits and attention logits by the width
+multiplier m = d_model / `model.mup_base_width`, so that the model at the base width is the standard one and a
+learning rate tuned there transfers (Tensor Programs V, Table 3, and the `mup` package's MuReadout/MuAdam). With
+Muon the hidden weights' steps need no width factor: the spectral scale sqrt(fan_out / fan_in) (optim/muon.py
+`shape_scale`) already moves every layer's output by O(lr) at any width. Each role's members and each multiplier:
+docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Quantized projections through Qwix (the `qwix` package): weights stored in int8 or fp8 for serving, and
 quantization-aware training.
 
-Two independent settings meet in a projection x @ W:
-- the weight's storage: float32 parameters, or a Qwix `QArray` (int8 or float8_e4m3fn values, one float32 scale per
-  output channel, and per layer when the layers are stacked) that `quantize_params` makes once, for serving (a
-  bfloat16 model is served with the scales in bfloat16: serve/weights.py says why);
-- `model.quant`, the matmul's operands: "none" multiplies in the compute dtype (a stored int8 weight is dequantized
-  into it, which XLA fuses into the dot: weight-only quantization halves the bytes a decode step reads);
-  "int8" / "fp8" quantize the activations too (each row its own absmax scale, computed on the fly), so both operands
-  of the dot are int8 (accumulated in int32) or fp8, and the scales are applied to the product: Qwix's
-  `dot_general` when the weight is stored quantized, its `dot_general_qt` when it is float (training: the forward
-  pass multiplies quantized operands, the backward pass passes the gradient straight through to the float32
-  master weights, as MaxText's `int8` recipe does).
+Two independent settings meet in a projection x @ W: the weight's storage, float32 parameters or a Qwix `QArray`
+(int8 or float8_e4m3fn values, one scale per output channel, and per layer when the layers are stacked) that
+`quantize_params` makes once, for serving; and `model.quant`, the matmul's operands. "none" multiplies in the
+compute dtype (a stored int8 weight is dequantized into it, which XLA fuses into the dot); "int8" / "fp8" quantize
+the activations too (each row its own absmax scale), so both operands of the dot are int8 (accumulated in int32) or
+fp8, through Qwix's `dot_general` for a stored weight or `dot_general_qt` for a float one (training: the backward
+pass passes the gradient straight through to the float32 master weights, as MaxText's `int8` recipe does).
 
 What is quantized: the attention and MLP projections (`QUANTIZED`), and the untied LM head (weight-only: the
 logits feed a softmax over the whole vocabulary). The embedding lookup, norms, MoE routers and experts, LoRA
-adapters and the attention scores stay in float.
+adapters and the attention scores stay in float. The two settings in full: docs/design-notes.md, this module's
+section.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """What a layer keeps for the backward pass (`model.remat`), by named activations, as MaxText's remat policies.
 
-The layers tag the activations a policy may keep with `jax.ad_checkpoint.checkpoint_name` (the names below); a
-policy saves some of them and the backward pass recomputes the rest of the layer from its input. From most memory
-(fastest) to least:
+The layers tag the activations a policy may keep with `jax.ad_checkpoint.checkpoint_name`; a policy saves some of
+them and the backward pass recomputes the rest of the layer from its input. From most memory (fastest) to least:
 
     none        no rematerialisation: everything the backward pass reads is kept
-    dots        every matmul output without batch dimensions (projections, MLP) and the attention kernel's
-                output and softmax statistics: only elementwise work (norms, activations, RoPE) runs again
-    except_mlp  the attention's projections, its output and statistics, and its output projection; the MLP's
-                up/gate projections run again (2 of its 3 matmuls: about +1/6 of a llama layer's FLOPs)
-    attn        only the attention's q, k, v and output with its statistics: the attention kernel never runs again,
-                everything else does
-    context     only the attention's output and statistics: the kernel's forward never runs again (its backward
-                still reads q, k and v, which are recomputed: 3 thin matmuls)
+    dots        matmul outputs without batch dimensions and the attention kernel's output and statistics
+    except_mlp  attention's projections, output and statistics; the MLP's up/gate run again (about +1/6 FLOPs)
+    attn        only the attention's q, k, v and output with its statistics: the attention kernel never runs again
+    context     only the attention's output and statistics: the kernel's forward never runs again
     full        only the layer's input: the whole forward pass runs again (+1/3 of the FLOPs)
 
 The attention kernel's statistics matter on TPU: splash attention's backward needs the forward's output and log-sum-
 exp; without them (a plain `dots` policy sees no matmul in a Pallas call) the whole attention forward runs again.
+What each policy keeps and recomputes, in full: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -31,16 +27,6 @@ CONTEXT = "context"  # the attention's output before its projection (B, T, H, hd
 ATTN_STATS = "attn_stats"  # the splash kernel's residuals: its output and log-sum-exp (splash's residual name)
 ATTN_OUT = "attn_out"  # the output projection (B, T, D): with it the MLP's input is an add away
 
-POLICIES = ("none", "dots", "except_mlp", "attn", "context", "full")  # model.remat, most memory first
-DESCRIPTIONS = {  # what each recomputes, for a plan's notes
-    "none": "no rematerialisation",
-    "dots": "remat=dots recomputes the layers' non-matmul work",
-    "except_mlp": "remat=except_mlp recomputes the MLP's up and gate projections and the non-matmul work",
-    "attn": "remat=attn recomputes all but the attention's q, k, v and output",
-    "context": "remat=context recomputes all but the attention's output (the kernel's forward does not run again)",
-    "full": "remat=full recomputes each layer's forward",
-}
-
 
 def tag(x: jax.Array, name: str) -> jax.Array:
     """x, named for the remat policies (an identity outside `jax.checkpoint`)."""
@@ -48,7 +34,7 @@ def tag(x: jax.Array, name: str) -> jax.Array:
 
 
 # The named activations each policy that recomputes the MLP keeps (with the kernel's statistics, ATTN_STATS, but for
-# full): what `policy` saves and what lm/model/sizes.py counts.
+# full): what `policy` saves and what lm/model/sizes.py counts. none and dots keep the MLP's hidden state.
 KEEPS = {"except_mlp": (QKV, CONTEXT, ATTN_OUT), "attn": (QKV, CONTEXT), "context": (CONTEXT,), "full": ()}
 
 

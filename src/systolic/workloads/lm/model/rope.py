@@ -5,7 +5,7 @@ families (`model.rope_scaling`): linear (position interpolation), llama3 (Llama 
 
 LongRoPE picks its set of frequencies per forward pass as transformers does: the long factors when the sequence
 reaches past original_max_seq_len (its largest position + 1, per row), the short ones otherwise, for every position
-of the pass. Decoding (lm/generate.py) gives what transformers' Phi-3 `generate` gives, which recomputes its cache
+of the pass. Decoding (lm/model/decode.py) gives what transformers' Phi-3 `generate` gives, which recomputes its cache
 over the whole sequence at the step that takes it past original_max_seq_len (`longrope_switch_step`); so does the
 inference engine (lm/serve/scheduler.py), which rotates every chunk by its sequence's known length (`extent`) and
 computes a sequence's cache again when its next token takes it past the original context.

@@ -25,7 +25,7 @@ from systolic.workloads.lm.model.lora import targeted_weights
 from systolic.workloads.lm.model.parametrization import attention_correction, hidden_init_scale
 from systolic.workloads.lm.model.rope import rope_tables, rotate
 from systolic.workloads.lm.parallel import context
-from systolic.workloads.lm.serve.paged_attention import PagedKV
+from systolic.kernels.paged_attention.paged_kv import PagedKV
 
 ACT = ("batch", "seq", "act_embed")
 
@@ -62,15 +62,6 @@ def _adapter(cfg: ModelConfig, weight: str, in_shape: tuple[int, ...], out_shape
 def _adapted(x: jax.Array, y: jax.Array, adapter: Adapter | None) -> jax.Array:
     """y = x W plus the adapter's update of it, if W has one. With B = 0 this adds exact zeros: y is unchanged."""
     return y if adapter is None else y + adapter(x)
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every position decoded so far; all rows of the batch share `length`. With model.mla, `k`
-    holds each position's latent and RoPE key (lm/model/mla.py) and `v` is None."""
-
-    k: jax.Array  # (L, B, S, KV, hd) compute dtype; model.mla: (L, B, S, kv_lora_rank + qk_rope_head_dim)
-    v: jax.Array | None  # (L, B, S, KV, hd); model.mla: None
-    length: jax.Array  # () int32: positions [0, length) are filled
 
 
 class Ropes(NamedTuple):
@@ -166,7 +157,7 @@ class Attention(_Projecting):
         over layers that differ);
         kv None (training: causal over x, within segments when `segment_ids` (B, T) is given),
         this layer's cache (k, v), each (B, S, KV, hd), into which x's keys/values are written at `start`, or an
-        inference engine step's paged cache (lm/serve/paged_attention.py; B = 1 row of T tokens from many
+        inference engine step's paged cache (kernels/paged_attention/paged_kv.py; B = 1 row of T tokens from many
         sequences). Returns (y (B, T, D), updated kv or None)."""
         dt = self.dtype
         local = kind.sliding

@@ -1,28 +1,9 @@
 """Decoder-only transformer (Llama or GPT-2 block) in Flax NNX, with a KV cache for decoding.
 
 Parameters are float32 and carry logical axis names (see `systolic.runtime.sharding`); the math runs in the
-compute dtype (`ModelConfig.dtype`). Names map to Hugging Face tensors (Llama, Qwen2, Qwen3, Mistral | GPT-2), up
-to transposes and reshapes (HF Linear stores (out, in), GPT-2's Conv1D (in, out)); Norm.scale/bias are HF's
-weight/bias:
-
-    embed                   model.embed_tokens                  | wte
-    pos_embed               -                                   | wpe
-    blocks.attn_norm        input_layernorm                     | ln_1
-    blocks.attn.wq, wk, wv  self_attn.{q,k,v}_proj (rotate-half) | attn.c_attn split in three (+ bq, bk, bv)
-    blocks.attn.bq, bk, bv  self_attn.{q,k,v}_proj.bias (qkv_bias) | (above)
-    blocks.attn.q_norm, k_norm  self_attn.{q,k}_norm (qk_norm)  | -
-    blocks.attn.wo          self_attn.o_proj (+ bo: attn_out_bias) | attn.c_proj (+ bo)
-    blocks.attn.sinks       self_attn.sinks (GPT-OSS, attn_sinks) | -
-    blocks.attn (model.mla) DeepSeek-V3's self_attn: lm/model/mla.py
-    (Phi-3 fuses wq, wk, wv into self_attn.qkv_proj and w_gate, w_up into mlp.gate_up_proj: lm/hf/tensors.py)
-    blocks.attn_post_norm   post_attention_layernorm (Gemma 2/3, OLMo 2: norm_placement=sandwich, post) | -
-    blocks.mlp_norm         post_attention_layernorm (pre_feedforward_layernorm in Gemma 2/3) | ln_2
-    blocks.mlp_post_norm    post_feedforward_layernorm (Gemma 2/3)  | -
-    blocks.mlp              {gate,up,down}_proj: w_gate, w_up, w_down | c_fc: w_fc, b_fc; c_proj: w_proj, b_proj
-    blocks.mlp (model.moe)  router, experts stacked (E, ...) w_gate, w_up, w_down, shared, shared_gate (hf_tensors.py)
-                            (+ router_bias, b_gate, b_up, b_down: GPT-OSS's router.bias and experts' biases)
-    final_norm              model.norm                          | ln_f
-    lm_head                 lm_head (absent when tie_embeddings)
+compute dtype (`ModelConfig.dtype`). Parameter names map to Hugging Face tensors (Llama, Qwen2, Qwen3, Mistral |
+GPT-2) up to transposes and reshapes: `embed` is model.embed_tokens | wte, `blocks.attn.wq` self_attn.q_proj, and so
+on; lm/hf/tensors.py converts, and the whole table is in docs/design-notes.md, this module's section.
 
 With `scan_layers` the block parameters are stacked on a leading `layers` axis; otherwise `blocks` is a list.
 Gemma's RMSNorm multiplies by (1 + w): its w is our scale - 1 (lm/hf/tensors.py converts), so the norm here is one.
@@ -42,7 +23,7 @@ from flax import nnx
 
 from systolic.errors import UserError
 from systolic.runtime.sharding import constrain
-from systolic.workloads.lm.config import PipelineConfig
+from systolic.workloads.lm.model.config import PipelineConfig
 from systolic.workloads.lm.model import moe as moe_lib
 from systolic.workloads.lm.model import quant as quant_lib
 from systolic.workloads.lm.model import remat as remat_lib
@@ -52,10 +33,11 @@ from systolic.workloads.lm.model.layer_kind import LayerKind, layer_kinds, stack
 from systolic.workloads.lm.model.layers import Norm, param, resolve_dtype
 from systolic.workloads.lm.model.mla import MultiHeadLatentAttention
 from systolic.workloads.lm.model.parametrization import output_multiplier
-from systolic.workloads.lm.model.sublayers import ACT, MLP, Attention, KVCache, MoE, Ropes, make_ropes
+from systolic.workloads.lm.model.sublayers import ACT, MLP, Attention, MoE, Ropes, make_ropes
+from systolic.workloads.lm.model.kv_cache import KVCache
 from systolic.workloads.lm.parallel import context
 from systolic.workloads.lm.parallel import pipeline as pipeline_lib
-from systolic.workloads.lm.serve.paged_attention import PagedKV
+from systolic.kernels.paged_attention.paged_kv import PagedKV
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of experts with `moe`.

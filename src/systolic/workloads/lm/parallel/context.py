@@ -2,30 +2,18 @@
 
 The sharding rules map the logical `seq` axis to the `context` mesh axis (runtime/sharding.py), so every
 activation, the logits and the loss are split along the sequence and need nothing special; only attention needs
-keys and values from other devices. With n devices on the axis a row of T tokens is cut into 2n chunks of
-c = T / 2n and device i holds chunks i and 2n-1-i (the causal load-balancing order of Megatron-LM and of
-zhuzilin/ring-flash-attention's "zigzag"): every device then holds as many early queries, which see few keys, as
-late ones, which see many, and so has the same attention work. The model moves its inputs into that order
-(`to_balanced`) and its last hidden state back (`from_balanced`), each one pair of collective-permutes, so
-logits, targets and every caller outside the model keep the natural order.
+keys and values from other devices. With n devices a row is cut into 2n chunks and device i holds chunks i and
+2n-1-i (Megatron-LM's causal load balancing, ring-flash-attention's "zigzag"), so every device has the same
+attention work. The model moves its inputs into that order (`to_balanced`) and its last hidden state back
+(`from_balanced`), so logits, targets and every caller outside the model keep the natural order.
 
-Attention (`model.context_attention`):
-- `ring`: key/value chunks go round the ring with `ppermute`, n - 1 hops, while each device folds them into its
-  queries' output with the online softmax of flash attention (running max m, normaliser l, output o in float32).
-  Of the 2 x 2 chunk pairs (query chunk, key chunk) a visiting block from an earlier device (j < i) needs only
-  its first chunk, one from a later device only its second query chunk: 2 of 4 chunk pairs per hop, the same on
-  every device. Each chunk pair is computed QUERY_BLOCK queries at a time. The backward (custom_vjp) recomputes
-  the scores from the saved log-normaliser, sending dk and dv round the ring with their keys, so memory holds one
-  (QUERY_BLOCK x c) score block per head at a time: nothing grows with T^2, and per-device memory falls as 1/n.
-- `allgather`: keys and values of the whole sequence gathered over the axis (each device receives the other
-  n - 1 devices' blocks per layer, and reduce-scatters their gradients), then plain masked attention of the local
-  queries over all T keys: one collective instead of n - 1 hops, but (2c x T) scores per head in memory and no
-  skipped chunk pairs. For small rings (the Llama 3 paper trains long contexts this way: with grouped-query
-  attention keys and values are small).
-
-Masks come from the tokens' global indices in the row (causal, Mistral's sliding window) and from the segment ids
-of packed documents (same document), so positions within documents (RoPE) need nothing here: the model reorders
-them with the tokens.
+Attention (`model.context_attention`): `ring` passes key/value chunks round the ring (n - 1 `ppermute` hops),
+folding them into the local queries with flash attention's online softmax, computing only the chunk pairs causality
+needs, with a backward that recomputes the scores: memory never grows with T^2 and falls as 1/n. `allgather`
+gathers the whole sequence's keys and values (one collective instead of n - 1 hops, but (T/n x T) scores per head in
+memory), for small rings, as the Llama 3 paper trains long contexts. Masks come from the tokens' global indices and
+segment ids, so RoPE positions need nothing here. Both algorithms in detail: docs/design-notes.md, this module's
+section.
 """
 
 from __future__ import annotations

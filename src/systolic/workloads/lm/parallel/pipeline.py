@@ -3,30 +3,15 @@
 The design is MaxText's (layers/pipeline.py), written small: one `shard_map` that is manual over `stage` (and `data`,
 see `run`; fsdp, expert and tensor stay automatic, so the blocks inside shard as they do without a pipeline), a loop
 of ticks, and at each tick every stage runs its layers on the activation it holds and passes the result to the next
-stage with one `ppermute` round the ring of stages.
+stage with one `ppermute` round the ring of stages. The embedding, final norm, head and loss split the batch over
+`stage` as over a data axis, so they run once per example.
 
-Around it, the embedding, final norm, head and loss split the batch over `stage` as over a data axis (the rules
-table's `batch`), so they run once per example: the inputs reach stage 0 and the outputs leave it by collectives
-over `stage` that XLA inserts at the shard_map's edges.
-
-Schedules. With S stages, M microbatches and r repeats, the L layers form r * S groups of L / (r S) consecutive
-layers; group q runs on stage q mod S. r = 1 is GPipe (stage s holds layers [s L/S, (s+1) L/S)); r > 1 is the
-circular (interleaved) schedule: a microbatch goes round the ring r times, and the stages idle for S - 1 ticks of
-r M + S - 1 instead of S - 1 of M + S - 1 (`bubble_fraction`). The work item w = t - s of stage s at tick t is
-microbatch w mod M in repeat w div M.
-
-Where activations wait. Stage 0 reads its inputs from a buffer of the M microbatches; the last stage's outputs come
-round the ring to stage 0 and overwrite their microbatch's slot, which stage 0 has already read: they wait there
-for the next repeat (M >= S, so they arrive in time) and, after the last repeat, they are the pipeline's output.
-
-The weights are stored in layer order (checkpoints, exports and the unpipelined forward need no permutation). GPipe
-reads them where they lie; the circular schedule regroups them as (r, S, L/(r S)) with the S axis on the stages, so
-XLA moves most of the block weights between stages once per step (and their gradients back). A stage-major
-storage order would avoid that traffic at the price of a permuted checkpoint layout; not done.
-
-Training and validation run the pipeline (the loss fn and the eval step pass `pipeline`). Generation does not:
-`decode` scans over all layers, which XLA gathers from the stages (correct, but every device runs every layer and
-holds every layer's KV cache); so do `systolic eval` and a model called without `pipeline`.
+Schedules: with S stages, M microbatches and r repeats, r = 1 is GPipe and r > 1 the circular (interleaved)
+schedule, whose bubble is S - 1 ticks of r M + S - 1 instead of S - 1 of M + S - 1 (`bubble_fraction`). The weights
+are stored in layer order, so checkpoints and exports need no permutation; the circular schedule pays for that with
+weight traffic between stages once per step. Training and validation run the pipeline; generation, `systolic eval`
+and a model called without `pipeline` scan over all layers instead. Where each layer runs, where activations wait,
+and the costs: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -36,11 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
-
-from systolic.errors import ConfigError
-from systolic.runtime import mesh as mesh_lib
-from systolic.workloads.lm.config import LMConfig, PipelineConfig
+from jax.sharding import PartitionSpec as P
 
 AXIS = "stage"
 _GROUP_WEIGHTS = "pipeline_group_weights"  # checkpoint name of a tick's slice of the stage's weights
@@ -51,65 +32,12 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def describe(stages: int, cfg: PipelineConfig) -> str:
+def describe(stages: int, microbatches: int, repeats: int) -> str:
     """One line for `systolic plan` and `bench`: the schedule and its bubble."""
-    schedule = "GPipe" if cfg.repeats == 1 else f"circular, {cfg.repeats} repeats"
-    bubble = bubble_fraction(stages, cfg.microbatches, cfg.repeats)
-    return (f"pipeline: {stages} stages x {cfg.microbatches} microbatches ({schedule}): bubble "
+    schedule = "GPipe" if repeats == 1 else f"circular, {repeats} repeats"
+    bubble = bubble_fraction(stages, microbatches, repeats)
+    return (f"pipeline: {stages} stages x {microbatches} microbatches ({schedule}): bubble "
             f"(S-1)/(rM+S-1) = {bubble:.1%} of the step idle")
-
-
-def notes(cfg: LMConfig, mesh: Mesh) -> tuple[str, ...]:
-    """What `systolic plan` and `bench` say about the pipeline: nothing without one."""
-    stages = mesh.shape[AXIS]
-    if stages == 1:
-        return ()
-    return (describe(stages, cfg.pipeline) + "; validation runs the same pipeline, generation does not (every device "
-            "runs every layer)",)
-
-
-def check(cfg: LMConfig, mesh: Mesh) -> None:
-    """Everything about the pipeline that can be wrong, as one ConfigError before anything compiles."""
-    stages, pipe, model = mesh.shape[AXIS], cfg.pipeline, cfg.model
-    if stages == 1:
-        if pipe.microbatches != 1 or pipe.repeats != 1:
-            raise ConfigError(
-                f"pipeline.microbatches={pipe.microbatches} pipeline.repeats={pipe.repeats} with mesh.stage=1: there "
-                "is no pipeline for them to schedule. Fix: split the layers into stages (e.g. mesh.stage=2 "
-                "mesh.data=-1), or set pipeline.microbatches=1 pipeline.repeats=1 (train.grad_accum splits a batch "
-                "without a pipeline).")
-        return
-    problem = None
-    micro_rows = cfg.train.batch_size // cfg.train.grad_accum
-    groups = stages * pipe.repeats
-    dp = mesh_lib.data_parallel_size(mesh) // stages  # inside the pipeline every stage sees the same rows
-    if not model.scan_layers:
-        problem = ("the layers are a list (model.scan_layers=false), but the stages split the stacked `layers` axis",
-                   "model.scan_layers=true")
-    elif model.moe.experts:
-        problem = ("the MoE layers' router statistics are not carried through the pipeline yet",
-                   "a dense model (model.moe.experts=0) or mesh.stage=1 (expert parallelism works without stages)")
-    elif len(set(model.local_layers)) > 1 or len(set(model.rope_layers)) > 1:
-        problem = ("model.layer_types mixes sliding and full layers (or model.no_rope_layers RoPE and NoPE layers), "
-                   "and a stage runs its layers without their kinds",
-                   "mesh.stage=1 (split the model with mesh.fsdp or mesh.tensor), or one kind of layer")
-    elif model.layers % groups:
-        problem = (f"model.layers={model.layers} does not split into mesh.stage x pipeline.repeats = {groups} equal "
-                   "groups of layers", f"model.layers a multiple of {groups}, or a mesh.stage / pipeline.repeats "
-                   f"that divides {model.layers}")
-    elif micro_rows % pipe.microbatches or (micro_rows // pipe.microbatches) % dp:
-        problem = (f"train.batch_size={cfg.train.batch_size} (train.grad_accum={cfg.train.grad_accum}) does not cut "
-                   f"into {pipe.microbatches} microbatches whose rows split evenly over the {dp} data-parallel "
-                   "devices", f"train.batch_size a multiple of {dp * pipe.microbatches * cfg.train.grad_accum}, or "
-                   "fewer pipeline.microbatches")
-    elif pipe.repeats > 1 and pipe.microbatches < stages:
-        problem = (f"the circular schedule (pipeline.repeats={pipe.repeats}) sends microbatch m from the last stage "
-                   f"back to the first, which needs it again {pipe.microbatches} ticks after it first took it, but "
-                   f"it takes {stages} ticks to get round", f"pipeline.microbatches >= {stages}")
-    if problem:
-        raise ConfigError(
-            f"Pipeline over mesh.stage={stages} with pipeline.microbatches={pipe.microbatches} and "
-            f"pipeline.repeats={pipe.repeats}: {problem[0]}. Fix: {problem[1]}.")
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from systolic.workloads.lm.post.config import DPOConfig
+from systolic.workloads.lm.config import DPOConfig
 
 
 def sequence_sums(values: jax.Array, sequence: jax.Array, pairs: int) -> jax.Array:

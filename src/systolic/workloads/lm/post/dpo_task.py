@@ -1,23 +1,16 @@
 """The DPO train task (`systolic train lm --recipe dpo init.from=RUN data.path=pairs.jsonl`): the policy starts as
-the init.from model and learns from preference pairs (preference.py) against a frozen reference, that same model.
+the init.from model and learns from preference pairs (data/preference.py) against a frozen reference, that same model.
 
-Where the reference's weights live, by model.lora and dpo.reference:
+Where the reference's weights live, by model.lora and dpo.reference: with model.lora the reference is the model
+without adapters on the base weights already in `TrainState.frozen` (no second copy); full fine-tuning with
+dpo.reference=live keeps a copy of the init.from weights in `frozen` (twice the parameters' memory; checkpoints
+leave it out and a resumed run reads it again from init.from); dpo.reference=cached keeps no reference weights.
 
-- model.lora: the base weights are `TrainState.frozen` already (the adapters are the trained `params`); the
-  reference is the model without adapters on those same weights (the base config's structure merged with
-  `frozen`), so there is no second copy of the weights.
-- full fine-tuning, dpo.reference=live: `frozen` holds a copy of the init.from weights beside the trained ones:
-  twice the parameters' memory. Checkpoints leave `frozen` out; a resumed run reads it again from init.from.
-- full fine-tuning, dpo.reference=cached: no reference weights are kept at all.
-
-dpo.reference=cached: before the first step the reference's log-probabilities of every pair (train and held-out,
-(pairs, 2) float32) are computed once and kept in `TrainState.extra`, so checkpoints hold them and a resumed run
-reads exactly the values it started with (recomputing them on another mesh could differ in the last bits); each
-step gathers its pairs' values. dpo.reference=live: each step runs the reference's forward pass on the batch too
-(no gradient flows through it: the frozen weights are an argument, not what is differentiated).
-
-The step is the engine's (`make_train_step` under `jit_step`: explicit shardings, the non-finite guard); with
-train.grad_accum > 1 the micro-batches weigh by their pairs, so the loss is the mean over all the batch's pairs.
+dpo.reference=cached computes the reference's log-probabilities of every pair once, before the first step, and
+keeps them in `TrainState.extra`, so a resumed run reads exactly the values it started with. dpo.reference=live runs
+the reference's forward pass on each batch (no gradient flows through it). The step is the engine's
+(`make_train_step` under `jit_step`); with train.grad_accum > 1 the micro-batches weigh by their pairs, so the loss
+is the mean over all the batch's pairs. Each case in detail: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -43,12 +36,13 @@ from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import logical_to_spec
 from systolic.workloads.lm import train
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import lora, sizes
+from systolic.workloads.lm import preflight
+from systolic.workloads.lm.model import build, lora
 from systolic.workloads.lm.model.flops import train_flops_per_token
 from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.optimizer import make_lm_optimizer
-from systolic.workloads.lm.parallel import pipeline
-from systolic.workloads.lm.post import dpo, preference
+from systolic.data import preference
+from systolic.workloads.lm.post import dpo
 from systolic.workloads.lm.post.logps import token_logps
 
 CACHE = "reference_logps"  # TrainState.extra's key of the cached reference log-probabilities (pairs, 2)
@@ -100,8 +94,8 @@ def make_pair_fn(cfg: LMConfig, vocab: int):
     sequence log-probabilities of the policy and the reference, the completions' lengths and summed mean logits,
     `valid` (B, K) float32, 1 for the slots that hold a pair, and the policy's MoE stats (None for a dense model). A
     cached reference comes in the batch."""
-    graphdef = train.model_graphdef(cfg.model, vocab)
-    ref_graphdef = train.model_graphdef(lora.base_config(cfg.model), vocab)  # the model without adapters
+    graphdef = build.model_graphdef(cfg.model, vocab)
+    ref_graphdef = build.model_graphdef(lora.base_config(cfg.model), vocab)  # the model without adapters
     pairs, live, pipe = preference.pair_slots(cfg.data.seq_len), cfg.dpo.reference == "live", cfg.pipeline
 
     def pair_fn(params: Any, batch: dict[str, jax.Array], frozen: dict[str, Any]):
@@ -148,7 +142,8 @@ def build_dpo_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer, num_pairs: i
     """The DPO step on `mesh`, no data attached; with a cached reference the state's `extra` has room for
     `num_pairs` pairs' values, which `Step.init` leaves at zero (`make_cache` fills them)."""
     rules, vocab = train.check_step(cfg, mesh, tokenizer)
-    tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    schedule = make_schedule(cfg.optim, cfg.train.steps)  # lr(t): the optimizer's and the logged metric's
+    tx = make_lm_optimizer(cfg.optim, cfg.model, schedule)
     init, abstract, shardings = train.make_state_fns(cfg, vocab, mesh, rules, tx)
     replicated = NamedSharding(mesh, P())
     if keeps_reference_copy(cfg):
@@ -162,7 +157,7 @@ def build_dpo_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer, num_pairs: i
         abstract = abstract.replace(extra={CACHE: jax.ShapeDtypeStruct((num_pairs, 2), jnp.float32,
                                                                         sharding=replicated)})
         shardings = shardings.replace(extra={CACHE: replicated})
-    inner = make_train_step(make_dpo_loss_fn(cfg, vocab), tx, make_schedule(cfg.optim, cfg.train.steps),
+    inner = make_train_step(make_dpo_loss_fn(cfg, vocab), tx, schedule,
                             cfg.train.grad_accum, loss_terms=pair_count)
 
     def dpo_step(state: TrainState, batch: dict[str, jax.Array]):
@@ -173,7 +168,7 @@ def build_dpo_step(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer, num_pairs: i
     batch_shard = NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
     train_step = jit_step(dpo_step, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh,
                           loop=cfg.loop, check=CHECKED)
-    return train.Step(rules, vocab, train.model_graphdef(cfg.model, vocab), init, abstract, train_step, batch_shard)
+    return train.Step(rules, vocab, build.model_graphdef(cfg.model, vocab), init, abstract, train_step, batch_shard)
 
 
 def _then(init: Callable[[], TrainState], then: Callable[[TrainState], TrainState]) -> Callable[[], TrainState]:
@@ -191,7 +186,7 @@ def make_cache(cfg: LMConfig, vocab: int, batches: list[dict[str, jax.Array]], n
     of `batches` (placed global batches covering every pair once), computed with the state's weights before the
     first step (the policy is still the reference then; with model.lora, the base without adapters) and kept in
     `extra`."""
-    ref_graphdef = train.model_graphdef(lora.base_config(cfg.model), vocab)
+    ref_graphdef = build.model_graphdef(lora.base_config(cfg.model), vocab)
     pairs = preference.pair_slots(cfg.data.seq_len)
     replicated = NamedSharding(mesh, P())
 
@@ -285,8 +280,8 @@ def build_dpo_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer) -> train.Bui
         peak_flops=peak * jax.device_count() if peak else None,
         meta={"workload": "lm", "vocab": step.vocab},
         progress_keys=("loss", "rewards/accuracies"),
-        memory_advice=sizes.MEMORY_FIX,
-        notes=pipeline.notes(cfg, mesh),
+        memory_advice=preflight.MEMORY_FIX,
+        notes=preflight.pipeline_notes(cfg, mesh),
     )
     trainable = param_count(step.abstract.params)
     frozen = 0 if keeps_reference_copy(cfg) else param_count(step.abstract.frozen)  # the model's, not the copy

@@ -37,16 +37,18 @@ from systolic.errors import ConfigError
 from systolic.optim.adamw import make_schedule
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import Rules, activate, logical_to_spec, rules_for
-from systolic.workloads.lm import init_from, sample
+from systolic.workloads.lm import generate as generate_lib, init_from
 from systolic.workloads.lm.config import LMConfig
-from systolic.workloads.lm.model import lora, sizes
+from systolic.workloads.lm import preflight
+from systolic.workloads.lm.model import lora
 from systolic.workloads.lm.optimizer import make_lm_optimizer
 from systolic.workloads.lm.post.grpo_loss import grpo_loss, loss_weight
 from systolic.workloads.lm.post.logps import token_logps
 from systolic.workloads.lm.post.prompts import Prompt, load_prompts
 from systolic.workloads.lm.post.rewards import Rewards
 from systolic.workloads.lm.post.rollout import RolloutStream, Sampler, StreamParts, row_length
-from systolic.workloads.lm.train import BuiltLMTask, make_state_fns, model_graphdef, model_params, router_terms
+from systolic.workloads.lm.train import BuiltLMTask, make_state_fns, model_params, router_terms
+from systolic.workloads.lm.model.build import model_graphdef
 
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "old_logps")  # (B, T) each
 
@@ -83,7 +85,7 @@ def train(cfg: LMConfig, run_dir: Path, quiet: bool = False) -> loop.RunResult:
         run.say(f"held-out reward (greedy): {result.eval_metrics['reward']:.4f}")
     run.say_throughput(result, "completions/s", digits=1)
     if cfg.sample.max_new_tokens and jax.process_index() == 0 and not quiet:
-        sample.say_sample(run.say, tokenizer, built.graphdef, model_params(result.state), cfg.sample, chat=True)
+        generate_lib.say_sample(run.say, tokenizer, built.graphdef, model_params(result.state), cfg.sample, chat=True)
     return result
 
 
@@ -220,16 +222,17 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer,
     rules = rules_for(cfg.sharding.rules, mesh)
     mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
     vocab = cfg.model.padded_vocab(tokenizer.vocab_size)
-    sizes.check_training_fits(cfg, vocab, list(mesh.devices.flat))
+    preflight.check_training_fits(cfg, vocab, list(mesh.devices.flat))
     g = cfg.grpo
     prompts = load_prompts(cfg.data.path, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_completion_len,
                            val_percent=cfg.data.val_percent)
     rewards = Rewards(cfg.reward)  # imports the user's functions: a bad name stops here
-    tx = make_lm_optimizer(cfg.optim, cfg.model, cfg.train.steps)
+    schedule = make_schedule(cfg.optim, cfg.train.steps)  # lr(t): the optimizer's and the logged metric's
+    tx = make_lm_optimizer(cfg.optim, cfg.model, schedule)
     init, abstract, shardings = make_state_fns(cfg, vocab, mesh, rules, tx)
     graphdef = model_graphdef(cfg.model, vocab)
     limit = tokenizer.vocab_size
-    step_fn = make_train_step(make_loss_fn(cfg, graphdef, limit), tx, make_schedule(cfg.optim, cfg.train.steps),
+    step_fn = make_train_step(make_loss_fn(cfg, graphdef, limit), tx, schedule,
                               cfg.train.grad_accum, loss_terms=lambda mb: loss_weight(mb["loss_mask"], g.loss))
     batch_shard = batch_shardings(mesh, rules, g.beta)
     train_step = jit_step(step_fn, state_shardings=shardings, batch_sharding=batch_shard, mesh=mesh, loop=cfg.loop,
@@ -247,7 +250,7 @@ def build_task(cfg: LMConfig, mesh: Mesh, tokenizer: Tokenizer,
         evaluate=make_evaluate(cfg, prompts.val, sampler, rewards), evaluate_at_start=True,
         items_per_step=cfg.train.batch_size, item_unit="completions", meta={"workload": "lm", "vocab": vocab},
         progress_keys=("loss", "reward", "frac_reward_zero_std"), step_metrics=stream.step_metrics,
-        memory_advice=sizes.MEMORY_FIX, first_step_note=stream.first_step_note,
+        memory_advice=preflight.MEMORY_FIX, first_step_note=stream.first_step_note,
     )
     task.add_hook(stream.after_step, every=1)
     trainable = param_count(abstract.params)

@@ -1,23 +1,17 @@
 """The process that runs a user's reward functions (`reward.functions=module:function`), apart from the run.
 
 A reward function is the user's code, called thousands of times inside a training run: one that never returns,
-calls `sys.exit` (or exits at import), raises a `BaseException`, calls `os._exit` or crashes the interpreter (a
-segfault in a C extension) would otherwise hang the run, end it with exit code 0 and nothing trained, or kill it
-without a word. Here it runs in a child process that the run talks to over a pipe (post/rewards.py, `UserRewards`):
-whatever the function does, the run sees an answer, a closed pipe or a deadline passing, and stops with one paragraph
-naming the function and the record (exit 2), rolled back as any failure before its first checkpoint is.
+exits, raises a `BaseException` or crashes the interpreter would otherwise hang the run, end it with nothing trained
+or kill it without a word. Here it runs in a child process that the run talks to over a pipe (post/rewards.py,
+`UserRewards`): whatever the function does, the run sees an answer, a closed pipe or a deadline passing, and stops
+with one paragraph naming the function and the record (exit 2).
 
 The protocol is one JSON request a line on stdin and one JSON answer a line on the protocol pipe (the process's
-original stdout; the user's own prints go to stderr, so they cannot corrupt it):
-- `{"load": [spec, ...]}` imports each `module:function` from the working directory or PYTHONPATH and answers
-  `{"loaded": true}` or the first problem `{"spec", "problem", "detail", "file"}`;
-- `{"calls": [[function index, prompt, completion, fields], ...]}` answers one line per call, in order: `{"value": v}`
-  with v a JSON number or boolean (an integer exactly, however large), or `{"raised": "Type: message"}`, or
-  `{"returned": "type repr"}` for a value that is not a real number.
-The caller enforces the time limit per answer line, so each call has its own deadline.
-
-Standard library only, run by `python -c` so that the working directory is on sys.path (as `python -m` would
-have it) and this file's folder is not: nothing of systolic or jax is imported here.
+original stdout; the user's own prints go to stderr): `{"load": [spec, ...]}` imports the functions and answers
+`{"loaded": true}` or the first problem; `{"calls": [...]}` answers one line per call, in order: a value, the
+exception raised, or a value that is not a real number. The caller enforces the time limit per answer line.
+Standard library only, run by `python -c` so that the working directory is on sys.path and this file's folder is
+not: nothing of systolic or jax is imported here. The messages' fields: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

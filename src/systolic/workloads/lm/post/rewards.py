@@ -5,11 +5,9 @@ Every reward function is called as `function(prompt, completion, fields) -> floa
 `fields` is the prompt's whole record (its `answer`, say). The built-ins:
 
 - number_match: 1.0 when the completion's final number equals the record's answer numerically, else 0.0. The final
-  number is the last number inside the last `\\boxed{...}` when the completion has one, else the last on the rest of
-  the line after its last `####` (GSM8K's marker) when it has one, else the last in the whole text. Numbers are
-  integers or decimals with an optional minus sign and optional thousands separators ("-1,234.50"); they compare as
-  exact decimals (3.50 == 3.5). A number answer is taken as it is; a text answer by the same rule (so GSM8K's
-  "... #### 72" works as it is).
+  number is the last number inside the last `\\boxed{...}`, else after the last `####` (GSM8K's marker), else in
+  the whole text; numbers compare as exact decimals (3.50 == 3.5) (in full: docs/design-notes.md, this module's
+  section).
 - exact_match: 1.0 when the stripped completion, or its final answer, equals the stripped answer text (case and
   inner spaces count). The final answer is the last `\\boxed{...}`'s content, else the rest of the line after the
   last `####`, else the last non-empty line.
@@ -37,7 +35,7 @@ import numpy as np
 from systolic.data.template_sandbox import WorkerProcess
 from systolic.errors import ConfigError, UserError
 from systolic.workloads.lm.post import reward_worker
-from systolic.workloads.lm.post.config import BUILT_IN_REWARDS, RewardConfig
+from systolic.workloads.lm.config import BUILT_IN_REWARDS, RewardConfig
 
 RewardFn = Callable[[str, str, dict], Any]
 # A number not glued to a digit or a point before it (so "3-5" ends in 5, not -5): thousands-separated or plain

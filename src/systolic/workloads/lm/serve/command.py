@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from systolic.workloads.lm.commands import API_KEY_ENV
+API_KEY_ENV = "SYSTOLIC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,9 +8,9 @@ drives it from one thread).
         for event in engine.step():                         # TokenEvents: one per sampled token, then the end
             ...
 
-Each `step` runs one ragged batch (scheduler.py): prefill chunks and decodes of the running requests, laid out in
-the paged KV cache (kv_cache.py, paged_attention.py), compiled once per token bucket (step.py). A request ends with
-a finish reason: "stop" (an end token or a stop string), "length" (max_tokens) or "cancelled". Greedy outputs are
+Each `step` runs one ragged batch (scheduler.py): prefill chunks and decodes of the running requests, laid out in the
+paged KV cache (page_allocator.py, kernels/paged_attention/), compiled once per token bucket (step.py). A request ends
+with a finish reason: "stop" (an end token or a stop string), "length" (max_tokens) or "cancelled". Greedy outputs are
 `generate`'s; so are samples with the same seed, whatever else runs beside them. A request may also ask for the top
 alternatives of its tokens and for its prompt's own log-probabilities (logprobs.py).
 
@@ -39,6 +39,7 @@ from systolic.data.chat import find_chat_template
 from systolic.engine import finished
 from systolic.engine.fit import compiler_memory
 from systolic.errors import UserError
+from systolic.kernels.paged_attention.pool import default_page_size, heads_split, make_pool, pool_shape, pool_shardings
 from systolic.runtime.platform import compiling_for
 from systolic.runtime.sharding import Rules
 from systolic.workloads.lm.config import LMConfig
@@ -49,14 +50,12 @@ from systolic.workloads.lm.model.layers import resolve_dtype
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.rope import longrope_context
 from systolic.workloads.lm.serve.detokenize import TextStream
-from systolic.workloads.lm.serve.kv_cache import PageCache
-from systolic.workloads.lm.serve.kv_pool import (default_page_size, heads_split, make_pool, pool_shape,
-                                                pool_shardings)
+from systolic.workloads.lm.serve.page_allocator import PageCache
 from systolic.workloads.lm.serve.logprobs import PromptLogprobs, StepDetail, TokenLogprob, targets
 from systolic.workloads.lm.serve.scheduler import (Chunk, Scheduler, Sequence, layout, page_bucket, page_buckets,
                                                     pages_first, token_buckets)
 from systolic.workloads.lm.serve.sizing import (check_settings, check_sizes, kv_splits, pool_layout, pool_pages,
-                                                 tensor_layout, tokens_per_step)
+                                                 pool_row, tensor_layout, tokens_per_step)
 from systolic.workloads.lm.serve.step import MAX_BANNED, MAX_LOGPROBS, RowSampling, StepOutput, make_step
 from systolic.workloads.lm.serve.weights import serving_params
 
@@ -145,7 +144,7 @@ def _platform_of(params: Any) -> str:
 
 class InferenceEngine:
     """Continuous batching over a paged KV cache of `kv_pages` pages (page 0 reserved) of `page_size` tokens, its
-    keys and values in the compute dtype or int8 (`kv_cache`: kv_pool.py)."""
+    keys and values in the compute dtype or int8 (`kv_cache`: kernels/paged_attention/pool.py)."""
 
     def __init__(self, model: ModelConfig, params: Any, tokenizer: Tokenizer, *, kv_pages: int,
                  page_size: int | None = None,
@@ -153,9 +152,9 @@ class InferenceEngine:
                  mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None, model_name: str = "model",
                  chat_template: Any = None, kv_cache: str = "auto"):
         """`params`: the model's parameters (pure dict), laid out on `mesh` by `rules` when a mesh is given.
-        `max_tokens_per_step` None: `tokens_per_step(max_seqs)`. `page_size` None: kv_pool.default_page_size for
+        `max_tokens_per_step` None: `tokens_per_step(max_seqs)`. `page_size` None: pool.default_page_size for
         `kv_cache` on the parameters' platform."""
-        from systolic.workloads.lm.train import model_graphdef, param_shardings
+        from systolic.workloads.lm.model.build import model_graphdef, param_shardings
 
         if max_tokens_per_step is None:
             max_tokens_per_step = tokens_per_step(max_seqs)
@@ -182,8 +181,8 @@ class InferenceEngine:
         # default one: an engine on the host's CPU beside a TPU (tests/tpu/test_serve.py) takes the plain path.
         self._platform = _platform_of(self.params)
         home = pool_layout(self.params, mesh, rules)
-        row = pool_shape(model, 1, 1, "auto").shape[3]  # a token's row, packed per device in an int8 pool
-        shape = pool_shape(model, kv_pages, page_size, kv_cache, split=heads_split(home, row))
+        row = pool_row(model)  # a token's row, packed per device in an int8 pool
+        shape = pool_shape(row, kv_pages, page_size, kv_cache, split=heads_split(home, row.width))
         self.pool = make_pool(shape, home)
         graphdef = model_graphdef(self.model_cfg, self.vocab)
         self._step, self._detail_step = (make_step(graphdef, mesh=mesh, rules=rules, param_shardings=shardings,
@@ -199,7 +198,7 @@ class InferenceEngine:
         self._programs: dict[tuple[int, int, bool], Any] = {}  # warm-up's compiled steps: (tokens, reading, detail)
         self._inflight: _Launched | None = None  # the step launched last, its results not yet read
         # Seconds the host has waited for the device's results since the start: what the host did not hide of the
-        # device's time (benchmarks/serve_engine.py's "host" column is the rest of a step's wall time).
+        # device's time (benchmarks/studies/serve_engine.py's "host" column is the rest of a step's wall time).
         self.waited_s = 0.0
         self._previous = jax.device_put(np.zeros((2, max_seqs), np.int32),  # its outputs (step.py StepOutput)
                                         home if mesh is None else NamedSharding(mesh, P()))
@@ -210,13 +209,13 @@ class InferenceEngine:
                  mesh_tensor: int = 1, kv_cache: str = "auto", quantize: str | None = None,
                  say: Callable[[str], None] = print) -> InferenceEngine:
         """The engine of the lm run `run_dir` (trained, fine-tuned with LoRA: merged, or imported), its parameters
-        split over `mesh_tensor` devices (Megatron tensor parallelism) when > 1. The pool holds `kv_memory_gib`
-        GiB (all its devices together), or by default sizing.KV_MEMORY_FRACTION of a device's free memory (on CPU,
-        which reports none: room for max_seqs sequences of the full context), its keys and values stored as `kv_cache`
-        says (kv_pool.py: "auto" or "int8"); `say` prints its size. `quantize`: the weights quantized after
-        loading, as lm/model/quant.py's scheme of that name (a run written by `systolic quantize` comes quantized
-        without it). `max_tokens_per_step` None: `tokens_per_step(max_seqs)`; `page_size` None: 16, or 128 for an
-        int8 pool on a TPU (kv_pool.default_page_size)."""
+        split over `mesh_tensor` devices (Megatron tensor parallelism) when > 1. The pool holds `kv_memory_gib` GiB
+        (all its devices together), or by default sizing.KV_MEMORY_FRACTION of a device's free memory (on CPU, which
+        reports none: room for max_seqs sequences of the full context), its keys and values stored as `kv_cache` says
+        (kernels/paged_attention/pool.py: "auto" or "int8"); `say` prints its size. `quantize`: the weights quantized
+        after loading, as lm/model/quant.py's scheme of that name (a run written by `systolic quantize` comes
+        quantized without it). `max_tokens_per_step` None: `tokens_per_step(max_seqs)`; `page_size` None: 16, or 128
+        for an int8 pool on a TPU (pool.default_page_size)."""
         run_dir = Path(run_dir)
         if page_size is None:
             page_size = default_page_size(kv_cache, jax.devices()[0].platform)

@@ -2,31 +2,19 @@
 
 Every step is one ragged batch of at most `max_tokens_per_step` tokens from at most `max_seqs` sequences. A
 sequence is its known tokens (prompt, then the tokens sampled so far) and how many of them have their keys and
-values in the cache (`computed`); a step computes the next chunk of the rest. One left is a decode; more are a
-prefill, cut into chunks that fit the step's budget, so a long prompt shares its steps with the running decodes
-instead of stalling them. The order of a step's budget:
+values in the cache (`computed`); a step computes the next chunk of the rest, so a long prompt's prefill shares its
+steps with the running decodes instead of stalling them. A step's budget goes first to one token for each decoding
+sequence, then to the next chunk of each prefilling one (oldest first), then to new sequences from the waiting
+queue (first come first served, each starting after its longest cached prefix) while rows, tokens and pages last.
 
-1. one token for each running sequence that is decoding;
-2. the next chunk of each running sequence that is still prefilling, oldest first;
-3. new sequences from the waiting queue, first come first served, while rows, tokens and pages last. A new
-   sequence starts after its longest cached prefix (kv_cache.py), so a shared system prompt is prefilled once.
-
-When the pool has no page for a running sequence's chunk, the newest running sequence (by arrival) is preempted:
-its pages are given back (cached pages stay in the prefix cache) and it returns to the front of the queue with
-every token it has, prompt and sampled, to be recomputed as one longer prompt when pages free up. Its sampled
-tokens are kept, so no request is dropped and none is answered twice.
-
-LongRoPE (Phi-3) rotates a sequence by its short factors while it has at most `longrope_context` tokens
-(model.rope_scaling.original_max_seq_len), by its long ones past that, every position alike, as transformers picks
-them per forward pass (lm/model/rope.py). A sequence whose next token takes it past the original context is sent back
-to the queue the same way (not counted as a preemption): its short-rotated pages are given back and all its tokens
-are computed again as one prompt with the long factors, what transformers' Phi-3 `generate` does at that step. Its
-sampled tokens and the keys of its next samples (step.py) do not change; only its latency does. The regime is the
-root of its pages' prefix-cache keys (kv_cache.py), so a long-rotated page is never shared with a short-rotated
-sequence of the same tokens, nor the other way round.
+When the pool has no page for a running sequence's chunk, the newest running sequence is preempted: its pages are
+given back and it returns to the front of the queue to be recomputed as one longer prompt, its sampled tokens kept,
+so no request is dropped and none is answered twice. A LongRoPE (Phi-3) sequence that passes the original context
+is sent back the same way, to be recomputed with the long factors as transformers' Phi-3 `generate` does.
 
 The compiled step has one shape per token bucket (`token_buckets`): T tokens padded to the next bucket, and
-S = min(T, max_seqs) rows, so a fixed set of programs serves every mix of requests.
+S = min(T, max_seqs) rows, so a fixed set of programs serves every mix of requests. Preemption and the LongRoPE
+regime in full: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -36,8 +24,9 @@ import dataclasses
 
 import numpy as np
 
-from systolic.workloads.lm.serve.kv_cache import NULL_PAGE, PageCache, PageTable
-from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+from systolic.kernels.paged_attention.pool import NULL_PAGE
+from systolic.workloads.lm.serve.page_allocator import PageCache, PageTable
+from systolic.kernels.paged_attention.metadata import RaggedBatch
 
 SMALLEST_BUCKET = 8  # the fewest token slots a step has: tinier steps cost the same on every platform
 MID_BUCKET_FROM = 512  # steps this large compile a page-reading bucket of half their slots (`page_buckets`)
@@ -206,10 +195,11 @@ class Scheduler:
             hit = 0 if seq.scores_prompt else self.cache.match_prefix(seq.table, seq.tokens)
             count = min(len(seq.tokens) - hit, budget)
             if count < len(seq.tokens) - hit <= self.max_tokens_per_step:
-                # A prompt that one step holds waits for a step with room for all of it: a prompt split over two
-                # steps has its second chunk read the first's keys from the pages, a gather per token
-                # (paged_attention.py). On a v5e (llama-1b, 64 in flight) the 256-token steps in which every token
-                # read pages took 24.5 ms against 5.2 ms for a decode step; not splitting: 5,566 -> 8,279 tok/s.
+                # A prompt that one step holds waits for a step with room for all of it: a prompt split over two steps
+                # has its second chunk read the first's keys from the pages, a gather per token
+                # (kernels/paged_attention/paged_kv.py). On a v5e (llama-1b, 64 in flight) the 256-token steps in
+                # which every token read pages took 24.5 ms against 5.2 ms for a decode step; not splitting: 5,566 ->
+                # 8,279 tok/s.
                 self.cache.release(seq.table)
                 return
             if not self.cache.grow(seq.table, hit + count):

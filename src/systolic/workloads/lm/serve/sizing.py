@@ -12,12 +12,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.config import MeshConfig
 from systolic.errors import UserError
+from systolic.kernels.paged_attention.pool import PoolRow, token_bytes
 from systolic.runtime import memory
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.memory import gib, memory_stats
 from systolic.runtime.sharding import RULE_SETS, Rules, logical_to_spec
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.serve.kv_pool import token_bytes
+from systolic.workloads.lm.model.layers import resolve_dtype
 
 MAX_SEQS = 1 << 16  # requests one step may hold: far above what a device's memory serves (page tables, sampling)
 MAX_TENSOR = 1 << 12  # devices one model may be split over: a pod's
@@ -92,6 +93,14 @@ def kv_splits(model: ModelConfig, tensor: int) -> bool:
     return not model.mla.kv_lora_rank and model.n_kv_heads % tensor == 0
 
 
+def pool_row(model: ModelConfig) -> PoolRow:
+    """What the paged pool holds of `model` a token and layer: each key/value head's [k | v], or MLA's one row of
+    latent and RoPE key (lm/model/mla.py)."""
+    if model.mla.kv_lora_rank:
+        return PoolRow(model.layers, model.mla.cache_width, 1, resolve_dtype(model.dtype))
+    return PoolRow(model.layers, model.n_kv_heads * 2 * model.d_head, 2 * model.n_kv_heads, resolve_dtype(model.dtype))
+
+
 def pool_layout(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None) -> jax.sharding.Sharding:
     """The pool's layout: on a mesh, its key/value head axis split as the rules split kv_heads; otherwise on the
     parameters' devices (replicated when they are spread over several: the end-of-training sample)."""
@@ -105,7 +114,7 @@ def pool_layout(params: Any, mesh: jax.sharding.Mesh | None, rules: Rules | None
 def pool_pages(model: ModelConfig, page_size: int, *, kv_memory_gib: float | None, max_seqs: int,
                device: jax.Device, split: int, kv_cache: str = "auto") -> tuple[int, str]:
     """(pages of the pool, a line that says its size and why). `split`: the devices the pool is split over."""
-    page_bytes = page_size * token_bytes(model, kv_cache)  # an int8 pool's values and scales
+    page_bytes = page_size * token_bytes(pool_row(model), kv_cache)  # an int8 pool's values and scales
     full = -(-model.max_seq_len // page_size)  # pages of one full-length sequence
     if kv_memory_gib is not None:
         if not (math.isfinite(kv_memory_gib) and kv_memory_gib > 0):

@@ -1,7 +1,7 @@
 """The engine's compiled step: the model over one ragged batch of tokens (writing their keys and values into the
 paged pool), then one sampled token per row, with its log-probability.
 
-Sampling is `generate`'s (`lm/generate.py` `sample_logits`), applied to each row alone with the row's own settings
+Sampling is `generate`'s (`lm/model/decode.py` `sample_logits`), applied to each row alone with the row's own settings
 and key, so a request samples what `generate` samples for it alone: its i-th token is drawn with
 `fold_in(PRNGKey(seed), i)`, which is `split(PRNGKey(seed), n)[i]` for any n (threefry's partitionable split,
 jax's default), the key `generate` uses for its i-th token. Because a token's key depends only on its request and
@@ -24,8 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from systolic.runtime.sharding import Rules, activate
-from systolic.workloads.lm.generate import sample_logits
-from systolic.workloads.lm.serve.paged_attention import PagedKV, Pool, RaggedBatch
+from systolic.workloads.lm.model.decode import sample_logits
+from systolic.kernels.paged_attention.metadata import RaggedBatch
+from systolic.kernels.paged_attention.paged_kv import PagedKV
+from systolic.kernels.paged_attention.pool import Pool
 
 MAX_LOGPROBS = 20  # alternatives a detail step returns per token: OpenAI's top_logprobs limit, vLLM's max_logprobs
 MAX_BANNED = 16  # ids a row can keep from being sampled (min_tokens holds back its stop ids)
@@ -61,10 +63,10 @@ class StepOutput(NamedTuple):
 def engine_step(graphdef: nnx.GraphDef, params: Any, pool: Pool, tokens: jax.Array, previous: jax.Array,
                 batch: RaggedBatch, sampling: RowSampling, vocab_limit: jax.Array, page_tokens: int | None = None,
                 targets: jax.Array | None = None) -> StepOutput:
-    """tokens (T,) laid out by `batch` -> the next token of each row. A token id -(r + 1) is row r's token sampled
-    by the step before, read from that step's `previous` (2, M) `StepOutput.sampled` on the device: the engine
-    launches a step before the host has read the last one's tokens (engine.py). Ids >= vocab_limit (the embedding's
-    padding rows) are never sampled. `page_tokens` (static): the first tokens that read pages (paged_attention.py).
+    """tokens (T,) laid out by `batch` -> the next token of each row. A token id -(r + 1) is row r's token sampled by
+    the step before, read from that step's `previous` (2, M) `StepOutput.sampled` on the device: the engine launches a
+    step before the host has read the last one's tokens (engine.py). Ids >= vocab_limit (the embedding's padding rows)
+    are never sampled. `page_tokens` (static): the first tokens that read pages (kernels/paged_attention/paged_kv.py).
     `targets` (T,) int32: each token's next token, for a detail step (see above)."""
     model = nnx.merge(graphdef, params)
     tokens = jnp.where(tokens >= 0, tokens, previous[0, jnp.maximum(-tokens - 1, 0)])  # (T,)
@@ -135,10 +137,9 @@ def make_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None, rules: 
               param_shardings: Any, pool_sharding: Any, detail: bool = False) -> Callable[..., StepOutput]:
     """`engine_step` compiled for this model and layout: f(params, pool, tokens, previous, batch, sampling,
     vocab_limit, page_tokens), page_tokens static; with `detail`, f(..., page_tokens, targets), the detail step;
-    f.lower(...) as jit's.
-    The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays (kv_pool.py). On a
-    mesh, the shardings in and out are fixed, so no call after the first of a shape compiles again, and the batch
-    arrives replicated."""
+    f.lower(...) as jit's. The pool is donated (updated in place); `pool_sharding`: a sharding for each of its arrays
+    (kernels/paged_attention/pool.py). On a mesh, the shardings in and out are fixed, so no call after the first of a
+    shape compiles again, and the batch arrives replicated."""
     if mesh is None:  # one compiled program per model and shape, shared by every engine of this process
         # (A detail call passes one argument more: jit traces it as its own program.)
         if graphdef not in _STEPS:

@@ -2,24 +2,18 @@
 
 Training keeps float32 parameters and casts each to the compute dtype where it is used (`w.astype(self.dtype)` in
 lm/model/transformer.py). A decode step is bound by how fast the weights stream from memory, so serving them as
-float32 streams twice the bytes of bfloat16 (llama-1b: 4.2 GB against 2.1 GB a step, 5.1 ms against 2.6 ms at a
-v5e's 819 GB/s) only to round them the same way in every step. Cast once when the engine takes them: the same
-values reach every matmul, so the outputs do not change.
+float32 streams twice the bytes of bfloat16 only to round them the same way in every step. Cast once when the
+engine takes them: the same values reach every matmul, so the outputs do not change.
 
 The parameters a layer uses in float32 stay float32 (a few KiB each): the norms' scales and biases (the norms
 multiply in float32, lm/model/layers.py), attention sinks (added to float32 scores) and a mixture of experts'
 router (routing is decided in float32, lm/model/moe.py).
 
 Weights already quantized (Qwix arrays of int8 or fp8) keep their values; their scales (one per output channel) are
-stored in the compute dtype too, as Qwix makes them when it quantizes bfloat16 weights. With float32 scales (a
-float32 checkpoint quantized at load, `--quantize`) the TPU compiler copied every layer's int8 weight slices into
-on-chip memory before their dots, one after the other: 74 ms of a 782 ms trace of llama-1b's w8a8 steps at 256 in
-flight on a v5e, w8a8 1.11x bfloat16 where a scan of the same MLPs alone, bfloat16 scales, runs 1.66x
-(docs/benchmarks.md, 2026-12-07). The same step
-compiled for a v5e (compile-only devices) has 7 such copies a layer with float32 scales, none with bfloat16 ones,
-for w8a8 and weight-only int8 alike (tests/plan/test_serve.py checks); casting the scales at each use did not
-remove them. A bfloat16 scale is within 2^-9 of the float32 one, under int8's own rounding of 1/254 of a channel's
-largest weight.
+stored in the compute dtype too, as Qwix makes them when it quantizes bfloat16 weights: with float32 scales the TPU
+compiler copies every layer's int8 weight slices into on-chip memory before their dots (tests/plan/test_serve.py
+checks), and a bfloat16 scale is within int8's own rounding. The measurements: docs/design-notes.md, this module's
+section.
 """
 
 from __future__ import annotations
@@ -58,9 +52,9 @@ def serving_params(params: Any, dtype: jnp.dtype) -> Any:
 
 
 def served_checkpoint(params: Any, scheme: str | None, dtype: jnp.dtype, *, stacked: bool) -> Any:
-    """A float32 checkpoint's parameters as the engine serves them with `--quantize scheme` (None: not quantized):
-    the projections quantized from float32 (quant.quantize_params; `stacked`: model.scan_layers), then
-    `serving_params`. What `systolic plan lm --serve` and benchmarks/serve_engine.py lower and draw, abstract."""
+    """A float32 checkpoint's parameters as the engine serves them with `--quantize scheme` (None: not quantized): the
+    projections quantized from float32 (quant.quantize_params; `stacked`: model.scan_layers), then `serving_params`.
+    What `systolic plan lm --serve` and benchmarks/studies/serve_engine.py lower and draw, abstract."""
     if scheme is not None:
         params = quant.quantize_params(params, scheme, stacked=stacked)
     return serving_params(params, dtype)

@@ -1,5 +1,5 @@
 """The int8 KV pool's storage (`--kv-cache int8`): each entry of a token's row ([k | v] per key/value head, head
-after head: kv_pool.py) quantized to int8 with one float32 scale per head's key and per head's value, the int8
+after head: pool.py) quantized to int8 with one float32 scale per head's key and per head's value, the int8
 entries packed four to an int32 word, the scales in an array of their own:
 
     words  (L, pages, page_size, row / 4) int32: a row's entries in units of `unit` (512, or the row a device
@@ -8,18 +8,11 @@ entries packed four to an int32 word, the scales in an array of their own:
     scales (L, pages, row / hd, page_size) float32: the scale of column c (head c // 2's key, c even, or value) of
            the token at each position, positions minor-most.
 
-Why words: a TPU tiles int8 32 rows deep, and the TPU compiler wrote a token's int8 row into pages of 128 by
-copying the whole pool into a layout of 8-row tiles and back, twice a step (1.07 GB of temporaries for llama-1b's
-16 layers x 512 pages of 128); 32-bit words are written in place as a bfloat16 pool's rows are. A unit's four
-quarters are the four bytes, so the Pallas kernel takes each byte of a 128-word tile with two shifts and lays the
-four side by side: 512 entries in their own order, whole lane tiles (kernels/paged_attention.py). Why scales with
-positions minor-most: (.., page_size, 2 KV) was stored by the compiler with its pages minor-most (2 KV-wide rows
-would be padded to 128 lanes), and the kernel, reading a page's scales row-major, got a relaid-out copy for every
-call (llama-1b w8a8 at 64 in flight on the v5e: 36.5 ms a decode step against 4.47 over bfloat16 pages); a page's
-(2 KV, page_size) is whole lane tiles at pages of 128 (kv_pool.default_page_size on a TPU).
-
-Quantization is Qwix's symmetric absmax over each head's key (or value) x: round(x / s) with s = absmax(x) / 127.5,
-every element back within s / 2 = absmax(x) / 255 of its value.
+Why words: a TPU tiles int8 32 rows deep, and the TPU compiler copied a pool of int8 rows into 8-row tiles and back
+twice a step; 32-bit words are written in place, and the kernel takes a byte of a 128-word tile with two shifts.
+Why positions minor-most: a page's (2 KV, page_size) scales are whole lane tiles at pages of 128, which the kernel
+reads without a relayout (docs/paged-attention.md has the measurements). Quantization is Qwix's symmetric absmax
+over each head's key (or value) x: round(x / s) with s = absmax(x) / 127.5, back within s / 2 of its value.
 """
 
 from __future__ import annotations

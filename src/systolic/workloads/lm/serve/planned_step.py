@@ -3,12 +3,12 @@ serve` runs) lowered from abstract inputs, nothing allocated, on a tensor-parall
 (sizing.py `tensor_layout`), for one format of the weights and of the KV cache. The step is continuous batching's:
 one token for each of B decoding sequences and a chunk of a new prompt, in one ragged batch.
 
-Weights, as the engine serves a float32 checkpoint (serve/weights.py `served_checkpoint`): "bf16" stores the parameters
-in bfloat16 (the norms' scales and the few other float32 ones in float32); "int8" and "w8a8" store the projections
-as Qwix int8 arrays quantized from float32 with a scale per output channel, the scales then stored in bfloat16
-(model/quant.py `quantize_params`; w8a8 quantizes the activations too).
-KV cache: the engine's pool (kv_pool.py), in the compute dtype ("bf16") or int8 with a float32 scale per token,
-layer, key or value and head ("int8", `--kv-cache int8`), lowered as the engine allocates it.
+Weights, as the engine serves a float32 checkpoint (serve/weights.py `served_checkpoint`): "bf16" stores the
+parameters in bfloat16 (the norms' scales and the few other float32 ones in float32); "int8" and "w8a8" store the
+projections as Qwix int8 arrays quantized from float32 with a scale per output channel, the scales then stored in
+bfloat16 (model/quant.py `quantize_params`; w8a8 quantizes the activations too). KV cache: the engine's pool
+(kernels/paged_attention/pool.py), in the compute dtype ("bf16") or int8 with a float32 scale per token, layer, key or
+value and head ("int8", `--kv-cache int8`), lowered as the engine allocates it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from systolic.data.tokenizer import make_tokenizer
 from systolic.errors import UserError
-from systolic.kernels import paged_attention as kernel_lib
-from systolic.plan.serve import ServeModel
+from systolic.kernels.paged_attention import kernel as kernel_lib
+from systolic.kernels.paged_attention.metadata import RaggedBatch
+from systolic.kernels.paged_attention.pool import (default_page_size, heads_split, pool_shape, pool_shardings,
+                                                   token_bytes)
+from systolic.kernels.paged_attention.tuned_block_sizes import blocks_for
+from systolic.plan.serving import ServeModel
 from systolic.runtime import mesh as mesh_lib
 from systolic.runtime.sharding import activate, with_shardings
 from systolic.workloads.lm.config import LMConfig
@@ -31,20 +35,18 @@ from systolic.workloads.lm.model import quant
 from systolic.workloads.lm.model.flops import matmul_params
 from systolic.workloads.lm.model.lora import base_config
 from systolic.workloads.lm.model.layers import resolve_dtype
-from systolic.workloads.lm.serve.sizing import pool_layout, tensor_layout
-from systolic.workloads.lm.serve.kv_pool import default_page_size, heads_split, pool_shape, pool_shardings, token_bytes
-from systolic.workloads.lm.serve.paged_attention import RaggedBatch
+from systolic.workloads.lm.serve.sizing import pool_layout, pool_row, tensor_layout
 from systolic.workloads.lm.serve.scheduler import page_bucket
 from systolic.workloads.lm.serve.step import MAX_BANNED, RowSampling, jit_step
 from systolic.workloads.lm.serve.weights import served_checkpoint
-from systolic.workloads.lm.train import init_params, model_graphdef, param_shardings
+from systolic.workloads.lm.model.build import init_params, model_graphdef, param_shardings
 
 WEIGHTS = ("bf16", "int8", "w8a8")  # not fp8: no planned target has fp8 matmuls (quant.SCHEMES has it)
 KV_TYPES = ("bf16", "int8")
-_KV_CACHE = {"bf16": "auto", "int8": "int8"}  # --kv's names -> the engine's (kv_pool.py)
+_KV_CACHE = {"bf16": "auto", "int8": "int8"}  # --kv's names -> the engine's (kernels/paged_attention/pool.py)
 
 
-def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int | None = None) -> ServeModel:
+def serve_model(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size: int | None = None) -> ServeModel:
     """The engine's step for `cfg`'s model with `weights` and a `kv` cache, split over `devices` (tensor parallel),
     in pages of `page_size` tokens (None: `systolic serve`'s default on the devices' platform)."""
     model = base_config(cfg.model)  # as the engine serves a LoRA run: merged
@@ -68,17 +70,17 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
     pool_sharding = pool_layout(params, mesh, rules)
     if page_size is None:
         page_size = default_page_size(_KV_CACHE[kv], devices[0].platform)
-    row = pool_shape(model, 1, page_size, "auto").shape[3]  # a token's row: kv_heads x [k | v], MLA's latent row
-    split = heads_split(pool_sharding, row)  # devices the key/value heads split over
+    row = pool_row(model)  # a token's row: kv_heads x [k | v], MLA's latent row
+    split = heads_split(pool_sharding, row.width)  # devices the key/value heads split over
     kv_cache = _KV_CACHE[kv]
     step = jit_step(model_graphdef(served, vocab), mesh=mesh, param_shardings=shardings,
-                    pool_sharding=pool_shardings(pool_shape(model, 1, page_size, kv_cache, split), pool_sharding))
+                    pool_sharding=pool_shardings(pool_shape(row, 1, page_size, kv_cache, split), pool_sharding))
     table = -(-model.max_seq_len // page_size)  # page-table entries per row, as the engine lays them out
     replicated = NamedSharding(mesh, P())
 
     def lower(tokens: int, rows: int, reading: int, pages: int):
         """The step of `tokens` token slots and `rows` rows, `reading` of the tokens reading pages."""
-        shape = pool_shape(model, pages, page_size, kv_cache, split)
+        shape = pool_shape(row, pages, page_size, kv_cache, split)
         pool = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), shape,
                             pool_shardings(shape, pool_sharding))
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
@@ -99,7 +101,7 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         return lower(tokens, sequences + (prefill > 0), page_bucket(tokens, sequences), pages)
 
     matmul = matmul_params(model, vocab) - model.d_model * vocab  # the layers' (the LM head's counted per row)
-    kv_bytes = token_bytes(model, kv_cache)  # the lowered pool's, scales included
+    kv_bytes = token_bytes(row, kv_cache)  # the lowered pool's, scales included
     mla = model.mla
     latent = f"({mla.kv_lora_rank} latent + {mla.qk_rope_head_dim} RoPE key)"
     if mla.kv_lora_rank and kv == "int8":  # MLA's cache: the compressed latent and the RoPE key (lm/model/mla.py)
@@ -124,7 +126,8 @@ def plan_serve(cfg: LMConfig, devices: list, *, weights: str, kv: str, page_size
         window=model.sliding_window if any(model.local_layers) else 0,
         window_share=sum(model.local_layers) / model.layers,
         layers=model.layers, head_dim=model.d_head,
-        kernel_block_keys=kernel_lib.pages_per_block(page_size, table) * page_size,
+        kernel_block_keys=page_size * kernel_lib.pages_per_block(
+            page_size, table, blocks_for(model.d_head, devices[0].device_kind).block_keys),
         int8_matmuls=weights == "w8a8",
         lower_step=lower_step)
 

@@ -1,5 +1,5 @@
 """The engine's commands, declared in two tables: `COMMANDS` run a workload named on the command line (train,
-fit, eval), `TOOLS` measure or plan one (bench; plan in plan/command.py) or serve the engine (info, data, launch).
+fit, eval), `TOOLS` measure or plan one (bench; plan in cli/plan.py) or serve the engine (info, data, launch).
 Each function here runs one command with its parsed arguments and returns the exit code; heavy modules are
 imported inside, when it runs. The commands only one workload has are that workload's (workloads/*/commands.py)."""
 
@@ -9,9 +9,9 @@ import argparse
 from pathlib import Path
 
 from systolic import workloads
-from systolic.command import Command, OptionParser, arg, run_arguments
+from systolic.commandline import Command, OptionParser, arg, run_arguments
 from systolic.errors import UserError
-from systolic.plan import command as plan_command
+from systolic.cli import plan as plan_command
 
 
 def run_recipe(args: argparse.Namespace) -> int:

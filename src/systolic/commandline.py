@@ -1,6 +1,6 @@
 """A command as declared data: its arguments, its help, what runs it; and the argparse parsers built from it.
 
-The engine's commands (systolic/commands.py, plan/command.py) and each workload's (workloads/*/commands.py) are
+The engine's commands (cli/commands.py, cli/plan.py) and each workload's (workloads/*/commands.py) are
 declared with these records, so the CLI builds its parser from them and dispatches without knowing any one of
 them. A declaration names the function that runs it with `Lazy` ("module:name"), so building the parser (for
 `systolic -h` or `systolic info`) imports no model code; the module is imported when the command runs.

@@ -1,39 +1,29 @@
 """`systolic plan lm --serve`: how many users can a model serve on a slice, how fast, at what price per token?
 
 The workload hands the planner one `ServeModel` per weight and KV-cache format: its sizes and its inference engine's
-step, lowered from abstract inputs on a tensor-parallel mesh of the target's devices: continuous batching's step,
-one token for each of B decoding sequences against the paged KV pool and a chunk of a new prompt (prefill), in one
-ragged batch. The planner compiles it (libtpu for a TPU slice, XLA:CPU as the GPU's stand-in, as `systolic plan`
-does), once per format, and reads:
-- memory per chip from the compiler's memory analysis: everything but the KV pool (weights, temporaries, code) is
-  fixed, so the sequences of the given context that fit are what remains of HBM over one sequence's pages; a
-  compile-time out-of-memory is a result, with the bytes the compiler asked for;
-- collectives from the compiled HLO (the tensor-parallel all-reduces and gathers), at the chip's ICI bandwidth.
-The step times are rooflines from the model's sizes, for decoding alone and prefilling alone, as inference is
-usually reasoned about: a decode step reads every weight once and each sequence's keys and values (HBM-bound at
-small batches) and computes 2 x weights + attention FLOPs per token; a prefill chunk computes the same per prompt
-token, reading the weights once (compute-bound). XLA's own FLOP count of the compiled step is printed as a check
-(the page loop's trips depend on the data, so it counts them once; the Pallas kernel's FLOPs are not in it).
-On a chip where the engine was measured (targets.SERVE_CALIBRATIONS), the decode step is also priced as it ran
-there (`expected_decode`): the weights at their measured streaming rate and a fixed cost per layer, then the keys
-and values at the Pallas kernel's measured rate, in the whole blocks it reads, then the matmuls at the measured
-matmul rate, one after another. The v5e took 1.2 to 2.9x the roofline's step (1 to 256 sequences); the expected
-step is within 20% of every one measured (docs/planning.md, "The serving plan against the chip"), and the tokens/s
-and price follow it.
+step (continuous batching's ragged batch of B decodes and a prefill chunk against the paged KV pool), lowered from
+abstract inputs on a tensor-parallel mesh of the target's devices. The planner compiles it once per format (libtpu
+for a TPU slice, XLA:CPU as the GPU's stand-in) and reads memory per chip (HBM over the fixed part is the KV pool,
+so the sequences that fit; a compile-time out-of-memory is a result) and the collectives of the compiled HLO. The
+step times are rooflines from the model's sizes, decode (HBM-bound at small batches) and prefill (compute-bound)
+apart, as inference is usually reasoned about; XLA's own FLOP count is printed as a check. On a chip where the
+engine was measured (targets.SERVE_CALIBRATIONS) the decode step is also priced as it ran there
+(`expected_decode`), and the tokens/s and price follow it, because the roofline alone was well under the measured
+step there.
 
 `--search` compiles candidate batches until the largest that fits is found (each guess from the last compile's
-fixed memory, kept between the largest batch that fitted and the smallest that did not).
+fixed memory, kept between the largest batch that fitted and the smallest that did not). The readings, the
+calibrated model and its accuracy on the v5e: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from systolic.kernels import paged_attention as kernel_lib
+from systolic.kernels.paged_attention import kernel as kernel_lib
 from systolic.plan import hlo_collectives, hlo_text
 from systolic.plan.planner import compile_lowered, ms_text
 from systolic.plan.targets import PRICES_DATED, SERVE_CALIBRATIONS, Chip, Target
@@ -96,7 +86,7 @@ class Compile:
     ici_wire_bytes: float  # per chip per step, over the links (hlo_collectives: a ring)
     collectives: dict[str, int]  # kind -> count per step
     xla_flops: float | None  # all chips, each loop x its trips where the HLO shows them
-    attention_kernel: bool  # the step's attention is the Pallas kernel (kernels/paged_attention.py), by its HLO
+    attention_kernel: bool  # the step's attention is the Pallas kernel (kernels/paged_attention/kernel.py), by its HLO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +159,7 @@ class ServeReport:
     plans: tuple[ServePlan, ...]
 
 
-def plan_serve(model_for: Callable[[str, str], ServeModel], target: Target, *, formats: list[tuple[str, str]],
+def plan_serving(model_for: Callable[[str, str], ServeModel], target: Target, *, formats: list[tuple[str, str]],
                context: int, prefill_tokens: int, tensor: int, batch: int | None, search: bool,
                price_per_chip_hour: float | None, say: Callable[[str], None] = lambda _: None) -> ServeReport:
     """Every format in `formats` ((weights, kv) pairs) planned with one replica of `tensor` devices. `batch`: plan that
@@ -342,7 +332,8 @@ def _unmeasured(m: ServeModel, chip: Chip, c: Compile) -> str | None:
         return f"{m.weights} weights were not measured on the {chip.name} (bf16 weights were)"
     if not c.attention_kernel:
         return (f"this step's attention takes the plain path, not the Pallas kernel (MLA's latent rows or an int8 "
-                f"KV pool of heads of 64: lm/serve/paged_attention.py `uses_kernel`), not measured on the {chip.name}")
+                f"KV pool of heads of 64: kernels/paged_attention/paged_kv.py `uses_kernel`), not measured on the "
+                f"{chip.name}")
     if m.kv == "int8":
         return f"the kernel's rate over an int8 KV pool was not measured on the {chip.name} with bf16 weights"
     return None

@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.serve import kv_pool
-from systolic.workloads.lm.serve import int8_pool
-from systolic.workloads.lm.serve import paged_attention as pa
-from systolic.workloads.lm.serve.kv_cache import PageTable
+from systolic.kernels.paged_attention import int8_pool
+from systolic.kernels.paged_attention import paged_kv as pa
+from systolic.kernels.paged_attention import pool as pool_lib
+from systolic.workloads.lm.serve.page_allocator import PageTable
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout, pages_first
 
 H, KV, HD, PAGE, PAGES, T, S, PER_SEQ = 4, 2, 8, 4, 16, 24, 4, 5
@@ -113,8 +112,8 @@ def test_ragged_paged_attention_matches_dense_float64(window, block_keys, page_t
 
 
 def test_pool_layout_and_empty_step():
-    cfg = ModelConfig(d_model=H * HD, layers=3, heads=H, kv_heads=KV, dtype="float32")
-    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "auto"))
+    row = pool_lib.PoolRow(layers=3, width=KV * 2 * HD, scales=2 * KV, dtype=jnp.float32)
+    pool = pool_lib.make_pool(pool_lib.pool_shape(row, 5, PAGE, "auto"))
     assert pool.shape == (3, 5, PAGE, KV * 2 * HD) and pool.dtype == jnp.float32 and not np.any(np.asarray(pool))
     _, batch = layout([], tokens=8, rows=4, page_size=PAGE, pages_per_seq=PER_SEQ)  # a warm-up step: all padding
     kv = jnp.ones((8, KV, HD))
@@ -122,7 +121,7 @@ def test_pool_layout_and_empty_step():
     assert np.all(np.asarray(out) == 0)
 
 
-def stored(pool: pa.Pool) -> np.ndarray:
+def stored(pool: pool_lib.Pool) -> np.ndarray:
     """An int8 pool's keys and values as it gives them back, in float64: each row's key and value by its own scale."""
     entries = np.asarray(int8_pool.unpack(pool.words, pool.unit), np.float64)  # (.., page_size, row)
     scales = np.swapaxes(np.asarray(pool.scales, np.float64), -1, -2)  # (.., page_size, KV * 2): a row's
@@ -241,7 +240,7 @@ def test_which_pools_a_tpu_program_reads_through_the_kernel():
     tokens (INT8_PAGE: the scales whole lane tiles) of rows packed in units of 512 entries (a lane tile of words); an
     int8 pool in smaller pages or narrower rows reads through the plain path, as MLA's latent rows do. Off a TPU,
     never."""
-    from systolic.kernels.paged_attention import INT8_PAGE
+    from systolic.kernels.paged_attention.kernel import INT8_PAGE
     from systolic.runtime.platform import compiling_for
 
     floats = jnp.zeros((1, 2, PAGE, 2 * 128), jnp.bfloat16)

@@ -1,6 +1,6 @@
-"""`--kv-cache int8` (serve/kv_pool.py): the pool's layout and bytes, the pool size that counts them, and the model's
-logits over an int8 pool within a stated tolerance of float's (teacher-forced, so both read the same context). The
-engine's tokens on an int8 pool: test_engine.py."""
+"""`--kv-cache int8` (kernels/paged_attention/pool.py): the pool's layout and bytes, the pool size that counts them,
+and the model's logits over an int8 pool within a stated tolerance of float's (teacher-forced, so both read the same
+context). The engine's tokens on an int8 pool: test_engine.py."""
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +12,10 @@ from tiny_serve import PAGE, random_params, tiny_model
 
 from systolic.errors import UserError
 from systolic.workloads.lm.model.config import ModelConfig
-from systolic.workloads.lm.serve import kv_pool
-from systolic.workloads.lm.serve.sizing import pool_pages
-from systolic.workloads.lm.serve.kv_cache import PageTable
-from systolic.workloads.lm.serve.paged_attention import PagedKV
+from systolic.kernels.paged_attention import pool as pool_lib
+from systolic.workloads.lm.serve.sizing import pool_pages, pool_row
+from systolic.workloads.lm.serve.page_allocator import PageTable
+from systolic.kernels.paged_attention.paged_kv import PagedKV
 from systolic.workloads.lm.serve.scheduler import Chunk, Sequence, layout
 
 LOGIT_TOLERANCE = 0.05  # max |logit(int8) - logit(float)|; the tiny model's logits have std ~0.55, measured <= 0.021
@@ -27,21 +27,21 @@ def test_int8_pool_layout_and_bytes():
     positions minor-most (int8_pool.py); per cached token 2 x layers x kv_heads x (hd + 4) bytes, against 2 x layers
     x kv_heads x hd x 4 in float32 and x 2 in bfloat16. Rows split over devices pack per device."""
     cfg = ModelConfig(d_model=32, layers=3, heads=4, kv_heads=2, dtype="float32")  # head_dim 8
-    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, 5, PAGE, "int8"))
+    pool = pool_lib.make_pool(pool_lib.pool_shape(pool_row(cfg), 5, PAGE, "int8"))
     assert pool.words.shape == (3, 5, PAGE, 2 * 16 // 4) and pool.words.dtype == jnp.int32 and not np.any(pool.words)
     assert pool.scales.shape == (3, 5, 2 * 2, PAGE) and pool.scales.dtype == jnp.float32
     assert pool.shape == (3, 5, PAGE, 2 * 16) and pool.unit == 32
-    assert kv_pool.pool_shape(cfg, 5, PAGE, "int8", split=2).unit == 16
+    assert pool_lib.pool_shape(pool_row(cfg), 5, PAGE, "int8", split=2).unit == 16
     odd = ModelConfig(d_model=12, layers=1, heads=4, kv_heads=1, dtype="float32")  # head_dim 3: rows of 6
     with pytest.raises(UserError, match="row of 6 entries .* not a multiple of 4. Fix: --kv-cache auto"):
-        kv_pool.pool_shape(odd, 5, PAGE, "int8")
-    assert kv_pool.token_bytes(cfg, "auto") == 2 * 3 * 2 * 8 * 4
-    assert kv_pool.token_bytes(cfg, "int8") == 2 * 3 * 2 * (8 + 4)
+        pool_lib.pool_shape(pool_row(odd), 5, PAGE, "int8")
+    assert pool_lib.token_bytes(pool_row(cfg), "auto") == 2 * 3 * 2 * 8 * 4
+    assert pool_lib.token_bytes(pool_row(cfg), "int8") == 2 * 3 * 2 * (8 + 4)
     llama_1b = ModelConfig(d_model=2048, layers=16, heads=32, kv_heads=8, dtype="bfloat16")
-    assert kv_pool.token_bytes(llama_1b, "auto") == 2 * 16 * 8 * 64 * 2  # 32 KiB a token
-    assert kv_pool.token_bytes(llama_1b, "int8") == 2 * 16 * 8 * (64 + 4)  # 0.53x
+    assert pool_lib.token_bytes(pool_row(llama_1b), "auto") == 2 * 16 * 8 * 64 * 2  # 32 KiB a token
+    assert pool_lib.token_bytes(pool_row(llama_1b), "int8") == 2 * 16 * 8 * (64 + 4)  # 0.53x
     with pytest.raises(UserError, match="--kv-cache 'int4' is not a KV cache type"):
-        kv_pool.pool_shape(cfg, 5, PAGE, "int4")
+        pool_lib.pool_shape(pool_row(cfg), 5, PAGE, "int4")
 
 
 def test_pool_size_counts_the_int8_bytes_and_scales():
@@ -61,7 +61,7 @@ def teacher_forced_logits(cfg, tokens: np.ndarray, kv_cache: str, prefill: int =
     stores, so the two pools are compared on the same context."""
     graphdef, params = random_params(cfg)
     pages = -(-len(tokens) // PAGE)
-    pool = kv_pool.make_pool(kv_pool.pool_shape(cfg, pages + 1, PAGE, kv_cache))
+    pool = pool_lib.make_pool(pool_lib.pool_shape(pool_row(cfg), pages + 1, PAGE, kv_cache))
     seq = Sequence("s", tokens.tolist(), len(tokens), 0, table=PageTable(pages=list(range(1, pages + 1))))
     step = jax.jit(lambda p, pool, ids, b: nnx.merge(graphdef, p).decode_paged(ids, PagedKV(pool, 0, b)))
     out = []
@@ -90,7 +90,7 @@ def test_int8_logits_within_tolerance_of_float():
 def test_pages_default_to_16_and_an_int8_pool_on_a_tpu_to_the_kernels_128():
     """`systolic serve` without --page-size: 16 tokens a page, but 128 for an int8 pool on a TPU, where the Pallas
     kernel reads an int8 page's scales as whole lane tiles (smaller pages take the plain path there)."""
-    from systolic.kernels.paged_attention import INT8_PAGE
+    from systolic.kernels.paged_attention.kernel import INT8_PAGE
 
-    assert [kv_pool.default_page_size(kv, "cpu") for kv in ("auto", "int8")] == [16, 16]
-    assert [kv_pool.default_page_size(kv, "tpu") for kv in ("auto", "int8")] == [16, INT8_PAGE] == [16, 128]
+    assert [pool_lib.default_page_size(kv, "cpu") for kv in ("auto", "int8")] == [16, 16]
+    assert [pool_lib.default_page_size(kv, "tpu") for kv in ("auto", "int8")] == [16, INT8_PAGE] == [16, 128]

@@ -1,19 +1,15 @@
 """A Pallas TPU kernel that writes one layer of a step's keys and values into an int8 KV pool (`--kv-cache int8`,
-serve/int8_pool.py) in place, by DMA. Its plain-JAX reference is the two scatters of
-`workloads/lm/serve/paged_attention.write_kv` (the path off a TPU, and for bfloat16 pools).
+int8_pool.py) in place, by DMA. Its reference is reference.py's `write_scatter` (XLA's two scatters: the path off a
+TPU, and for bfloat16 pools); paged_kv.py picks one or the other.
 
-Why: XLA's scatters on the v5e cost ~100 ns an update whatever its size (llama-1b w8a8 at 256 in flight, traced:
-0.38 ms a decode step for the entries' rows and 0.50 for the scales' columns, 3.4 ms a 1,024-token step; 2 GB/s on
-the scales), one update a token, layer and array. Here
-- each token's row of int32 words is one DMA straight from the new rows to its page (HBM to HBM), all in flight
-  at once (a DMA of several rows must start at a multiple of 8 rows in both arrays, which a run's rows rarely do);
-- the scales go by runs: consecutive tokens writing consecutive slots of one page (a decode is a run of one, a
-  prompt's chunk a run a page; `runs`, computed once a step). A run's page tile of scales, (2 KV, page_size) float32,
-  is read into VMEM, the run's columns set there (a 128-lane-aligned window of the step's new scales rolled into
-  place), and written back: a token's column cannot be DMA'd alone (a DMA moves whole 128-lane rows of 32-bit words).
-Runs are taken RUN_GROUP at a time: all their tiles read, then merged, then written. A page is written by one run a
-step (the scheduler gives a sequence's chunk consecutive slots, and two sequences never write one page), so no
-tile is read before another run's write of it lands.
+Why: XLA's scatters on the v5e cost ~100 ns an update whatever its size, one update a token, layer and array
+(docs/paged-attention.md). Here each token's row of int32 words is one DMA from the new rows to its page (HBM to
+HBM), all in flight at once; the scales go by runs, consecutive tokens writing consecutive slots of one page (a
+decode a run of one, a prompt's chunk a run a page; `runs`, computed once a step): a run's (2 KV, page_size) tile of
+scales is read into VMEM, its columns set there and the tile written back (a DMA moves whole 128-lane rows of
+32-bit words, never one column). Runs are taken RUN_GROUP at a time. A page is written by one run a step (the
+scheduler gives a sequence's chunk consecutive slots, and two sequences never write one page), so no tile is read
+before another run's write of it lands.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from systolic import workloads
-from systolic.command import Command, arg
+from systolic.commandline import Command, arg
 from systolic.errors import UserError
 
 MAX_PLAN_DEVICES = 8192  # fake or compile-only devices a plan may ask for: start-up and compile time grow with them
@@ -134,21 +134,20 @@ def _search(args: argparse.Namespace, workload, cfg, recipe: str, target, mesh: 
     from systolic.plan import search as plan_search
     from systolic.plan.planner import format_plan
 
-    if args.workload != "lm":
-        raise UserError(f"--search varies train.batch_size and model.remat, which only the lm workload has; got "
-                        f"'{args.workload}'. Fix: plan {args.workload} with a given config (leave out --search), or "
-                        "e.g. systolic plan lm --recipe llama-1b --target v6e-32 --search.")
-
-    def configure(cfg, remat: str, batch: int):
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat),
-                                   train=dataclasses.replace(cfg.train, batch_size=batch))
-
+    space = workload.plan_search
+    if space is None:
+        able = [name for name in workloads.WORKLOADS if workloads.get(name).plan_search is not None]
+        raise UserError(f"--search varies train.batch_size and model.remat, which only the {' and '.join(able)} "
+                        f"workload{'s have' if len(able) > 1 else ' has'}; got '{args.workload}'. Fix: plan "
+                        f"{args.workload} with a given config (leave out --search), or e.g. systolic plan lm --recipe "
+                        "llama-1b --target v6e-32 --search.")
     if not args.json:
         print(f"{command} --search: per-chip batches bisected for each model.remat (data.seq_len "
               f"{cfg.data.seq_len}, {data_parallel} data-parallel devices)")
         print(plan_search.HEADER)
     tried = plan_search.search(args.workload, workload.command("plan"), cfg, target, mesh=mesh,
-                               data_parallel=data_parallel, grad_accum=cfg.train.grad_accum, configure=configure,
+                               data_parallel=data_parallel, grad_accum=cfg.train.grad_accum, remats=space.remats,
+                               configure=space.configure,
                                train_items=args.tokens, price_per_chip_hour=args.price_per_chip_hour,
                                say=(lambda _: None) if args.json else print, progress=_progress)
     chosen = plan_search.best(tried)
@@ -185,7 +184,7 @@ def _serve(args: argparse.Namespace, workload) -> int:
     import jax
 
     from systolic import config as config_lib
-    from systolic.plan import serve as serve_plan
+    from systolic.plan import serving as serve_plan
     from systolic.plan import targets
     from systolic.plan.planner import devices_for, for_target
 
@@ -221,7 +220,7 @@ def _serve(args: argparse.Namespace, workload) -> int:
         f"{'s' if target.chips // tensor > 1 else ''}), context {context}")
     with for_target(target):
         devices = devices_for(target)[:tensor]
-        report = serve_plan.plan_serve(
+        report = serve_plan.plan_serving(
             lambda w, k: plan_fn(cfg, devices, weights=w, kv=k), target, formats=formats,
             context=context, prefill_tokens=prefill, tensor=tensor, batch=batch, search=args.search,
             price_per_chip_hour=args.price_per_chip_hour, say=say)

@@ -1,21 +1,17 @@
-"""The paged KV cache's bookkeeping, on the host: which page of the pool holds which tokens of which sequence.
+"""The paged KV cache's page allocator, on the host: which page of the pool holds which tokens of which sequence.
 
-The pool itself is one device array per engine (`kv_pool.make_pool`; with `--kv-cache int8`, one of values and one
-of scales): for every layer, `pages` pages of `page_size` positions. Page 0 is the null page: no sequence owns it,
-padding tokens write into it and unused entries of a page table point at it, so every index the compiled step reads
-is valid.
+The pool itself is one device array per engine (kernels/paged_attention/pool.py): for every layer, `pages` pages of
+`page_size` positions. The null page (NULL_PAGE) is never handed out: padding tokens write into it and unused
+entries of a page table point at it, so every index the compiled step reads is valid. A sequence's page table lists
+its pages in order (position p lives in page table[p // page_size] at offset p % page_size); pages are taken as a
+sequence grows and given back when it finishes, is cancelled or is preempted.
 
-A sequence's page table lists its pages in order; position p lives in page table[p // page_size] at offset
-p % page_size. Pages are taken as a sequence grows and given back when it finishes, is cancelled or is preempted.
-
-Prefix caching (vLLM's scheme): a page that is full of computed tokens is keyed by the hash of all tokens up to
-its end (a chain: the page's tokens and its predecessor's hash), so two requests that start with the same tokens
-find the same keys for their common full pages and share them, with a reference count per page. A page whose
-count drops to zero keeps its contents and its key, and waits in least-recently-used order: a later request with
-the same prefix takes it back; an allocation that finds no free page evicts the oldest. Only full pages are
-shared, and they are never written again, so sharing needs no copy-on-write. The chain starts from the table's
-`root`, what the keys and values depend on besides the tokens (LongRoPE's short or long factors: scheduler.py), so
-pages of the same tokens computed differently are never shared.
+Prefix caching (vLLM's scheme): a page full of computed tokens is keyed by a hash chain of all tokens up to its end,
+so requests that start with the same tokens share their common full pages, with a reference count per page. A page
+whose count drops to zero keeps its contents and key, in least-recently-used order, until an allocation evicts it.
+Only full pages are shared and they are never written again, so sharing needs no copy-on-write. The chain starts
+from the table's `root` (LongRoPE's short or long factors: scheduler.py), so pages of the same tokens computed
+differently are never shared. The scheme in full: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import hashlib
 
 import numpy as np
 
-NULL_PAGE = 0
+from systolic.kernels.paged_attention.pool import NULL_PAGE
 
 
 def page_hashes(tokens: list[int], page_size: int, parent: bytes = b"", start: int = 0) -> list[bytes]:
@@ -52,14 +48,15 @@ class PageTable:
 
 
 class PageCache:
-    """Allocation, reference counts and the prefix cache of a pool of `pages` pages (page 0 reserved)."""
+    """Allocation, reference counts and the prefix cache of a pool of `pages` pages (the null page reserved)."""
 
     def __init__(self, pages: int, page_size: int, *, prefix_caching: bool):
         assert pages >= 2, "the null page and at least one usable page"
         self.page_size = page_size
         self.total = pages - 1  # usable pages
         self.prefix_caching = prefix_caching
-        self._free: collections.deque[int] = collections.deque(range(1, pages))  # never used or without a key
+        # never used or without a key
+        self._free: collections.deque[int] = collections.deque(p for p in range(pages) if p != NULL_PAGE)
         self._refs = np.zeros(pages, np.int32)
         self._by_key: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}

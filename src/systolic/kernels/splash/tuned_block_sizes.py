@@ -1,9 +1,9 @@
 """The splash attention kernel's tiles per chip and head size: data measured on the chip, not guesses.
 
 Each row names the command that measured it. A tile is capped by the sequence (and must divide it: the largest
-of 512, 256, 128 that divides T otherwise, `splash_block` in attention.py). `fused_backward`: one backward kernel
-computes dq, dk and dv from one pass over the softmax (the unfused pair recomputes it twice); with 64-wide heads the
-kernel is bound by the softmax's elementwise work, not the matrix unit, so that pass is most of its time.
+of 512, 256, 128 that divides T otherwise, `splash_block` in lm/model/attention.py). `fused_backward`: one backward
+kernel computes dq, dk and dv from one pass over the softmax (the unfused pair recomputes it twice); with 64-wide
+heads the kernel is bound by the softmax's elementwise work, not the matrix unit, so that pass is most of its time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class SplashTiles:
 DEFAULT = SplashTiles(512, 512, 512, fused_backward=False, measured="")  # MaxText's default tiles; unmeasured chips
 
 # (device_kind, head_dim, seq_len) -> tiles; (device_kind, None, None): the chip's tiles for other shapes. Measured by
-# `python benchmarks/splash_blocks.py` on the lent v5e chip, 2026-12-06 (jax 0.10.2): forward + backward of the
+# `python benchmarks/kernels/splash_blocks.py` on the lent v5e chip, 2026-12-06 (jax 0.10.2): forward + backward of the
 # training rows' attention, bfloat16.
 V5E = "TPU v5 lite"
 TUNED: dict[tuple[str, int | None, int | None], SplashTiles] = {
@@ -38,7 +38,8 @@ TUNED: dict[tuple[str, int | None, int | None], SplashTiles] = {
     # Not timed alone: the rate is what the llama 8-layer row with 16 heads of 128 leaves for the kernel once its
     # matmuls take the chip's calibrated time (plan/targets.py; docs/planning.md "The planner against the chip").
     (V5E, 128, 2048): SplashTiles(512, 512, 512, fused_backward=True, tflops=90.0, measured=(
-        "4 x 2048, 16 heads of 128 (8 kv): inferred from the training row's 208.3 ms (benchmarks/tpu.sh train)")),
+        "4 x 2048, 16 heads of 128 (8 kv): inferred from the training row's 208.3 ms "
+        "(benchmarks/harness/tpu.sh train)")),
     (V5E, None, None): SplashTiles(512, 512, 512, fused_backward=True, measured="the 2048-token row's tiles"),
 }
 

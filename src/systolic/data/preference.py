@@ -1,34 +1,18 @@
 """Preference pairs for DPO (lm's objective=dpo): TRL's preference records -> token ids, packed into rows.
 
 `data.path` is a .jsonl file (or .jsonl.gz), or a folder of them read in name order; each line is one pair in TRL's
-preference format, with an explicit prompt:
+preference format with an explicit prompt, standard (`{"prompt": "...", "chosen": "...", "rejected": "..."}`,
+tokenized as TRL's `DPOTrainer` does) or conversational (lists of messages, rendered by the run's chat template as
+data/sft.py renders `messages`). A pair is two sequences, prompt + chosen and prompt + rejected, and the
+completion's tokens are the ones scored. Each sequence is cut to `max_len = (data.seq_len + 1) // 2` tokens, keeping
+its start, and a pair whose prompt alone fills `max_len` is dropped, as TRL drops it; both are counted and reported.
 
-- standard: `{"prompt": "...", "chosen": "...", "rejected": "..."}`, three non-empty strings, tokenized as TRL's
-  `DPOTrainer` does: the prompt alone (with what the tokenizer's post-processor adds, e.g. Llama's
-  <|begin_of_text|>) and prompt + completion as one text; the completion starts where the two first differ (tokens
-  can merge across the boundary), and the end-of-document id follows it (TRL appends the eos token).
-- conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`, rendered by the chat
-  template kept beside the run's tokenizer (as data/sft.py renders `messages`): the prompt with the generation
-  prompt, prompt + completion whole, split as above. No end-of-document id: the template ends the turn.
-
-A pair is two sequences, prompt + chosen and prompt + rejected, and the completion's tokens are the ones scored.
-A sequence's first token is never scored (nothing before it), so when the prompt's tokens all merge into the
-completion's the first token counts as prompt. Each sequence is cut to `max_len = (data.seq_len + 1) // 2` tokens,
-keeping its start (TRL's truncation_mode keep_start with max_length at half a row), and a pair whose prompt alone
-fills `max_len` is dropped, as TRL drops it: no completion token would be left. Both are counted and reported.
-
-Pairs are packed whole into rows of `data.seq_len + 1` tokens, both sequences of a pair in the same row, several
-pairs to a row by best-fit decreasing (data/packed.py); each sequence is a segment of its own, so attention stays
-within it and its positions start at 0, as they would alone. A batch holds packed.py's `inputs`, `targets`,
-`segment_ids` and `positions`, and:
-
-- `sequence` (B, T) int32: for a target that is a completion token, the index in its row of the sequence it scores
-  (2k: the row's k-th pair's chosen, 2k + 1: its rejected); -1 for every other target.
-- `pair_ids` (B, T) int32: column k < T // 2 holds the id of the row's k-th pair (its index in `PreferenceData`'s
-  numbering, train and held-out together), -1 where the row has fewer pairs. A (B, T) array, not (B, T // 2), so
-  it shares the other keys' shape and sharding; a pair takes at least 4 tokens, so T // 2 slots are never short.
-
-Each pair is named `file:line` and held out for validation by the stable hash of its name (`corpus.held_out`).
+Pairs are packed whole into rows of `data.seq_len + 1` tokens by best-fit decreasing (data/packed.py), both
+sequences of a pair in the same row, each a segment of its own. A batch holds packed.py's keys, `sequence` (B, T)
+(which of the row's sequences a completion target scores, -1 elsewhere) and `pair_ids` (B, T) (column k: the id of
+the row's k-th pair, -1 past the row's pairs). Each pair is named `file:line` and held out for validation by the
+stable hash of its name (`corpus.held_out`). How each format is tokenized and split, and the batch keys' exact
+layout: docs/design-notes.md, this module's section.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The int8 pool's writes by DMA (src/systolic/kernels/kv_write.py), in Pallas's TPU interpreter, against XLA's
-scatters (serve/paged_attention.write_kv off a TPU): the runs a step's slots make, and the pool after a step of
+"""The int8 pool's writes by DMA (kernels/paged_attention/kv_write.py), in Pallas's TPU interpreter, against
+XLA's scatters (reference.py's write_scatter): the runs a step's slots make, and the pool after a step of
 decodes, prompts crossing pages and padding, equal to the last bit."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from systolic.kernels import kv_write
+from systolic.kernels.paged_attention import kv_write
 
 PAGE = 128
 
@@ -77,8 +77,8 @@ def test_int8_writes_split_over_heads_equal_one_device(monkeypatch):
 
     import jax
     from systolic.runtime.sharding import activate
-    from systolic.workloads.lm.serve import int8_pool
-    from systolic.workloads.lm.serve import paged_attention as pa
+    from systolic.kernels.paged_attention import int8_pool
+    from systolic.kernels.paged_attention import paged_kv as pa
 
     def scatters(words, scales, layer, table, new_words, new_scales, interpret):
         real = table[4, 1]
@@ -110,12 +110,12 @@ def test_int8_writes_split_over_heads_equal_one_device(monkeypatch):
 
 
 def test_the_run_table_is_made_once_a_step_for_pools_written_by_dma(monkeypatch):
-    """A step's PagedKV carries the run table where kernels/kv_write.py writes its pool (an int8 key/value pool in a
+    """A step's PagedKV carries the run table where kv_write.py writes its pool (an int8 key/value pool in a
     TPU program), so the layers (a scan on the chip) do not each sort the slots again; none for other pools."""
     from types import SimpleNamespace
 
-    from systolic.workloads.lm.serve import int8_pool
-    from systolic.workloads.lm.serve import paged_attention as pa
+    from systolic.kernels.paged_attention import int8_pool
+    from systolic.kernels.paged_attention import paged_kv as pa
 
     monkeypatch.setattr(pa, "compile_platform", lambda: "tpu")
     rng = np.random.default_rng(0)

@@ -1,66 +1,18 @@
-"""A Pallas TPU kernel for attention over the serving engine's paged KV pool: each token of a step reads its own
-sequence's keys and values from the pages, positions [lo, hi), straight into VMEM, and keeps flash attention's
-online softmax there. Its plain-JAX reference is `workloads/lm/serve/paged_attention.ragged_paged_attention` (the
-path off a TPU, and for the pools and attentions this kernel does not take: MLA's latent rows, an int8 pool in
-pages smaller than 128: `uses_kernel` there).
+"""The Pallas TPU kernel of paged attention: each token of a serving step reads its own sequence's keys and values
+from the pool's pages, positions [lo, hi), straight into VMEM, and keeps flash attention's online softmax there.
+Its reference is reference.py (the plain-JAX path); paged_kv.py picks one or the other.
 
-Why our own and not JAX's `ragged_paged_attention`: JAX 0.10.2's kernel takes keys and values as interleaved heads
-(pages, page_size, 2 x KV, hd) and asserts on head_dim 64 (llama-1b's), and its rows of 64 lanes are half a TPU
-tile. Our pool's row is one token's every head, [k | v] per head side by side (L, pages, page_size, KV x 2hd;
-serve/kv_pool.py): 128 lanes or more per head whatever the head width, so one page is a dense (page_size, KV x 2hd)
-block and one DMA. What the plain path did in three passes over memory (a gather of each token's pages, a relayout
-copy of them, the masked scores; 2.2 of a 5.2 ms decode step at 64 sequences, measured on a v5e) is here one read.
+Why our own and not JAX's `ragged_paged_attention`: JAX 0.10.2's takes interleaved heads (pages, page_size, 2 x KV,
+hd) and asserts on head_dim 64 (llama-1b's), its rows half a TPU tile. Our pool's row is one token's every head,
+[k | v] per head side by side (pool.py): a page is one dense (page_size, KV x 2hd) block and one DMA.
 
-The design (tpu-inference's and JAX's ragged paged attention kernels work the same way):
-- One grid step takes `tokens_per_block` tokens (a block of q in VMEM); a token's keys are read `block_pages`
-  pages at a time, one DMA per page (its id from the page table in SMEM), double-buffered: while the kernel computes
-  on one block of pages, the next (this token's next block, or the next token's first, across grid steps too: the
-  grid runs in order on the one TensorCore) is in flight.
-- Per key/value head h, the G query heads of its group are one (Gp, hd) matrix (`padded_group`): G padded to a
-  multiple of 8 rows (a float32 tile) when the head is a matmul of its own. With head_dim a multiple of 128 the
-  head's k and v are whole lane tiles of the row: one matmul for the scores, one for the values. With head_dim 64
-  each query is [q | 0] as wide as the head's 128-lane [k | v] tile, so the scores are one matmul against the whole
-  tile (the zeros meet the values) and the value product one that yields [p.k | p.v]: each key and value passes the
-  MXU twice. And a decode's few query rows per head keep the MXU waiting on its weight loads, so heads of 64 go
-  FUSED_HEADS at a time: their queries block-diagonal, (8 Gp, 8 x 128), against the 8 heads' [k | v] tiles side by
-  side in one matmul for the scores, one for the values, each head's rows then taking their own 128 lanes (selects
-  over whole tiles), and Gp is then only what makes 8 Gp whole tiles: llama-1b's 4 rows a head, not 8 (the rows
-  stream through the MXU on the block's critical path: 64 fewer cycles a matmul).
-  Measured on the v5e (benchmarks/paged_attention_ab.py,
-  llama-1b's 16 layers at 256 sequences x 256 positions, 2026-12-07): 4.81 ms against 8.70 ms one head at a time
-  (446 against 247 GB/s of keys and values); heads of 256 read at 300-380 GB/s. Pairing two heads'
-  tiles in VMEM ([k_a | k_b] and [v_a | v_b] by a lane rotation, so each entry passes once) gave wrong outputs on
-  the chip (right in the interpreter) and ran slower (13.1 against 8.7 ms): not kept. Pairs stored so in the pool
-  instead ([k_a k_b | v_a v_b], or every key then every value), each pair's queries [q_a | 0] and [0 | q_b] in one
-  tile: 4.16 against 4.82 ms, but wrong on the chip too (max difference 1.99; right in the interpreter), and the
-  kernel reading the pages with no arithmetic took 3.31 ms: the floor this layout's compute is measured against.
-- The online softmax's running max, sum and output are the block loop's carry; 8, 32 or 128 tokens a grid step,
-  and the state in VMEM scratch instead, measured the same.
-- Positions are masked by [lo, hi): causal (hi = the token's position + 1), a sliding window (lo), and pages past a
-  sequence's end are read from the null page, never out of bounds.
-- Logits soft-capped (Gemma 2) before the mask; attention sinks (GPT-OSS) join the denominator at the end.
-- An int8 pool (`--kv-cache int8`, serve/int8_pool.py): a page's int32 words (four int8 entries each) and its
-  (2 KV, page_size) float32 scales are DMA'd beside each other; each 128-lane tile of words gives its 512 entries
-  by two shifts a byte, converted to the compute dtype exactly; the scales go where they are few: the key's on the
-  scores (R, B), the value's on the softmax weights before they meet the values, each head's row broadcast over its
-  query rows (a one-hot matmul at HIGHEST precision did it in six MXU passes and their pops).
-- Where the time goes, from the TPU compiler's own schedule (benchmarks/kernel_bundles.py compiles the kernel for a
-  v5e here with the LLO dump on): a block of 256 keys is one basic block, one chain of dependent steps (the DMA's
-  wait, the unpacking, the score matmul's weight pushes, 8 cycles a vreg, and 16 matmul passes of 16 cycles, ~130
-  cycles for the MXU's first result, ~115 for the row max across lanes, the exp, 16 more passes, ~130 again). At
-  commit 33b2f1d its loop was 1,209 bundles over int8 pages and 801 over bfloat16 pages of 128 (critical paths
-  1,259 and 927 cycles). Rows of 4 a head, the scales broadcast and the DMAs' bounds checks off (their page ids
-  are clamped or the null page) made it 671 and 603 bundles (critical path 714 and 704). On the v5e (2026-12-07,
-  llama-1b, 256 sequences x 256 positions, 16 layers; timed in the form of commit b8fe858, whose loop had tokens in lockstep at 1 and 743 / 659
-  bundles): the kernel over int8 pages **3.56 ms** (5.18 before, the same command), over bfloat16 pages of 16 4.23
-  (4.73), of 128 4.17 (4.51); 64 x 1,024: 3.09 / 3.85 / 3.71. The int8 figure is ~1,300 cycles a block (4,096
-  blocks, ~1.5 GHz): stalls the static schedule does not show; this form (671 / 603 bundles) timed 3.50 / 4.22 ms
-  there, 1-2% less (2026-12-07, seventh session). Its 256 weight pushes a block (each entry twice) are
-  the floor of this layout: 512 cycles on the 4 MXUs.
-- Several tokens' blocks in one loop body (lockstep, so the scheduler could overlap their chains; b8fe858) cut the
-  compiler's bundles a block (int8: 615 at 4 tokens against 743 at 1) but not the chip's time (3.554 against
-  3.562 ms; the same for 1 to 8 tokens before the rows of 4), and 4 tokens over bfloat16 pages of 16 (64 DMAs a
-  loop body) compiled so slowly that llama-1b's warm-up passed 150 s: not kept.
+The design (as tpu-inference's and JAX's kernels): a grid step takes `tokens_per_block` tokens; a token's keys come
+`block_keys` at a time, one DMA a page (its id from the page table in SMEM), double-buffered across tokens and grid
+steps. A key/value head's G query heads are one matrix; heads of 64 go `fused_heads` at a time, their queries
+block-diagonal against the heads' [k | v] tiles side by side, so each matmul fills the MXU. Positions are masked by
+[lo, hi) (causal, sliding window); pages past a sequence's end are the null page. Soft-capped logits (Gemma 2) and
+attention sinks (GPT-OSS) are taken; an int8 pool's words are unpacked in VMEM and its scales applied to the scores
+and the softmax weights. Block sizes: tuned_block_sizes.py. Measurements and what was tried: docs/paged-attention.md.
 """
 
 from __future__ import annotations
@@ -73,13 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Keys per DMA'd block (as the plain path's block on an accelerator; not yet tuned on the chip) and tokens per grid
-# step (8 and 128 measured the same as 32 on the v5e: llama-1b, 256 sequences x 256 positions).
-BLOCK_KEYS = 256
-TOKENS_PER_BLOCK = 32
-# Heads of 64 whose [k | v] tiles meet the MXU in one matmul (the block-diagonal queries): 8 measured 1.8x faster than
-# one head at a time on the v5e; the matmuls' wasted zeros grow with the group's square, so larger groups are split.
-FUSED_HEADS = 8
+from systolic.kernels.paged_attention.tuned_block_sizes import blocks_for
+
 LANES = 128
 SUBLANES = 8
 # An int8 pool's pages hold a multiple of this many tokens for the kernel: a page's (2 KV, page_size) scales are
@@ -88,13 +35,13 @@ INT8_PAGE = 128
 NAME = "systolic_paged_attention"  # the pallas_call's, in the compiled HLO (the serving plan looks for it)
 
 
-def padded_group(group: int, kv_heads: int = 1, split: bool = True) -> int:
+def padded_group(group: int, kv_heads: int, split: bool, fused_heads: int) -> int:
     """Query rows a key/value head takes: its G query heads, rounded up so that each matmul's rows are whole float32
-    tiles (8 rows): a head's own (split), or FUSED_HEADS heads' together (heads of 64), where llama-1b's 4 a head
+    tiles (8 rows): a head's own (split), or `fused_heads` heads' together (heads of 64), where llama-1b's 4 a head
     stay 4 (every row a matmul streams costs MXU time on the step's critical path)."""
     if split:
         return -(-group // SUBLANES) * SUBLANES
-    sizes = {min(FUSED_HEADS, kv_heads), kv_heads % FUSED_HEADS or FUSED_HEADS}
+    sizes = {min(fused_heads, kv_heads), kv_heads % fused_heads or fused_heads}
     rows = group
     while any(f * rows % SUBLANES for f in sizes):
         rows += 1
@@ -107,7 +54,7 @@ def splits_kv(head_dim: int) -> bool:
     return head_dim % LANES == 0
 
 
-def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_KEYS) -> int:
+def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int) -> int:
     """Pages a token reads per DMA'd block: a block is whole (pages past the token's keys come from the null page),
     so a sequence of any length up to `block_keys` costs one block a layer."""
     return max(1, min(block_keys // page_size, pages_per_seq))
@@ -116,17 +63,21 @@ def pages_per_block(page_size: int, pages_per_seq: int, block_keys: int = BLOCK_
 def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_table: jax.Array, rows: jax.Array,
                     lo: jax.Array, hi: jax.Array, num_tokens: jax.Array, *, null_page: int, softcap: float = 0.0,
                     sinks: jax.Array | None = None, scales: jax.Array | None = None, unit: int = 0,
-                    block_keys: int = BLOCK_KEYS, tokens_per_block: int = TOKENS_PER_BLOCK,
+                    block_keys: int | None = None, tokens_per_block: int | None = None,
                     interpret: bool = False) -> jax.Array:
     """Attention of n tokens over their sequences' pages: q (n, H, hd), already scaled; pool (L, pages, page_size,
     KV * 2hd), each head's row [k | v]; page_table (S, pages_per_seq); rows, lo, hi (n,) int32: token i reads
     positions [lo[i], hi[i]) of row rows[i]'s pages; only the first num_tokens () tokens are real (the rest give 0).
     sinks (H,) float32 or None. `scales` (L, pages, KV * 2, page_size) float32: the pool is int8 (`--kv-cache int8`,
-    serve/int8_pool.py), (L, pages, page_size, KV * 2hd / 4) int32 words packing each `unit` entries of a row (512 on
+    int8_pool.py), (L, pages, page_size, KV * 2hd / 4) int32 words packing each `unit` entries of a row (512 on
     a TPU) four to a word, position p's key and value of head h scaled by scales[.., 2h, p] and [.., 2h + 1, p];
     page_size a multiple of INT8_PAGE. -> (n, H, hd) in q's dtype.
+    `block_keys`, `tokens_per_block`: default the chip's (tuned_block_sizes.py).
     `interpret`: run in Pallas's TPU interpreter (off a TPU, for tests)."""
     n, H, hd = q.shape
+    tuned = blocks_for(hd)
+    block_keys = block_keys or tuned.block_keys
+    tokens_per_block = tokens_per_block or tuned.tokens_per_block
     L, P, page_size, width = pool.shape
     quantized = scales is not None
     if quantized:
@@ -139,7 +90,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
     KV = width // (2 * hd)
     G = H // KV
     split = splits_kv(hd)
-    Gp = padded_group(G, KV, split)
+    Gp = padded_group(G, KV, split, tuned.fused_heads)
     Lq = hd if split else 2 * hd  # lanes of a query and of an output row
     pages_per_seq = page_table.shape[1]
     block_pages = pages_per_block(page_size, pages_per_seq, block_keys)
@@ -154,8 +105,9 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
         sink_rows = sink_rows.at[:, :G].set(sinks.astype(jnp.float32).reshape(KV, G))
     sink_rows = jnp.broadcast_to(sink_rows.reshape(KV * Gp, 1), (KV * Gp, LANES))
     meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.minimum(jnp.asarray(num_tokens, jnp.int32), n)])
-    kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, softcap=softcap,
-                               has_sinks=sinks is not None, null_page=null_page, unit=unit if quantized else 0)
+    kernel = functools.partial(_kernel, split=split, kv_heads=KV, rows=Gp, head_dim=hd, fused_heads=tuned.fused_heads,
+                               softcap=softcap, has_sinks=sinks is not None, null_page=null_page,
+                               unit=unit if quantized else 0)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # A block's pages one after another, (B, width); an int8 pool's scales beside them as (2 KV, B), each page's
     # (2 KV, page_size) whole lane tiles of it.
@@ -189,7 +141,7 @@ def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int, page_
 def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, in SMEM
             q_ref, sinks_ref, pool_ref,  # (TQ, KV * Gp, Lq), (KV * Gp, 128), (L, P, page_size, row) in HBM
             *refs,  # [the scales (L, P, KV * 2, page_size) in HBM,] out, buf, [scale buffer,] sems, slot
-            split: bool, kv_heads: int, rows: int, head_dim: int, softcap: float, has_sinks: bool,
+            split: bool, kv_heads: int, rows: int, head_dim: int, fused_heads: int, softcap: float, has_sinks: bool,
             null_page: int, unit: int):
     quantized = unit > 0
     if quantized:
@@ -244,15 +196,15 @@ def _kernel(meta_ref, tables_ref, rows_ref, lo_ref, hi_ref,  # scalar prefetch, 
 
         @pl.when(t < n_real)
         def _():
-            # float32: the rows of each matmul (a head's Gp, or FUSED_HEADS heads' F * Gp) are whole float32
+            # float32: the rows of each matmul (a head's Gp, or fused_heads heads' F * Gp) are whole float32
             # tiles, where bfloat16's are 16 rows.
             q = q_ref[i].astype(jnp.float32)  # (KV * Gp, Lq)
             lo, hi = lo_ref[t], hi_ref[t]
             # (first head, heads, what meets the MXU as their queries), built once a token: each head's rows
-            # (split), or for FUSED_HEADS heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0].
+            # (split), or for fused_heads heads of 64 at a time the block-diagonal (F * Gp, F * 128) of their [q | 0].
             groups = []
-            for g in range(0, kv_heads, 1 if split else FUSED_HEADS):
-                f = 1 if split else min(FUSED_HEADS, kv_heads - g)
+            for g in range(0, kv_heads, 1 if split else fused_heads):
+                f = 1 if split else min(fused_heads, kv_heads - g)
                 rows_g = q[g * rows:(g + f) * rows]
                 groups.append((g, f, (rows_g if split else _block_diagonal(rows_g, f, rows)).astype(compute)))
 
@@ -350,7 +302,7 @@ def _online_step(q, kt, vt, visible, state, *, softcap: float, precision, pick, 
 
 
 def _unpacked(words: jax.Array, unit: int) -> jax.Array:
-    """(B, row / 4) int32 words -> their entries (B, row) int32 (serve/int8_pool.py's packing): each unit's unit / 4
+    """(B, row / 4) int32 words -> their entries (B, row) int32 (int8_pool.py's packing): each unit's unit / 4
     words give its four quarters, byte k of each word by two shifts (the second arithmetic: the byte's sign)."""
     n = unit // 4
     quarters = []

@@ -1,6 +1,6 @@
-"""`systolic` command line: build the parser from the declared commands (the engine's, systolic/commands.py, and
-each workload's, workloads/*/commands.py), prepare the process (runtime/startup.py), dispatch, and turn user
-errors into one paragraph and exit code 2."""
+"""`systolic` command line: build the parser from the declared commands (the engine's, cli/commands.py and
+cli/plan.py, and each workload's, workloads/*/commands.py), prepare the process (runtime/startup.py), dispatch, and
+turn user errors into one paragraph and exit code 2. The CLI is the top layer: nothing in the package imports it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from systolic.runtime import interrupts, startup
 
 def _parser() -> argparse.ArgumentParser:
     # Imported here, after main() installed the interrupt handlers: they read the recipes' config schemas.
-    from systolic import commands, workloads
-    from systolic.command import add_commands
+    from systolic import workloads
+    from systolic.cli import commands
+    from systolic.commandline import add_commands
 
     parser = argparse.ArgumentParser(prog="systolic", description="Train, evaluate and sample JAX models, from one CPU to a pod.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
