@@ -1,5 +1,5 @@
-"""benchmarks/tpu.sh without a chip: its dry run (SYSTOLIC_TPU_SH_DRY_RUN=1) runs every part's wiring on CPU with tiny
-models, as the chip runs them; without the dry run it refuses a machine where JAX sees no TPU."""
+"""benchmarks/harness/tpu.sh without a chip: its dry run (SYSTOLIC_TPU_SH_DRY_RUN=1) runs every part's wiring on CPU
+with tiny models, as the chip runs them; without the dry run it refuses a machine where JAX sees no TPU."""
 
 import json
 import os
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TPU_SH = "benchmarks/harness/tpu.sh"  # from the repository root, as the chip's device tool calls it
 
 
 def tpu_sh(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
@@ -19,8 +20,7 @@ def tpu_sh(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProce
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), SYSTOLIC_TPU_SH_SITE=str(tmp_path / "site"),
                SYSTOLIC_TPU_SH_TESTS="tests/tpu", XLA_FLAGS=one_device,  # the test part: tests/tpu alone, quicker
                JAX_NUMPY_DTYPE_PROMOTION="standard", **env)  # as users run (tests/tpu/test_checkpoints.py says why)
-    return subprocess.run(["bash", "benchmarks/tpu.sh", *parts], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=900)
+    return subprocess.run(["bash", TPU_SH, *parts], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
 
 
 @pytest.mark.slow
@@ -64,7 +64,7 @@ def test_without_a_tpu_it_says_so_and_exits_2(tmp_path: Path):
 def test_the_gan_rows_mfu_reaches_the_table(monkeypatch):
     """On the chip a gan run's throughput line ends with its MFU (a CPU has no data-sheet peak, so the dry run shows
     none): the row reads it and the table shows it."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "harness"))
     import tpu_bench
 
     line = "throughput: 1,234 img/s; first step (compile) 40.1 s; wall time 80.2 s; MFU 12.3%"
@@ -76,7 +76,8 @@ def test_the_gan_rows_mfu_reaches_the_table(monkeypatch):
 
 
 def test_env_runs_a_command_in_the_benchmarks_environment(tmp_path: Path):
-    # The chip's probes (benchmarks/rl_profile.py, gather_variants.py) need the carried wheels and src/ on the path.
+    # The chip's probes (benchmarks/peers/rl_profile.py, kernels/splash_blocks.py) need the carried wheels and src/
+    # on the path.
     code = "import os, systolic; print(systolic.__file__); print(os.environ['PYTHONPATH'].split(os.pathsep)[0])"
     proc = tpu_sh(tmp_path, "env", sys.executable, "-c", code, SYSTOLIC_TPU_SH_DRY_RUN="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
